@@ -1,0 +1,94 @@
+"""Choosing the backend module that runs a call.
+
+Every backend is a module with the same public names and signatures (the
+contract of ``docs/api.md``); the front in ``cuflash/__init__.py`` asks this
+module for one and calls it.  Backends are imported lazily so that
+``import cuflash`` never needs CuPy, a GPU or a compiler.
+"""
+import importlib
+
+import numpy as np
+
+# backend name -> module implementing it
+BACKEND_MODULES = {
+    "numpy": "cuflash.reference",
+    "cuda": "cuflash.cuda_backend",
+    "emulator": "cuflash.emulator_backend",
+}
+
+# the names every backend module must define (tests assert the signatures match)
+API_NAMES = (
+    "online_softmax",
+    "online_softmax_2d",
+    "standard_attention",
+    "standard_attention_backward",
+    "tiled_attention",
+    "tiled_attention_backward",
+    "memory_analysis",
+    "verify_no_full_materialization",
+)
+
+
+def array_library(a):
+    """'numpy' or 'cupy' for an array, TypeError for anything else."""
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    mod = type(a).__module__ or ""
+    if mod.split(".")[0] == "cupy":
+        return "cupy"
+    raise TypeError(
+        f"expected a numpy.ndarray or cupy.ndarray, got {type(a).__module__}.{type(a).__name__}")
+
+
+def _module(name):
+    return importlib.import_module(BACKEND_MODULES[name])
+
+
+def available_backends():
+    """Which backends can run here: ``{name: (available, reason)}``."""
+    out = {}
+    for name in BACKEND_MODULES:
+        try:
+            ok, why = _module(name).is_available()
+        except ImportError as e:  # a backend module that cannot even be imported
+            ok, why = False, f"cannot import {BACKEND_MODULES[name]}: {e}"
+        out[name] = (bool(ok), str(why))
+    return out
+
+
+def _unavailable_message(name, why):
+    lines = [f"backend {name!r} is not available here: {why}", "available backends:"]
+    for n, (ok, reason) in available_backends().items():
+        lines.append(f"  {n}: {'yes' if ok else 'no'} ({reason})")
+    return "\n".join(lines)
+
+
+def get_backend(backend, *arrays):
+    """The backend module for ``backend`` (a name or None) and these arrays.
+
+    ``None`` picks from the array type: CuPy arrays go to "cuda", NumPy arrays
+    to "numpy".  Arrays of two libraries in one call are a TypeError; a named
+    backend that cannot take the arrays' library is a TypeError too.
+    """
+    arrays = [a for a in arrays if a is not None]
+    libs = {array_library(a) for a in arrays}
+    if len(libs) > 1:
+        raise TypeError(f"arrays of two libraries in one call: {sorted(libs)}; "
+                        "pass all numpy.ndarray or all cupy.ndarray")
+    lib = libs.pop() if libs else None
+    if backend is None:
+        backend = "cuda" if lib == "cupy" else "numpy"
+    if not isinstance(backend, str) or backend not in BACKEND_MODULES:
+        raise ValueError(f"unknown backend {backend!r}; choose one of "
+                         f"{sorted(BACKEND_MODULES)} or None (pick from the array type)")
+    wants = "cupy" if backend == "cuda" else "numpy"
+    if lib is not None and lib != wants:
+        raise TypeError(f"backend {backend!r} takes {wants} arrays, got {lib} arrays")
+    try:
+        mod = _module(backend)
+        ok, why = mod.is_available()
+    except ImportError as e:
+        ok, why = False, f"cannot import {BACKEND_MODULES[backend]}: {e}"
+    if not ok:
+        raise ValueError(_unavailable_message(backend, why))
+    return mod
