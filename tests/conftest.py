@@ -1,0 +1,155 @@
+"""Test bodies written once over the backend (docs/style.md, "one test body over xp").
+
+A test that takes the ``backend`` argument runs once per entry of ``BACKENDS``.
+Adding a backend is one line there.  The fixture's value is a ``Backend``: its
+``name`` (pass it as ``backend=``), ``asarray`` (numpy -> the backend's array
+type) and ``to_numpy`` (back).
+
+Shape grids: the NumPy reference runs every case.  Emulated kernels cost about
+0.1-0.5 s per launch, so a case that the emulator should not run is marked
+``full_grid`` (use ``grid(cases, emulator=...)`` to build such a list), and a
+case the kernels need not support at all (d = 59, dv != d) is marked
+``reference_only``; both are deselected (not skipped) for the backends
+concerned, so the report stays readable.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from any test file
+
+import cuflash  # noqa: E402
+
+# name, pytest marks.  "cuda" is skipped with the reason when cupy or a GPU is absent;
+# the other backends must be able to run on every machine CI uses, so an
+# unavailable "numpy"/"emulator" is a failure, not a skip.
+BACKENDS = [
+    pytest.param("numpy", id="numpy"),
+    # pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),
+    # pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+]
+
+# backends that run only a reduced grid (cases marked full_grid are deselected)
+REDUCED_GRID_BACKENDS = {"emulator"}
+# backends that run the cases marked reference_only
+REFERENCE_BACKENDS = {"numpy"}
+# backends whose absence here is a skip rather than a failure
+OPTIONAL_BACKENDS = {"cuda"}
+
+
+def pytest_configure(config):
+    for line in (
+        "full_grid: a case of the full shape grid; deselected for slow (emulated) backends",
+        "reference_only: a case only the NumPy reference must support (d=59, dv != d)",
+        "emulator: runs the emulated CUDA kernels",
+        "cuda: needs cupy and a GPU",
+        "packaging: builds and installs the package into a fresh venv",
+    ):
+        config.addinivalue_line("markers", line)
+
+
+class Backend:
+    """What a test body needs to know about the backend it runs on."""
+
+    def __init__(self, name):
+        self.name = name
+        self.is_cuda = name == "cuda"
+
+    def asarray(self, a):
+        """A numpy array as the backend's array type (a copy for cuda)."""
+        if a is None:
+            return None
+        if self.is_cuda:
+            import cupy
+            return cupy.asarray(a)
+        return a
+
+    def to_numpy(self, a):
+        if a is None:
+            return None
+        if hasattr(a, "get") and type(a).__module__.split(".")[0] == "cupy":
+            return a.get()
+        return np.asarray(a)
+
+    def __repr__(self):
+        return f"Backend({self.name!r})"
+
+
+_AVAILABLE = None
+
+
+def _available():
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = cuflash.available_backends()
+    return _AVAILABLE
+
+
+@pytest.fixture
+def backend(request):
+    name = request.param
+    ok, why = _available().get(name, (False, "not a backend of cuflash._dispatch"))
+    if not ok:
+        if name in OPTIONAL_BACKENDS:
+            pytest.skip(f"backend {name!r} not available: {why}")
+        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
+    return Backend(name)
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
+
+def _backend_of(item):
+    cs = getattr(item, "callspec", None)
+    return cs.params.get("backend") if cs is not None else None
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        name = _backend_of(item)
+        if name is not None and (
+                (name in REDUCED_GRID_BACKENDS and item.get_closest_marker("full_grid"))
+                or (name not in REFERENCE_BACKENDS and item.get_closest_marker("reference_only"))):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def grid(cases, emulator=None, reference_only=None, ids=None):
+    """pytest params for ``cases`` (tuples of argument values).
+
+    ``emulator``: which cases the emulator runs - None (all), a collection of
+    indices into ``cases`` or a predicate on a case; the others are marked
+    full_grid.  ``reference_only``: a predicate marking cases only the NumPy
+    reference must support.
+    """
+    def pick(sel, i, case):
+        if sel is None:
+            return None
+        return sel(case) if callable(sel) else i in sel
+
+    out = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        marks = []
+        if pick(emulator, i, case) is False:
+            marks.append(pytest.mark.full_grid)
+        if pick(reference_only, i, case):
+            marks.append(pytest.mark.reference_only)
+        out.append(pytest.param(*values, marks=marks, id=None if ids is None else ids(case)))
+    return out
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's id so a failure reproduces."""
+    import zlib
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

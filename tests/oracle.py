@@ -1,0 +1,362 @@
+"""The float64 oracle of ``docs/testing.md`` and the tolerance rules.
+
+Written from the spec (``docs/api.md``), independently of ``cuflash``: plain
+NumPy, one (Nq, Nk) matrix per leading index, with the broadcast / grouped-head
+mapping spelled out as an explicit loop over the output's leading indices.  It
+is deliberately slow and obvious; nothing here is shared with the code under
+test.
+
+Tolerances
+----------
+* float64 / float32: ``||out - ref|| / ||ref||`` below 1e-12 / 1e-5.
+* float16 / bfloat16 (the flash-attn rule): ``max|out - ref| <= f * max|base - ref|
+  + tiny`` with ``f = 2`` for forward outputs and ``3`` for gradients, where
+  ``base`` is the same plain attention computed with every input and
+  intermediate product rounded to the low dtype, and ``tiny`` is one unit of
+  the low dtype at the reference's magnitude (for baselines that happen to be
+  exact).
+"""
+import itertools
+import math
+
+import numpy as np
+
+try:  # bfloat16 for NumPy
+    import ml_dtypes
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+    ml_dtypes = None
+    BFLOAT16 = None
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+def dtype_of(name):
+    """numpy dtype for a name of DTYPE_NAMES (bfloat16 through ml_dtypes)."""
+    if name == "bfloat16":
+        if BFLOAT16 is None:
+            raise RuntimeError("bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+        return BFLOAT16
+    return np.dtype(name)
+
+
+def dtype_name(dt):
+    dt = np.dtype(dt)
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bfloat16"
+    return dt.name
+
+
+def eps_of(name):
+    """Machine epsilon of a dtype name (bfloat16: 2**-7)."""
+    if name == "bfloat16":
+        return 2.0 ** -7
+    return float(np.finfo(np.dtype(name)).eps)
+
+
+# --------------------------------------------------------------------------
+# random inputs
+# --------------------------------------------------------------------------
+def randn(rng, shape, dtype="float64", scale=1.0):
+    """Standard normal values (times ``scale``) in ``dtype`` (a name or dtype)."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    x = rng.standard_normal(shape) * scale
+    return x.astype(dtype_of(name))
+
+
+def qkv(rng, q_shape, k_shape, v_shape=None, dtype="float64", scale=1.0):
+    """Fresh random q, k, v of the given shapes (v defaults to k's shape)."""
+    v_shape = k_shape if v_shape is None else v_shape
+    return (randn(rng, q_shape, dtype, scale), randn(rng, k_shape, dtype, scale),
+            randn(rng, v_shape, dtype, scale))
+
+
+def f64(a):
+    """A float64 numpy copy of a numpy/cupy array of any float dtype."""
+    if hasattr(a, "get") and type(a).__module__.split(".")[0] == "cupy":
+        a = a.get()
+    return np.asarray(a).astype(np.float64)
+
+
+def poisoned(shape, dtype):
+    """An array full of NaN: give it to a kernel as an output so unwritten elements fail."""
+    out = np.empty(shape, dtype=dtype_of(dtype) if isinstance(dtype, str) else dtype)
+    out[...] = np.nan
+    return out
+
+
+# --------------------------------------------------------------------------
+# broadcast / grouped heads, spelled out
+# --------------------------------------------------------------------------
+def lead_mapping(q_lead, kv_lead):
+    """The output's leading shape and, for each output leading index, the q and kv index.
+
+    Grouped heads (api.md): when both have a heads axis (-3 of the full array,
+    i.e. the last leading axis) and Hk divides H and is neither 1 nor H, query
+    head h reads kv head h // (H // Hk).  Every other leading axis broadcasts as
+    in NumPy.  Raises ValueError when neither rule applies.
+    """
+    q_lead, kv_lead = tuple(q_lead), tuple(kv_lead)
+    group = 1
+    if q_lead and kv_lead:
+        H, Hk = q_lead[-1], kv_lead[-1]
+        if Hk not in (1, H) and Hk != 0 and H % Hk == 0:
+            group = H // Hk
+    if group > 1:
+        outer = np.broadcast_shapes(q_lead[:-1], kv_lead[:-1])
+        out_lead = outer + (q_lead[-1],)
+    else:
+        out_lead = np.broadcast_shapes(q_lead, kv_lead)
+    n = len(out_lead)
+
+    def src(idx, lead, heads_grouped):
+        # right-align lead with the output, size-1 axes read index 0
+        off = n - len(lead)
+        res = []
+        for ax, size in enumerate(lead):
+            i = idx[off + ax]
+            if heads_grouped and ax == len(lead) - 1:
+                i = i // group
+            res.append(0 if size == 1 else i)
+        return tuple(res)
+
+    rows = []
+    for idx in itertools.product(*[range(s) for s in out_lead]):
+        rows.append((idx, src(idx, q_lead, False), src(idx, kv_lead, group > 1)))
+    return out_lead, rows, group
+
+
+def _kv_common(k, v):
+    """k and v broadcast to their common leading shape (read-only views)."""
+    kv_lead = np.broadcast_shapes(k.shape[:-2], v.shape[:-2])
+    return (np.broadcast_to(k, kv_lead + k.shape[-2:]),
+            np.broadcast_to(v, kv_lead + v.shape[-2:]))
+
+
+def visible(Nq, Nk, causal):
+    """Boolean (Nq, Nk): may query i see key j."""
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    if causal in (False, None):
+        return np.ones((Nq, Nk), dtype=bool)
+    if causal is True or causal == "bottom_right":
+        return j <= i + (Nk - Nq)
+    if causal == "top_left":
+        return j <= i
+    raise ValueError(f"oracle: unknown causal {causal!r}")
+
+
+def _softmax_rows(s, vis):
+    """Rows of softmax over visible entries; rows seeing nothing give p = 0, lse = -inf."""
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    empty = ~vis.any(axis=-1, keepdims=True)
+    m_safe = np.where(empty, 0.0, m)
+    e = np.where(vis, np.exp(s - m_safe), 0.0)
+    l = e.sum(axis=-1, keepdims=True)
+    p = np.where(empty, 0.0, e / np.where(empty, 1.0, l))
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty[..., 0], -np.inf, (m_safe + np.log(np.where(empty, 1.0, l)))[..., 0])
+    return p, lse
+
+
+def attention(q, k, v, scale=None, causal=False):
+    """float64 oracle forward: (o, lse, p) with p of shape (..., Nq, Nk)."""
+    q, k, v = f64(q), f64(k), f64(v)
+    k, v = _kv_common(k, v)
+    Nq, d = q.shape[-2:]
+    Nk, dv = v.shape[-2:]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out_lead, rows, _ = lead_mapping(q.shape[:-2], k.shape[:-2])
+    o = np.zeros(out_lead + (Nq, dv))
+    lse = np.zeros(out_lead + (Nq,))
+    p = np.zeros(out_lead + (Nq, Nk))
+    vis = visible(Nq, Nk, causal)
+    for oi, qi, ki in rows:
+        s = scale * (q[qi] @ k[ki].T)
+        pi, li = _softmax_rows(s, vis)
+        p[oi] = pi
+        lse[oi] = li
+        o[oi] = pi @ v[ki]
+    return o, lse, p
+
+
+def attention_backward(do, q, k, v, scale=None, causal=False):
+    """float64 oracle textbook backward: (dq, dk, dv), dk/dv summed back to k/v shapes."""
+    do, q, k0, v0 = f64(do), f64(q), f64(k), f64(v)
+    k, v = _kv_common(k0, v0)
+    Nq, d = q.shape[-2:]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out_lead, rows, _ = lead_mapping(q.shape[:-2], k.shape[:-2])
+    dk = np.zeros(k.shape)
+    dvv = np.zeros(v.shape)
+    dq_acc = np.zeros(out_lead + q.shape[-2:])
+    vis = visible(Nq, k.shape[-2], causal)
+    for oi, qi, ki in rows:
+        s = scale * (q[qi] @ k[ki].T)
+        p, _ = _softmax_rows(s, vis)
+        g = do[oi]
+        dvv[ki] += p.T @ g
+        dp = g @ v[ki].T
+        D = (p * dp).sum(axis=-1, keepdims=True)
+        ds = p * (dp - D)
+        dq_acc[oi] += scale * ds @ k[ki]
+        dk[ki] += scale * ds.T @ q[qi]
+    # each gradient has its input's shape: sum over the axes it was broadcast along
+    return (sum_to_shape(dq_acc, q.shape), sum_to_shape(dk, k0.shape),
+            sum_to_shape(dvv, v0.shape))
+
+
+def sum_to_shape(a, shape):
+    """Sum a broadcast result back to ``shape`` (the adjoint of np.broadcast_to)."""
+    extra = a.ndim - len(shape)
+    if extra:
+        a = a.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
+    if axes:
+        a = a.sum(axis=axes, keepdims=True)
+    return a.reshape(shape)
+
+
+# --------------------------------------------------------------------------
+# the low-precision baseline (flash-attn's "reference in the low dtype")
+# --------------------------------------------------------------------------
+def _rounder(name):
+    dt = dtype_of(name)
+    return lambda x: np.asarray(x).astype(dt).astype(np.float64)
+
+
+def attention_lowp(q, k, v, dtype, scale=None, causal=False):
+    """Plain attention with inputs and every intermediate rounded to ``dtype``: (o, lse)."""
+    r = _rounder(dtype)
+    q, k, v = r(f64(q)), r(f64(k)), r(f64(v))
+    k, v = _kv_common(k, v)
+    Nq, d = q.shape[-2:]
+    Nk, dv = v.shape[-2:]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out_lead, rows, _ = lead_mapping(q.shape[:-2], k.shape[:-2])
+    o = np.zeros(out_lead + (Nq, dv))
+    lse = np.zeros(out_lead + (Nq,))
+    p = np.zeros(out_lead + (Nq, Nk))
+    vis = visible(Nq, Nk, causal)
+    for oi, qi, ki in rows:
+        s = r(scale * r(q[qi] @ k[ki].T))
+        pi, li = _softmax_rows(s, vis)
+        p[oi] = r(pi)
+        o[oi] = r(p[oi] @ v[ki])
+        lse[oi] = li
+    return o, lse, p
+
+
+def attention_backward_lowp(do, q, k, v, dtype, scale=None, causal=False):
+    """Textbook backward with every input and intermediate rounded to ``dtype``."""
+    r = _rounder(dtype)
+    do, q, k0, v0 = r(f64(do)), r(f64(q)), r(f64(k)), r(f64(v))
+    k, v = _kv_common(k0, v0)
+    Nq, d = q.shape[-2:]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out_lead, rows, _ = lead_mapping(q.shape[:-2], k.shape[:-2])
+    dq_acc = np.zeros(out_lead + q.shape[-2:])
+    dk = np.zeros(k.shape)
+    dvv = np.zeros(v.shape)
+    vis = visible(Nq, k.shape[-2], causal)
+    for oi, qi, ki in rows:
+        s = r(scale * r(q[qi] @ k[ki].T))
+        p, _ = _softmax_rows(s, vis)
+        p = r(p)
+        g = do[oi]
+        dvv[ki] += r(p.T @ g)
+        dp = r(g @ v[ki].T)
+        D = r((p * dp).sum(axis=-1, keepdims=True))
+        ds = r(p * (dp - D))
+        dq_acc[oi] += r(scale * r(ds @ k[ki]))
+        dk[ki] += r(scale * r(ds.T @ q[qi]))
+    return (r(sum_to_shape(dq_acc, q.shape)), r(sum_to_shape(dk, k0.shape)),
+            r(sum_to_shape(dvv, v0.shape)))
+
+
+# --------------------------------------------------------------------------
+# tolerance rules
+# --------------------------------------------------------------------------
+REL_TOL = {"float64": 1e-12, "float32": 1e-5}
+
+
+def _describe(out, ref):
+    diff = np.abs(out - ref)
+    if diff.size == 0:
+        return "empty"
+    with np.errstate(invalid="ignore"):
+        where = np.unravel_index(np.nanargmax(diff) if not np.all(np.isnan(diff)) else 0,
+                                 diff.shape)
+    return (f"max abs err {np.nanmax(diff) if not np.all(np.isnan(diff)) else np.nan:.3e} "
+            f"at {tuple(int(i) for i in where)} (out {out[where]!r}, ref {ref[where]!r}); "
+            f"{int(np.isnan(out).sum())} NaN in out, shape {out.shape}")
+
+
+def assert_rel_close(out, ref, dtype, what="output"):
+    """float64/float32 rule: relative Frobenius error below REL_TOL[dtype]."""
+    out, ref = f64(out), f64(ref)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != reference {ref.shape}"
+    if ref.size == 0:
+        return
+    finite = np.isfinite(ref)
+    # -inf entries (lse of rows that see no key) must match exactly
+    assert np.array_equal(np.isfinite(out), finite) and np.all(out[~finite] == ref[~finite]), (
+        f"{what}: non-finite pattern differs from the reference; {_describe(out, ref)}")
+    o, r_ = out[finite], ref[finite]
+    nref = np.linalg.norm(r_)
+    err = np.linalg.norm(o - r_)
+    tol = REL_TOL[dtype]
+    if nref == 0:
+        assert err == 0, f"{what}: reference is all zero, out is not; {_describe(out, ref)}"
+        return
+    assert err / nref < tol, (f"{what} ({dtype}): relative error {err / nref:.3e} >= {tol:.0e}; "
+                              f"{_describe(out, ref)}")
+
+
+def assert_lowp_close(out, ref, base, dtype, factor, what="output"):
+    """f16/bf16 rule: max|out-ref| <= factor * max|base-ref| + one unit of the dtype."""
+    out, ref, base = f64(out), f64(ref), f64(base)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != reference {ref.shape}"
+    if ref.size == 0:
+        return
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(out), finite) and np.all(out[~finite] == ref[~finite]), (
+        f"{what}: non-finite pattern differs from the reference; {_describe(out, ref)}")
+    o, r_, b = out[finite], ref[finite], base[finite]
+    err = np.max(np.abs(o - r_), initial=0.0)
+    base_err = np.max(np.abs(b - r_), initial=0.0)
+    tiny = eps_of(dtype) * max(np.max(np.abs(r_), initial=0.0), 1e-3)
+    bound = factor * base_err + tiny
+    assert err <= bound, (f"{what} ({dtype}): max abs err {err:.3e} > {factor} x baseline "
+                          f"{base_err:.3e} + {tiny:.1e}; {_describe(out, ref)}")
+
+
+def check_forward(o, q, k, v, scale=None, causal=False, lse=None, dtype=None):
+    """Check o (and lse when given) of a forward call against the oracle by the dtype's rule."""
+    dtype = dtype or dtype_name(q.dtype)
+    ref_o, ref_lse, _ = attention(q, k, v, scale, causal)
+    if dtype in LOW_PRECISION:
+        base_o, base_lse, _ = attention_lowp(q, k, v, dtype, scale, causal)
+        assert_lowp_close(o, ref_o, base_o, dtype, 2, "o")
+        if lse is not None:
+            assert_lowp_close(lse, ref_lse, base_lse, dtype, 2, "lse")
+    else:
+        assert_rel_close(o, ref_o, dtype, "o")
+        if lse is not None:
+            assert_rel_close(lse, ref_lse, dtype, "lse")
+
+
+def check_backward(grads, do, q, k, v, scale=None, causal=False, dtype=None):
+    """Check (dq, dk, dv) against the oracle backward by the dtype's rule (3x for f16/bf16)."""
+    dtype = dtype or dtype_name(q.dtype)
+    refs = attention_backward(do, q, k, v, scale, causal)
+    names = ("dq", "dk", "dv")
+    if dtype in LOW_PRECISION:
+        bases = attention_backward_lowp(do, q, k, v, dtype, scale, causal)
+        for g, r_, b, n in zip(grads, refs, bases, names):
+            assert_lowp_close(g, r_, b, dtype, 3, n)
+    else:
+        for g, r_, n in zip(grads, refs, names):
+            assert_rel_close(g, r_, dtype, n)
