@@ -1,0 +1,374 @@
+"""Tile sizes and shared-memory budgets of the CUDA kernels: the one place they are computed.
+
+Every number a launcher uses (tile sizes, threads per block, dynamic shared
+memory bytes) comes from :func:`plan`, and so do the figures that
+``memory_analysis(backend="cuda"/"emulator")`` reports and the messages of the
+``ValueError`` raised for tiles that do not fit.  Nothing else in cuflash
+repeats these formulas (flash-attn keeps one copy in C++ and one in Python;
+here the kernels receive every size as a ``-D`` define built from a plan).
+
+A kernel is described by a :class:`KernelTiling`: the tile sizes it supports,
+a formula for its dynamic shared memory, its threads per block, and an ordered
+list of preferred default tiles per head dim.  ``plan(kernel, ...)``
+
+* honours explicit ``block_q``/``block_kv`` or refuses them (``ValueError``
+  stating the budget and the supported choices) -- never changes them;
+* picks, when a size is None, the first preferred tile pair that fits the
+  device's shared-memory limit (so one table serves an sm_75 with 64 KB as well
+  as an H100 with 227 KB);
+* checks the total against the limit the device allows with opt-in
+  (``cudaDevAttrMaxSharedMemoryPerBlockOptin`` on a real GPU; a nominal sm_80
+  or sm_90 figure on the emulator, stated as such in every output).
+
+Above 48 KB a kernel needs its dynamic shared-memory limit raised before launch
+(``STATIC_SMEM_LIMIT``); :attr:`TilePlan.needs_opt_in` tells the launcher.
+
+The backward kernels (KERNELS-BWD) register their own ``KernelTiling`` entries
+in the marked section at the bottom with :func:`register`; everything else
+(planning, limits, messages) is shared.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = [
+    "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
+    "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
+    "defaults_table", "flash_fwd_traffic",
+]
+
+# Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
+STATIC_SMEM_LIMIT = 48 * 1024
+
+# Nominal opt-in limits for the emulator (which itself has no limit): what the
+# same launch would be allowed on the named architecture (CUDA programming
+# guide, "Technical Specifications per Compute Capability").
+EMULATOR_ARCHES = {
+    "sm_75": 64 * 1024,
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+}
+EMULATOR_DEFAULT_ARCH = "sm_80"
+
+# The largest head dim any kernel supports (register arrays are sized by it).
+MAX_HEAD_DIM = 256
+
+
+def accumulator_bytes(dtype):
+    """Bytes of the type the kernels compute and keep their tiles in.
+
+    float16, bfloat16 and float32 are loaded as such and computed in float32
+    (4 bytes); float64 is computed in double (8 bytes) so it meets the 1e-12
+    tolerance of the float64 oracle.
+    """
+    return 8 if np.dtype(dtype) == np.float64 else 4
+
+
+def _dtype_name(dtype):
+    dt = np.dtype(dtype)
+    # ml_dtypes.bfloat16 reports name "bfloat16"
+    return dt.name
+
+
+@dataclass(frozen=True)
+class KernelTiling:
+    """How one kernel's tiles are sized.
+
+    Attributes
+    ----------
+    name : str
+        Kernel name (``extern "C"`` symbol).
+    block_q_choices, block_kv_choices : tuple of int
+        The tile sizes the kernel supports.
+    shared_bytes : callable(block_q, block_kv, d, dv, acc_bytes) -> int
+        Exact dynamic shared memory per block, in bytes.
+    threads : callable(block_q, block_kv, d, dv) -> int
+        Threads per block.
+    preferences : callable(d, dv, acc_bytes) -> sequence of (block_q, block_kv)
+        Default tile pairs, best first; the first that fits the limit is used.
+    layout : callable(block_q, block_kv, d, dv, acc_bytes) -> str
+        One line naming the shared-memory arrays and their shapes (for messages).
+    check : callable(block_q, block_kv, d, dv) -> str or None
+        Further constraints (e.g. register arrays); a message when violated.
+    """
+    name: str
+    block_q_choices: Tuple[int, ...]
+    block_kv_choices: Tuple[int, ...]
+    shared_bytes: Callable
+    threads: Callable
+    preferences: Callable
+    layout: Callable
+    check: Callable = field(default=lambda bq, bkv, d, dv: None)
+    max_head_dim: int = MAX_HEAD_DIM
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """What one launch uses: returned by :func:`plan`, read by launchers and reports."""
+    kernel: str
+    block_q: int
+    block_kv: int
+    d: int
+    dv: int
+    dtype: str
+    acc_bytes: int
+    threads: int
+    shared_bytes: int
+    limit: int
+    limit_source: str
+    chosen: str  # "explicit", "default" or "mixed"
+
+    @property
+    def needs_opt_in(self):
+        """True when the dynamic shared memory exceeds the 48 KB launch default."""
+        return self.shared_bytes > STATIC_SMEM_LIMIT
+
+    def describe(self):
+        return (f"{self.kernel}: block_q={self.block_q}, block_kv={self.block_kv}, "
+                f"d={self.d}, dv={self.dv}, {self.dtype}; {self.threads} threads, "
+                f"{self.shared_bytes} B shared memory of {self.limit} B ({self.limit_source})")
+
+
+_REGISTRY: Dict[str, KernelTiling] = {}
+
+
+def register(tiling):
+    """Add (or replace) a kernel's tiling description."""
+    _REGISTRY[tiling.name] = tiling
+    return tiling
+
+
+def kernel_tiling(name):
+    """The :class:`KernelTiling` of a kernel name (KeyError listing the known kernels)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no tiling registered for kernel {name!r}; known: {sorted(_REGISTRY)}")
+
+
+def device_smem_limit(backend, arch=None):
+    """(bytes, description) of the opt-in shared memory per block for a backend.
+
+    ``"cuda"``: the current CuPy device's ``cudaDevAttrMaxSharedMemoryPerBlockOptin``.
+    ``"emulator"``: the nominal limit of ``arch`` (default sm_80); the emulator
+    itself has none, so this only keeps emulated launches honest about what a
+    GPU would allow.
+    """
+    if backend == "cuda":
+        import cupy
+        dev = cupy.cuda.Device()
+        rt = cupy.cuda.runtime
+        limit = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id))
+        cc = dev.compute_capability
+        return limit, f"device {dev.id} (sm_{cc}) MaxSharedMemoryPerBlockOptin"
+    if backend == "emulator":
+        arch = arch or EMULATOR_DEFAULT_ARCH
+        if arch not in EMULATOR_ARCHES:
+            raise ValueError(f"unknown nominal architecture {arch!r}; choose one of "
+                             f"{sorted(EMULATOR_ARCHES)}")
+        return EMULATOR_ARCHES[arch], f"nominal {arch} opt-in limit (emulator)"
+    raise ValueError(f"no shared-memory limit for backend {backend!r} (use 'cuda' or 'emulator')")
+
+
+def _fits(t, bq, bkv, d, dv, acc, limit):
+    return t.check(bq, bkv, d, dv) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
+
+
+def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+         limit_source="unlimited"):
+    """The tiles, threads and shared memory one launch of ``kernel`` uses.
+
+    Parameters
+    ----------
+    kernel : str
+        A registered kernel name (``"flash_fwd"``, ...).
+    d, dv : int
+        Head dims of q/k and of v.
+    dtype : numpy dtype or name
+        Input dtype (sets the accumulator size).
+    block_q, block_kv : int or None
+        Explicit tile sizes are honoured or refused, never changed; None picks
+        the first preferred pair that fits ``limit``.
+    limit : int or None
+        Shared-memory bytes per block allowed (from :func:`device_smem_limit`);
+        None = no limit.
+    limit_source : str
+        Where ``limit`` comes from, for messages and reports.
+
+    Returns
+    -------
+    TilePlan
+
+    Raises
+    ------
+    ValueError
+        Head dims the kernel does not support, tile sizes outside its choices,
+        or tiles whose shared memory exceeds ``limit``; the message states the
+        budget and the supported choices.
+    """
+    t = kernel_tiling(kernel)
+    acc = accumulator_bytes(dtype)
+    dtname = _dtype_name(dtype)
+    lim = float("inf") if limit is None else int(limit)
+    lim_text = "no limit" if limit is None else f"{int(limit)} B ({limit_source})"
+    for name, val in (("d", d), ("dv", dv)):
+        if not 1 <= val <= t.max_head_dim:
+            raise ValueError(f"{kernel} supports head dims 1..{t.max_head_dim}, got {name}={val}; "
+                             "use backend='numpy' for larger head dims")
+    for name, val, choices in (("block_q", block_q, t.block_q_choices),
+                               ("block_kv", block_kv, t.block_kv_choices)):
+        if val is not None and val not in choices:
+            raise ValueError(f"{kernel} does not support {name}={val}; supported {name}: "
+                             f"{list(choices)} (shared-memory budget {lim_text})")
+    if block_q is not None and block_kv is not None:
+        pairs, chosen = [(block_q, block_kv)], "explicit"
+    else:
+        prefs = list(t.preferences(d, dv, acc))
+        # then every supported pair, largest tiles first, so a fitting pair is always found
+        prefs += sorted(((a, b) for a in t.block_q_choices for b in t.block_kv_choices),
+                        key=lambda ab: (-ab[0] * ab[1], -ab[0]))
+        pairs = [(a, b) for a, b in prefs
+                 if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)]
+        chosen = "default" if block_q is None and block_kv is None else "mixed"
+    for bq, bkv in pairs:
+        if _fits(t, bq, bkv, d, dv, acc, lim):
+            return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
+                            acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
+                            shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
+                            limit=int(limit) if limit is not None else -1,
+                            limit_source=limit_source, chosen=chosen)
+    # nothing fits: say why, with the budget and what would fit
+    bq, bkv = pairs[0]
+    why = t.check(bq, bkv, d, dv)
+    need = t.shared_bytes(bq, bkv, d, dv, acc)
+    fitting = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+               if _fits(t, a, b, d, dv, acc, lim)]
+    fit_text = (", ".join(f"({a}, {b})" for a, b in fitting) if fitting
+                else "none at this head dim and dtype")
+    reason = why if why else (f"needs {need} B of shared memory "
+                              f"({t.layout(bq, bkv, d, dv, acc)}) but the budget is {lim_text}")
+    raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: "
+                     f"{reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
+                     f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
+
+
+def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(16, 32, 64, 96, 128, 256),
+                   limit=None, limit_source="unlimited"):
+    """Rows (dtype, d, block_q, block_kv, threads, shared_bytes) of the default plans."""
+    rows = []
+    for dt in dtypes:
+        dtype = np.dtype(dt) if dt != "bfloat16" else np.dtype(np.float32)  # same accumulator
+        for d in head_dims:
+            p = plan(kernel, d, d, dtype, limit=limit, limit_source=limit_source)
+            rows.append((dt, d, p.block_q, p.block_kv, p.threads, p.shared_bytes))
+    return rows
+
+
+# --------------------------------------------------------------------------
+# flash_fwd (kernels_cu/flash_fwd.cu)
+# --------------------------------------------------------------------------
+# Layout (accumulator type acc = float, or double for float64):
+#   Qs (block_q, d+1), Ks (block_kv, d+1), Vs (block_kv, dv), Ps (block_q, block_kv+1)
+# The +1 pads make the rows that the 8 row-groups of a warp read at the same
+# column fall into different banks.  Each warp owns 8 query rows; each row is
+# split over the 4 lanes of a quad, so block_q = 8 * warps and block_kv must be
+# a multiple of 4.
+def _fwd_shared(bq, bkv, d, dv, acc):
+    return acc * (bq * (d + 1) + bkv * (d + 1) + bkv * dv + bq * (bkv + 1))
+
+
+def _fwd_layout(bq, bkv, d, dv, acc):
+    t = "double" if acc == 8 else "float"
+    return (f"{t} Qs[{bq}][{d + 1}] + Ks[{bkv}][{d + 1}] + Vs[{bkv}][{dv}] + "
+            f"Ps[{bq}][{bkv + 1}]")
+
+
+def _fwd_threads(bq, bkv, d, dv):
+    return 4 * bq  # block_q / 8 warps of 32 lanes
+
+
+def _fwd_check(bq, bkv, d, dv):
+    # registers per thread: block_kv/4 logits + ceil(dv/4) output accumulators
+    if bkv // 4 + (dv + 3) // 4 > 96:
+        return (f"block_kv={bkv} with dv={dv} needs {bkv // 4 + (dv + 3) // 4} accumulator "
+                "registers per thread (limit 96, to avoid spills)")
+    return None
+
+
+def _fwd_preferences(d, dv, acc):
+    dm = max(d, dv)
+    if dm <= 32:
+        prefs = [(64, 64), (64, 32), (32, 32)]
+    elif dm <= 64:
+        prefs = [(64, 32), (32, 32), (32, 16)]
+    elif dm <= 128:
+        prefs = [(32, 32), (32, 16), (16, 16)]
+    else:
+        prefs = [(16, 32), (16, 16), (8, 16), (8, 8)]
+    return prefs
+
+
+register(KernelTiling(
+    name="flash_fwd",
+    block_q_choices=(8, 16, 32, 64, 128),
+    block_kv_choices=(8, 16, 32, 64, 128),
+    shared_bytes=_fwd_shared,
+    threads=_fwd_threads,
+    preferences=_fwd_preferences,
+    layout=_fwd_layout,
+    check=_fwd_check,
+))
+
+
+def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):
+    """Exact global-memory bytes (read, written) of flash_fwd for one launch.
+
+    Per query head and Q tile: the Q tile once; K and V rows of every KV tile
+    the tile loads (tiles entirely above the causal boundary are never loaded;
+    the last tile loads only the rows < Nk); O and lse once.  This is what the
+    emulator's byte counters report for the kernel.
+    """
+    isz = np.dtype(dtype).itemsize
+    lse_sz = 8 if np.dtype(dtype) == np.float64 else 4
+    n_tiles = -(-Nq // block_q) if Nq else 0
+    kv_rows = 0
+    for i in range(n_tiles):
+        q0 = i * block_q
+        rows = min(block_q, Nq - q0)
+        if causal is None:
+            end = Nk
+        else:
+            off = Nk - Nq if causal == "bottom_right" else 0
+            end = min(max(q0 + rows - 1 + off + 1, 0), Nk)
+        n_kv = -(-end // block_kv)
+        kv_rows += min(n_kv * block_kv, Nk)
+    bh = batch * heads
+    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
+    written = bh * (Nq * dv * isz + Nq * lse_sz)
+    return read, written
+
+
+# --------------------------------------------------------------------------
+# online_softmax_rows (kernels_cu/online_softmax.cu): one warp per row, no shared memory
+# --------------------------------------------------------------------------
+ONLINE_SOFTMAX_ROWS_PER_BLOCK = 4
+ONLINE_SOFTMAX_DEFAULT_CHUNK = 256
+
+register(KernelTiling(
+    name="online_softmax_rows",
+    block_q_choices=(ONLINE_SOFTMAX_ROWS_PER_BLOCK,),
+    block_kv_choices=(ONLINE_SOFTMAX_DEFAULT_CHUNK,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: 32 * ONLINE_SOFTMAX_ROWS_PER_BLOCK,
+    preferences=lambda d, dv, acc: [(ONLINE_SOFTMAX_ROWS_PER_BLOCK, ONLINE_SOFTMAX_DEFAULT_CHUNK)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+    max_head_dim=1,
+))
+
+# ==========================================================================
+# BACKWARD KERNELS (owned by KERNELS-BWD): register flash_bwd_preprocess,
+# flash_bwd_dkdv, flash_bwd_dq here with register(KernelTiling(...)).
+# ==========================================================================

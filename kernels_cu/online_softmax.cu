@@ -1,0 +1,104 @@
+// online_softmax_rows: row-wise softmax p = exp(x - m) / l of a (rows, cols) matrix, with
+// the statistics m = max(x) and l = sum(exp(x - m)) accumulated in one streaming pass over
+// chunks of `chunk` columns (the online softmax of seeds/001 and 004, step 1):
+//     m_new = max(m, max(x_chunk)); l = l * exp(m - m_new) + sum(exp(x_chunk - m_new))
+// followed by a pass that writes p with the final (m, l).
+//
+// Layout: one warp per row, ROWS_PER_BLOCK (4) rows per block of 128 threads; lane L reads
+// columns c0 + L, c0 + L + 32, ... of each chunk (coalesced).  The chunk max and chunk sum
+// are warp reductions with shuffles (no shared memory, no __syncthreads).  A chunk is read
+// twice (max, then exp-sum; the second read hits the cache on a GPU) and the row once more
+// to write p.
+//
+// Rows whose entries are all -inf get m = -inf, l = 0 and p = NaN, as NumPy's
+// exp(x - max(x)) / sum(...) gives; NaN propagates.
+//
+// Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32 | _F64 (input/output dtype;
+// statistics in float32, double for float64).  Launch: grid ceil(rows / 4), block 128.
+// Limits: cols and chunk are ints (< 2^31); rows up to 65535 * 2^16 blocks.
+#include "portable.cuh"
+
+#if defined(CUFLASH_DTYPE_F16)
+typedef __half elem_t;
+typedef float acc_t;
+#elif defined(CUFLASH_DTYPE_BF16)
+typedef __nv_bfloat16 elem_t;
+typedef float acc_t;
+#elif defined(CUFLASH_DTYPE_F32)
+typedef float elem_t;
+typedef float acc_t;
+#elif defined(CUFLASH_DTYPE_F64)
+typedef double elem_t;
+typedef double acc_t;
+#else
+#error "define one of CUFLASH_DTYPE_F16, _BF16, _F32, _F64"
+#endif
+
+constexpr int kRowsPerBlock = 4;
+
+__device__ inline float to_acc(float x) { return x; }
+__device__ inline double to_acc(double x) { return x; }
+__device__ inline float to_acc(__half x) { return __half2float(x); }
+__device__ inline float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ inline void from_acc(float x, float* out) { *out = x; }
+__device__ inline void from_acc(double x, double* out) { *out = x; }
+__device__ inline void from_acc(float x, __half* out) { *out = __float2half(x); }
+__device__ inline void from_acc(float x, __nv_bfloat16* out) { *out = __float2bfloat16(x); }
+
+__device__ inline float acc_exp(float x) { return expf(x); }
+__device__ inline double acc_exp(double x) { return exp(x); }
+// max that propagates NaN (as NumPy's max does); fmaxf would drop it
+__device__ inline acc_t acc_max(acc_t a, acc_t b) { return (a > b || a != a) ? a : b; }
+
+__device__ inline acc_t warp_max(acc_t x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = acc_max(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+__device__ inline acc_t warp_sum(acc_t x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+extern "C" __global__ void online_softmax_rows(
+    const elem_t* __restrict__ X, elem_t* __restrict__ P, acc_t* __restrict__ M,
+    acc_t* __restrict__ L, int rows, int cols, int chunk, long long x_sr, long long p_sr)
+{
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+    // a whole warp leaves together, so the shuffles below always see all 32 lanes
+    if (r >= rows) return;
+    const elem_t* x = X + r * x_sr;
+
+    acc_t m = -INFINITY, l = 0;
+    for (int c0 = 0; c0 < cols; c0 += chunk) {
+        const int c1 = min(cols, c0 + chunk);
+        // -- chunk max
+        acc_t cm = -INFINITY;
+        for (int c = c0 + lane; c < c1; c += 32) cm = acc_max(cm, to_acc(gload(x + c)));
+        cm = warp_max(cm);
+        // -- rescale the running sum to the new max and add the chunk's terms; while the
+        //    max is still -inf, subtract 0 so that exp(-inf) = 0 instead of NaN
+        const acc_t m_new = acc_max(m, cm);
+        const acc_t m_use = m_new == acc_t(-INFINITY) ? acc_t(0) : m_new;
+        acc_t cs = 0;
+        for (int c = c0 + lane; c < c1; c += 32) cs += acc_exp(to_acc(gload(x + c)) - m_use);
+        cs = warp_sum(cs);
+        l = l * acc_exp(m - m_use) + cs;
+        m = m_new;
+    }
+    // -- p = exp(x - m) / l with the final statistics
+    elem_t* p = P + r * p_sr;
+    for (int c = lane; c < cols; c += 32) {
+        elem_t out;
+        from_acc(acc_exp(to_acc(gload(x + c)) - m) / l, &out);
+        gstore(p + c, out);
+    }
+    if (lane == 0) {
+        gstore(M + r, m);
+        gstore(L + r, l);
+    }
+}
