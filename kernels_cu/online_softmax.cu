@@ -10,8 +10,8 @@
 // twice (max, then exp-sum; the second read hits the cache on a GPU) and the row once more
 // to write p.
 //
-// Rows whose entries are all -inf get m = -inf, l = 0 and p = NaN, as NumPy's
-// exp(x - max(x)) / sum(...) gives; NaN propagates.
+// Rows whose entries are all -inf get m = -inf, l = 0 and p = 0 (cuflash.reference's
+// convention); NaN propagates.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32 | _F64 (input/output dtype;
 // statistics in float32, double for float64).  Launch: grid ceil(rows / 4), block 128.
@@ -90,11 +90,14 @@ extern "C" __global__ void online_softmax_rows(
         l = l * acc_exp(m - m_use) + cs;
         m = m_new;
     }
-    // -- p = exp(x - m) / l with the final statistics
+    // -- p = exp(x - m) / l with the final statistics (a row of only -inf: m = -inf, l = 0;
+    //    shift by 0 and divide by 1 so that p = 0 there, as the reference does)
+    const acc_t m_fin = m == acc_t(-INFINITY) ? acc_t(0) : m;
+    const acc_t l_fin = l == acc_t(0) ? acc_t(1) : l;
     elem_t* p = P + r * p_sr;
     for (int c = lane; c < cols; c += 32) {
         elem_t out;
-        from_acc(acc_exp(to_acc(gload(x + c)) - m) / l, &out);
+        from_acc(acc_exp(to_acc(gload(x + c)) - m_fin) / l_fin, &out);
         gstore(p + c, out);
     }
     if (lane == 0) {

@@ -1,0 +1,286 @@
+"""Launching the kernels: the same code for the "cuda" and the "emulator" backends.
+
+Every function here takes a :class:`cuflash.kernels.Runtime` (array module,
+module factory, shared-memory limit), so CuPy arrays on a GPU and NumPy arrays
+on the emulator go through identical launch code.  Tile sizes, threads and
+shared memory come from :mod:`cuflash.tiling` (through ``runtime.plan``), the
+compiled kernels from :mod:`cuflash.kernels`.
+
+Helpers the backward launcher (``cuflash/_launch_bwd.py``) reuses:
+
+* :func:`problem_dims` -- the output's leading shape as (B, H) problems;
+* :func:`flatten_lead` -- element strides (batch, head, row) of an input for
+  those problems (stride 0 for broadcast axes, the kv head stride for grouped
+  heads), copying only when unavoidable;
+* :func:`alloc_output` -- ``xp.empty`` plus the test hook that poisons outputs;
+* :func:`get_kernel` -- the compiled kernel for a tile plan;
+* :func:`track_allocations` -- records every array the launch path allocates
+  (for ``verify_no_full_materialization``).
+"""
+import contextlib
+import threading
+
+import numpy as np
+
+from . import kernels, tiling
+
+__all__ = [
+    "problem_dims", "flatten_lead", "contiguous_strides", "alloc_output", "output_hook",
+    "track_allocations", "get_kernel", "flash_fwd", "online_softmax_rows", "MAX_GRID_YZ",
+]
+
+# gridDim.y and gridDim.z limit (heads and batch are grid axes y and z)
+MAX_GRID_YZ = 65535
+
+_state = threading.local()
+_ALLOC_HOOK = None
+
+
+@contextlib.contextmanager
+def output_hook(fn):
+    """Call ``fn(array)`` on every output the launchers allocate, inside the block.
+
+    Tests use it to fill outputs with NaN before the kernel runs, so elements a
+    kernel fails to write show up as NaN (``xp.empty`` may happen to hold zeros).
+    """
+    global _ALLOC_HOOK
+    prev, _ALLOC_HOOK = _ALLOC_HOOK, fn
+    try:
+        yield
+    finally:
+        _ALLOC_HOOK = prev
+
+
+@contextlib.contextmanager
+def track_allocations():
+    """Record the sizes (elements) of all arrays the launch code allocates in the block.
+
+    Yields a list of ``(what, shape)`` that fills up as launches run.
+    """
+    prev = getattr(_state, "ledger", None)
+    _state.ledger = []
+    try:
+        yield _state.ledger
+    finally:
+        _state.ledger = prev
+
+
+def _record(what, arr):
+    ledger = getattr(_state, "ledger", None)
+    if ledger is not None:
+        ledger.append((what, tuple(arr.shape)))
+
+
+def alloc_output(xp, shape, dtype, what="output"):
+    """``xp.empty(shape, dtype)``, recorded, and passed to the output hook if one is set."""
+    out = xp.empty(shape, dtype=dtype)
+    _record(what, out)
+    if _ALLOC_HOOK is not None:
+        _ALLOC_HOOK(out)
+    return out
+
+
+def problem_dims(lead):
+    """(B, H) for an output leading shape: H = last axis (heads), B = product of the rest.
+
+    ``()`` (plain 2-D inputs) is one problem, (1, 1).
+    """
+    if len(lead) == 0:
+        return 1, 1
+    B = 1
+    for s in lead[:-1]:
+        B *= int(s)
+    return B, int(lead[-1])
+
+
+def _elem_strides(x):
+    isz = x.itemsize
+    if any(s % isz for s in x.strides):
+        return None
+    return [s // isz for s in x.strides]
+
+
+def _collapse(sizes, strides):
+    """One stride for iterating ``sizes`` (C order) as a flat index, or None if impossible."""
+    dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
+    if not dims:
+        return 0
+    for (n0, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            return None
+    return dims[-1][1]
+
+
+def flatten_lead(xp, x, lead, grouped=False):
+    """Address ``x`` (shape ``x_lead + (N, dim)``) as the (B, H) problems of ``lead``.
+
+    Parameters
+    ----------
+    xp : module
+        numpy or cupy.
+    x : ndarray
+        An input whose leading dims broadcast to ``lead`` -- or, with
+        ``grouped=True``, whose last leading dim is the kv head count Hk of
+        grouped-query attention (the kernel maps query head h to h // group).
+    lead : tuple of int
+        The output's leading shape (``AttentionSpec.lead``).
+    grouped : bool
+        True for k/v of a grouped-query call.
+
+    Returns
+    -------
+    arr : ndarray
+        ``x`` itself, or a copy when the last dim was strided (kernels need it
+        contiguous) or the broadcast cannot be expressed with strides.
+    strides : tuple of int, (sb, sh, sr)
+        Element strides of batch (flat index over ``lead[:-1]``), head and row;
+        0 along broadcast axes, so nothing is copied for broadcasting.
+
+    Notes
+    -----
+    The batch axes ``lead[:-1]`` are one flat index in the kernels.  That is a
+    single stride only when ``x``'s strides over those axes nest (as in any
+    contiguous array, or when all of them are broadcast).  For exotic layouts
+    -- e.g. an input broadcast along one batch axis but not another -- there
+    is no single stride, and ``x`` is materialised by a broadcast copy of shape
+    ``lead[:-1] + (heads,) + x.shape[-2:]`` (heads = 1, Hk or H as x has them).
+    """
+    if x.ndim >= 1 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        x = xp.ascontiguousarray(x)
+        _record("contiguous copy", x)
+    es = _elem_strides(x)
+    if es is None:  # strides that are not whole elements (views of odd buffers)
+        x = xp.ascontiguousarray(x)
+        _record("contiguous copy", x)
+        es = _elem_strides(x)
+    nl = len(lead)
+    sr = es[-2]
+    if nl == 0:
+        return x, (0, 0, sr)
+    xl = tuple(x.shape[:-2])
+    pad = nl - len(xl)
+    sizes = (1,) * pad + xl
+    strides = [0] * pad + es[:-2]
+    head_size = sizes[-1]
+    sh = 0 if head_size == 1 else strides[-1]
+    batch_strides = [0 if n == 1 else s for n, s in zip(sizes[:-1], strides[:-1])]
+    # broadcast axes read index 0 (stride 0); the others must match lead's size
+    sb = _collapse(lead[:-1], batch_strides)
+    if sb is None:
+        # no single batch stride exists: materialise the broadcast (see Notes)
+        full = tuple(lead[:-1]) + (head_size,) + tuple(x.shape[-2:])
+        x = xp.ascontiguousarray(xp.broadcast_to(x.reshape((1,) * pad + x.shape), full))
+        _record("broadcast copy", x)
+        es = _elem_strides(x)
+        sr = es[-2]
+        sh = 0 if head_size == 1 else es[-3]
+        sb = _collapse(lead[:-1], [0 if n == 1 else s for n, s in zip(lead[:-1], es[:-3])])
+    return x, (int(sb), int(sh), int(sr))
+
+
+def contiguous_strides(lead, tail):
+    """(sb, sh) element strides of a C-contiguous array of shape ``lead + tail``."""
+    B, H = problem_dims(lead)
+    per = 1
+    for s in tail:
+        per *= int(s)
+    return H * per, per
+
+
+def get_kernel(runtime, filename, kernel_name, defines, plan=None):
+    """The compiled kernel for this runtime, with the plan's shared memory allowed.
+
+    ``plan`` (a :class:`cuflash.tiling.TilePlan`) supplies the dynamic shared
+    memory bytes; the kernel's limit is raised above 48 KB when needed.
+    """
+    shared = plan.shared_bytes if plan is not None else 0
+    return kernels.get_function(runtime, filename, kernel_name, defines, shared)
+
+
+def _acc_scalar(dtype, value):
+    return np.float64(value) if tiling.accumulator_bytes(dtype) == 8 else np.float32(value)
+
+
+def flash_fwd(runtime, q, k, v, spec):
+    """Run flash_fwd for a validated call: returns ``(o, lse)``.
+
+    Parameters
+    ----------
+    runtime : cuflash.kernels.Runtime
+    q, k, v : ndarray (of ``runtime.xp``)
+    spec : cuflash._validate.AttentionSpec
+
+    Raises
+    ------
+    ValueError
+        Tiles or head dims the kernel does not support (from cuflash.tiling),
+        or more than 65535 heads or batch entries.
+    """
+    xp = runtime.xp
+    plan = runtime.plan("flash_fwd", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    o = alloc_output(xp, spec.out_shape, spec.dtype, "o")
+    lse = alloc_output(xp, spec.lse_shape, spec.lse_dtype, "lse")
+    B, H = problem_dims(spec.lead)
+    if spec.Nq == 0 or B * H == 0:
+        return o, lse
+    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
+        raise ValueError(f"flash_fwd launches one grid row per head and batch entry; "
+                         f"leading shape {spec.lead} gives H={H}, B={B} (limit {MAX_GRID_YZ} "
+                         "each); reshape the leading dims")
+    grouped = spec.group > 1
+    q_, qs = flatten_lead(xp, q, spec.lead)
+    k_, ks = flatten_lead(xp, k, spec.lead, grouped)
+    v_, vs = flatten_lead(xp, v, spec.lead, grouped)
+    o_sb, o_sh = contiguous_strides(spec.lead, (spec.Nq, spec.dv))
+    l_sb, l_sh = contiguous_strides(spec.lead, (spec.Nq,))
+    causal = spec.causal is not None
+    offset = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
+    fn = get_kernel(runtime, "flash_fwd.cu", "flash_fwd", kernels.fwd_defines(plan), plan)
+    i32, i64 = np.int32, np.int64
+    args = (q_, k_, v_, o, lse,
+            i32(spec.Nq), i32(spec.Nk), i32(spec.group), i32(causal), i32(offset),
+            *(i64(s) for s in qs), *(i64(s) for s in ks), *(i64(s) for s in vs),
+            i64(o_sb), i64(o_sh), i64(spec.dv), i64(l_sb), i64(l_sh),
+            _acc_scalar(spec.dtype, spec.scale))
+    grid = (-(-spec.Nq // plan.block_q), H, B)
+    fn(grid, (plan.threads,), args, shared_mem=plan.shared_bytes)
+    return o, lse
+
+
+def online_softmax_rows(runtime, x, chunk_size=None):
+    """Run online_softmax_rows over the last axis of ``x``: ``(p, m, l)``.
+
+    ``p`` has x's shape and dtype; ``m`` and ``l`` have shape ``x.shape[:-1]``
+    and the kernel's statistics dtype (float32, float64 for float64 input).
+    ``chunk_size`` None processes each row as one chunk.
+    """
+    xp = runtime.xp
+    t = tiling.kernel_tiling("online_softmax_rows")
+    rows_per_block = tiling.ONLINE_SOFTMAX_ROWS_PER_BLOCK
+    lead, M = tuple(x.shape[:-1]), int(x.shape[-1])
+    stat_dtype = np.float64 if tiling.accumulator_bytes(x.dtype) == 8 else np.float32
+    p = alloc_output(xp, x.shape, x.dtype, "p")
+    m = alloc_output(xp, lead, stat_dtype, "m")
+    l = alloc_output(xp, lead, stat_dtype, "l")
+    rows = 1
+    for s in lead:
+        rows *= int(s)
+    if rows == 0:
+        return p, m, l
+    x2 = x.reshape(rows, M)
+    if M > 1 and x2.strides[-1] != x2.itemsize:
+        x2 = xp.ascontiguousarray(x2)
+        _record("contiguous copy", x2)
+    es = _elem_strides(x2)
+    if es is None:
+        x2 = xp.ascontiguousarray(x2)
+        es = _elem_strides(x2)
+    chunk = M if chunk_size is None else int(chunk_size)
+    chunk = max(1, min(chunk, 2 ** 31 - 1))
+    fn = get_kernel(runtime, "online_softmax.cu", "online_softmax_rows",
+                    {kernels.dtype_define(x.dtype): None})
+    args = (x2, p.reshape(rows, M), m.reshape(rows), l.reshape(rows),
+            np.int32(rows), np.int32(M), np.int32(chunk), np.int64(es[0]), np.int64(M))
+    grid = (-(-rows // rows_per_block),)
+    fn(grid, (t.threads(rows_per_block, 0, 0, 0),), args, shared_mem=0)
+    return p, m, l

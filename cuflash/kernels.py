@@ -1,0 +1,226 @@
+"""Finding, specialising, compiling and caching the CUDA C kernels of ``kernels_cu/``.
+
+The one module that knows where the ``.cu`` files are and how they are built:
+
+* :func:`kernel_dir` -- ``cuflash/kernels_cu`` in an installed package (setup.cfg
+  maps the repository's top-level ``kernels_cu/`` there), ``<repo>/kernels_cu``
+  in a source tree.
+* :func:`build_options` -- the compiler options of one specialisation: ``-D``
+  defines for dtype, head dims and tiles (from :mod:`cuflash.tiling`),
+  ``-I <kernel_dir>`` for ``portable.cuh`` and ``-std=c++17``.  NVRTC picks the
+  architecture of the current device (CuPy passes ``-arch``); the emulator
+  compiles for the host.
+* :class:`Runtime` / :func:`get_runtime` -- what a launch needs from a backend:
+  the array module (NumPy or CuPy), the module factory (``cupy.RawModule`` or
+  ``cuflash.emulator.RawModule``) and the device's shared-memory limit.  The same
+  launch code in :mod:`cuflash._launch` serves both.
+* :func:`get_function` -- a compiled kernel, cached per device (CuPy) or per
+  race-check mode (emulator) and per option set, with the dynamic shared
+  memory limit raised above 48 KB when the tile plan needs it.
+* :func:`compile_variants` -- every specialisation worth compile-checking, per
+  ``.cu`` file, for ``tests/test_nvrtc.py``.
+
+Nothing here imports CuPy or the emulator until a kernel is actually needed.
+"""
+import os
+import threading
+
+import numpy as np
+
+from . import tiling
+
+__all__ = [
+    "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
+    "get_function", "compile_variants", "fwd_defines",
+]
+
+_KERNEL_FILES = ("flash_fwd.cu", "online_softmax.cu")
+
+
+def kernel_dir():
+    """Directory holding the ``.cu`` sources and ``portable.cuh``.
+
+    An installed package carries them as ``cuflash/kernels_cu`` (package data);
+    a source checkout (or an editable install) has them at ``<repo>/kernels_cu``.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "kernels_cu"), os.path.join(os.path.dirname(here), "kernels_cu")):
+        if os.path.isfile(os.path.join(cand, "flash_fwd.cu")):
+            return cand
+    raise FileNotFoundError(
+        f"cuflash kernel sources not found: looked for flash_fwd.cu in {here}/kernels_cu "
+        f"(installed package) and {os.path.dirname(here)}/kernels_cu (source tree); "
+        "reinstall cuflash (the wheel must include cuflash/kernels_cu)")
+
+
+def source_path(filename):
+    """Absolute path of one kernel source file (e.g. ``"flash_fwd.cu"``)."""
+    path = os.path.join(kernel_dir(), filename)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"kernel source {filename!r} not found in {kernel_dir()}")
+    return path
+
+
+_DTYPE_DEFINES = {"float16": "CUFLASH_DTYPE_F16", "bfloat16": "CUFLASH_DTYPE_BF16",
+                  "float32": "CUFLASH_DTYPE_F32", "float64": "CUFLASH_DTYPE_F64"}
+
+
+def dtype_define(dtype):
+    """The ``-D`` name that selects a dtype in every kernel (``CUFLASH_DTYPE_F32`` ...)."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    try:
+        return _DTYPE_DEFINES[name]
+    except KeyError:
+        raise TypeError(f"no kernel for dtype {name}; supported: {sorted(_DTYPE_DEFINES)}")
+
+
+def build_options(defines):
+    """Compiler options for a dict of defines (value None = a bare ``-DNAME``).
+
+    The order is canonical (sorted), so equal specialisations share one cache
+    entry.
+    """
+    opts = ["-std=c++17", f"-I{kernel_dir()}"]
+    for key in sorted(defines):
+        val = defines[key]
+        opts.append(f"-D{key}" if val is None else f"-D{key}={val}")
+    return tuple(opts)
+
+
+def fwd_defines(plan):
+    """Defines of flash_fwd for a :class:`cuflash.tiling.TilePlan`."""
+    return {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
+            "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
+            "CUFLASH_BLOCK_KV": plan.block_kv}
+
+
+class Runtime:
+    """What the launchers need from a backend.
+
+    Attributes
+    ----------
+    name : str
+        ``"cuda"`` or ``"emulator"``.
+    xp : module
+        ``cupy`` or ``numpy``: allocates outputs and makes arrays contiguous.
+    smem_limit : int
+        Opt-in shared memory per block (bytes) that tile plans must fit.
+    smem_source : str
+        Where ``smem_limit`` comes from (device attribute or nominal arch).
+    race_check : bool
+        Emulator only: compile the kernels with ThreadSanitizer and raise
+        ``cuflash.emulator.RaceError`` on a race.
+    """
+
+    def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
+                 device_key=None):
+        self.name = name
+        self.xp = xp
+        self._factory = module_factory
+        self.smem_limit = smem_limit
+        self.smem_source = smem_source
+        self.race_check = race_check
+        self.device_key = device_key
+
+    def plan(self, kernel, d, dv, dtype, block_q=None, block_kv=None):
+        """:func:`cuflash.tiling.plan` against this runtime's shared-memory limit."""
+        return tiling.plan(kernel, d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
+                           limit_source=self.smem_source)
+
+    def module(self, filename, options):
+        """A compiled module for one source file and option set (not cached here)."""
+        return self._factory(filename, options)
+
+    def __repr__(self):
+        return (f"Runtime({self.name!r}, limit={self.smem_limit} B ({self.smem_source}), "
+                f"race_check={self.race_check})")
+
+
+def _cupy_factory(filename, options):
+    import cupy
+    with open(source_path(filename)) as f:
+        code = f.read()
+    return cupy.RawModule(code=code, options=options)
+
+
+def _emulator_factory(race_check):
+    def factory(filename, options):
+        from . import emulator
+        return emulator.RawModule(path=source_path(filename), options=options,
+                                  race_check=race_check)
+    return factory
+
+
+def get_runtime(backend, *, race_check=False, arch=None):
+    """The :class:`Runtime` of ``"cuda"`` (current CuPy device) or ``"emulator"``.
+
+    ``arch`` (emulator only) names the nominal architecture whose shared-memory
+    limit tile plans are held to (default sm_80; see :mod:`cuflash.tiling`).
+    """
+    limit, source = tiling.device_smem_limit(backend, arch)
+    if backend == "cuda":
+        import cupy
+        if race_check:
+            raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
+        return Runtime("cuda", cupy, _cupy_factory, limit, source,
+                       device_key=("cuda", cupy.cuda.Device().id))
+    return Runtime("emulator", np, _emulator_factory(race_check), limit, source,
+                   race_check=race_check, device_key=("emulator", bool(race_check)))
+
+
+_CACHE = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
+    """The compiled kernel ``kernel_name`` of ``filename`` specialised by ``defines``.
+
+    Modules are cached per (device or emulator mode, file, options).  When
+    ``shared_bytes`` exceeds the 48 KB launch default, the kernel's
+    ``max_dynamic_shared_size_bytes`` is raised to it on CuPy (the emulator has
+    no such limit; plans there are checked against a nominal one instead).
+    """
+    options = build_options(defines)
+    key = (runtime.device_key, filename, options)
+    with _CACHE_LOCK:
+        mod = _CACHE.get(key)
+    if mod is None:
+        mod = runtime.module(filename, options)
+        with _CACHE_LOCK:
+            _CACHE[key] = mod
+    fn = mod.get_function(kernel_name)
+    if runtime.name == "cuda" and shared_bytes > tiling.STATIC_SMEM_LIMIT:
+        if getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = int(shared_bytes)
+    return fn
+
+
+def compile_variants():
+    """Specialisations to compile-check per kernel file: ``{filename: [options, ...]}``.
+
+    Each entry is a tuple of options as :func:`build_options` makes them (no
+    ``-arch``: the caller adds one per architecture).  The list covers every
+    dtype, every head dim of the test grid with the default tiles (planned
+    without a device limit), and the smallest and largest supported tiles.
+    """
+    out = {}
+    fwd = []
+    seen = set()
+
+    def add(dtype, d, bq=None, bkv=None):
+        p = tiling.plan("flash_fwd", d, d, dtype, bq, bkv)
+        opts = build_options(fwd_defines(p))
+        if opts not in seen:
+            seen.add(opts)
+            fwd.append(opts)
+
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        for d in (64, 256):
+            add(dt, d)
+    for d in (16, 32, 96, 128):
+        add("float32", d)
+    add("float32", 64, 8, 8)        # smallest tiles
+    add("float32", 128, 128, 64)    # largest tile pair within the register rule at d=128
+    out["flash_fwd.cu"] = fwd
+    out["online_softmax.cu"] = [build_options({define: None}) for define in _DTYPE_DEFINES.values()]
+    return out
