@@ -64,13 +64,14 @@ def accumulator_bytes(dtype):
     (4 bytes); float64 is computed in double (8 bytes) so it meets the 1e-12
     tolerance of the float64 oracle.
     """
-    return 8 if np.dtype(dtype) == np.float64 else 4
+    return 8 if _dtype_name(dtype) == "float64" else 4
 
 
 def _dtype_name(dtype):
-    dt = np.dtype(dtype)
-    # ml_dtypes.bfloat16 reports name "bfloat16"
-    return dt.name
+    # "bfloat16" as a string works without ml_dtypes; ml_dtypes.bfloat16 reports that name
+    if isinstance(dtype, str):
+        return dtype
+    return np.dtype(dtype).name
 
 
 @dataclass(frozen=True)
@@ -260,9 +261,8 @@ def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(
     """Rows (dtype, d, block_q, block_kv, threads, shared_bytes) of the default plans."""
     rows = []
     for dt in dtypes:
-        dtype = np.dtype(dt) if dt != "bfloat16" else np.dtype(np.float32)  # same accumulator
         for d in head_dims:
-            p = plan(kernel, d, d, dtype, limit=limit, limit_source=limit_source)
+            p = plan(kernel, d, d, dt, limit=limit, limit_source=limit_source)
             rows.append((dt, d, p.block_q, p.block_kv, p.threads, p.shared_bytes))
     return rows
 
@@ -331,8 +331,8 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
     the last tile loads only the rows < Nk); O and lse once.  This is what the
     emulator's byte counters report for the kernel.
     """
-    isz = np.dtype(dtype).itemsize
-    lse_sz = 8 if np.dtype(dtype) == np.float64 else 4
+    isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
+    lse_sz = accumulator_bytes(dtype)
     n_tiles = -(-Nq // block_q) if Nq else 0
     kv_rows = 0
     for i in range(n_tiles):
