@@ -16,7 +16,7 @@
 //                         memory, Qi/dOi/lse_i/D_i streamed for every query head of the GQA
 //                         group and every Q tile that can see Kj; dKj, dVj accumulate in
 //                         registers and are written once -> deterministic, no atomics.
-//                         With ATOMIC_DQ it also adds scale * dS Kj into a float32 dQ
+//                         With atomic_dq != 0 it also adds scale * dS Kj into a float32 dQ
 //                         accumulator with atomics (seed 004, last line).
 //   flash_bwd_dq          deterministic dQ: one block per (Q tile i, query head): Qi, dOi
 //                         resident, Kj/Vj streamed, dQi accumulated in registers.
@@ -27,12 +27,16 @@
 // Notation as in cuflash.reference and flash_fwd.cu: Br = BLOCK_Q rows of Q per tile,
 // Bc = BLOCK_KV rows of K/V per tile, Qi, Kj, Vj tiles, lse, D.
 //
-// Layout: every tensor is C-contiguous with the leading dims flattened by the launcher:
-//   q, do, o : (B*H, Nq, d|dv)   k, v : (B*Hk, Nk, d|dv)   lse, D : (B*H, Nq)
-// Query head (b, h) reads kv head (b, h / group), H = Hk * group (grouped-query attention
-// by index arithmetic, no K/V copies). Broadcast batch dims are materialised by the
-// launcher and dK/dV/dQ summed back over them on the host (xp.sum); heads of a GQA group
-// are summed here, inside the dkdv block.
+// Layout: leading dims are flattened by the launcher to (B, H) for queries and (B, Hk) for
+// keys/values. q, k, v, do, o are addressed by element strides (batch, head, row) with a
+// contiguous last dim, so broadcast dims arrive as stride 0 and no input is copied for
+// them. lse, D (B, H, Nq), dq (B, H, Nq, d), dk (B, Hk, Nk, d), dv (B, Hk, Nk, dv) and the
+// float32 dQ accumulator are C-contiguous. Query head h reads kv head h / group (grouped-
+// query attention by index arithmetic, no K/V copies); the dkdv block loops over the
+// group's query heads, so dK/dV of a kv head are summed here, deterministically. Leading
+// dims along which q or k/v were broadcast are summed on the host by the launcher (xp.sum
+// over the contiguous gradients), not here.
+// Grids: preprocess and dq (ceil(Nq / rows), H, B); dkdv (ceil(Nk / Bc), Hk, B).
 //
 // Causal (runtime `causal`, `causal_offset`): query i sees key j iff j <= i + causal_offset,
 // causal_offset = Nk - Nq (bottom_right) or 0 (top_left). Q tiles that cannot see Kj are
@@ -44,181 +48,194 @@
 // float32; float64 in double (to meet the 1e-12 tolerance). Shared-memory tiles hold the
 // compute type (acc_t). Any Nq, Nk (partial tiles are zero-filled and masked).
 //
-// Compile-time specialisation (-D, set by cuflash/tiling.py through the launcher):
-//   CUFLASH_DTYPE      1 float16, 2 bfloat16, 3 float32, 4 float64
-//   HEAD_DIM, HEAD_DIM_V   d and dv (<= 256 each)
-//   BLOCK_Q, BLOCK_KV  Br, Bc
-//   NUM_THREADS        threads per block (multiple of 32)
+// Compile-time specialisation (-D, built by cuflash/kernels.py from a cuflash.tiling plan,
+// the same names as flash_fwd.cu):
+//   CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16 | CUFLASH_DTYPE_F32 | CUFLASH_DTYPE_F64
+//   CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc)
+//   CUFLASH_THREADS    threads per block (multiple of 32)
 // Shared memory per block (bytes, computed by cuflash/tiling.py from the same formula):
 //   dkdv: sizeof(acc_t) * (Bc*(d+1) + Bc*(dv+1) + Br*(d+1) + Br*(dv+1) + 2*Br*Bc + 2*Br)
 //   dq:   sizeof(acc_t) * (Br*(d+1) + Br*(dv+1) + Bc*(d+1) + Bc*(dv+1) +   Br*Bc + 2*Br)
 // Rows are padded by one element so that the threads of a warp, which read one column of
 // Kj/Vj each (K_s[c][k] for consecutive c), hit different banks.
 //
-// Limits: SIMT (no tensor cores); head dims <= 256; grid.y (tiles) <= 65535, i.e.
-// N <= 65535 * tile; the atomic dQ path's summation order is not fixed (deterministic=False).
+// Limits: SIMT (no tensor cores); head dims <= 256; H, Hk and B <= 65535 (grid y/z); the
+// atomic dQ path's summation order is not fixed (deterministic=False only).
 
 #include "portable.cuh"
 
-#ifndef CUFLASH_DTYPE
-#error "CUFLASH_DTYPE must be defined (1 float16, 2 bfloat16, 3 float32, 4 float64)"
+#if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
+    !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
+#error "define CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV, CUFLASH_THREADS"
 #endif
-#if !defined(HEAD_DIM) || !defined(HEAD_DIM_V) || !defined(BLOCK_Q) || !defined(BLOCK_KV)
-#error "HEAD_DIM, HEAD_DIM_V, BLOCK_Q and BLOCK_KV must be defined"
-#endif
-#ifndef NUM_THREADS
-#define NUM_THREADS 128
-#endif
-#if NUM_THREADS % 32 != 0
-#error "NUM_THREADS must be a multiple of the warp size"
-#endif
+#define HEAD_DIM CUFLASH_HEAD_DIM
+#define HEAD_DIM_V CUFLASH_HEAD_DIM_V
+#define NUM_THREADS CUFLASH_THREADS
+static_assert(NUM_THREADS % 32 == 0, "CUFLASH_THREADS must be a multiple of the warp size");
+static_assert(HEAD_DIM >= 1 && HEAD_DIM <= 256 && HEAD_DIM_V >= 1 && HEAD_DIM_V <= 256,
+              "head dims 1..256");
 
 // ---- storage type (scalar_t) and compute type (acc_t) ---------------------------------
-#if CUFLASH_DTYPE == 1
+#if defined(CUFLASH_DTYPE_F16)
 typedef __half scalar_t;
 typedef float acc_t;
 __device__ __forceinline__ acc_t to_acc(scalar_t x) { return __half2float(x); }
 __device__ __forceinline__ scalar_t from_acc(acc_t x) { return __float2half(x); }
-#elif CUFLASH_DTYPE == 2
+#elif defined(CUFLASH_DTYPE_BF16)
 typedef __nv_bfloat16 scalar_t;
 typedef float acc_t;
 __device__ __forceinline__ acc_t to_acc(scalar_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ scalar_t from_acc(acc_t x) { return __float2bfloat16(x); }
-#elif CUFLASH_DTYPE == 3
+#elif defined(CUFLASH_DTYPE_F32)
 typedef float scalar_t;
 typedef float acc_t;
 __device__ __forceinline__ acc_t to_acc(scalar_t x) { return x; }
 __device__ __forceinline__ scalar_t from_acc(acc_t x) { return x; }
-#elif CUFLASH_DTYPE == 4
+#elif defined(CUFLASH_DTYPE_F64)
 typedef double scalar_t;
 typedef double acc_t;
 __device__ __forceinline__ acc_t to_acc(scalar_t x) { return x; }
 __device__ __forceinline__ scalar_t from_acc(acc_t x) { return x; }
 #else
-#error "unknown CUFLASH_DTYPE"
+#error "define one of CUFLASH_DTYPE_F16, _BF16, _F32, _F64"
 #endif
 
 __device__ __forceinline__ float acc_exp(float x) { return expf(x); }
 __device__ __forceinline__ double acc_exp(double x) { return exp(x); }
 
-#define Br BLOCK_Q
-#define Bc BLOCK_KV
+#define Br CUFLASH_BLOCK_Q
+#define Bc CUFLASH_BLOCK_KV
 // padded row strides of the shared-memory tiles (see the bank note above)
 #define DP (HEAD_DIM + 1)
 #define DVP (HEAD_DIM_V + 1)
 // elements each thread owns in a tile, rounded up
 #define PER_THREAD(n) (((n) + NUM_THREADS - 1) / NUM_THREADS)
 
-// Copy `rows` valid rows (of `cols` elements, row stride `cols` in global memory) into a
-// shared tile with row stride `ld`; rows rows..R-1 are zero-filled so that partial tiles
-// add nothing. Consecutive threads read consecutive elements: coalesced.
+// Copy `rows` valid rows (of `cols` elements, row stride `sr` elements in global memory)
+// into a shared tile with row stride `ld`; rows rows..R-1 are zero-filled so that partial
+// tiles add nothing. Consecutive threads read consecutive elements of a row: coalesced.
 template <int R, int cols, int ld>
 __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const scalar_t* __restrict__ src,
-                                          int rows) {
+                                          long long sr, int rows) {
     for (int e = threadIdx.x; e < R * cols; e += NUM_THREADS) {
         const int r = e / cols, c = e - (e / cols) * cols;
-        dst[r * ld + c] = r < rows ? to_acc(gload(src + (size_t)r * cols + c)) : acc_t(0);
+        dst[r * ld + c] = r < rows ? to_acc(gload(src + r * sr + c)) : acc_t(0);
     }
 }
 
+// Rows of D handled by one preprocess block: each of its warps takes every
+// (NUM_THREADS/32)-th row of the block's PRE_ROWS.
+#define PRE_ROWS 32
+
 // ---------------------------------------------------------------------------------------
-// D = rowsum(dO * O) for n_rows rows of HEAD_DIM_V elements; one warp per row.
-// zero_dq != 0: also zero the float32 dQ accumulator (n_rows x HEAD_DIM), which the atomic
-// path of flash_bwd_dkdv adds into.
-extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ o,
+// D = rowsum(dO * O), one warp per row. grid = (ceil(Nq / PRE_ROWS), H, B).
+// zero_dq != 0: also zero this row of the float32 dQ accumulator (B, H, Nq, d), which the
+// atomic path of flash_bwd_dkdv adds into.
+extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ O,
                                                 const scalar_t* __restrict__ dO,
                                                 acc_t* __restrict__ D,
                                                 float* __restrict__ dq_accum,
-                                                long long n_rows, int zero_dq) {
+                                                int Nq, int zero_dq,
+                                                long long o_sb, long long o_sh, long long o_sr,
+                                                long long do_sb, long long do_sh, long long do_sr) {
     const int lane = threadIdx.x & 31;
-    const long long warps_per_block = NUM_THREADS / 32;
-    const long long total_warps = (long long)gridDim.x * warps_per_block;
-    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
-         row < n_rows; row += total_warps) {
-        const scalar_t* o_row = o + row * HEAD_DIM_V;
-        const scalar_t* do_row = dO + row * HEAD_DIM_V;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const size_t bh = (size_t)b * gridDim.y + h;
+    const scalar_t* Ob = O + b * o_sb + h * o_sh;
+    const scalar_t* dOb = dO + b * do_sb + h * do_sh;
+    const int row_end = min(Nq, (int)(blockIdx.x + 1) * PRE_ROWS);
+    for (int i = blockIdx.x * PRE_ROWS + (threadIdx.x >> 5); i < row_end; i += NUM_THREADS / 32) {
         acc_t sum = 0;
         for (int c = lane; c < HEAD_DIM_V; c += 32)
-            sum += to_acc(gload(o_row + c)) * to_acc(gload(do_row + c));
-        // butterfly: after it every lane holds the row sum
+            sum += to_acc(gload(Ob + i * o_sr + c)) * to_acc(gload(dOb + i * do_sr + c));
+        // butterfly: afterwards every lane holds the row sum
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (lane == 0) gstore(D + row, sum);
+        if (lane == 0) gstore(D + bh * Nq + i, sum);
         if (zero_dq)
-            for (int c = lane; c < HEAD_DIM; c += 32) gstore(dq_accum + row * HEAD_DIM + c, 0.0f);
+            for (int c = lane; c < HEAD_DIM; c += 32)
+                gstore(dq_accum + (bh * Nq + i) * HEAD_DIM + c, 0.0f);
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = (B*Hk, ceil(Nk/Bc)).
-extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ q,
-                                          const scalar_t* __restrict__ k,
-                                          const scalar_t* __restrict__ v,
+// dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = (ceil(Nk/Bc), Hk, B).
+extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ Q,
+                                          const scalar_t* __restrict__ K,
+                                          const scalar_t* __restrict__ V,
                                           const scalar_t* __restrict__ dO,
-                                          const acc_t* __restrict__ lse,
+                                          const acc_t* __restrict__ LSE,
                                           const acc_t* __restrict__ D,
-                                          scalar_t* __restrict__ dk,
-                                          scalar_t* __restrict__ dv,
+                                          scalar_t* __restrict__ dK,
+                                          scalar_t* __restrict__ dV,
                                           float* __restrict__ dq_accum,
-                                          int Nq, int Nk, int Hk, int group, acc_t scale,
-                                          int causal, int causal_offset, int atomic_dq) {
+                                          int Nq, int Nk, int group, int causal,
+                                          int causal_offset, int atomic_dq,
+                                          long long q_sb, long long q_sh, long long q_sr,
+                                          long long k_sb, long long k_sh, long long k_sr,
+                                          long long v_sb, long long v_sh, long long v_sr,
+                                          long long do_sb, long long do_sh, long long do_sr,
+                                          acc_t scale) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
-    acc_t* K_s = smem;                   // (Bc, d+1)   Kj
-    acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj
-    acc_t* Q_s = V_s + Bc * DVP;         // (Br, d+1)   Qi
-    acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi
+    acc_t* K_s = smem;                   // (Bc, d+1)   Kj, resident
+    acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj, resident
+    acc_t* Q_s = V_s + Bc * DVP;         // (Br, d+1)   Qi, streamed
+    acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi, streamed
     acc_t* P_s = dO_s + Br * DVP;        // (Br, Bc)    P of (Qi, Kj)
     acc_t* dS_s = P_s + Br * Bc;         // (Br, Bc)    dS of (Qi, Kj)
-    acc_t* lse_s = dS_s + Br * Bc;       // (Br,)
-    acc_t* D_s = lse_s + Br;             // (Br,)
+    acc_t* lse_s = dS_s + Br * Bc;       // (Br,)       lse_i
+    acc_t* D_s = lse_s + Br;             // (Br,)       D_i
 
     const int tid = threadIdx.x;
-    const int bk = blockIdx.x;           // b * Hk + hk
-    const int b = bk / Hk, hk = bk - (bk / Hk) * Hk;
-    const int H = Hk * group;
-    const int kv0 = blockIdx.y * Bc;
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int Hk = gridDim.y, H = Hk * group;
+    const int kv0 = blockIdx.x * Bc;
     const int kv_rows = min(Bc, Nk - kv0);
 
-    load_tile<Bc, HEAD_DIM, DP>(K_s, k + ((size_t)bk * Nk + kv0) * HEAD_DIM, kv_rows);
-    load_tile<Bc, HEAD_DIM_V, DVP>(V_s, v + ((size_t)bk * Nk + kv0) * HEAD_DIM_V, kv_rows);
+    load_tile<Bc, HEAD_DIM, DP>(K_s, K + b * k_sb + hk * k_sh + kv0 * k_sr, k_sr, kv_rows);
+    load_tile<Bc, HEAD_DIM_V, DVP>(V_s, V + b * v_sb + hk * v_sh + kv0 * v_sr, v_sr, kv_rows);
     // (K_s, V_s are first read after the barrier that follows the first Q-tile load)
 
-    acc_t dk_acc[PER_THREAD(Bc * HEAD_DIM)];
-    acc_t dv_acc[PER_THREAD(Bc * HEAD_DIM_V)];
+    acc_t dk_acc[PER_THREAD(Bc * HEAD_DIM)];    // dKj elements tid, tid + NUM_THREADS, ...
+    acc_t dv_acc[PER_THREAD(Bc * HEAD_DIM_V)];  // dVj elements likewise
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) dk_acc[t] = 0;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM_V); ++t) dv_acc[t] = 0;
 
-    // first query row that sees key kv0: i + causal_offset >= kv0; earlier Q tiles are skipped
-    int i_tile0 = 0;
+    // causal: the first query row that sees key kv0 is i = kv0 - causal_offset; Q tiles
+    // before its tile are never loaded (all their P would be 0)
+    int it0 = 0;
     if (causal) {
-        const int i_min = kv0 - causal_offset;
-        i_tile0 = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + Br - 1) / Br : i_min / Br);
+        const long long i_min = (long long)kv0 - causal_offset;
+        it0 = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + Br - 1) / Br : (int)(i_min / Br));
     }
     const int n_q_tiles = (Nq + Br - 1) / Br;
 
     for (int g = 0; g < group; ++g) {
-        const size_t bq = (size_t)b * H + (size_t)hk * group + g;  // query head (b, h)
-        for (int it = i_tile0; it < n_q_tiles; ++it) {
+        const int h = hk * group + g;    // query head of the GQA group
+        const size_t bh = (size_t)b * H + h;
+        const scalar_t* Qb = Q + b * q_sb + h * q_sh;
+        const scalar_t* dOb = dO + b * do_sb + h * do_sh;
+        for (int it = it0; it < n_q_tiles; ++it) {
             const int q0 = it * Br;
             const int q_rows = min(Br, Nq - q0);
-            load_tile<Br, HEAD_DIM, DP>(Q_s, q + (bq * Nq + q0) * HEAD_DIM, q_rows);
-            load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + (bq * Nq + q0) * HEAD_DIM_V, q_rows);
+            load_tile<Br, HEAD_DIM, DP>(Q_s, Qb + q0 * q_sr, q_sr, q_rows);
+            load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dOb + q0 * do_sr, do_sr, q_rows);
             for (int r = tid; r < Br; r += NUM_THREADS) {
-                lse_s[r] = r < q_rows ? gload(lse + bq * Nq + q0 + r) : acc_t(0);
-                D_s[r] = r < q_rows ? gload(D + bq * Nq + q0 + r) : acc_t(0);
+                lse_s[r] = r < q_rows ? gload(LSE + bh * Nq + q0 + r) : acc_t(0);
+                D_s[r] = r < q_rows ? gload(D + bh * Nq + q0 + r) : acc_t(0);
             }
             __syncthreads();  // Qi, dOi, lse_i, D_i (and, on the first pass, Kj, Vj) are in smem
 
-            // -- recompute P = exp(scale * Qi Kj^T - lse) and dS = P * (dOi Vj^T - D)
+            // -- recompute P = exp(scale * Qi Kj^T - lse_i) and dS = P * (dOi Vj^T - D_i)
             for (int e = tid; e < Br * Bc; e += NUM_THREADS) {
                 const int r = e / Bc, c = e - (e / Bc) * Bc;
                 const bool visible = r < q_rows && c < kv_rows &&
                                      (!causal || kv0 + c <= q0 + r + causal_offset);
                 acc_t p = 0, ds = 0;
                 // lse = -inf only for rows that see no key: P = 0 there, not exp(inf) = NaN
-                if (visible && lse_s[r] != -INFINITY) {
+                if (visible && lse_s[r] != acc_t(-INFINITY)) {
                     acc_t s = 0, dp = 0;
 #pragma unroll 8
                     for (int kk = 0; kk < HEAD_DIM; ++kk) s += Q_s[r * DP + kk] * K_s[c * DP + kk];
@@ -232,7 +249,7 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ q,
             }
             __syncthreads();  // P_s, dS_s complete before the transposed products read them
 
-            // -- dVj += P^T dOi ; dKj += dS^T Qi (scale applied at the end)
+            // -- dVj += P^T dOi ; dKj += dS^T Qi (scale applied once, at the end)
 #pragma unroll
             for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM_V); ++t) {
                 const int e = tid + t * NUM_THREADS;
@@ -253,22 +270,23 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ q,
                     dk_acc[t] += acc;
                 }
             }
-            // -- dQi += scale * dS Kj, float32 atomics (non-deterministic order)
+            // -- dQi += scale * dS Kj by float32 atomics (summation order not fixed)
             if (atomic_dq) {
                 for (int e = tid; e < q_rows * HEAD_DIM; e += NUM_THREADS) {
                     const int r = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
                     acc_t acc = 0;
                     for (int c = 0; c < kv_rows; ++c) acc += dS_s[r * Bc + c] * K_s[c * DP + kk];
-                    gatomic_add(dq_accum + (bq * Nq + q0 + r) * HEAD_DIM + kk, (float)(scale * acc));
+                    gatomic_add(dq_accum + (bh * Nq + q0 + r) * HEAD_DIM + kk, (float)(scale * acc));
                 }
             }
-            __syncthreads();  // every read of Q_s, dO_s, P_s, dS_s done before the next tile overwrites them
+            __syncthreads();  // all reads of Q_s, dO_s, P_s, dS_s done before the next tile overwrites them
         }
     }
 
-    // -- write dKj = scale * dS^T Q, dVj (rows past Nk are not written)
-    scalar_t* dk_tile = dk + ((size_t)bk * Nk + kv0) * HEAD_DIM;
-    scalar_t* dv_tile = dv + ((size_t)bk * Nk + kv0) * HEAD_DIM_V;
+    // -- write dKj = scale * sum dS^T Q and dVj (rows past Nk are not written)
+    const size_t bhk = (size_t)b * Hk + hk;
+    scalar_t* dk_tile = dK + (bhk * Nk + kv0) * HEAD_DIM;
+    scalar_t* dv_tile = dV + (bhk * Nk + kv0) * HEAD_DIM_V;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
@@ -282,64 +300,73 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ q,
 }
 
 // ---------------------------------------------------------------------------------------
-// Deterministic dQ: grid = (B*H, ceil(Nq/Br)). Qi, dOi resident; Kj, Vj streamed.
-extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ q,
-                                        const scalar_t* __restrict__ k,
-                                        const scalar_t* __restrict__ v,
+// Deterministic dQ: grid = (ceil(Nq/Br), H, B). Qi, dOi resident; Kj, Vj streamed.
+extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ Q,
+                                        const scalar_t* __restrict__ K,
+                                        const scalar_t* __restrict__ V,
                                         const scalar_t* __restrict__ dO,
-                                        const acc_t* __restrict__ lse,
+                                        const acc_t* __restrict__ LSE,
                                         const acc_t* __restrict__ D,
-                                        scalar_t* __restrict__ dq,
-                                        int Nq, int Nk, int Hk, int group, acc_t scale,
-                                        int causal, int causal_offset) {
+                                        scalar_t* __restrict__ dQ,
+                                        int Nq, int Nk, int group, int causal, int causal_offset,
+                                        long long q_sb, long long q_sh, long long q_sr,
+                                        long long k_sb, long long k_sh, long long k_sr,
+                                        long long v_sb, long long v_sh, long long v_sr,
+                                        long long do_sb, long long do_sh, long long do_sr,
+                                        acc_t scale) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
-    acc_t* Q_s = smem;                   // (Br, d+1)   Qi
-    acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi
-    acc_t* K_s = dO_s + Br * DVP;        // (Bc, d+1)   Kj
-    acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj
+    acc_t* Q_s = smem;                   // (Br, d+1)   Qi, resident
+    acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi, resident
+    acc_t* K_s = dO_s + Br * DVP;        // (Bc, d+1)   Kj, streamed
+    acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj, streamed
     acc_t* dS_s = V_s + Bc * DVP;        // (Br, Bc)    dS of (Qi, Kj)
-    acc_t* lse_s = dS_s + Br * Bc;       // (Br,)
-    acc_t* D_s = lse_s + Br;             // (Br,)
+    acc_t* lse_s = dS_s + Br * Bc;       // (Br,)       lse_i
+    acc_t* D_s = lse_s + Br;             // (Br,)       D_i
 
     const int tid = threadIdx.x;
-    const size_t bq = blockIdx.x;        // b * H + h
-    const int H = Hk * group;
-    const int b = (int)(bq / H), h = (int)(bq - (bq / H) * H);
-    const size_t bk = (size_t)b * Hk + h / group;
-    const int q0 = blockIdx.y * Br;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / group;            // grouped-query: kv head of query head h
+    const size_t bh = (size_t)b * gridDim.y + h;
+    const int q0 = blockIdx.x * Br;
     const int q_rows = min(Br, Nq - q0);
+    const scalar_t* Kb = K + b * k_sb + hk * k_sh;
+    const scalar_t* Vb = V + b * v_sb + hk * v_sh;
 
-    load_tile<Br, HEAD_DIM, DP>(Q_s, q + (bq * Nq + q0) * HEAD_DIM, q_rows);
-    load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + (bq * Nq + q0) * HEAD_DIM_V, q_rows);
+    load_tile<Br, HEAD_DIM, DP>(Q_s, Q + b * q_sb + h * q_sh + q0 * q_sr, q_sr, q_rows);
+    load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + b * do_sb + h * do_sh + q0 * do_sr, do_sr, q_rows);
     for (int r = tid; r < Br; r += NUM_THREADS) {
-        lse_s[r] = r < q_rows ? gload(lse + bq * Nq + q0 + r) : acc_t(0);
-        D_s[r] = r < q_rows ? gload(D + bq * Nq + q0 + r) : acc_t(0);
+        lse_s[r] = r < q_rows ? gload(LSE + bh * Nq + q0 + r) : acc_t(0);
+        D_s[r] = r < q_rows ? gload(D + bh * Nq + q0 + r) : acc_t(0);
     }
-    // (read after the barrier that follows the first K/V load)
+    // (first read after the barrier that follows the first K/V load)
 
-    acc_t dq_acc[PER_THREAD(Br * HEAD_DIM)];
+    acc_t dq_acc[PER_THREAD(Br * HEAD_DIM)];  // dQi elements tid, tid + NUM_THREADS, ...
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) dq_acc[t] = 0;
 
-    // keys this tile can see: j <= (q0 + q_rows - 1) + causal_offset; later KV tiles skipped
+    // causal: keys this tile can see are j <= (q0 + q_rows - 1) + causal_offset; KV tiles
+    // past them are never loaded
     int kv_end = Nk;
-    if (causal) kv_end = max(0, min(Nk, q0 + q_rows + causal_offset));
+    if (causal) {
+        const long long last = (long long)q0 + q_rows + causal_offset;
+        kv_end = (int)(last < 0 ? 0 : (last > Nk ? Nk : last));
+    }
     const int n_kv_tiles = (kv_end + Bc - 1) / Bc;
 
     for (int jt = 0; jt < n_kv_tiles; ++jt) {
         const int kv0 = jt * Bc;
         const int kv_rows = min(Bc, Nk - kv0);
-        load_tile<Bc, HEAD_DIM, DP>(K_s, k + (bk * Nk + kv0) * HEAD_DIM, kv_rows);
-        load_tile<Bc, HEAD_DIM_V, DVP>(V_s, v + (bk * Nk + kv0) * HEAD_DIM_V, kv_rows);
+        load_tile<Bc, HEAD_DIM, DP>(K_s, Kb + kv0 * k_sr, k_sr, kv_rows);
+        load_tile<Bc, HEAD_DIM_V, DVP>(V_s, Vb + kv0 * v_sr, v_sr, kv_rows);
         __syncthreads();  // Kj, Vj (and, on the first pass, Qi, dOi, lse_i, D_i) are in smem
 
-        // -- recompute P and dS = P * (dOi Vj^T - D) for this (Qi, Kj) tile
+        // -- recompute P and dS = P * (dOi Vj^T - D_i) for this (Qi, Kj) tile
         for (int e = tid; e < Br * Bc; e += NUM_THREADS) {
             const int r = e / Bc, c = e - (e / Bc) * Bc;
             const bool visible = r < q_rows && c < kv_rows &&
                                  (!causal || kv0 + c <= q0 + r + causal_offset);
             acc_t ds = 0;
-            if (visible && lse_s[r] != -INFINITY) {
+            if (visible && lse_s[r] != acc_t(-INFINITY)) {
                 acc_t s = 0, dp = 0;
 #pragma unroll 8
                 for (int kk = 0; kk < HEAD_DIM; ++kk) s += Q_s[r * DP + kk] * K_s[c * DP + kk];
@@ -352,7 +379,7 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ q,
         }
         __syncthreads();  // dS_s complete before dS Kj reads it
 
-        // -- dQi += dS Kj (scale applied at the end)
+        // -- dQi += dS Kj (scale applied once, at the end)
 #pragma unroll
         for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
             const int e = tid + t * NUM_THREADS;
@@ -366,7 +393,7 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ q,
         __syncthreads();  // reads of K_s, V_s, dS_s done before the next Kj, Vj overwrite them
     }
 
-    scalar_t* dq_tile = dq + (bq * Nq + q0) * HEAD_DIM;
+    scalar_t* dq_tile = dQ + (bh * Nq + q0) * HEAD_DIM;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
@@ -377,8 +404,8 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ q,
 // ---------------------------------------------------------------------------------------
 // Atomic path, last step: dq = dq_accum in the input dtype (grid-stride, coalesced).
 extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ dq_accum,
-                                                scalar_t* __restrict__ dq, long long n) {
+                                                scalar_t* __restrict__ dQ, long long n) {
     for (long long e = (long long)blockIdx.x * NUM_THREADS + threadIdx.x; e < n;
          e += (long long)gridDim.x * NUM_THREADS)
-        gstore(dq + e, from_acc((acc_t)gload(dq_accum + e)));
+        gstore(dQ + e, from_acc((acc_t)gload(dq_accum + e)));
 }
