@@ -284,3 +284,126 @@ def online_softmax_rows(runtime, x, chunk_size=None):
     grid = (-(-rows // rows_per_block),)
     fn(grid, (t.threads(rows_per_block, 0, 0, 0),), args, shared_mem=0)
     return p, m, l
+
+
+# --------------------------------------------------------------------------
+# the public functions that run kernels, parameterised by the runtime; the
+# "cuda" and "emulator" backend modules are thin wrappers around these
+# --------------------------------------------------------------------------
+def _stat_out(xp, a, scalar):
+    """Statistics in float64 like the reference (0-d for 1-D input on NumPy: np.float64)."""
+    a = a.astype(np.float64)
+    if scalar and xp is np:
+        return np.float64(a[()])
+    return a
+
+
+def api_online_softmax(runtime, x, chunk_size, return_stats, one_d):
+    """online_softmax / online_softmax_2d through the online_softmax_rows kernel."""
+    from ._validate import check_float_dtype, check_positive_int
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"x must be an array, got {type(x).__module__}.{type(x).__name__}")
+    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if one_d and x.ndim != 1:
+        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
+                         "use online_softmax_2d for rows")
+    if x.ndim < 1:
+        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
+    p, m, l = online_softmax_rows(runtime, x, chunk_size)
+    if not return_stats:
+        return p
+    xp = runtime.xp
+    return p, _stat_out(xp, m, one_d), _stat_out(xp, l, one_d)
+
+
+def api_tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse):
+    """tiled_attention through flash_fwd (validation once, here)."""
+    from ._validate import check_attention_inputs
+    spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
+                                  block_kv=block_kv)
+    o, lse = flash_fwd(runtime, q, k, v, spec)
+    return (o, lse) if return_lse else o
+
+
+def api_tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_q, block_kv,
+                                 deterministic):
+    """tiled_attention_backward through the backward kernels (cuflash._launch_bwd)."""
+    from ._validate import check_backward_inputs
+    from . import _launch_bwd  # lazily: the backward launcher is its own module
+    spec = check_backward_inputs(do, q, k, v, o, lse, scale=scale, causal=causal,
+                                 block_q=block_q, block_kv=block_kv)
+    return _launch_bwd.flash_bwd(runtime, do, q, k, v, o, lse, spec,
+                                 deterministic=deterministic)
+
+
+def _dtype_label(dtype):
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads):
+    """memory_analysis for the kernels: the reference's model with the kernel's tiles.
+
+    The tiles and ``sram_bytes_per_block`` are those flash_fwd launches with
+    (cuflash.tiling, against this runtime's shared-memory limit, which is
+    reported); the tiled extra memory is what the kernel path keeps in global
+    memory besides q, k, v, o: the lse rows (m, l and the S/P tile live in
+    registers and shared memory).  The HBM model is the reference's
+    (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
+    :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
+    the kernel is measured to move.
+    """
+    from . import reference
+    from ._validate import check_positive_int
+    d_ = check_positive_int(d, "d")
+    bq = check_positive_int(block_q, "block_q")
+    bkv = check_positive_int(block_kv, "block_kv")
+    label = _dtype_label(dtype)
+    plan = runtime.plan("flash_fwd", d_, d_, label, bq, bkv)
+    out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
+                                    block_kv=plan.block_kv, batch=batch, heads=heads)
+    BH = out["batch"] * out["heads"]
+    lse_bytes = BH * out["N"] * plan.acc_bytes
+    out.update({
+        "backend": runtime.name,
+        "kernel": plan.kernel,
+        "tiles_chosen": plan.chosen,
+        "threads_per_block": plan.threads,
+        "sram_bytes_per_block": plan.shared_bytes,
+        "sram_layout": tiling.kernel_tiling("flash_fwd").layout(
+            plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
+        "sram_limit_bytes": plan.limit,
+        "sram_limit_source": plan.limit_source,
+        "tiled_extra_bytes": lse_bytes,
+        "tiled_stats_bytes": lse_bytes,
+        "tiled_tile_bytes": 0,
+    })
+    out["ratio_extra"] = (out["standard_extra_bytes"] / lse_bytes if lse_bytes
+                          else float("inf"))
+    return out
+
+
+def api_verify_no_full_materialization(runtime, q, k, v, block_size):
+    """Run flash_fwd with block_q = block_kv = block_size and report the largest intermediate.
+
+    Intermediates are what the kernel path allocates besides the returned o:
+    the lse array (global memory), any contiguous/broadcast copy of an input,
+    and the kernel's shared-memory tiles (Qs, Ks, Vs, Ps of cuflash.tiling).
+    None of them grows with Nq * Nk.
+    """
+    from ._validate import check_attention_inputs
+    if block_size is None:
+        raise ValueError("block_size must be a positive int, got None")
+    spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
+    with track_allocations() as ledger:
+        o, _ = flash_fwd(runtime, q, k, v, spec)
+    plan = runtime.plan("flash_fwd", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
+    sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]  # shared-memory tiles
+    for what, shape in ledger:
+        if what != "o":
+            n = 1
+            for s in shape:
+                n *= int(s)
+            sizes.append(n)
+    return o, int(max(sizes))

@@ -1,0 +1,189 @@
+"""The "cuda" backend: CuPy arrays, the kernels of ``kernels_cu/`` compiled by NVRTC.
+
+Kernels are compiled at run time by ``cupy.RawModule`` (NVRTC for the current
+device's architecture), specialised by ``-D`` defines and cached per device
+(:mod:`cuflash.kernels`); tile sizes and the shared-memory budget come from
+:mod:`cuflash.tiling` against the device's ``MaxSharedMemoryPerBlockOptin``.
+The launch code is the same as the emulator's (:mod:`cuflash._launch`).
+
+``standard_attention`` / ``standard_attention_backward`` are plain CuPy
+(cuBLAS matmuls and an elementwise softmax): the baseline users would write,
+deliberately not a custom kernel.
+
+Every function has the signature of the front (``cuflash.<name>``) minus
+``backend=``; the documentation is on :mod:`cuflash.reference`.
+"""
+import numpy as np
+
+from . import _launch, kernels
+from ._validate import check_attention_inputs, check_backward_inputs
+
+__all__ = [
+    "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
+    "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
+    "memory_analysis", "verify_no_full_materialization", "runtime",
+]
+
+_RUNTIMES = {}
+
+
+def runtime():
+    """The :class:`cuflash.kernels.Runtime` of the current CuPy device."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _RUNTIMES:
+        _RUNTIMES[dev] = kernels.get_runtime("cuda")
+    return _RUNTIMES[dev]
+
+
+def is_available():
+    """(True, device) when CuPy imports and sees a CUDA device, else (False, why)."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
+        return False, f"cupy is not importable ({type(e).__name__}: {e}); " \
+                      "pip install cuflash[cuda12] or cuflash[cuda13]"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"cupy cannot reach a CUDA device ({type(e).__name__}: {e})"
+    if n < 1:
+        return False, "cupy found no CUDA device"
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props.get("name", b"?")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return True, f"{n} CUDA device(s), current: {name}"
+
+
+def online_softmax(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
+    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
+
+
+def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
+    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
+
+
+# --------------------------------------------------------------------------
+# standard attention: plain array code over xp (cupy here; the tests also run
+# it with numpy to check it without a GPU)
+# --------------------------------------------------------------------------
+def _compute_dtype(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def _grouped(x, spec, kv):
+    """Split the heads axis for grouped-query attention: q/do (.., Hk, g, N, d), k/v (.., Hk, 1, N, d)."""
+    if spec.group == 1:
+        return x
+    if kv:
+        return x.reshape(x.shape[:-3] + (x.shape[-3], 1) + x.shape[-2:])
+    H = x.shape[-3]
+    return x.reshape(x.shape[:-3] + (H // spec.group, spec.group) + x.shape[-2:])
+
+
+def _probs(xp, spec, q, k):
+    """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0."""
+    ct = _compute_dtype(spec.dtype)
+    s = xp.matmul(q.astype(ct) * ct(spec.scale), xp.swapaxes(k.astype(ct), -1, -2))
+    if spec.causal is not None:
+        off = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
+        i = xp.arange(spec.Nq)[:, None]
+        j = xp.arange(spec.Nk)[None, :]
+        s = xp.where(j <= i + off, s, ct(-np.inf))
+    if spec.Nk == 0:
+        return s
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isneginf(m), ct(0), m)
+    e = xp.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    return e / xp.where(l == 0, ct(1), l)
+
+
+def _sum_to(xp, a, shape):
+    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting)."""
+    extra = a.ndim - len(shape)
+    if extra:
+        a = a.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
+    if axes:
+        a = a.sum(axis=axes, keepdims=True)
+    return a.reshape(shape)
+
+
+def _standard_forward(xp, q, k, v, spec):
+    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
+    p = _probs(xp, spec, qg, kg)
+    o = xp.matmul(p, vg.astype(p.dtype))
+    lead = spec.lead
+    return (o.reshape(lead + (spec.Nq, spec.dv)).astype(spec.dtype),
+            p.reshape(lead + (spec.Nq, spec.Nk)).astype(spec.dtype))
+
+
+def _standard_backward(xp, do, q, k, v, spec):
+    ct = _compute_dtype(spec.dtype)
+    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
+    dog = _grouped(do, spec, False).astype(ct)
+    p = _probs(xp, spec, qg, kg)                                     # stored P
+    dv_ = xp.matmul(xp.swapaxes(p, -1, -2), dog)                     # P^T dO
+    dp = xp.matmul(dog, xp.swapaxes(vg.astype(ct), -1, -2))          # dO V^T
+    D = (p * dp).sum(axis=-1, keepdims=True)                         # rowsum(P * dP)
+    ds = p * (dp - D)
+    dq = xp.matmul(ds, kg.astype(ct)) * ct(spec.scale)
+    dk = xp.matmul(xp.swapaxes(ds, -1, -2), qg.astype(ct)) * ct(spec.scale)
+    dq = _sum_to(xp, dq.reshape(spec.lead + (spec.Nq, spec.d)), q.shape)
+    if spec.group > 1:  # sum over the query heads of each group first
+        dk, dv_ = dk.sum(axis=-3), dv_.sum(axis=-3)
+    return (dq.astype(spec.dtype), _sum_to(xp, dk, k.shape).astype(spec.dtype),
+            _sum_to(xp, dv_, v.shape).astype(spec.dtype))
+
+
+def standard_attention(q, k, v, *, scale=None, causal=False):
+    """Plain CuPy attention (cuBLAS matmul + softmax), materialising P.
+
+    See Also ``cuflash.reference.standard_attention``.
+    """
+    import cupy
+    spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
+    return _standard_forward(cupy, q, k, v, spec)
+
+
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+    """Plain CuPy stored-P backward. See Also ``cuflash.reference.standard_attention_backward``."""
+    import cupy
+    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal)
+    return _standard_backward(cupy, do, q, k, v, spec)
+
+
+def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
+                    return_lse=False):
+    """Kernel flash_fwd. See Also ``cuflash.reference.tiled_attention``."""
+    return _launch.api_tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
+                                       return_lse)
+
+
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
+                             block_kv=None, deterministic=False):
+    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.reference.tiled_attention_backward``."""
+    return _launch.api_tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
+                                                block_q, block_kv, deterministic)
+
+
+def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
+                    heads=1):
+    """The model with flash_fwd's tiles against this device's shared-memory limit.
+
+    See Also ``cuflash.reference.memory_analysis``; the extra keys are described
+    in ``cuflash._launch.api_memory_analysis``.
+    """
+    return _launch.api_memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+                                       heads)
+
+
+def verify_no_full_materialization(q, k, v, block_size):
+    """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
+
+    See Also ``cuflash.reference.verify_no_full_materialization``.
+    """
+    return _launch.api_verify_no_full_materialization(runtime(), q, k, v, block_size)

@@ -1,0 +1,107 @@
+"""The "emulator" backend: the CUDA C kernels of ``kernels_cu/`` executed on the CPU.
+
+NumPy arrays in and out.  The kernels are the same sources the "cuda" backend
+compiles with NVRTC; here ``cuflash.emulator`` compiles them with the host C++
+compiler and runs them with CUDA's execution semantics (slow: for tests,
+debugging and learning).  The launch code is shared with the "cuda" backend
+(:mod:`cuflash._launch`); tile sizes are held to a nominal sm_80 shared-memory
+limit (:mod:`cuflash.tiling`), which ``memory_analysis`` reports.
+
+Every function has the signature of the front (``cuflash.<name>``) minus
+``backend=``; the documentation is on :mod:`cuflash.reference`.
+"""
+import os
+import shutil
+
+from . import _launch, kernels, reference
+
+__all__ = [
+    "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
+    "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
+    "memory_analysis", "verify_no_full_materialization", "runtime",
+]
+
+_RUNTIMES = {}
+
+
+def runtime(race_check=False):
+    """The emulator :class:`cuflash.kernels.Runtime` (race_check: under ThreadSanitizer)."""
+    key = bool(race_check)
+    if key not in _RUNTIMES:
+        _RUNTIMES[key] = kernels.get_runtime("emulator", race_check=key)
+    return _RUNTIMES[key]
+
+
+def is_available():
+    """(True, compiler) when a C++20 host compiler is found, else (False, why)."""
+    try:
+        from . import emulator
+    except ImportError as e:
+        return False, f"cuflash.emulator cannot be imported: {e}"
+    check = getattr(emulator, "is_available", None)
+    if check is not None:
+        return check()
+    cxx = os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        return False, f"no C++20 compiler: {cxx!r} not found on PATH (set CXX)"
+    return True, f"host compiler {path}"
+
+
+def online_softmax(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
+    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
+
+
+def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
+    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
+
+
+def standard_attention(q, k, v, *, scale=None, causal=False):
+    """The NumPy reference's standard attention (the baseline users would write is not a kernel).
+
+    See Also ``cuflash.reference.standard_attention``.
+    """
+    return reference.standard_attention(q, k, v, scale=scale, causal=causal)
+
+
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+    """The NumPy reference's stored-P backward (not a kernel).
+
+    See Also ``cuflash.reference.standard_attention_backward``.
+    """
+    return reference.standard_attention_backward(do, q, k, v, scale=scale, causal=causal)
+
+
+def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
+                    return_lse=False):
+    """Kernel flash_fwd. See Also ``cuflash.reference.tiled_attention``."""
+    return _launch.api_tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
+                                       return_lse)
+
+
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
+                             block_kv=None, deterministic=False):
+    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.reference.tiled_attention_backward``."""
+    return _launch.api_tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
+                                                block_q, block_kv, deterministic)
+
+
+def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
+                    heads=1):
+    """The model with flash_fwd's tiles and shared memory (nominal sm_80 limit).
+
+    See Also ``cuflash.reference.memory_analysis``; the extra keys are described
+    in ``cuflash._launch.api_memory_analysis``.
+    """
+    return _launch.api_memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+                                       heads)
+
+
+def verify_no_full_materialization(q, k, v, block_size):
+    """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
+
+    See Also ``cuflash.reference.verify_no_full_materialization``.
+    """
+    return _launch.api_verify_no_full_materialization(runtime(), q, k, v, block_size)
