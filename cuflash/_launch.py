@@ -12,6 +12,8 @@ Helpers the backward launcher (``cuflash/_launch_bwd.py``) reuses:
 * :func:`flatten_lead` -- element strides (batch, head, row) of an input for
   those problems (stride 0 for broadcast axes, the kv head stride for grouped
   heads), copying only when unavoidable;
+* :func:`pointer_arg` -- an input (possibly a strided view) as a kernel pointer
+  argument of the runtime;
 * :func:`alloc_output` -- ``xp.empty`` plus the test hook that poisons outputs;
 * :func:`get_kernel` -- the compiled kernel for a tile plan;
 * :func:`track_allocations` -- records every array the launch path allocates
@@ -25,7 +27,7 @@ import numpy as np
 from . import kernels, tiling
 
 __all__ = [
-    "problem_dims", "flatten_lead", "contiguous_strides", "alloc_output", "output_hook",
+    "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output", "output_hook",
     "track_allocations", "get_kernel", "flash_fwd", "online_softmax_rows", "MAX_GRID_YZ",
 ]
 
@@ -111,13 +113,34 @@ def _collapse(sizes, strides):
     return dims[-1][1]
 
 
-def flatten_lead(xp, x, lead, grouped=False):
+def pointer_arg(runtime, x):
+    """``x`` as a kernel pointer argument for this runtime (the address of ``x[0, ..., 0]``).
+
+    CuPy passes any array's data pointer.  The emulator accepts only C-contiguous
+    arrays (so that a pointer is never mistaken for a strided view); a strided
+    view with non-negative strides is therefore handed over as the contiguous
+    1-D span of its buffer that starts at its first element (the same address;
+    the kernel applies the strides).  Negative strides have been removed by
+    :func:`flatten_lead` for such runtimes.
+    """
+    if getattr(runtime, "name", None) != "emulator" or x.flags.c_contiguous:
+        return x
+    if any(s < 0 for s in x.strides):
+        raise ValueError("internal: negative strides reached the emulator (flatten_lead copies them)")
+    span = sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.itemsize if x.size else 0
+    n = -(-span // x.itemsize)
+    return np.lib.stride_tricks.as_strided(x, shape=(n,), strides=(x.itemsize,))
+
+
+def flatten_lead(runtime, x, lead, grouped=False):
     """Address ``x`` (shape ``x_lead + (N, dim)``) as the (B, H) problems of ``lead``.
 
     Parameters
     ----------
-    xp : module
-        numpy or cupy.
+    runtime : cuflash.kernels.Runtime, or the module numpy/cupy
+        Gives the array module; with a Runtime whose kernels cannot take
+        negative strides (the emulator) such inputs are copied.  Pass the
+        returned ``arr`` through :func:`pointer_arg` when launching.
     x : ndarray
         An input whose leading dims broadcast to ``lead`` -- or, with
         ``grouped=True``, whose last leading dim is the kv head count Hk of
@@ -145,7 +168,10 @@ def flatten_lead(xp, x, lead, grouped=False):
     is no single stride, and ``x`` is materialised by a broadcast copy of shape
     ``lead[:-1] + (heads,) + x.shape[-2:]`` (heads = 1, Hk or H as x has them).
     """
-    if x.ndim >= 1 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+    xp = getattr(runtime, "xp", runtime)
+    no_negative = getattr(runtime, "name", None) == "emulator"
+    if (x.ndim >= 1 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize) or (
+            no_negative and any(s < 0 for s in x.strides)):
         x = xp.ascontiguousarray(x)
         _record("contiguous copy", x)
     es = _elem_strides(x)
@@ -228,16 +254,16 @@ def flash_fwd(runtime, q, k, v, spec):
                          f"leading shape {spec.lead} gives H={H}, B={B} (limit {MAX_GRID_YZ} "
                          "each); reshape the leading dims")
     grouped = spec.group > 1
-    q_, qs = flatten_lead(xp, q, spec.lead)
-    k_, ks = flatten_lead(xp, k, spec.lead, grouped)
-    v_, vs = flatten_lead(xp, v, spec.lead, grouped)
+    q_, qs = flatten_lead(runtime, q, spec.lead)
+    k_, ks = flatten_lead(runtime, k, spec.lead, grouped)
+    v_, vs = flatten_lead(runtime, v, spec.lead, grouped)
     o_sb, o_sh = contiguous_strides(spec.lead, (spec.Nq, spec.dv))
     l_sb, l_sh = contiguous_strides(spec.lead, (spec.Nq,))
     causal = spec.causal is not None
     offset = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
     fn = get_kernel(runtime, "flash_fwd.cu", "flash_fwd", kernels.fwd_defines(plan), plan)
     i32, i64 = np.int32, np.int64
-    args = (q_, k_, v_, o, lse,
+    args = (pointer_arg(runtime, q_), pointer_arg(runtime, k_), pointer_arg(runtime, v_), o, lse,
             i32(spec.Nq), i32(spec.Nk), i32(spec.group), i32(causal), i32(offset),
             *(i64(s) for s in qs), *(i64(s) for s in ks), *(i64(s) for s in vs),
             i64(o_sb), i64(o_sh), i64(spec.dv), i64(l_sb), i64(l_sh),
@@ -268,7 +294,8 @@ def online_softmax_rows(runtime, x, chunk_size=None):
     if rows == 0:
         return p, m, l
     x2 = x.reshape(rows, M)
-    if M > 1 and x2.strides[-1] != x2.itemsize:
+    if (M > 1 and x2.strides[-1] != x2.itemsize) or (
+            runtime.name == "emulator" and any(st < 0 for st in x2.strides)):
         x2 = xp.ascontiguousarray(x2)
         _record("contiguous copy", x2)
     es = _elem_strides(x2)
@@ -279,7 +306,7 @@ def online_softmax_rows(runtime, x, chunk_size=None):
     chunk = max(1, min(chunk, 2 ** 31 - 1))
     fn = get_kernel(runtime, "online_softmax.cu", "online_softmax_rows",
                     {kernels.dtype_define(x.dtype): None})
-    args = (x2, p.reshape(rows, M), m.reshape(rows), l.reshape(rows),
+    args = (pointer_arg(runtime, x2), p.reshape(rows, M), m.reshape(rows), l.reshape(rows),
             np.int32(rows), np.int32(M), np.int32(chunk), np.int64(es[0]), np.int64(M))
     grid = (-(-rows // rows_per_block),)
     fn(grid, (t.threads(rows_per_block, 0, 0, 0),), args, shared_mem=0)

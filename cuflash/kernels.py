@@ -177,8 +177,8 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
 
     Modules are cached per (device or emulator mode, file, options).  When
     ``shared_bytes`` exceeds the 48 KB launch default, the kernel's
-    ``max_dynamic_shared_size_bytes`` is raised to it on CuPy (the emulator has
-    no such limit; plans there are checked against a nominal one instead).
+    ``max_dynamic_shared_size_bytes`` is raised to it (CuPy, and the emulator,
+    which mirrors the attribute; plans there are checked against a nominal limit).
     """
     options = build_options(defines)
     key = (runtime.device_key, filename, options)
@@ -189,7 +189,8 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
         with _CACHE_LOCK:
             _CACHE[key] = mod
     fn = mod.get_function(kernel_name)
-    if runtime.name == "cuda" and shared_bytes > tiling.STATIC_SMEM_LIMIT:
+    # both CuPy and the emulator hold launches to this attribute (48 KB by default)
+    if shared_bytes > tiling.STATIC_SMEM_LIMIT:
         if getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_bytes:
             fn.max_dynamic_shared_size_bytes = int(shared_bytes)
     return fn
