@@ -1,0 +1,607 @@
+"""RawModule / RawKernel with CuPy's calling convention, executed on the CPU.
+
+The CUDA C source is compiled unchanged as C++ by the host compiler with
+``cuda_host.h`` force-included (docs/emulator.md), into a shared library that
+is cached on disk by a hash of the preprocessed source and the options.  Each
+``extern "C" __global__`` kernel gets a generated launcher that runs the grid
+one block at a time with the block's threads as real threads.
+"""
+import ctypes
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
+           "last_launch_stats", "cache_dir", "kernels_cu_dir"]
+
+_HERE = Path(__file__).resolve().parent
+HOST_HEADER = _HERE / "cuda_host.h"
+# bump when the generated launcher code changes (part of the cache key)
+_LAUNCHER_VERSION = "3"
+# -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
+_LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
+_TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
+_DEFAULT_ARCH = 800
+_MAX_THREADS_PER_BLOCK = 1024
+_DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # CUDA's limit without the opt-in attribute
+
+
+class CompileError(RuntimeError):
+    """The host compiler rejected the kernel source (message holds its output)."""
+
+
+class LaunchError(RuntimeError):
+    """A kernel failed while running (deadlock, trap, bad collective, ...)."""
+
+
+class RaceError(RuntimeError):
+    """ThreadSanitizer found a data race in a ``race_check=True`` launch.
+
+    ``report`` holds ThreadSanitizer's text (the racing accesses with source
+    lines, and the shared array involved).
+    """
+
+    def __init__(self, message, report=""):
+        super().__init__(message)
+        self.report = report
+
+
+def cache_dir():
+    """Where compiled kernel libraries are kept (``$CUFLASH_CACHE_DIR`` or ~/.cache/cuflash/emulator)."""
+    d = os.environ.get("CUFLASH_CACHE_DIR")
+    d = Path(d) / "emulator" if d else Path.home() / ".cache" / "cuflash" / "emulator"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def kernels_cu_dir():
+    """The kernels_cu/ directory: inside the installed package, or at the top of a checkout."""
+    pkg = _HERE.parent
+    for cand in (pkg / "kernels_cu", pkg.parent / "kernels_cu"):
+        if (cand / "portable.cuh").is_file():
+            return cand
+    raise FileNotFoundError(f"kernels_cu/portable.cuh not found next to {pkg}")
+
+
+def _cxx():
+    return os.environ.get("CXX", "g++")
+
+
+# ---------------------------------------------------------------- options
+# NVRTC options that mean nothing for the host build (code generation, debug info, ...)
+_IGNORED_WITH_VALUE = ("--use_fast_math", "-use_fast_math", "-lineinfo", "--generate-line-info",
+                       "-G", "--device-debug", "-dopt", "--extra-device-vectorization",
+                       "-extra-device-vectorization", "-restrict", "--restrict", "-w", "--disable-warnings",
+                       "-dlto", "--dlink-time-opt", "-ewp", "--extensible-whole-program",
+                       "--device-as-default-execution-space", "-default-device", "-rdc=false",
+                       "--relocatable-device-code=false", "-Werror", "--Werror", "-dw", "--dw",
+                       "--no-source-include", "-no-source-include", "--device-int128", "-device-int128")
+_IGNORED_PREFIXES = ("--std=", "-std=", "--fmad=", "-fmad=", "--ftz=", "-ftz=", "--prec-div=",
+                     "-prec-div=", "--prec-sqrt=", "-prec-sqrt=", "--maxrregcount=", "-maxrregcount=",
+                     "--ptxas-options=", "-Xptxas", "--split-compile=", "-split-compile=",
+                     "--diag-suppress=", "-diag-suppress=", "--diag-error=", "--diag-warn=",
+                     "--minimal", "-minimal", "--optimization-info=", "--Ofast-compile=", "-Ofast-compile=",
+                     "--relocatable-device-code=false", "-rdc=false", "--dopt=", "-dopt=",
+                     "--pre-include=", "-include=")
+
+
+def _parse_options(options):
+    """NVRTC-style options -> (host compiler flags, emulated arch as an int like 800).
+
+    -D/-U/-I (and --define-macro/--undefine-macro/--include-path) are passed on;
+    -arch/--gpu-architecture sets the emulated architecture (CUFLASH_ARCH, and
+    so __CUDA_ARCH__; sm_80 by default); code-generation options are ignored.
+    """
+    if isinstance(options, str):
+        options = (options,)
+    flags, arch = [], _DEFAULT_ARCH
+    it = iter(list(options))
+    for opt in it:
+        if not isinstance(opt, str):
+            raise TypeError(f"options must be strings, got {opt!r}")
+        o = opt.strip()
+        for long, short in (("--define-macro=", "-D"), ("--undefine-macro=", "-U"), ("--include-path=", "-I")):
+            if o.startswith(long):
+                o = short + o[len(long):]
+        if o in ("-D", "-U", "-I", "--define-macro", "--undefine-macro", "--include-path"):
+            val = next(it, None)
+            if val is None:
+                raise ValueError(f"option {o} needs a value")
+            o = {"--define-macro": "-D", "--undefine-macro": "-U", "--include-path": "-I"}.get(o, o) + val
+        if o.startswith(("-D", "-U", "-I")) and len(o) > 2:
+            if o.startswith("-I"):
+                o = "-I" + str(Path(o[2:]).resolve())
+            flags.append(o)
+            continue
+        m = re.fullmatch(r"(?:--gpu-architecture|-arch|--gpu-name)[= ]?(?:sm_|compute_)(\d+)[a-z]?", o)
+        if m is None and o in ("-arch", "--gpu-architecture"):
+            val = next(it, "")
+            m = re.fullmatch(r"(?:sm_|compute_)(\d+)[a-z]?", val)
+            if m is None:
+                raise ValueError(f"cannot read the architecture in {o} {val}")
+        if m is not None:
+            arch = int(m.group(1)) * 10
+            continue
+        if o in _IGNORED_WITH_VALUE or o.startswith(_IGNORED_PREFIXES):
+            continue
+        if o == "-Xptxas":
+            next(it, None)
+            continue
+        raise ValueError(f"option {opt!r} is not understood by the emulator "
+                         "(supported: -D, -U, -I, -arch/--gpu-architecture, and NVRTC code-generation options, which are ignored)")
+    return flags, arch
+
+
+# ---------------------------------------------------------------- kernel discovery
+_KERNEL_RE = re.compile(r'__cuflash_global__\s+void\s+([A-Za-z_]\w*)\s*\(([^)]*)\)')
+
+
+def _split_params(text):
+    text = text.strip()
+    if not text or text == "void":
+        return []
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [" ".join(p.split()) for p in out]
+
+
+def _param_name(decl, i):
+    m = re.search(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?\s*$", decl)
+    return m.group(1) if m else f"arg{i}"
+
+
+def _find_kernels(preprocessed):
+    """{name: (is_extern_c, [param declarations])} of the __global__ functions."""
+    kernels = {}
+    for m in _KERNEL_RE.finditer(preprocessed):
+        before = preprocessed[max(0, m.start() - 200):m.start()]
+        # the declaration's own prefix: text after the previous ';', '}' or '{'
+        prefix = re.split(r"[;{}]", before)[-1]
+        extern_c = 'extern "C"' in prefix or _inside_extern_c_block(preprocessed, m.start())
+        kernels[m.group(1)] = (extern_c, _split_params(m.group(2)))
+    return kernels
+
+
+def _inside_extern_c_block(text, pos):
+    start = text.rfind('extern "C"', 0, pos)
+    if start < 0:
+        return False
+    brace = text.find("{", start)
+    if brace < 0 or brace > pos or text[start + len('extern "C"'):brace].strip():
+        return False
+    depth = 0
+    for ch in text[brace:pos]:
+        depth += ch == "{"
+        depth -= ch == "}"
+    return depth > 0
+
+
+def _run(cmd, what, timeout=600, cwd=None):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except FileNotFoundError as e:
+        raise CompileError(f"{what}: the host C++ compiler {cmd[0]!r} was not found ({e}); "
+                           "install g++ or set CXX") from None
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"{what}: {cmd[0]} took longer than {timeout} s") from None
+    if r.returncode != 0:
+        raise CompileError(f"{what} failed (exit {r.returncode}):\n{shlex.join(cmd)}\n{r.stderr[-20000:]}")
+    return r
+
+
+def _launcher_code(kernels, tsan_main=False):
+    """C++ appended to the kernel source: one exported launcher and signature per kernel."""
+    lines = ["", "// ---- generated by cuflash.emulator ----"]
+    for name in kernels:
+        lines += [
+            f'static void __cuflash_entry_{name}(void** a) {{ ::cuflash_emu::invoke({name}, a); }}',
+            f'extern "C" __attribute__((visibility("default"))) int __cuflash_launch_{name}('
+            "const unsigned* grid, const unsigned* block, unsigned long long shmem, void** args, "
+            "unsigned long long* stats, char* err, size_t errlen) {",
+            f'  return ::cuflash_emu::launch("{name}", __cuflash_entry_{name}, args, grid, block, shmem, stats, err, errlen);',
+            "}",
+            f'extern "C" __attribute__((visibility("default"))) const char* __cuflash_sig_{name}() {{',
+            f"  static const std::string s = ::cuflash_emu::signature_of({name}); return s.c_str();",
+            "}",
+        ]
+    if tsan_main:
+        lines.append(_TSAN_MAIN.replace("@TABLE@", ", ".join(
+            f'{{"{n}", __cuflash_launch_{n}}}' for n in kernels)))
+    return "\n".join(lines) + "\n"
+
+
+# A standalone program for race checks: ThreadSanitizer must be loaded at
+# process start, so the launch runs in a child process that reads the
+# arguments from a file and writes the arrays back.
+_TSAN_MAIN = r'''
+#include <fstream>
+#include <iostream>
+typedef int (*cuflash_launcher_t)(const unsigned*, const unsigned*, unsigned long long, void**, unsigned long long*, char*, size_t);
+struct cuflash_entry_t { const char* name; cuflash_launcher_t fn; };
+static const cuflash_entry_t cuflash_table[] = {@TABLE@};
+// file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs\n then per arg: kind nbytes\n <raw bytes>
+int main(int argc, char** argv) {
+  if (argc != 3) { std::cerr << "usage: runner in out\n"; return 2; }
+  std::ifstream in(argv[1], std::ios::binary);
+  std::string name; unsigned g[3], b[3]; unsigned long long shmem; size_t nargs;
+  in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs;
+  std::vector<std::vector<unsigned char>> store(nargs);
+  std::vector<void*> ptrs(nargs), args(nargs);
+  std::vector<char> kinds(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    size_t n; in >> kinds[i] >> n; in.get();
+    store[i].resize(n + 64);
+    in.read(reinterpret_cast<char*>(store[i].data()), n);
+    if (kinds[i] == 'a') { ptrs[i] = store[i].data(); args[i] = &ptrs[i]; }
+    else args[i] = store[i].data();
+  }
+  cuflash_launcher_t fn = nullptr;
+  for (const auto& e : cuflash_table) if (name == e.name) fn = e.fn;
+  if (!fn) { std::cerr << "no kernel " << name << "\n"; return 2; }
+  unsigned long long stats[2] = {0, 0}; char err[4096] = {0};
+  int rc = fn(g, b, shmem, args.data(), stats, err, sizeof err);
+  std::ofstream out(argv[2], std::ios::binary);
+  out << rc << " " << stats[0] << " " << stats[1] << "\n" << err << "\n@@\n";
+  for (size_t i = 0; i < nargs; ++i)
+    if (kinds[i] == 'a') out.write(reinterpret_cast<const char*>(store[i].data()), store[i].size() - 64);
+  return 0;
+}
+'''
+
+
+# ---------------------------------------------------------------- stats
+_stats_lock = threading.Lock()
+_last_stats = None
+
+
+def last_launch_stats():
+    """Counters of the most recent launch in this process.
+
+    ``global_bytes_read`` / ``global_bytes_written`` count the bytes moved by the
+    kernels' ``gload``/``gstore``/``gatomic_add``/``__ldg``/``cp_async_16`` calls
+    (portable.cuh); plain pointer accesses are not counted.  Also ``blocks``,
+    ``threads_per_block``, ``dynamic_shared_bytes``, ``grid``, ``block``,
+    ``kernel`` and ``seconds`` (wall time of the launch).
+    """
+    with _stats_lock:
+        if _last_stats is None:
+            raise RuntimeError("no kernel has been launched by cuflash.emulator in this process")
+        return dict(_last_stats)
+
+
+def _set_stats(**kw):
+    global _last_stats
+    with _stats_lock:
+        _last_stats = kw
+
+
+# ---------------------------------------------------------------- module
+_libs = {}  # cache key -> ctypes.CDLL (a library is loaded once per process)
+_libs_lock = threading.Lock()
+
+
+class RawModule:
+    """CUDA C source compiled for the CPU; the emulator's ``cupy.RawModule``.
+
+    Parameters
+    ----------
+    code : str, optional
+        CUDA C source (exactly one of ``code`` and ``path``).
+    path : str or Path, optional
+        File holding the source; its directory is searched for ``#include "..."``.
+    options : tuple of str
+        NVRTC-style options: ``-DNAME=VALUE``, ``-UNAME``, ``-I<dir>``,
+        ``-arch=sm_XX`` (the emulated ``__CUDA_ARCH__``, default sm_80);
+        code-generation options (``--use_fast_math``, ``-std=...``, ...) are
+        ignored.  ``kernels_cu/`` is always on the include path.
+    name_expressions : sequence of str, optional
+        Accepted for CuPy compatibility; only plain ``extern "C"`` kernel names.
+    race_check : bool
+        Run every launch under ThreadSanitizer in a child process and raise
+        :class:`RaceError` when it reports a data race (slow: about 1 s plus a
+        separate compile).
+    """
+
+    def __init__(self, code=None, *, path=None, options=(), name_expressions=None, race_check=False):
+        if (code is None) == (path is None):
+            raise TypeError("RawModule needs exactly one of code= and path=")
+        if path is not None:
+            path = Path(path).resolve()
+            code = path.read_text()
+        elif not isinstance(code, str):
+            raise TypeError(f"code must be a str, got {type(code).__name__}")
+        self.code = code
+        self.path = path
+        self.options = tuple(options) if not isinstance(options, str) else (options,)
+        self.race_check = bool(race_check)
+        flags, self.arch = _parse_options(self.options)
+        incs = [f"-I{path.parent}"] if path is not None else []
+        self._flags = incs + flags + [f"-I{kernels_cu_dir()}", f"-DCUFLASH_ARCH={self.arch}"]
+        self._pre = self._preprocess()
+        self._kernels = _find_kernels(self._pre)
+        if name_expressions is not None:
+            for n in name_expressions:
+                if n not in self._kernels or not self._kernels[n][0]:
+                    raise ValueError(f"name expression {n!r}: the emulator launches only extern \"C\" "
+                                     f"__global__ kernels; found {sorted(self._kernels)}")
+        self._lib = None
+        self._tsan_exe = None
+        self._functions = {}
+
+    # -- building
+    def _preprocess(self):
+        cmd = [_cxx(), "-E", "-P", "-x", "c++", "-std=c++20", "-DCUFLASH_PREPROCESS_ONLY",
+               "-include", str(HOST_HEADER), *self._flags, "-"]
+        try:
+            r = subprocess.run(cmd, input=self.code, capture_output=True, text=True, timeout=120,
+                               cwd=str(self.path.parent) if self.path else None)
+        except FileNotFoundError as e:
+            raise CompileError(f"the host C++ compiler {_cxx()!r} was not found ({e}); install g++ or set CXX") from None
+        if r.returncode != 0:
+            raise CompileError(f"preprocessing {self._what()} failed:\n{r.stderr[-20000:]}")
+        return r.stdout
+
+    def _what(self):
+        return str(self.path) if self.path else "the kernel source"
+
+    def _key(self, kind):
+        h = hashlib.sha256()
+        for part in (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(), self._pre, self.code,
+                     "\0".join(self._flags), _cxx(), str(self.path)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:24]
+
+    def _sources(self, key, tsan):
+        """Write the source and the launcher TU into the cache; return the TU path."""
+        d = cache_dir()
+        launchable = [n for n, (ext, _) in self._kernels.items() if ext]
+        if self.path is not None:
+            src = self.path
+        else:
+            src = d / f"{key}.cu"
+            if not src.exists():
+                _atomic_write(src, self.code)
+        tu = d / f"{key}{'_tsan' if tsan else ''}.cpp"
+        # including the .cu file (not a copy) keeps compiler messages and
+        # ThreadSanitizer reports on the file's own lines
+        _atomic_write(tu, f'#include "{src}"\n' + _launcher_code(launchable, tsan_main=tsan))
+        return tu
+
+    def _compile(self):
+        if self._lib is not None:
+            return self._lib
+        key = self._key("lib")
+        with _libs_lock:
+            if key in _libs:
+                self._lib = _libs[key]
+                return self._lib
+            so = cache_dir() / f"{key}.so"
+            if not so.exists():
+                tu = self._sources(key, tsan=False)
+                tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
+                _run([_cxx(), *_LIB_FLAGS, "-x", "c++", "-include", str(HOST_HEADER), *self._flags, str(tu), "-o", str(tmp)],
+                     f"compiling {self._what()} for the emulator")
+                os.replace(tmp, so)
+            self._lib = _libs[key] = ctypes.CDLL(str(so))
+        return self._lib
+
+    def _compile_tsan(self):
+        if self._tsan_exe is not None:
+            return self._tsan_exe
+        key = self._key("tsan")
+        exe = cache_dir() / f"{key}_tsan"
+        if not exe.exists():
+            tu = self._sources(key, tsan=True)
+            tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
+            _run([_cxx(), *_TSAN_FLAGS, "-x", "c++",
+                  "-include", str(HOST_HEADER), *self._flags, str(tu), "-o", str(tmp)],
+                 f"compiling {self._what()} with ThreadSanitizer")
+            os.replace(tmp, exe)
+        self._tsan_exe = exe
+        return exe
+
+    def compile(self):
+        """Build now instead of at the first ``get_function`` (as CuPy's ``RawModule.compile``)."""
+        if self.race_check:
+            self._compile_tsan()
+        else:
+            self._compile()
+
+    @property
+    def kernel_names(self):
+        """Names of the launchable (extern "C" __global__) kernels in the source."""
+        return sorted(n for n, (ext, _) in self._kernels.items() if ext)
+
+    def get_function(self, name):
+        """The kernel ``name`` as a :class:`RawKernel`."""
+        if name in self._functions:
+            return self._functions[name]
+        if name not in self._kernels:
+            raise AttributeError(f"no __global__ function {name!r} in {self._what()} "
+                                 f"(kernels found: {', '.join(sorted(self._kernels)) or 'none'})")
+        ext, params = self._kernels[name]
+        if not ext:
+            raise AttributeError(f"kernel {name!r} is not extern \"C\": the emulator (like a RawModule "
+                                 "without name_expressions) can only look up extern \"C\" kernels")
+        lib = self._compile()  # the signature comes from the compiled types
+        sig = getattr(lib, f"__cuflash_sig_{name}")
+        sig.restype = ctypes.c_char_p
+        kinds = [tuple(k.split(":")) for k in sig().decode().split(",") if k]
+        if len(kinds) != len(params):  # the regex split disagreed with the compiler: keep its count
+            params = [f"arg{i}" for i in range(len(kinds))]
+        names = [_param_name(p, i) for i, p in enumerate(params)]
+        k = RawKernel(self, name, [(n, kd, int(sz), decl) for n, (kd, sz), decl in zip(names, kinds, params)])
+        self._functions[name] = k
+        return k
+
+
+def _atomic_write(path, text):
+    path = Path(path)
+    if path.exists() and path.read_text() == text:
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- arguments
+_CTYPES = {("i", 1): ctypes.c_int8, ("i", 2): ctypes.c_int16, ("i", 4): ctypes.c_int32, ("i", 8): ctypes.c_int64,
+           ("u", 1): ctypes.c_uint8, ("u", 2): ctypes.c_uint16, ("u", 4): ctypes.c_uint32, ("u", 8): ctypes.c_uint64,
+           ("f", 4): ctypes.c_float, ("f", 8): ctypes.c_double, ("b", 1): ctypes.c_bool,
+           ("h", 2): ctypes.c_uint16, ("B", 2): ctypes.c_uint16}
+_NP_KIND = {"i": "i", "u": "u", "f": "f", "b": "b"}
+
+
+def _bf16_bits(x):
+    """float -> bfloat16 bits, round to nearest even (as the kernels' __float2bfloat16)."""
+    u = int(np.float32(x).view(np.uint32))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return ((u >> 16) | 0x40) & 0xFFFF
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _dims(v, what):
+    if isinstance(v, (int, np.integer)):
+        v = (v,)
+    if not isinstance(v, tuple) or not 1 <= len(v) <= 3:
+        raise TypeError(f"{what} must be an int or a tuple of 1 to 3 ints, got {v!r}")
+    out = []
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{what} must hold ints, got {v!r}")
+        if x < 1:
+            raise ValueError(f"{what} entries must be >= 1, got {v!r}")
+        out.append(int(x))
+    return tuple(out + [1] * (3 - len(out)))
+
+
+class RawKernel:
+    """One kernel of a :class:`RawModule`; call as ``k(grid, block, args, shared_mem=0)``."""
+
+    def __init__(self, module, name, params):
+        self.module = module
+        self.name = name
+        self.params = params  # (name, kind, size, declaration)
+        # cudaFuncAttributeMaxDynamicSharedMemorySize, as cupy.RawKernel's attribute
+        self.max_dynamic_shared_size_bytes = _DEFAULT_MAX_DYNAMIC_SHARED
+
+    def __repr__(self):
+        return f"<cuflash.emulator.RawKernel {self.name}({', '.join(p[3] for p in self.params)})>"
+
+    def _convert(self, args):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"kernel {self.name}: args must be a tuple, got {type(args).__name__}")
+        if len(args) != len(self.params):
+            raise TypeError(f"kernel {self.name} takes {len(self.params)} arguments "
+                            f"({', '.join(p[3] for p in self.params)}), got {len(args)}")
+        holders, arrays = [], []
+        for a, (pname, kind, size, decl) in zip(args, self.params):
+            where = f"kernel {self.name}, parameter {pname!r} ({decl})"
+            if kind == "p":
+                if not isinstance(a, np.ndarray):
+                    raise TypeError(f"{where}: expected a numpy.ndarray (a device pointer), got {type(a).__name__}")
+                if not a.flags.c_contiguous:
+                    raise ValueError(f"{where}: the array is not C-contiguous (shape {a.shape}, strides "
+                                     f"{a.strides}); a kernel sees only a pointer to the first element")
+                holders.append(ctypes.c_void_p(a.ctypes.data))
+                arrays.append(a)
+                continue
+            if (kind, size) not in _CTYPES:
+                raise TypeError(f"{where}: parameters of this type cannot be passed by the emulator")
+            ct = _CTYPES[(kind, size)]
+            if kind in ("h", "B"):
+                if isinstance(a, (float, int, np.floating)) and not isinstance(a, bool):
+                    bits = int(np.float16(a).view(np.uint16)) if kind == "h" else _bf16_bits(a)
+                    holders.append(ct(bits))
+                    continue
+                raise TypeError(f"{where}: expected a float, got {type(a).__name__}")
+            if isinstance(a, np.generic):
+                want = np.dtype(f"{_NP_KIND[kind]}{size}") if kind != "b" else np.dtype(bool)
+                if a.dtype != want:
+                    raise TypeError(f"{where}: expected numpy.{want.name} (or a Python "
+                                    f"{'float' if kind == 'f' else 'bool' if kind == 'b' else 'int'}), "
+                                    f"got numpy.{a.dtype.name}")
+                holders.append(ct(a.item()))
+                continue
+            if kind == "b":
+                if not isinstance(a, bool):
+                    raise TypeError(f"{where}: expected a bool, got {type(a).__name__}")
+            elif kind == "f":
+                if isinstance(a, bool) or not isinstance(a, float):
+                    raise TypeError(f"{where}: expected a float (or numpy.float{8 * size}), got {type(a).__name__}")
+            else:
+                if isinstance(a, bool) or not isinstance(a, int):
+                    raise TypeError(f"{where}: expected an int (or numpy.{_NP_KIND[kind]}nt{8 * size}), "
+                                    f"got {type(a).__name__}")
+                lo, hi = (0, 2 ** (8 * size) - 1) if kind == "u" else (-2 ** (8 * size - 1), 2 ** (8 * size - 1) - 1)
+                if not lo <= a <= hi:
+                    raise TypeError(f"{where}: {a} does not fit in {8 * size}-bit {'un' if kind == 'u' else ''}signed")
+            holders.append(ct(a))
+        return holders, arrays
+
+    def _check_launch(self, grid, block, shared_mem):
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        nthreads = b[0] * b[1] * b[2]
+        if nthreads > _MAX_THREADS_PER_BLOCK or b[2] > 64:
+            raise ValueError(f"kernel {self.name}: block {b} exceeds CUDA's limits "
+                             f"({_MAX_THREADS_PER_BLOCK} threads, z <= 64)")
+        if g[1] > 65535 or g[2] > 65535 or g[0] > 2 ** 31 - 1:
+            raise ValueError(f"kernel {self.name}: grid {g} exceeds CUDA's limits")
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
+            raise TypeError(f"kernel {self.name}: shared_mem must be a non-negative int, got {shared_mem!r}")
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} bytes exceeds "
+                             f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} "
+                             "(on the GPU set the kernel attribute first, as with cupy.RawKernel)")
+        return g, b, int(shared_mem)
+
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        g, b, shmem = self._check_launch(grid, block, shared_mem)
+        holders, arrays = self._convert(args)
+        if self.module.race_check:
+            return self._launch_tsan(g, b, shmem, args)
+        lib = self.module._compile()
+        fn = getattr(lib, f"__cuflash_launch_{self.name}")
+        fn.restype = ctypes.c_int
+        argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
+                                                           for h in holders])
+        grid3, block3 = (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b)
+        stats = (ctypes.c_ulonglong * 2)()
+        err = ctypes.create_string_buffer(4096)
+        t0 = time.perf_counter()
+        rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)))
+        dt = time.perf_counter() - t0
+        del arrays  # kept alive until here: the kernel wrote through their pointers
+        self._record(g, b, shmem, stats[0], stats[1], dt)
+        if rc != 0:
+            raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {err.value.decode(errors='replace')}")
+
+    def _record(self, g, b, shmem, rd, wr, dt):
+        _set_stats(global_bytes_read=int(rd), global_bytes_written=int(wr), blocks=g[0] * g[1] * g[2],
+                   threads_per_block=b[0] * b[1] * b[2], dynamic_shared_bytes=shmem, grid=g, block=b,
+                   kernel=self.name, seconds=dt)
+
+    def _launch_tsan(self, g, b, shmem, args):
+        from ._race import run_tsan
+        run_tsan(self, g, b, shmem, args)

@@ -1,0 +1,733 @@
+// cuda_host.h -- CUDA built-ins for running unchanged kernels_cu/*.cu sources on the CPU.
+//
+// Force-included (g++ -include) by cuflash.emulator before the kernel source.
+// Execution model (docs/emulator.md): one thread block at a time; the block's
+// CUDA threads are real std::threads, so `__shared__` can be a plain `static`
+// (one copy, shared by the running block) and ThreadSanitizer sees real
+// concurrency.  Every barrier (__syncthreads, warp collectives) goes through
+// one mutex per block, which makes deadlock detection exact: when every
+// thread that has not returned waits in some barrier that cannot complete,
+// the launch fails with a message instead of hanging.
+//
+// All per-thread state hangs off ONE thread_local pointer (`tctx`): several
+// thread_locals per library exhausted glibc's static TLS after ~14 loaded
+// libraries on these machines.
+#pragma once
+#ifndef CUFLASH_EMULATOR
+#define CUFLASH_EMULATOR 1
+#endif
+
+// cuflash.emulator preprocesses each source once with CUFLASH_PREPROCESS_ONLY
+// to find the kernels; the standard headers are not needed for that.
+#ifndef CUFLASH_PREPROCESS_ONLY
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#include <math.h>
+#endif
+
+// ---------------------------------------------------------------- keywords
+#ifdef CUFLASH_PREPROCESS_ONLY
+#define __global__ __cuflash_global__
+#else
+#define __global__
+#endif
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __constant__
+#define __managed__
+// One copy per library; only one block runs at a time, so this is the block's
+// shared memory.  Static shared memory is NOT reset between blocks (as on the
+// GPU its contents are undefined); dynamic shared memory is NaN-poisoned.
+#define __shared__ static
+#define __CUDA_ARCH__ CUFLASH_ARCH
+#ifndef CUFLASH_ARCH
+#define CUFLASH_ARCH 800
+#endif
+#define warpSize 32
+
+#ifndef CUFLASH_PREPROCESS_ONLY
+
+// ---------------------------------------------------------------- vector types
+struct uint3 { unsigned int x, y, z; };
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+    constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+    constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+#define CUFLASH_VEC2(T, N, A) struct __attribute__((aligned(A))) N { T x, y; }; \
+    inline N make_##N(T x, T y) { return N{x, y}; }
+#define CUFLASH_VEC3(T, N) struct N { T x, y, z; }; \
+    inline N make_##N(T x, T y, T z) { return N{x, y, z}; }
+#define CUFLASH_VEC4(T, N, A) struct __attribute__((aligned(A))) N { T x, y, z, w; }; \
+    inline N make_##N(T x, T y, T z, T w) { return N{x, y, z, w}; }
+CUFLASH_VEC2(float, float2, 8)
+CUFLASH_VEC3(float, float3)
+CUFLASH_VEC4(float, float4, 16)
+CUFLASH_VEC2(double, double2, 16)
+CUFLASH_VEC2(int, int2, 8)
+CUFLASH_VEC3(int, int3)
+CUFLASH_VEC4(int, int4, 16)
+CUFLASH_VEC2(unsigned int, uint2, 8)
+CUFLASH_VEC4(unsigned int, uint4, 16)
+CUFLASH_VEC2(short, short2, 4)
+CUFLASH_VEC2(unsigned short, ushort2, 4)
+CUFLASH_VEC4(unsigned char, uchar4, 4)
+CUFLASH_VEC4(signed char, char4, 4)
+CUFLASH_VEC2(long long, longlong2, 16)
+CUFLASH_VEC2(unsigned long long, ulonglong2, 16)
+inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { return uint3{x, y, z}; }
+#undef CUFLASH_VEC2
+#undef CUFLASH_VEC3
+#undef CUFLASH_VEC4
+
+namespace cuflash_emu {
+
+// Thrown into a thread to unwind it out of the kernel when the launch fails.
+struct KernelAbort {};
+
+struct Barrier {
+    std::condition_variable cv;
+    unsigned expected = 0;  // threads that must arrive (exited threads dropped)
+    unsigned arrived = 0;
+    unsigned waiters = 0;   // arrived threads blocked in this barrier
+    unsigned long long gen = 0;
+};
+
+struct CpCopy { void* dst; const void* src; };
+
+struct Block;
+
+// Everything one CUDA thread knows; reached through the one thread_local `tctx`.
+struct ThreadCtx {
+    uint3 threadIdx{0, 0, 0};
+    uint3 blockIdx{0, 0, 0};
+    dim3 blockDim, gridDim;
+    unsigned tid = 0, lane = 0, warp = 0;
+    unsigned xphase = 0;  // which of the two warp exchange buffers is next
+    Block* blk = nullptr;
+    unsigned char* dyn_smem = nullptr;
+    unsigned long long bytes_read = 0, bytes_written = 0;
+    std::vector<CpCopy> cp_open;                 // issued, not yet committed
+    std::vector<std::vector<CpCopy>> cp_groups;  // committed, oldest first
+};
+
+inline thread_local ThreadCtx* tctx = nullptr;
+
+// 2 alternating buffers x 32 lanes x 64 bytes: one barrier per collective is
+// enough, because a lane can only reuse a buffer after the next collective's
+// barrier, which every lane reaches after reading this one.
+struct alignas(64) WarpExchange { unsigned char slot[2][32][64]; };
+
+struct Block {
+    std::mutex mu;
+    unsigned nthreads = 0, nwarps = 0;
+    unsigned live = 0;     // threads of the block that have not returned
+    unsigned waiting = 0;  // threads blocked in some barrier
+    bool aborted = false;
+    std::string error;
+    std::string kernel;
+    Barrier bar;  // __syncthreads
+    std::unique_ptr<Barrier[]> warp_bar;
+    std::unique_ptr<WarpExchange[]> wx;
+    double timeout_s = 120.0;
+
+    Block(unsigned n, const char* name) : nthreads(n), nwarps((n + 31) / 32), kernel(name) {
+        warp_bar.reset(new Barrier[nwarps]);
+        wx.reset(new WarpExchange[nwarps]);
+        const char* t = std::getenv("CUFLASH_EMULATOR_TIMEOUT");
+        if (t && std::atof(t) > 0) timeout_s = std::atof(t);
+    }
+    unsigned warp_size(unsigned w) const { return std::min(32u, nthreads - 32u * w); }
+
+    // Before each block (from the completion step of the between-blocks barrier).
+    void reset() {
+        live = nthreads;
+        waiting = 0;
+        bar.expected = nthreads; bar.arrived = 0; bar.waiters = 0;
+        for (unsigned w = 0; w < nwarps; ++w) {
+            warp_bar[w].expected = warp_size(w);
+            warp_bar[w].arrived = 0; warp_bar[w].waiters = 0;
+        }
+        std::memset(wx.get(), 0xff, sizeof(WarpExchange) * nwarps);
+    }
+
+    void release(Barrier& b) {
+        waiting -= b.waiters;
+        b.waiters = 0; b.arrived = 0; ++b.gen;
+        b.cv.notify_all();
+    }
+
+    // Stop the launch: record the first error and wake every waiting thread.
+    void abort_locked(const std::string& msg) {
+        if (!aborted) { aborted = true; error = msg; }
+        bar.cv.notify_all();
+        for (unsigned w = 0; w < nwarps; ++w) warp_bar[w].cv.notify_all();
+    }
+
+    std::string where() const;
+    std::string deadlock_message() const {
+        unsigned at_sync = bar.waiters, at_warp = 0;
+        for (unsigned w = 0; w < nwarps; ++w) at_warp += warp_bar[w].waiters;
+        return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
+               " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
+               " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix), " +
+               std::to_string(nthreads - live) + " of " + std::to_string(nthreads) +
+               " returned; a barrier is not reached by every thread (divergent __syncthreads or collective)";
+    }
+
+    void arrive_and_wait(Barrier& b) {
+        std::unique_lock<std::mutex> lk(mu);
+        if (aborted) throw KernelAbort{};
+        if (++b.arrived == b.expected) { release(b); return; }
+        const unsigned long long g = b.gen;
+        ++b.waiters; ++waiting;
+        if (waiting == live) {  // nobody left who could complete any barrier
+            abort_locked(deadlock_message());
+            throw KernelAbort{};
+        }
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+        while (b.gen == g && !aborted) {
+            if (b.cv.wait_until(lk, deadline) == std::cv_status::timeout && b.gen == g && !aborted) {
+                abort_locked("a barrier wait in block " + where() + " exceeded " + std::to_string(timeout_s) +
+                             " s (CUFLASH_EMULATOR_TIMEOUT): a thread is stuck outside any barrier");
+            }
+        }
+        if (b.gen == g) throw KernelAbort{};
+    }
+
+    // A returning thread stops counting in its barriers, as on the hardware.
+    void thread_exit(unsigned warp) {
+        std::lock_guard<std::mutex> lk(mu);
+        --live;
+        for (Barrier* b : {&bar, &warp_bar[warp]}) {
+            --b->expected;
+            if (b->arrived > 0 && b->arrived == b->expected) release(*b);
+        }
+        if (!aborted && live > 0 && waiting == live) abort_locked(deadlock_message());
+    }
+
+    [[noreturn]] void fail(const std::string& msg) {
+        std::lock_guard<std::mutex> lk(mu);
+        abort_locked(msg);
+        throw KernelAbort{};
+    }
+};
+
+inline std::string fmt_idx(uint3 v) {
+    return "(" + std::to_string(v.x) + "," + std::to_string(v.y) + "," + std::to_string(v.z) + ")";
+}
+inline std::string Block::where() const { return tctx ? fmt_idx(tctx->blockIdx) : std::string("?"); }
+
+// An error raised by device code (trap, bad collective): ends the launch.
+[[noreturn]] inline void device_error(const std::string& msg) {
+    ThreadCtx& c = *tctx;
+    c.blk->fail(msg + " [block " + fmt_idx(c.blockIdx) + ", thread " + fmt_idx(c.threadIdx) + "]");
+}
+
+inline unsigned warp_lanes_mask(const ThreadCtx& c) {
+    unsigned n = c.blk->warp_size(c.warp);
+    return n == 32 ? 0xffffffffu : ((1u << n) - 1u);
+}
+
+// Warp-collective exchange: every lane of the warp publishes `n` bytes, waits
+// for the others, and gets the base of the 32 x 64-byte slot array.
+inline const unsigned char* warp_exchange(const void* mine, size_t n, unsigned mask, const char* what) {
+    ThreadCtx& c = *tctx;
+    const unsigned need = warp_lanes_mask(c);
+    if ((mask & need) != need) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%s with mask 0x%08x: the emulator supports only collectives over the whole warp (lanes 0x%08x)",
+                      what, mask, need);
+        device_error(buf);
+    }
+    unsigned char (*s)[64] = c.blk->wx[c.warp].slot[c.xphase];
+    c.xphase ^= 1u;
+    if (n) std::memcpy(s[c.lane], mine, n);
+    c.blk->arrive_and_wait(c.blk->warp_bar[c.warp]);
+    return &s[0][0];
+}
+
+template <class T>
+inline T shfl_from(unsigned mask, T v, int src, bool own, const char* what) {
+    static_assert(sizeof(T) <= 64, "shuffle of a type larger than 64 bytes");
+    const unsigned char* s = warp_exchange(&v, sizeof(T), mask, what);
+    if (own) return v;
+    T out;
+    std::memcpy(&out, s + 64 * src, sizeof(T));
+    return out;
+}
+
+// ---------------------------------------------------------------- 16-bit floats
+// Round-to-nearest-even conversions in integer arithmetic (what cvt.rn does on
+// the GPU), so results do not depend on the host's F16C support.
+inline unsigned short float_to_h16_bits(float f) {
+    uint32_t x; std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (unsigned short)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 rounds to inf
+    if (ax < 0x38800000u) {  // below 2^-14: subnormal half, in units of 2^-24 (exact scaling)
+        float a; std::memcpy(&a, &ax, 4);
+        return (unsigned short)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    }
+    uint32_t r = ax - 0x38000000u;  // rebias the exponent 127 -> 15
+    r += 0xfffu + ((r >> 13) & 1u);  // round half to even on the 13 dropped bits
+    return (unsigned short)(sign | (r >> 13));
+}
+inline float h16_bits_to_float(unsigned short h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t x;
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-08f;  // m * 2^-24, exact
+        std::memcpy(&x, &v, 4); x |= sign;
+    } else if (e == 31) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else {
+        x = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f; std::memcpy(&f, &x, 4); return f;
+}
+inline unsigned short float_to_bf16_bits(float f) {
+    uint32_t x; std::memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (unsigned short)(x >> 16);
+}
+inline float bf16_bits_to_float(unsigned short h) {
+    uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+
+// ---------------------------------------------------------------- tensor-core emulation
+// Fragment layouts of mma.m16n8k16 / ldmatrix: PTX ISA, see docs/emulator.md.
+inline void require_full_warp(const char* what) {
+    ThreadCtx& c = *tctx;
+    if (c.blk->warp_size(c.warp) != 32)
+        device_error(std::string(what) + " needs a full warp of 32 threads (blockDim gives warp " +
+                     std::to_string(c.warp) + " only " + std::to_string(c.blk->warp_size(c.warp)) + ")");
+}
+
+struct MmaLane { uint32_t a[4]; uint32_t b[2]; float c[4]; };
+
+template <bool BF16>
+inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+    require_full_warp("mma.m16n8k16");
+    MmaLane mine;
+    std::memcpy(mine.a, a, 16); std::memcpy(mine.b, b, 8); std::memcpy(mine.c, c, 16);
+    const unsigned char* s = warp_exchange(&mine, sizeof mine, 0xffffffffu, "mma.m16n8k16");
+    auto lane = [&](int l) -> const MmaLane& { return *reinterpret_cast<const MmaLane*>(s + 64 * l); };
+    auto elem = [](uint32_t reg, int hi) -> float {
+        unsigned short h = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu);
+        return BF16 ? bf16_bits_to_float(h) : h16_bits_to_float(h);
+    };
+    // A(r, k): lane (r%8)*4 + (k%8)/2, register (r/8) + 2*(k/8), half k&1
+    auto A = [&](int r, int k) { return elem(lane((r % 8) * 4 + (k % 8) / 2).a[(r / 8) + 2 * (k / 8)], k & 1); };
+    // B(k, n): lane n*4 + (k%8)/2, register k/8, half k&1
+    auto B = [&](int k, int n) { return elem(lane(n * 4 + (k % 8) / 2).b[k / 8], k & 1); };
+    const int g = tctx->lane >> 2, t = tctx->lane & 3;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float acc = mine.c[i];
+        for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+        out[i] = acc;
+    }
+    std::memcpy(d, out, 16);
+}
+
+// ldmatrix.m8n8.xN{.trans}.b16: lanes 8j..8j+7 give the row addresses of matrix j.
+template <int N, bool TRANS>
+inline void ldmatrix(uint32_t* r, const void* row) {
+    require_full_warp("ldmatrix");
+    ThreadCtx& c = *tctx;
+    unsigned char mine[16];
+    const bool supplies = c.lane < 8u * N;
+    if (supplies) {
+        if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
+            device_error("ldmatrix: row address " + std::to_string(reinterpret_cast<uintptr_t>(row)) + " is not 16-byte aligned");
+        std::memcpy(mine, row, 16);  // the 8 b16 elements of this row
+    }
+    const unsigned char* s = warp_exchange(mine, supplies ? 16 : 0, 0xffffffffu, "ldmatrix");
+    auto el = [&](int j, int rr, int cc) {  // element (rr, cc) of matrix j as 16 bits
+        unsigned short h; std::memcpy(&h, s + 64 * (8 * j + rr) + 2 * cc, 2); return uint32_t(h);
+    };
+    const int q = c.lane >> 2, t = c.lane & 3;
+    for (int j = 0; j < N; ++j)
+        r[j] = TRANS ? (el(j, 2 * t, q) | (el(j, 2 * t + 1, q) << 16))
+                     : (el(j, q, 2 * t) | (el(j, q, 2 * t + 1) << 16));
+}
+
+// cp.async: the copy is recorded at issue and lands only when a wait covers
+// its group, so reading shared memory before the wait sees the old contents.
+inline void cp_async_16(void* dst, const void* src) {
+    ThreadCtx& c = *tctx;
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+        device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
+    c.bytes_read += 16;
+    c.cp_open.push_back(CpCopy{dst, src});
+}
+inline void cp_async_commit() {
+    ThreadCtx& c = *tctx;
+    c.cp_groups.push_back(std::move(c.cp_open));
+    c.cp_open.clear();
+}
+inline void cp_async_wait(int n) {  // all but the n most recent committed groups complete
+    ThreadCtx& c = *tctx;
+    while ((int)c.cp_groups.size() > n) {
+        for (const CpCopy& cp : c.cp_groups.front()) std::memcpy(cp.dst, cp.src, 16);
+        c.cp_groups.erase(c.cp_groups.begin());
+    }
+}
+
+// ---------------------------------------------------------------- launch
+template <class... A, size_t... I>
+inline void invoke_impl(void (*f)(A...), void** args, std::index_sequence<I...>) {
+    f(*reinterpret_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+template <class... A>
+inline void invoke(void (*f)(A...), void** args) { invoke_impl(f, args, std::index_sequence_for<A...>{}); }
+
+// Parameter kinds for the Python side: "p" pointer, "i"/"u" integer, "f"
+// floating, "b" bool, "h" __half, "B" __nv_bfloat16, "?" other; ":" size.
+template <class T>
+inline std::string kind_of() {
+    using U = std::remove_cv_t<std::remove_reference_t<T>>;
+    std::string k;
+    if constexpr (std::is_pointer_v<U>) k = "p";
+    else if constexpr (std::is_same_v<U, bool>) k = "b";
+    else if constexpr (std::is_integral_v<U>) k = std::is_signed_v<U> ? "i" : "u";
+    else if constexpr (std::is_floating_point_v<U>) k = "f";
+    else if constexpr (requires { U::cuflash_kind; }) k = U::cuflash_kind;
+    else k = "?";
+    return k + ":" + std::to_string(sizeof(U));
+}
+template <class... A>
+inline std::string signature_of(void (*)(A...)) {
+    std::string s;
+    ((s += (s.empty() ? "" : ","), s += kind_of<A>()), ...);
+    return s;
+}
+
+inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
+                  const unsigned* block, unsigned long long shmem, unsigned long long* stats,
+                  char* err, size_t errlen) {
+    const unsigned nthreads = block[0] * block[1] * block[2];
+    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
+    Block blk(nthreads, name);
+    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block.
+    const size_t dyn_bytes = shmem ? shmem : 16;
+    std::unique_ptr<unsigned char, void (*)(unsigned char*)> dyn(
+        static_cast<unsigned char*>(::operator new(dyn_bytes, std::align_val_t(128))),
+        [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); });
+    std::vector<ThreadCtx> ctxs(nthreads);
+    bool stop = false;
+    auto between_blocks = [&]() {
+        blk.reset();
+        std::memset(dyn.get(), 0xff, dyn_bytes);
+        stop = blk.aborted;
+    };
+    between_blocks();
+    std::mutex bm;
+    std::condition_variable bcv;
+    unsigned b_arrived = 0;
+    unsigned long long b_gen = 0;
+    auto between_barrier = [&]() {  // all threads of the launch; completion resets the block
+        std::unique_lock<std::mutex> lk(bm);
+        if (++b_arrived == nthreads) {
+            between_blocks();
+            b_arrived = 0; ++b_gen;
+            bcv.notify_all();
+            return;
+        }
+        const unsigned long long g = b_gen;
+        bcv.wait(lk, [&] { return b_gen != g; });
+    };
+    auto body = [&](unsigned t) {
+        ThreadCtx& c = ctxs[t];
+        tctx = &c;
+        c.blockDim = dim3(block[0], block[1], block[2]);
+        c.gridDim = dim3(grid[0], grid[1], grid[2]);
+        c.threadIdx = uint3{t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
+        c.tid = t; c.lane = t % 32; c.warp = t / 32;
+        c.blk = &blk;
+        c.dyn_smem = dyn.get();
+        for (unsigned long long b = 0; b < nblocks && !stop; ++b) {
+            c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
+                               unsigned(b / (1ull * grid[0] * grid[1]))};
+            c.xphase = 0;
+            c.cp_open.clear(); c.cp_groups.clear();
+            try {
+                entry(args);
+            } catch (const KernelAbort&) {
+            } catch (const std::exception& e) {
+                std::lock_guard<std::mutex> lk(blk.mu);
+                blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
+            } catch (...) {
+                std::lock_guard<std::mutex> lk(blk.mu);
+                blk.abort_locked("unknown C++ exception in device code");
+            }
+            blk.thread_exit(c.warp);
+            between_barrier();
+        }
+        tctx = nullptr;
+    };
+    // Threads wait at a gate until all of them exist: if starting one fails,
+    // the started ones leave without running the kernel.
+    int gate = 0;  // 0 closed, 1 run, -1 give up
+    auto gated = [&](unsigned t) {
+        {
+            std::unique_lock<std::mutex> lk(bm);
+            bcv.wait(lk, [&] { return gate != 0; });
+            if (gate < 0) return;
+        }
+        body(t);
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(nthreads);
+    std::string start_error;
+    try {
+        for (unsigned t = 0; t < nthreads; ++t) threads.emplace_back(gated, t);
+    } catch (const std::exception& e) {
+        start_error = std::string("could not start ") + std::to_string(nthreads) + " threads: " + e.what();
+    }
+    {
+        std::lock_guard<std::mutex> lk(bm);
+        gate = start_error.empty() ? 1 : -1;
+    }
+    bcv.notify_all();
+    for (auto& th : threads) th.join();
+    if (!start_error.empty()) {
+        std::snprintf(err, errlen, "%s", start_error.c_str());
+        return 1;
+    }
+    unsigned long long rd = 0, wr = 0;
+    for (const ThreadCtx& c : ctxs) { rd += c.bytes_read; wr += c.bytes_written; }
+    stats[0] = rd; stats[1] = wr;
+    if (blk.aborted) {
+        std::snprintf(err, errlen, "%s", blk.error.c_str());
+        return 1;
+    }
+    return 0;
+}
+
+}  // namespace cuflash_emu
+
+// ---------------------------------------------------------------- built-in variables
+#define threadIdx (::cuflash_emu::tctx->threadIdx)
+#define blockIdx (::cuflash_emu::tctx->blockIdx)
+#define blockDim (::cuflash_emu::tctx->blockDim)
+#define gridDim (::cuflash_emu::tctx->gridDim)
+
+// ---------------------------------------------------------------- synchronisation
+inline void __syncthreads() {
+    ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
+    c.blk->arrive_and_wait(c.blk->bar);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    ::cuflash_emu::warp_exchange(nullptr, 0, mask, "__syncwarp");
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+[[noreturn]] inline void __trap() { ::cuflash_emu::device_error("__trap() called"); }
+[[noreturn]] inline void __cuflash_assert_fail(const char* e, const char* file, int line) {
+    ::cuflash_emu::device_error(std::string("assertion failed: ") + e + " at " + file + ":" + std::to_string(line));
+}
+#undef assert
+#define assert(e) ((e) ? (void)0 : __cuflash_assert_fail(#e, __FILE__, __LINE__))
+
+inline unsigned __activemask() { return ::cuflash_emu::warp_lanes_mask(*::cuflash_emu::tctx); }
+inline unsigned __lanemask_lt() { return (1u << ::cuflash_emu::tctx->lane) - 1u; }
+
+// ---------------------------------------------------------------- warp collectives
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    const int lane = (int)::cuflash_emu::tctx->lane;
+    const int s = (lane / width) * width + (src % width + width) % width;
+    return ::cuflash_emu::shfl_from(mask, v, s, false, "__shfl_sync");
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    const int lane = (int)::cuflash_emu::tctx->lane;
+    const int s = lane ^ lane_mask;
+    // a source in a later group of `width` lanes returns the caller's own value
+    return ::cuflash_emu::shfl_from(mask, v, s, s >= (lane / width + 1) * width || s > 31, "__shfl_xor_sync");
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    const int lane = (int)::cuflash_emu::tctx->lane;
+    const int s = lane + (int)delta;
+    return ::cuflash_emu::shfl_from(mask, v, s, s >= (lane / width + 1) * width, "__shfl_down_sync");
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    const int lane = (int)::cuflash_emu::tctx->lane;
+    const int s = lane - (int)delta;
+    return ::cuflash_emu::shfl_from(mask, v, s, s < (lane / width) * width, "__shfl_up_sync");
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+    const int p = pred != 0;
+    const unsigned char* s = ::cuflash_emu::warp_exchange(&p, sizeof p, mask, "__ballot_sync");
+    const unsigned n = ::cuflash_emu::tctx->blk->warp_size(::cuflash_emu::tctx->warp);
+    unsigned out = 0;
+    for (unsigned l = 0; l < n; ++l) {
+        int q; std::memcpy(&q, s + 64 * l, sizeof q);
+        if (q && (mask >> l & 1u)) out |= 1u << l;
+    }
+    return out;
+}
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+inline int __all_sync(unsigned mask, int pred) {
+    const unsigned n = ::cuflash_emu::tctx->blk->warp_size(::cuflash_emu::tctx->warp);
+    const unsigned lanes = (n == 32 ? 0xffffffffu : (1u << n) - 1u) & mask;
+    return (__ballot_sync(mask, pred) & lanes) == lanes;
+}
+
+// ---------------------------------------------------------------- atomics
+template <class T>
+inline T __cuflash_atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline float atomicAdd(float* p, float v) { return __cuflash_atomic_add(p, v); }
+inline double atomicAdd(double* p, double v) { return __cuflash_atomic_add(p, v); }
+inline int atomicAdd(int* p, int v) { return __cuflash_atomic_add(p, v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __cuflash_atomic_add(p, v); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return __cuflash_atomic_add(p, v); }
+inline int atomicSub(int* p, int v) { return std::atomic_ref<int>(*p).fetch_sub(v); }
+inline unsigned atomicSub(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_sub(v); }
+template <class T>
+inline T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
+template <class T>
+inline T atomicCAS(T* p, T cmp, T v) { std::atomic_ref<T>(*p).compare_exchange_strong(cmp, v); return cmp; }
+template <class T>
+inline T atomicMax(T* p, T v) {
+    std::atomic_ref<T> a(*p); T old = a.load();
+    while (old < v && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+template <class T>
+inline T atomicMin(T* p, T v) {
+    std::atomic_ref<T> a(*p); T old = a.load();
+    while (v < old && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+
+// ---------------------------------------------------------------- math intrinsics
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __exp10f(float x) { return powf(10.0f, x); }
+inline float __logf(float x) { return logf(x); }
+inline float __log2f(float x) { return log2f(x); }
+inline float __log10f(float x) { return log10f(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanf(float x) { return tanf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
+inline float __saturatef(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return (int)x; }
+inline int __float2int_rd(float x) { return (int)floorf(x); }
+inline int __float2int_ru(float x) { return (int)ceilf(x); }
+inline unsigned __float2uint_rn(float x) { return (unsigned)nearbyintf(x); }
+inline float __int2float_rn(int x) { return (float)x; }
+inline float __uint2float_rn(unsigned x) { return (float)x; }
+inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+inline unsigned __float_as_uint(float x) { unsigned i; std::memcpy(&i, &x, 4); return i; }
+inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
+inline float __uint_as_float(unsigned i) { float x; std::memcpy(&x, &i, 4); return x; }
+inline long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &x, 8); return i; }
+inline double __longlong_as_double(long long i) { double x; std::memcpy(&x, &i, 8); return x; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll((unsigned long long)x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
+    return r;
+}
+inline int __mul24(int a, int b) { return a * b; }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)((1ull * a * b) >> 32); }
+inline long long __mul64hi(long long a, long long b) { return (long long)(((__int128)a * b) >> 64); }
+inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned s) {
+    s &= 31u; return s ? (hi << s) | (lo >> (32 - s)) : hi;
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
+    s &= 31u; return s ? (lo >> s) | (hi << (32 - s)) : lo;
+}
+// CUDA's global min/max overloads
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+inline unsigned long min(unsigned long a, unsigned long b) { return a < b ? a : b; }
+inline unsigned long max(unsigned long a, unsigned long b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+inline unsigned min(int a, unsigned b) { return min((unsigned)a, b); }
+inline unsigned min(unsigned a, int b) { return min(a, (unsigned)b); }
+inline unsigned max(int a, unsigned b) { return max((unsigned)a, b); }
+inline unsigned max(unsigned a, int b) { return max(a, (unsigned)b); }
+inline float min(float a, int b) { return fminf(a, (float)b); }
+inline float max(float a, int b) { return fmaxf(a, (float)b); }
+inline double min(double a, float b) { return fmin(a, (double)b); }
+inline double min(float a, double b) { return fmin((double)a, b); }
+inline double max(double a, float b) { return fmax(a, (double)b); }
+inline double max(float a, double b) { return fmax((double)a, b); }
+inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+using std::isinf;
+using std::isnan;
+using std::isfinite;
+using std::signbit;
+
+template <class T>
+inline T __ldg(const T* p) { ::cuflash_emu::tctx->bytes_read += sizeof(T); return *p; }
+
+// Shared-memory address spaces are one on the host.
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+
+#endif  // CUFLASH_PREPROCESS_ONLY

@@ -1,0 +1,373 @@
+// portable.cuh -- the one header every kernels_cu/*.cu file includes first.
+//
+// The same text compiles under NVRTC (CuPy RawModule, the GPU) and under the
+// host C++ compiler (cuflash.emulator, with cuflash/emulator/cuda_host.h
+// force-included, which defines CUFLASH_EMULATOR).  It provides:
+//   - what NVRTC lacks: fixed-width integers, INFINITY / NAN (no <math.h>);
+//   - __half / __nv_bfloat16 with round-to-nearest-even conversions (no
+//     cuda_fp16.h needed, so no toolkit include path at run time);
+//   - CUFLASH_DYNAMIC_SHARED(type, name): `type* name` over the dynamic shared
+//     memory (`extern __shared__` cannot be written in host C++);
+//   - gload / gstore / gatomic_add: global-memory accesses that the emulator
+//     counts for cuflash.emulator.last_launch_stats();
+//   - tensor-core building blocks with the PTX ISA fragment layouts:
+//     mma_m16n8k16_f16 / _bf16 (f32 accumulate), ldmatrix_x1/x2/x4 (+_trans),
+//     cp_async_16 / cp_async_commit / cp_async_wait<N>.
+//     sm_80+: inline PTX.  Older GPUs (sm_75): the mma is computed in software
+//     from warp shuffles with the same fragment layout and cp.async is a plain
+//     synchronous copy, so kernels need no #if of their own.  Emulator: warp-
+//     collective emulations (cuda_host.h); with -arch=sm_75 the emulator runs
+//     the software mma, which cross-checks the two.
+#pragma once
+
+#ifndef CUFLASH_EMULATOR
+// ------------------------------------------------------------- GPU (NVRTC/nvcc)
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long int64_t;  // LP64, as glibc's <stdint.h>
+typedef unsigned long uint64_t;
+typedef unsigned long uintptr_t;
+#ifndef INFINITY
+#define INFINITY __builtin_huge_valf()
+#endif
+#ifndef NAN
+#define NAN __builtin_nanf("")
+#endif
+#ifdef __CUDA_ARCH__
+#define CUFLASH_ARCH __CUDA_ARCH__
+#else
+#define CUFLASH_ARCH 0  // nvcc's host pass
+#endif
+#endif  // !CUFLASH_EMULATOR
+
+// Feature tests kernels may use (e.g. to pick tile sizes); the functions
+// below work on every architecture either way.
+#if CUFLASH_ARCH >= 800
+#define CUFLASH_HAS_TENSOR_CORE_MMA 1
+#define CUFLASH_HAS_CP_ASYNC 1
+#else
+#define CUFLASH_HAS_TENSOR_CORE_MMA 0
+#define CUFLASH_HAS_CP_ASYNC 0
+#endif
+
+template <class T> struct cuflash_identity { typedef T type; };
+
+// ------------------------------------------------------------- lane id
+__device__ __forceinline__ unsigned cuflash_lane_id() {
+#ifdef CUFLASH_EMULATOR
+    return ::cuflash_emu::tctx->lane;
+#else
+    unsigned l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+#endif
+}
+
+// ------------------------------------------------------------- 16-bit floats
+__device__ __forceinline__ unsigned short cuflash_float_to_h16(float f) {
+#ifdef CUFLASH_EMULATOR
+    return ::cuflash_emu::float_to_h16_bits(f);
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+__device__ __forceinline__ float cuflash_h16_to_float(unsigned short h) {
+#ifdef CUFLASH_EMULATOR
+    return ::cuflash_emu::h16_bits_to_float(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+// bfloat16: round to nearest even in integer arithmetic on both sides (cvt.rn.bf16.f32 is sm_80+ only).
+__device__ __forceinline__ unsigned short cuflash_float_to_bf16(float f) {
+    unsigned x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (unsigned short)(x >> 16);
+}
+__device__ __forceinline__ float cuflash_bf16_to_float(unsigned short h) {
+    return __uint_as_float((unsigned)h << 16);
+}
+
+// Storage types with implicit conversions to and from float (arithmetic
+// happens in float, as in the kernels' accumulators).
+struct __align__(2) __half {
+    unsigned short __x;
+    static constexpr const char* cuflash_kind = "h";
+    __half() = default;
+    __device__ __half(float f) : __x(cuflash_float_to_h16(f)) {}
+    __device__ __half(double f) : __x(cuflash_float_to_h16((float)f)) {}
+    __device__ __half(int i) : __x(cuflash_float_to_h16((float)i)) {}
+    __device__ operator float() const { return cuflash_h16_to_float(__x); }
+};
+struct __align__(2) __nv_bfloat16 {
+    unsigned short __x;
+    static constexpr const char* cuflash_kind = "B";
+    __nv_bfloat16() = default;
+    __device__ __nv_bfloat16(float f) : __x(cuflash_float_to_bf16(f)) {}
+    __device__ __nv_bfloat16(double f) : __x(cuflash_float_to_bf16((float)f)) {}
+    __device__ __nv_bfloat16(int i) : __x(cuflash_float_to_bf16((float)i)) {}
+    __device__ operator float() const { return cuflash_bf16_to_float(__x); }
+};
+struct __align__(4) __half2 { __half x, y; };
+struct __align__(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+
+__device__ __forceinline__ __half __float2half(float f) { return __half(f); }
+__device__ __forceinline__ __half __float2half_rn(float f) { return __half(f); }
+__device__ __forceinline__ float __half2float(__half h) { return (float)h; }
+__device__ __forceinline__ __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+__device__ __forceinline__ __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+__device__ __forceinline__ float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+__device__ __forceinline__ unsigned short __half_as_ushort(__half h) { return h.__x; }
+__device__ __forceinline__ __half __ushort_as_half(unsigned short u) { __half h; h.__x = u; return h; }
+__device__ __forceinline__ unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+__device__ __forceinline__ __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 h; h.__x = u; return h; }
+__device__ __forceinline__ __half2 __floats2half2_rn(float lo, float hi) { __half2 r; r.x = __half(lo); r.y = __half(hi); return r; }
+__device__ __forceinline__ __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+    __nv_bfloat162 r; r.x = __nv_bfloat16(lo); r.y = __nv_bfloat16(hi); return r;
+}
+
+// Two 16-bit values in one 32-bit register (the mma/ldmatrix fragment unit):
+// the lower index in the low half.  Use these instead of reinterpret_cast,
+// which breaks the host compiler's aliasing rules.
+template <class T> __device__ __forceinline__ unsigned short cuflash_bits(float f);
+template <> __device__ __forceinline__ unsigned short cuflash_bits<__half>(float f) { return cuflash_float_to_h16(f); }
+template <> __device__ __forceinline__ unsigned short cuflash_bits<__nv_bfloat16>(float f) { return cuflash_float_to_bf16(f); }
+template <class T> __device__ __forceinline__ float cuflash_from_bits(unsigned short h);
+template <> __device__ __forceinline__ float cuflash_from_bits<__half>(unsigned short h) { return cuflash_h16_to_float(h); }
+template <> __device__ __forceinline__ float cuflash_from_bits<__nv_bfloat16>(unsigned short h) { return cuflash_bf16_to_float(h); }
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    return (uint32_t)cuflash_bits<T>(lo) | ((uint32_t)cuflash_bits<T>(hi) << 16);
+}
+template <class T>
+__device__ __forceinline__ void unpack2(uint32_t r, float& lo, float& hi) {
+    lo = cuflash_from_bits<T>((unsigned short)(r & 0xffffu));
+    hi = cuflash_from_bits<T>((unsigned short)(r >> 16));
+}
+// Two adjacent 16-bit elements (p[0] low, p[1] high) as one register.
+template <class T>
+__device__ __forceinline__ uint32_t pack2_from(const T* p) {
+    return (uint32_t)p[0].__x | ((uint32_t)p[1].__x << 16);
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return pack2<__half>(lo, hi); }
+__device__ __forceinline__ uint32_t pack_bfloat162(float lo, float hi) { return pack2<__nv_bfloat16>(lo, hi); }
+
+// ------------------------------------------------------------- dynamic shared memory
+// Declares `type* name` pointing at the launch's dynamic shared memory
+// (shared_mem= bytes).  The emulator fills it with 0xff bytes (NaN) before
+// every block, so reading what no thread wrote shows up in the results.
+#ifdef CUFLASH_EMULATOR
+#define CUFLASH_DYNAMIC_SHARED(type, name) \
+    type* name = reinterpret_cast<type*>(::cuflash_emu::tctx->dyn_smem)
+#else
+#define CUFLASH_DYNAMIC_SHARED(type, name)                                   \
+    extern __shared__ __align__(16) unsigned char cuflash_dynamic_smem_[];   \
+    type* name = reinterpret_cast<type*>(cuflash_dynamic_smem_)
+#endif
+
+// ------------------------------------------------------------- global memory
+// All global loads/stores of the kernels go through these, so the emulator
+// can count HBM traffic (last_launch_stats()); on the GPU they are plain accesses.
+template <class T>
+__device__ __forceinline__ T gload(const T* p) {
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::tctx->bytes_read += sizeof(T);
+#endif
+    return *p;
+}
+template <class T>
+__device__ __forceinline__ void gstore(T* p, typename cuflash_identity<T>::type v) {
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::tctx->bytes_written += sizeof(T);
+#endif
+    *p = v;
+}
+__device__ __forceinline__ float gatomic_add(float* p, float v) {
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::tctx->bytes_read += 4;
+    ::cuflash_emu::tctx->bytes_written += 4;
+#endif
+    return atomicAdd(p, v);
+}
+
+// ------------------------------------------------------------- mma.m16n8k16 (f32 accumulate)
+// d = a * b + c; A 16x16 row-major, B 16x8 ("col"), C/D 16x8 f32.
+// Lane L, g = L/4, t = L%4:  a = {(g,2t), (g+8,2t), (g,2t+8), (g+8,2t+8)} (pairs, low = lower column),
+// b = {(2t,g), (2t+8,g)} (pairs along k), c/d = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
+// Software version for GPUs without m16n8k16 tensor cores: the same result
+// from 32 shuffles, summing pairs of k in order.
+template <class T>
+__device__ __forceinline__ void cuflash_mma_m16n8k16_sw(float (&d)[4], const uint32_t (&a)[4],
+                                                        const uint32_t (&b)[2], const float (&c)[4]) {
+    const unsigned lane = cuflash_lane_id();
+    const int g = lane >> 2, t = lane & 3;
+    float acc[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {  // k = 2kk, 2kk+1 is held by lanes with t == kk % 4
+        const int src_t = kk & 3, hi = kk >> 2;
+        const uint32_t a_g = __shfl_sync(0xffffffffu, a[2 * hi], 4 * g + src_t);       // A(g, 2kk..)
+        const uint32_t a_g8 = __shfl_sync(0xffffffffu, a[2 * hi + 1], 4 * g + src_t);  // A(g+8, 2kk..)
+        const uint32_t b_0 = __shfl_sync(0xffffffffu, b[hi], 8 * t + src_t);           // B(2kk.., 2t)
+        const uint32_t b_1 = __shfl_sync(0xffffffffu, b[hi], 8 * t + 4 + src_t);       // B(2kk.., 2t+1)
+        float x0, x1, y0, y1, p0, p1, q0, q1;
+        unpack2<T>(a_g, x0, x1);
+        unpack2<T>(a_g8, y0, y1);
+        unpack2<T>(b_0, p0, p1);
+        unpack2<T>(b_1, q0, q1);
+        acc[0] += x0 * p0 + x1 * p1;
+        acc[1] += x0 * q0 + x1 * q1;
+        acc[2] += y0 * p0 + y1 * p1;
+        acc[3] += y0 * q0 + y1 * q1;
+    }
+    d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+}
+
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k16<false>(d, a, b, c);
+#elif !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    cuflash_mma_m16n8k16_sw<__half>(d, a, b, c);
+#endif
+}
+
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k16<true>(d, a, b, c);
+#elif !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    cuflash_mma_m16n8k16_sw<__nv_bfloat16>(d, a, b, c);
+#endif
+}
+
+// mma_m16n8k16<T>: the one of the two above for element type T (__half or __nv_bfloat16),
+// for kernels specialised on the dtype by a -D define.
+template <class T> struct cuflash_mma_dispatch;
+template <> struct cuflash_mma_dispatch<__half> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                               const float (&c)[4]) { mma_m16n8k16_f16(d, a, b, c); }
+};
+template <> struct cuflash_mma_dispatch<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                               const float (&c)[4]) { mma_m16n8k16_bf16(d, a, b, c); }
+};
+template <class T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                             const float (&c)[4]) {
+    cuflash_mma_dispatch<T>::run(d, a, b, c);
+}
+
+// ------------------------------------------------------------- ldmatrix.m8n8.b16
+// Lanes 8j..8j+7 pass the (16-byte aligned, shared-memory) row addresses of
+// matrix j; register j receives matrix j: lane L gets M[L/4][2(L%4)], M[L/4][2(L%4)+1]
+// (with _trans: M[2(L%4)][L/4], M[2(L%4)+1][L/4]).  Warp-collective: all 32 lanes call it.
+#if defined(CUFLASH_EMULATOR)
+#define CUFLASH_LDMATRIX(N, TRANS, r, p) ::cuflash_emu::ldmatrix<N, TRANS>(r, p)
+#elif CUFLASH_ARCH >= 750
+#define CUFLASH_LDMATRIX(N, TRANS, r, p) cuflash_ldmatrix_ptx_##N##_##TRANS(r, p)
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_1_false(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_2_false(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_4_false(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_1_true(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_2_true(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void cuflash_ldmatrix_ptx_4_true(uint32_t* r, const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+#else
+// Before sm_75: each lane fetches the row addresses it needs by shuffle and reads 4 bytes.
+#define CUFLASH_LDMATRIX(N, TRANS, r, p) cuflash_ldmatrix_sw<N, TRANS>(r, p)
+template <int N, bool TRANS>
+__device__ __forceinline__ void cuflash_ldmatrix_sw(uint32_t* r, const void* p) {
+    const unsigned lane = cuflash_lane_id();
+    const int q = lane >> 2, t = lane & 3;
+    for (int j = 0; j < N; ++j) {
+        if (!TRANS) {
+            const unsigned short* row = (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)p, 8 * j + q);
+            r[j] = (uint32_t)row[2 * t] | ((uint32_t)row[2 * t + 1] << 16);
+        } else {
+            const unsigned short* r0 = (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)p, 8 * j + 2 * t);
+            const unsigned short* r1 = (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)p, 8 * j + 2 * t + 1);
+            r[j] = (uint32_t)r0[q] | ((uint32_t)r1[q] << 16);
+        }
+    }
+}
+#endif
+
+__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row_ptr) { CUFLASH_LDMATRIX(1, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row_ptr) { CUFLASH_LDMATRIX(2, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row_ptr) { CUFLASH_LDMATRIX(4, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* smem_row_ptr) { CUFLASH_LDMATRIX(1, true, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row_ptr) { CUFLASH_LDMATRIX(2, true, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row_ptr) { CUFLASH_LDMATRIX(4, true, r, smem_row_ptr); }
+
+// ------------------------------------------------------------- cp.async (16 bytes, global -> shared)
+// Copies issued since the last commit form a group; cp_async_wait<N>() returns
+// when at most N of this thread's committed groups are still in flight.  Other
+// threads see the data only after a following __syncthreads().  In the
+// emulator a copy lands only when its wait runs (reading earlier gives stale
+// data); before sm_80 the copy is synchronous.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+#if defined(CUFLASH_EMULATOR)
+    ::cuflash_emu::cp_async_16(smem, gmem);
+#elif CUFLASH_ARCH >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(CUFLASH_EMULATOR)
+    ::cuflash_emu::cp_async_commit();
+#elif CUFLASH_ARCH >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(CUFLASH_EMULATOR)
+    ::cuflash_emu::cp_async_wait(N);
+#elif CUFLASH_ARCH >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}

@@ -1,0 +1,98 @@
+// Small kernels that exercise the emulator's execution model one feature at a time.
+#include "portable.cuh"
+
+// Every thread of every block writes its global linear id and its coordinates:
+// ids[lin] = lin, coords[lin] = (blockIdx, threadIdx, blockDim, gridDim) packed.
+// Checks 1-D/2-D/3-D grids and blocks and the x-fastest linearisation.
+extern "C" __global__ void index_map(int* ids, int* coords) {
+    const int tpb = blockDim.x * blockDim.y * blockDim.z;
+    const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int lin = b * tpb + t;
+    gstore(ids + lin, lin);
+    int* c = coords + 12 * lin;
+    gstore(c + 0, (int)blockIdx.x); gstore(c + 1, (int)blockIdx.y); gstore(c + 2, (int)blockIdx.z);
+    gstore(c + 3, (int)threadIdx.x); gstore(c + 4, (int)threadIdx.y); gstore(c + 5, (int)threadIdx.z);
+    gstore(c + 6, (int)blockDim.x); gstore(c + 7, (int)blockDim.y); gstore(c + 8, (int)blockDim.z);
+    gstore(c + 9, (int)gridDim.x); gstore(c + 10, (int)gridDim.y); gstore(c + 11, (int)gridDim.z);
+}
+
+// Threads with index >= n return before the barrier; the others reverse their
+// block's slice through shared memory.  Hangs unless early returns drop out
+// of __syncthreads (as on the hardware).
+extern "C" __global__ void reverse_early_exit(const float* x, float* y, int n) {
+    __shared__ float tile[128];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    tile[threadIdx.x] = gload(x + i);
+    __syncthreads();  // tile written by every live thread before any reads
+    const int live = min((int)blockDim.x, n - (int)(blockIdx.x * blockDim.x));
+    gstore(y + i, tile[live - 1 - threadIdx.x]);
+}
+
+// Copies dynamic shared memory to out after only the even threads wrote
+// their element: the odd elements must come out as the emulator's NaN poison.
+extern "C" __global__ void dyn_shared_poison(float* out) {
+    CUFLASH_DYNAMIC_SHARED(float, buf);  // (blockDim.x,) floats
+    if (threadIdx.x % 2 == 0) buf[threadIdx.x] = (float)(blockIdx.x * 1000 + threadIdx.x);
+    __syncthreads();  // buf written before it is copied out
+    gstore(out + blockIdx.x * blockDim.x + threadIdx.x, buf[threadIdx.x]);
+}
+
+// Lane 0 waits in a shuffle that needs lanes 1-31, which wait at a
+// __syncthreads that needs lane 0: hangs on the hardware.  (A thread that
+// merely skips a barrier and returns does not: returned threads stop counting.)
+extern "C" __global__ void divergent_barrier(float* out) {
+    float v = (float)threadIdx.x;
+    if (threadIdx.x == 0) v = __shfl_sync(0xffffffffu, v, 1);
+    else __syncthreads();
+    gstore(out + threadIdx.x, v);
+}
+
+// Histogram with float atomics: out[k] += 1 for every x[i] == k.
+extern "C" __global__ void histogram(const int* x, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gatomic_add(out + gload(x + i), 1.0f);
+}
+
+// Conversions: h[i] = __half(x[i]), b[i] = __nv_bfloat16(x[i]), back[i] = float(h) + float(b).
+extern "C" __global__ void convert16(const float* x, __half* h, __nv_bfloat16* b, float* back, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = gload(x + i);
+    const __half hv = __float2half(v);
+    const __nv_bfloat16 bv = __float2bfloat16(v);
+    gstore(h + i, hv);
+    gstore(b + i, bv);
+    gstore(back + i, __half2float(hv) + __bfloat162float(bv));
+}
+
+// Math intrinsics, one per output column.
+extern "C" __global__ void math_ops(const float* x, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = gload(x + i);
+    float* o = out + 8 * i;
+    gstore(o + 0, expf(v));
+    gstore(o + 1, exp2f(v));
+    gstore(o + 2, __expf(v));
+    gstore(o + 3, rsqrtf(fabsf(v) + 1.0f));
+    gstore(o + 4, fmaxf(v, 0.25f));
+    gstore(o + 5, fminf(v, -INFINITY));
+    gstore(o + 6, logf(fabsf(v) + 1.0f));
+    gstore(o + 7, max(v, 0.5f));
+}
+
+// Scalars of every kind: out = {a, b, c, d, e, f}.
+extern "C" __global__ void scalars(double* out, int a, unsigned int b, long long c, float d, double e, bool f) {
+    gstore(out + 0, (double)a); gstore(out + 1, (double)b); gstore(out + 2, (double)c);
+    gstore(out + 3, (double)d); gstore(out + 4, e); gstore(out + 5, f ? 1.0 : 0.0);
+}
+
+#ifdef SCALE
+// Exists only when -DSCALE=... is given: out[i] = x[i] * SCALE.
+extern "C" __global__ void scaled(const float* x, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gstore(out + i, gload(x + i) * (float)(SCALE));
+}
+#endif
