@@ -9,9 +9,9 @@
 // (seed 004 step 0), so no (Nq, Nk) array exists anywhere.
 //
 // Kernels (one launch each, in this order):
-//   flash_bwd_preprocess  D = rowsum(dO * O), one warp per row (lanes read the row
-//                         coalesced, a shuffle tree sums it); optionally zeroes the float32
-//                         dQ accumulator of the atomic path.
+//   flash_bwd_preprocess  D = rowsum(dO * O): warps read rows coalesced, partial sums meet
+//                         in shared memory; optionally zeroes the float32 dQ accumulator
+//                         of the atomic path.
 //   flash_bwd_dkdv        one block per (KV tile j, kv head): Kj, Vj resident in shared
 //                         memory, Qi/dOi/lse_i/D_i streamed for every query head of the GQA
 //                         group and every Q tile that can see Kj; dKj, dVj accumulate in
@@ -123,38 +123,53 @@ __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const scalar_
     }
 }
 
-// Rows of D handled by one preprocess block: each of its warps takes every
-// (NUM_THREADS/32)-th row of the block's PRE_ROWS.
-#define PRE_ROWS 32
-
 // ---------------------------------------------------------------------------------------
-// D = rowsum(dO * O), one warp per row. grid = (ceil(Nq / PRE_ROWS), H, B).
-// zero_dq != 0: also zero this row of the float32 dQ accumulator (B, H, Nq, d), which the
-// atomic path of flash_bwd_dkdv adds into.
+// D = rowsum(dO * O). grid = (ceil(Nq / rows_per_block), H, B); rows_per_block is a runtime
+// multiple of PRE_ROWS (cuflash.tiling.BWD_PRE_ROWS on a GPU; one block per head on the
+// emulator, where every block costs a thread start-up). The block walks its rows in
+// chunks of PRE_ROWS: warp w reads rows w, w + warps, ... with its lanes on consecutive
+// columns (coalesced) and leaves one partial sum per lane in red_s; after one barrier,
+// thread r adds up the 32 partials of row r. (A shuffle tree per row would need 5 warp
+// collectives per row instead of 2 barriers per 32 rows.)
+// zero_dq != 0: the warps also zero these rows of the float32 dQ accumulator
+// (B, H, Nq, d), which the atomic path of flash_bwd_dkdv adds into.
+// Shared memory: sizeof(acc_t) * PRE_ROWS * 33.
+#define PRE_ROWS 32
+static_assert(NUM_THREADS >= PRE_ROWS, "one thread per row adds up the partial sums");
 extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ O,
                                                 const scalar_t* __restrict__ dO,
                                                 acc_t* __restrict__ D,
                                                 float* __restrict__ dq_accum,
-                                                int Nq, int zero_dq,
+                                                int Nq, int rows_per_block, int zero_dq,
                                                 long long o_sb, long long o_sh, long long o_sr,
                                                 long long do_sb, long long do_sh, long long do_sr) {
-    const int lane = threadIdx.x & 31;
+    CUFLASH_DYNAMIC_SHARED(acc_t, smem);
+    acc_t* red_s = smem;                 // (PRE_ROWS, 33)  per-lane partial sums, padded
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.y, b = blockIdx.z;
     const size_t bh = (size_t)b * gridDim.y + h;
     const scalar_t* Ob = O + b * o_sb + h * o_sh;
     const scalar_t* dOb = dO + b * do_sb + h * do_sh;
-    const int row_end = min(Nq, (int)(blockIdx.x + 1) * PRE_ROWS);
-    for (int i = blockIdx.x * PRE_ROWS + (threadIdx.x >> 5); i < row_end; i += NUM_THREADS / 32) {
-        acc_t sum = 0;
-        for (int c = lane; c < HEAD_DIM_V; c += 32)
-            sum += to_acc(gload(Ob + i * o_sr + c)) * to_acc(gload(dOb + i * do_sr + c));
-        // butterfly: afterwards every lane holds the row sum
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (lane == 0) gstore(D + bh * Nq + i, sum);
-        if (zero_dq)
-            for (int c = lane; c < HEAD_DIM; c += 32)
-                gstore(dq_accum + (bh * Nq + i) * HEAD_DIM + c, 0.0f);
+    const int block_end = min(Nq, (int)(blockIdx.x + 1) * rows_per_block);
+    for (int i0 = blockIdx.x * rows_per_block; i0 < block_end; i0 += PRE_ROWS) {
+        const int rows = min(PRE_ROWS, block_end - i0);
+        for (int r = warp; r < rows; r += NUM_THREADS / 32) {
+            const int i = i0 + r;
+            acc_t part = 0;
+            for (int c = lane; c < HEAD_DIM_V; c += 32)
+                part += to_acc(gload(Ob + i * o_sr + c)) * to_acc(gload(dOb + i * do_sr + c));
+            red_s[r * 33 + lane] = part;
+            if (zero_dq)
+                for (int c = lane; c < HEAD_DIM; c += 32)
+                    gstore(dq_accum + (bh * Nq + i) * HEAD_DIM + c, 0.0f);
+        }
+        __syncthreads();  // all partials of the chunk are in red_s
+        if (tid < rows) {
+            acc_t sum = 0;
+            for (int l = 0; l < 32; ++l) sum += red_s[tid * 33 + l];
+            gstore(D + bh * Nq + i0 + tid, sum);
+        }
+        __syncthreads();  // red_s read before the next chunk overwrites it
     }
 }
 
