@@ -1,0 +1,481 @@
+"""The forward kernels (flash_fwd, online_softmax_rows) and their launch/tiling code.
+
+Written once over the backend: "numpy" (the reference, the same assertions)
+and "emulator" always; "cuda" when CuPy and a GPU are present, else skipped
+with the reason.  Every kernel output is poisoned with NaN before the launch
+(through ``cuflash._launch.output_hook``) so an element the kernel fails to
+write fails the test.
+
+Emulated launches cost a compile per specialisation (dtype, d, tiles: ~3-6 s
+on 2 cores, cached afterwards) plus ~0.05-2 s per launch, so the oracle cases
+below are sampled to share a small set of specialisations while still
+covering odd lengths, Nq != Nk both ways, both causal alignments (with rows
+that see no key), MHA/GQA/MQA, broadcast leading dims, strided inputs,
+d in {16, 32, 64, 96, 128, 256} and every dtype.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+import cuflash
+import oracle
+from conftest import Backend
+from cuflash import _launch, _validate, kernels, reference, tiling
+
+KERNEL_BACKENDS = [
+    pytest.param("numpy", id="numpy"),
+    pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+]
+
+
+def _availability(name):
+    return cuflash.available_backends()[name]
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def kb(request):
+    """The backend under test (a conftest.Backend); cuda is skipped when absent."""
+    name = request.param
+    ok, why = _availability(name)
+    if not ok:
+        if name == "cuda":
+            pytest.skip(f"backend 'cuda' not available: {why}")
+        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
+    return Backend(name)
+
+
+@pytest.fixture(params=[p for p in KERNEL_BACKENDS if p.values[0] != "numpy"])
+def kernel_backend(request):
+    """Only the backends that run kernels (emulator, cuda)."""
+    name = request.param
+    ok, why = _availability(name)
+    if not ok:
+        if name == "cuda":
+            pytest.skip(f"backend 'cuda' not available: {why}")
+        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
+    return Backend(name)
+
+
+def _poison(a):
+    a[...] = np.nan
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Kernel outputs are NaN until the kernel writes them."""
+    with _launch.output_hook(_poison):
+        yield
+
+
+def _emulator_stats():
+    from cuflash import emulator
+    return emulator.last_launch_stats()
+
+
+# --------------------------------------------------------------------------
+# forward + lse against the float64 oracle
+# --------------------------------------------------------------------------
+# (dtype, q shape, k shape, causal, block_q, block_kv, layout)
+# Cases sharing (dtype, d, tiles) share one compiled specialisation.
+FWD_CASES = [
+    # float32, d=64, default tiles (64, 32): GQA 6/2 with Nq > Nk (rows that see no key)
+    ("float32", (2, 6, 77, 64), (2, 2, 50, 64), "bottom_right", None, None, "c"),
+    ("float32", (1, 113, 64), (1, 203, 64), False, None, None, "c"),
+    ("float32", (2, 6, 97, 64), (2, 1, 97, 64), "top_left", None, None, "c"),        # MQA
+    ("float32", (2, 3, 40, 64), (2, 3, 61, 64), "bottom_right", None, None, "strided"),
+    # float64, d=64 (computed in double: 1e-12)
+    ("float64", (3, 128, 64), (3, 127, 64), "bottom_right", None, None, "c"),
+    ("float64", (2, 6, 5, 64), (2, 6, 2, 64), "top_left", None, None, "c"),
+    ("float64", (1, 6, 203, 64), (1, 2, 113, 64), "top_left", None, None, "c"),       # GQA, Nq > Nk
+    # float16, d=32
+    ("float16", (2, 3, 200, 32), (2, 3, 200, 32), True, None, None, "c"),
+    ("float16", (6, 17, 32), (6, 1, 32), False, None, None, "c"),
+    # bfloat16, d=16
+    ("bfloat16", (1, 6, 255, 16), (1, 2, 255, 16), "bottom_right", None, None, "c"),
+    ("bfloat16", (3, 1, 16), (3, 147, 16), "top_left", None, None, "c"),                # Nq = 1
+    # the other head dims
+    ("float32", (2, 2, 128, 96), (2, 2, 127, 96), "bottom_right", None, None, "c"),
+    ("float16", (1, 2, 97, 128), (1, 2, 113, 128), "top_left", None, None, "c"),
+    ("float64", (2, 40, 256), (2, 33, 256), "bottom_right", None, None, "c"),
+    ("bfloat16", (1, 2, 17, 256), (1, 2, 200, 256), False, None, None, "c"),
+    # explicit tiles; broadcast leading dims (2, 1) x (3,) -> (2, 3)
+    ("float32", (2, 1, 37, 16), (3, 50, 16), "top_left", 16, 8, "c"),
+    ("float32", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided"),
+    ("float64", (2, 1, 2), (2, 1, 2), False, None, None, "c"),  # d=2, Nq = Nk = 1
+]
+
+
+def _case_id(c):
+    dt, qs, ks, causal, bq, bkv, lay = c
+    tiles = "" if bq is None else f"-t{bq}x{bkv}"
+    return f"{dt}-q{'x'.join(map(str, qs))}-k{'x'.join(map(str, ks))}-{causal}{tiles}-{lay}"
+
+
+def _make(rng, dtype, shape, layout):
+    """A random input in ``layout``: 'c' (contiguous) or 'strided' (last two axes
+    swapped in memory and every other leading index skipped)."""
+    if layout == "c":
+        return oracle.randn(rng, shape, dtype)
+    big = oracle.randn(rng, shape[:-3] + (2 * shape[-3], shape[-1], shape[-2]), dtype)
+    x = np.swapaxes(big, -1, -2)[..., ::2, :, :]
+    assert x.shape == shape and not x.flags.c_contiguous
+    return x
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=[_case_id(c) for c in FWD_CASES])
+def test_forward_against_oracle(kb, case, rng):
+    dtype, qs, ks, causal, bq, bkv, layout = case
+    q = _make(rng, dtype, qs, layout)
+    k = _make(rng, dtype, ks, layout)
+    v = _make(rng, dtype, ks, layout)
+    before = [x.copy() for x in (q, k, v)]
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(v),
+                                         causal=causal, block_q=bq, block_kv=bkv,
+                                         return_lse=True, backend=kb.name)
+    o, lse = kb.to_numpy(o), kb.to_numpy(lse)
+    ref_o, ref_lse, _ = oracle.attention(q, k, v, None, causal)
+    assert o.dtype == q.dtype and o.shape == ref_o.shape
+    assert lse.dtype == (np.float64 if dtype == "float64" else np.float32)
+    assert lse.shape == ref_lse.shape
+    oracle.check_forward(o, q, k, v, None, causal, lse=lse)
+    # rows that see no key: exactly 0 and -inf, never NaN
+    blind = ~oracle.visible(qs[-2], ks[-2], causal).any(axis=1)
+    if blind.any():
+        assert np.all(o[..., blind, :].astype(np.float64) == 0)
+        assert np.all(np.isneginf(lse[..., blind]))
+    for x, x0 in zip((q, k, v), before):
+        assert np.array_equal(x, x0, equal_nan=True), "an input was modified"
+
+
+def test_huge_and_equal_logits(kb, rng):
+    """Logits of magnitude 1e4 do not overflow; all-equal logits give the mean of v."""
+    q = oracle.randn(rng, (2, 33, 64), "float32") * 100.0
+    k = oracle.randn(rng, (2, 70, 64), "float32")
+    v = oracle.randn(rng, (2, 70, 64), "float32")
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(v),
+                                         scale=1.0, return_lse=True, backend=kb.name)
+    assert np.abs(oracle.attention(q, k, v, 1.0)[1]).max() > 1e3
+    oracle.check_forward(kb.to_numpy(o), q, k, v, 1.0, False, lse=kb.to_numpy(lse))
+    qz = np.zeros_like(q)
+    with poisoned_outputs():
+        o = kb.to_numpy(cuflash.tiled_attention(kb.asarray(qz), kb.asarray(k), kb.asarray(v),
+                                                backend=kb.name))
+    mean = v.astype(np.float64).mean(axis=-2, keepdims=True)
+    np.testing.assert_allclose(o, np.broadcast_to(mean, o.shape), rtol=1e-5, atol=1e-6)
+
+
+def test_nan_propagates_to_its_rows(kb, rng):
+    """A NaN in q poisons only its own row (as in NumPy); other rows stay exact."""
+    q = oracle.randn(rng, (1, 40, 64), "float32")
+    k = oracle.randn(rng, (1, 50, 64), "float32")
+    v = oracle.randn(rng, (1, 50, 64), "float32")
+    q[0, 7, 3] = np.nan
+    o = kb.to_numpy(cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(v),
+                                            backend=kb.name))
+    assert np.all(np.isnan(o[0, 7]))
+    rows = np.arange(40) != 7
+    ref = oracle.attention(q[:, rows], k, v)[0]
+    oracle.assert_rel_close(o[:, rows], ref, "float32")
+
+
+def test_empty_sequences(kb, rng):
+    """Nq = 0 gives empty outputs; Nk = 0 gives o = 0 and lse = -inf."""
+    q = oracle.randn(rng, (2, 0, 64), "float32")
+    k = oracle.randn(rng, (2, 9, 64), "float32")
+    o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(k),
+                                     return_lse=True, backend=kb.name)
+    assert o.shape == (2, 0, 64) and lse.shape == (2, 0)
+    q = oracle.randn(rng, (2, 5, 64), "float32")
+    k = oracle.randn(rng, (2, 0, 64), "float32")
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(k),
+                                         return_lse=True, backend=kb.name)
+    o, lse = kb.to_numpy(o), kb.to_numpy(lse)
+    assert o.shape == (2, 5, 64) and np.all(o == 0) and np.all(np.isneginf(lse))
+
+
+# --------------------------------------------------------------------------
+# online_softmax_rows against the reference
+# --------------------------------------------------------------------------
+SOFTMAX_CASES = [
+    ("float32", (300,), 64),
+    ("float64", (77,), None),
+    ("float64", (3, 5, 100), 7),
+    ("float16", (6, 65), 32),
+    ("bfloat16", (4, 129), None),
+    ("float32", (9, 1), 1),
+]
+
+
+@pytest.mark.parametrize("dtype,shape,chunk", SOFTMAX_CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-chunk{c[2]}" for c in SOFTMAX_CASES])
+def test_online_softmax_kernel(kb, dtype, shape, chunk, rng):
+    x = oracle.randn(rng, shape, dtype, scale=5.0)
+    if len(shape) > 1:
+        x[(0,) * (len(shape) - 1)] = -np.inf  # a row of only -inf: p = 0
+        x[(-1,) * (len(shape) - 1) + (0,)] = 1e4 if dtype != "float16" else 6e4
+    fn = cuflash.online_softmax if len(shape) == 1 else cuflash.online_softmax_2d
+    with poisoned_outputs():
+        p, m, l = fn(kb.asarray(x), chunk, return_stats=True, backend=kb.name)
+    p, m, l = kb.to_numpy(p), kb.to_numpy(m), kb.to_numpy(l)
+    rp, rm, rl = reference.online_softmax_2d(x, chunk, return_stats=True)
+    assert p.dtype == x.dtype and p.shape == x.shape and np.shape(m) == shape[:-1]
+    xd = x.astype(np.float64)
+    # oracle: plain two-pass softmax in float64
+    with np.errstate(invalid="ignore"):
+        mx = xd.max(axis=-1, keepdims=True)
+        e = np.exp(xd - np.where(np.isneginf(mx), 0, mx))
+        s = e.sum(axis=-1, keepdims=True)
+        want = e / np.where(s == 0, 1, s)
+    tol = {"float64": 1e-13, "float32": 2e-6}.get(dtype, 2 * oracle.eps_of(dtype))
+    np.testing.assert_allclose(p.astype(np.float64), want, rtol=0, atol=tol)
+    np.testing.assert_array_equal(np.asarray(m, np.float64), rm)  # the max is exact
+    finite = np.asarray(rl) > 0
+    np.testing.assert_allclose(np.asarray(l, np.float64)[finite], np.asarray(rl)[finite],
+                               rtol=1e-12 if dtype == "float64" else 1e-5)
+    assert np.all(np.asarray(l)[~finite] == 0)
+
+
+# --------------------------------------------------------------------------
+# tiles: explicit sizes honoured, too big refused, the traffic model exact
+# --------------------------------------------------------------------------
+def test_explicit_tiles_honoured(kernel_backend, rng):
+    q = oracle.randn(rng, (2, 37, 16), "float32")
+    k = oracle.randn(rng, (2, 50, 16), "float32")
+    cuflash.tiled_attention(kernel_backend.asarray(q), kernel_backend.asarray(k),
+                            kernel_backend.asarray(k), causal="top_left", block_q=16,
+                            block_kv=8, backend=kernel_backend.name)
+    ma = cuflash.memory_analysis(37, 16, "float32", Nk=50, block_q=16, block_kv=8, batch=2,
+                                 backend=kernel_backend.name)
+    assert (ma["block_q"], ma["block_kv"], ma["tiles_chosen"]) == (16, 8, "explicit")
+    plan = tiling.plan("flash_fwd", 16, 16, "float32", 16, 8)
+    assert ma["sram_bytes_per_block"] == plan.shared_bytes == 4 * (16 * 17 + 8 * 17 + 8 * 16 + 16 * 9)
+    if kernel_backend.name == "emulator":
+        st = _emulator_stats()
+        assert st["threads_per_block"] == plan.threads == 64
+        assert st["blocks"] == 3 * 2  # ceil(37 / 16) Q tiles x 2 problems
+        assert st["dynamic_shared_bytes"] == plan.shared_bytes
+
+
+@pytest.mark.parametrize("dtype,d,bq,bkv,needle", [
+    ("float64", 256, 128, 128, "budget is"),       # too much shared memory
+    ("float32", 64, 24, 32, "supported block_q"),  # not a supported size
+    ("float32", 300, None, None, "head dims"),     # d beyond the kernel
+])
+def test_unsupported_tiles_refused(kernel_backend, dtype, d, bq, bkv, needle, rng):
+    q = oracle.randn(rng, (1, 9, d), dtype)
+    with pytest.raises(ValueError) as ei:
+        cuflash.tiled_attention(kernel_backend.asarray(q), kernel_backend.asarray(q),
+                                kernel_backend.asarray(q), block_q=bq, block_kv=bkv,
+                                backend=kernel_backend.name)
+    msg = str(ei.value)
+    assert needle in msg, msg
+    if needle == "budget is":
+        # the budget in bytes, its source, and the pairs that do fit
+        assert "B (" in msg and "pairs that fit" in msg and "(16, 16)" in msg, msg
+    with pytest.raises(ValueError):
+        cuflash.memory_analysis(9, d, dtype, block_q=bq, block_kv=bkv,
+                                backend=kernel_backend.name)
+
+
+TRAFFIC_CASES = [
+    # dtype, q shape, k shape, causal, block_q, block_kv
+    ("float32", (2, 3, 150, 64), (2, 3, 150, 64), None, None, None),
+    ("float32", (2, 3, 150, 64), (2, 3, 150, 64), "bottom_right", None, None),
+    ("float32", (2, 6, 77, 64), (2, 2, 200, 64), "top_left", None, None),    # GQA, Nq < Nk
+    ("float32", (2, 6, 200, 64), (2, 2, 77, 64), "bottom_right", None, None),  # Nq > Nk
+    ("float16", (3, 113, 32), (3, 203, 32), "bottom_right", None, None),
+]
+
+
+@pytest.mark.parametrize("case", TRAFFIC_CASES,
+                         ids=[f"{c[0]}-q{c[1][-2]}-k{c[2][-2]}-{c[3]}" for c in TRAFFIC_CASES])
+def test_traffic_equals_model(case, rng):
+    """Global-memory bytes counted by the emulator == the HBM model of memory_analysis."""
+    if not _availability("emulator")[0]:
+        pytest.fail(f"emulator must run here: {_availability('emulator')[1]}")
+    dtype, qs, ks, causal, bq, bkv = case
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    cuflash.tiled_attention(q, k, v, causal=causal or False, block_q=bq, block_kv=bkv,
+                            backend="emulator")
+    st = _emulator_stats()
+    measured = (st["global_bytes_read"], st["global_bytes_written"])
+    spec = _validate.check_attention_inputs(q, k, v, causal=causal or False)
+    B, H = _launch.problem_dims(spec.lead)
+    Nq, Nk, d = qs[-2], ks[-2], qs[-1]
+    ma = cuflash.memory_analysis(Nq, d, dtype, Nk=Nk, block_q=bq, block_kv=bkv, batch=B,
+                                 heads=H, backend="emulator")
+    bq, bkv = ma["block_q"], ma["block_kv"]
+    isz = np.dtype(q.dtype).itemsize
+    model = tiling.flash_fwd_traffic(B, H, Nq, Nk, d, d, dtype, bq, bkv, causal)
+    ref_model = reference.tiled_forward_hbm_bytes(Nq, Nk, d, d, isz, bq, bkv, causal, B * H,
+                                                  4 if dtype != "float64" else 8)
+    assert measured == model == ref_model, (measured, model, ref_model)
+    full = (ma["tiled_hbm_read_bytes"], ma["tiled_hbm_written_bytes"])
+    if causal is None:
+        assert measured == full
+    else:
+        # causal skipping loads fewer K/V bytes; Q, O and lse are the same
+        assert measured[0] < full[0] and measured[1] == full[1]
+    # the figures for the report
+    print(f"\n{_case_id((dtype, qs, ks, causal, bq, bkv, 'c'))}: measured {measured}, "
+          f"model {model}, non-causal model {full}")
+
+
+def test_traffic_model_agrees_with_reference():
+    """tiling's exact model == the reference's definition over a grid of sizes (no launch)."""
+    for Nq in (1, 5, 64, 97, 200):
+        for Nk in (1, 33, 128, 255):
+            for causal in (None, "bottom_right", "top_left"):
+                for bq, bkv in ((8, 8), (16, 64), (64, 32), (128, 16)):
+                    for dtype, isz, lse in (("float16", 2, 4), ("float64", 8, 8)):
+                        a = tiling.flash_fwd_traffic(3, 2, Nq, Nk, 32, 48, dtype, bq, bkv, causal)
+                        b = reference.tiled_forward_hbm_bytes(Nq, Nk, 32, 48, isz, bq, bkv,
+                                                              causal, 6, lse)
+                        assert a == b, (Nq, Nk, causal, bq, bkv, dtype, a, b)
+
+
+# --------------------------------------------------------------------------
+# tiling module
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", sorted(tiling.EMULATOR_ARCHES))
+def test_default_tiles_fit_every_arch(arch):
+    limit = tiling.EMULATOR_ARCHES[arch]
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d in (1, 16, 32, 59, 64, 96, 128, 200, 256):
+            p = tiling.plan("flash_fwd", d, d, dtype, limit=limit, limit_source=arch)
+            assert p.shared_bytes <= limit and p.chosen == "default"
+            assert p.block_q in (8, 16, 32, 64, 128) and p.threads == 4 * p.block_q
+            # one size given: honoured, the other chosen
+            p2 = tiling.plan("flash_fwd", d, d, dtype, block_q=8, limit=limit)
+            assert p2.block_q == 8 and p2.shared_bytes <= limit
+
+
+def test_explicit_plan_never_changed():
+    p = tiling.plan("flash_fwd", 128, 128, "float32", 128, 128)  # no limit: honoured
+    assert (p.block_q, p.block_kv, p.chosen) == (128, 128, "explicit")
+    assert p.shared_bytes == 263680
+    with pytest.raises(ValueError, match="needs 263680 B .* budget is 166912 B"):
+        tiling.plan("flash_fwd", 128, 128, "float32", 128, 128, limit=163 * 1024,
+                    limit_source="nominal sm_80")
+    # dv != d is supported by the kernel (its own define)
+    p = tiling.plan("flash_fwd", 32, 96, "float32")
+    assert p.d == 32 and p.dv == 96
+
+
+def test_memory_analysis_states_the_limit(kernel_backend):
+    ma = cuflash.memory_analysis(4096, 128, "float16", batch=2, heads=8,
+                                 backend=kernel_backend.name)
+    if kernel_backend.name == "emulator":
+        assert ma["sram_limit_source"] == "nominal sm_80 opt-in limit (emulator)"
+        assert ma["sram_limit_bytes"] == 163 * 1024
+    assert ma["sram_bytes_per_block"] <= ma["sram_limit_bytes"]
+    assert ma["tiled_extra_bytes"] == 2 * 8 * 4096 * 4  # lse only
+    assert ma["standard_extra_bytes"] == 2 * 2 * 8 * 4096 * 4096 * 2
+    ref = cuflash.memory_analysis(4096, 128, "float16", batch=2, heads=8,
+                                  block_q=ma["block_q"], block_kv=ma["block_kv"])
+    assert ma["tiled_hbm_bytes"] == ref["tiled_hbm_bytes"]
+    assert ma["standard_hbm_bytes"] == ref["standard_hbm_bytes"]
+
+
+def test_verify_no_full_materialization(kernel_backend, rng):
+    sizes = []
+    for N in (40, 160):
+        q, k, v = oracle.qkv(rng, (2, N, 32), (2, N, 32), dtype="float32")
+        o, mx = cuflash.verify_no_full_materialization(
+            kernel_backend.asarray(q), kernel_backend.asarray(k), kernel_backend.asarray(v),
+            16, backend=kernel_backend.name)
+        oracle.check_forward(kernel_backend.to_numpy(o), q, k, v)
+        sizes.append(mx)
+        assert mx < N * N
+    # the tiles (16 x 33 elements) dominate until lse (2 * N) is larger: never N^2
+    assert sizes == [max(16 * 33, 2 * 40), max(16 * 33, 2 * 160)]
+
+
+# --------------------------------------------------------------------------
+# race check (emulator under ThreadSanitizer), once per kernel
+# --------------------------------------------------------------------------
+def test_race_check_flash_fwd(rng):
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 2, 37, 16), dtype="float32")
+    spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
+    o, lse = _launch.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+    oracle.check_forward(o, q, k, v, None, True, lse=lse)
+
+
+def test_race_check_online_softmax(rng):
+    rt = kernels.get_runtime("emulator", race_check=True)
+    x = oracle.randn(rng, (5, 40), "float32")
+    p, m, l = _launch.online_softmax_rows(rt, x, 16)
+    np.testing.assert_allclose(p, reference.online_softmax_2d(x, 16), rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------
+# launch helpers and the CUDA backend's array code (checked with NumPy as xp)
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("xshape,lead,grouped,copied", [
+    ((5, 3), (), False, False),
+    ((2, 3, 5, 4), (2, 3), False, False),
+    ((1, 3, 5, 4), (2, 3), False, False),
+    ((3, 5, 4), (2, 3), False, False),
+    ((2, 1, 5, 4), (2, 3), False, False),
+    ((2, 2, 5, 4), (2, 6), True, False),
+    ((4, 1, 3, 5, 4), (4, 2, 3), False, True),   # broadcast inside the batch axes: a copy
+])
+def test_flatten_lead(xshape, lead, grouped, copied, rng):
+    x = rng.standard_normal(xshape)
+    arr, (sb, sh, sr) = _launch.flatten_lead(np, x, lead, grouped)
+    assert (arr is not x) == copied
+    B, H = _launch.problem_dims(lead)
+    group = 3 if grouped else 1
+    base = arr.reshape(-1) if arr.flags.c_contiguous else None
+    assert base is not None
+    xl = x.shape[:-2]
+    for b in range(B):
+        for h in range(H):
+            idx = tuple(np.unravel_index(b, lead[:-1])) + ((h,) if lead else ())
+            pad = len(lead) - len(xl)
+            xi = list(0 if n == 1 else i for n, i in zip(xl, idx[pad:]))
+            if grouped:
+                xi[-1] = h // group
+            off = b * sb + (h // group) * sh
+            got = np.lib.stride_tricks.as_strided(base[off:], shape=x.shape[-2:],
+                                                  strides=(sr * x.itemsize, x.itemsize))
+            np.testing.assert_array_equal(got, x[tuple(xi)])
+
+
+def test_cuda_standard_attention_code_with_numpy(rng):
+    """cuda_backend's plain-array standard attention (run here with xp = numpy)."""
+    from cuflash import cuda_backend as cb
+    for qs, ks, causal in [((2, 6, 7, 8), (2, 2, 9, 8), "bottom_right"),
+                           ((7, 8), (5, 8), "top_left"),
+                           ((3, 1, 4, 8), (5, 4, 8), False),
+                           ((6, 9, 8), (1, 5, 8), True)]:
+        q, k, v = oracle.qkv(rng, qs, ks)
+        spec = _validate.check_attention_inputs(q, k, v, causal=causal)
+        o, p = cb._standard_forward(np, q, k, v, spec)
+        ro, _, rp = oracle.attention(q, k, v, None, causal)
+        oracle.assert_rel_close(o, ro, "float64")
+        oracle.assert_rel_close(p, rp, "float64")
+        do = rng.standard_normal(spec.out_shape)
+        grads = cb._standard_backward(np, do, q, k, v, spec)
+        for g, r in zip(grads, oracle.attention_backward(do, q, k, v, None, causal)):
+            assert g.shape == r.shape
+            oracle.assert_rel_close(g, r, "float64")
+
+
+def test_compile_variants_cover_every_kernel_file():
+    import os
+    variants = kernels.compile_variants()
+    cu = {f for f in os.listdir(kernels.kernel_dir()) if f.endswith(".cu")}
+    assert {"flash_fwd.cu", "online_softmax.cu"} <= set(variants) <= cu
+    for f, opts in variants.items():
+        assert opts and all(isinstance(o, tuple) for o in opts)
+        assert all(any(x.startswith("-DCUFLASH_DTYPE_") for x in o) for o in opts)
+    dtypes = {x for o in variants["flash_fwd.cu"] for x in o if x.startswith("-DCUFLASH_DTYPE_")}
+    assert dtypes == {"-DCUFLASH_DTYPE_F16", "-DCUFLASH_DTYPE_BF16", "-DCUFLASH_DTYPE_F32",
+                      "-DCUFLASH_DTYPE_F64"}
