@@ -373,9 +373,11 @@ def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, head
 
     The tiles and ``sram_bytes_per_block`` are those flash_fwd launches with
     (cuflash.tiling, against this runtime's shared-memory limit, which is
-    reported); the tiled extra memory is what the kernel path keeps in global
-    memory besides q, k, v, o: the lse rows (m, l and the S/P tile live in
-    registers and shared memory).  The HBM model is the reference's
+    reported).  ``tiled_extra_bytes`` keeps the reference's definition (row
+    statistics plus one S/P tile pair, whatever memory holds them);
+    ``kernel_global_extra_bytes`` is what the kernel path actually keeps in
+    global memory besides q, k, v, o: the lse rows (m, l live in registers,
+    the S/P tile in registers and shared memory).  The HBM model is the reference's
     (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
     :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
     the kernel is measured to move.
@@ -401,12 +403,8 @@ def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, head
             plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
         "sram_limit_bytes": plan.limit,
         "sram_limit_source": plan.limit_source,
-        "tiled_extra_bytes": lse_bytes,
-        "tiled_stats_bytes": lse_bytes,
-        "tiled_tile_bytes": 0,
+        "kernel_global_extra_bytes": lse_bytes,
     })
-    out["ratio_extra"] = (out["standard_extra_bytes"] / lse_bytes if lse_bytes
-                          else float("inf"))
     return out
 
 

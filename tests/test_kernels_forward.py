@@ -374,7 +374,7 @@ def test_memory_analysis_states_the_limit(kernel_backend):
         assert ma["sram_limit_source"] == "nominal sm_80 opt-in limit (emulator)"
         assert ma["sram_limit_bytes"] == 163 * 1024
     assert ma["sram_bytes_per_block"] <= ma["sram_limit_bytes"]
-    assert ma["tiled_extra_bytes"] == 2 * 8 * 4096 * 4  # lse only
+    assert ma["kernel_global_extra_bytes"] == 2 * 8 * 4096 * 4  # lse only
     assert ma["standard_extra_bytes"] == 2 * 2 * 8 * 4096 * 4096 * 2
     ref = cuflash.memory_analysis(4096, 128, "float16", batch=2, heads=8,
                                   block_q=ma["block_q"], block_kv=ma["block_kv"])
