@@ -572,21 +572,44 @@ def _workers_for(spec, flops):
     return _num_workers()
 
 
-def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track):
+# Slack of the lazy rescaling (natural-log units): the shift m_i of a row moves
+# only when the row's running maximum leaves [m_i - TAU, m_i + TAU], so exp()
+# never sees an argument above TAU (e^8 ~ 3e3: no overflow in float32 sums)
+# and the row's largest term is at least e^-TAU (no underflow of l_i).
+_RESCALE_SLACK = 8.0
+
+
+def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="whole"):
     """FlashAttention-2 forward over all leading dims at once: returns (o, lse).
 
-    One task per query tile Qi (FA2's outer loop, parallel over the tasks);
-    inside, the key/value tiles Kj, Vj stream past with the online-softmax
-    update of seed 004:
-        S = Qi Kj^T;  m_new = max(m_i, rowmax S);  P~ = exp(S - m_new)
-        alpha = exp(m_i - m_new);  l_i = alpha l_i + rowsum P~
-        acc = alpha acc + P~ Vj;   m_i = m_new
-    and at the end O_i = acc / l_i, lse_i = m_i + log l_i.  ``l_i`` rides as
-    an extra column of ones appended to Vj, so ``P~ @ [Vj, 1]`` yields the new
-    acc and the row sums in one BLAS call (saving a pass over S).  Tiles
-    entirely above the causal boundary are never visited; tiles crossing it
-    are masked with -inf.  Rows that see no key keep m_i = -inf (shifted by 0
-    so no inf - inf is formed) and end with o = 0, lse = -inf.
+    One task per query tile Qi (FA2's outer loop; the tasks run on the thread
+    pool); inside, the key/value tiles Kj, Vj stream past with the online
+    softmax of seeds 001/004:
+        S = Qi Kj^T - m_i;  P~ = exp(S);  l_i += rowsum P~;  acc += P~ Vj
+    and at the end O_i = acc / l_i, lse_i = m_i + log l_i.
+
+    Two CPU-specific devices keep the passes over the (Br, Bc) tile to the
+    minimum (one max, one exp; both matmuls in BLAS):
+
+    * the shift is folded into the first matmul: Qi carries an extra column
+      ``-m_i`` and Kj an extra column of ones, so ``[Qi, -m_i] @ [Kj, 1]^T``
+      is ``S - m_i`` directly; likewise ``P~ @ [Vj, 1]`` yields acc and the
+      row sums l_i in one call;
+    * lazy rescaling (as in FlashAttention-4): m_i is not forced to equal the
+      running maximum; it moves (rescaling acc and l_i by exp(m_old - m_new)
+      and shifting the tile) only when the running maximum leaves
+      ``[m_i - TAU, m_i + TAU]`` (``_RESCALE_SLACK``).  Softmax is invariant
+      to the shift, so the result is the same; ``lse = m_i + log(l_i)`` is
+      exact.  With typical logits the shift never moves after the first tile.
+
+    Tiles entirely above the causal boundary are never visited; tiles crossing
+    it are masked with -inf.  A row that never sees a key keeps l_i = 0 and
+    ends with o = 0, lse = -inf.
+
+    ``stage="whole"`` builds [K, 1] and [V, 1] once per call (O(Nk (d + dv))
+    extra memory, shared by all query tiles); ``stage="tile"`` builds them per
+    (Qi, Kj) tile in a tile-sized buffer, as the GPU kernel stages tiles in
+    shared memory (used by :func:`verify_no_full_materialization`).
     """
     q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
     ct = _compute_dtype(spec.dtype)
@@ -596,51 +619,71 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track):
     o_c = o.reshape(lead_c + (Nq, dv))
     lse_c = lse.reshape(lead_c + (Nq,))
     offset = _causal_offset(spec)
-    k_ready = _is_blas_ready(k_c, ct)
     scale = spec.scale
+    tau = _RESCALE_SLACK
+    Kaug = Vaug = None
+    if stage == "whole" and Nq and Nk:
+        Kaug = np.empty(k_c.shape[:-1] + (d + 1,), ct)                  # [K, 1]
+        np.copyto(Kaug[..., :d], k_c, casting="unsafe")
+        Kaug[..., d] = 1
+        Vaug = np.empty(v_c.shape[:-1] + (dv + 1,), ct)                 # [V, 1]
+        np.copyto(Vaug[..., :dv], v_c, casting="unsafe")
+        Vaug[..., dv] = 1
+        track(Kaug, Vaug)
 
     def q_tile(i):
         r0, r1 = i * Br, min(Nq, (i + 1) * Br)
         br = r1 - r0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            Qi = np.multiply(q_c[..., r0:r1, :], scale, dtype=ct)        # (..., Br, d)
-            m_i = np.full(lead_c + (br,), -np.inf, ct)                      # (..., Br)
-            acc = np.zeros(lead_c + (br, dv + 1), ct)                       # (..., Br, dv | l)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            Qa = np.empty(lead_c + (br, d + 1), ct)                         # [Qi, -m_i]
+            np.multiply(q_c[..., r0:r1, :], scale, out=Qa[..., :d], dtype=ct,
+                        casting="unsafe")
+            Qa[..., d] = 0
+            m_i = np.zeros(lead_c + (br,), ct)                              # the shift
+            top = np.full(lead_c + (br,), -np.inf, ct)     # running max - m_i (-inf: none yet)
+            acc = np.zeros(lead_c + (br, dv + 1), ct)                       # [acc, l_i]
             S = np.empty(lead_c + (br, Bc), ct)                             # (..., Br, Bc)
             PV = np.empty(lead_c + (br, dv + 1), ct)
-            Kbuf = None if k_ready else np.empty(k_c.shape[:-2] + (Bc, d), ct)
-            Vbuf = np.empty(v_c.shape[:-2] + (Bc, dv + 1), ct)              # [Vj, 1]
-            Vbuf[..., dv] = 1
-            track(Qi, m_i, acc, S, PV, Kbuf, Vbuf)
-            j_lo, j_hi = _kv_range(r0, r1, Nk, Bc, offset)
-            for j in range(j_lo, j_hi):
+            Kbuf = Vbuf = None
+            if Kaug is None:
+                Kbuf = np.empty(k_c.shape[:-2] + (Bc, d + 1), ct)
+                Kbuf[..., d] = 1
+                Vbuf = np.empty(v_c.shape[:-2] + (Bc, dv + 1), ct)
+                Vbuf[..., dv] = 1
+            track(Qa, m_i, top, acc, S, PV, Kbuf, Vbuf)
+            _, j_hi = _kv_range(r0, r1, Nk, Bc, offset)
+            for j in range(j_hi):
                 c0, c1 = j * Bc, min(Nk, (j + 1) * Bc)
                 bc = c1 - c0
-                if k_ready:
-                    Kj = k_c[..., c0:c1, :]
+                if Kaug is not None:
+                    Kj, Vj = Kaug[..., c0:c1, :], Vaug[..., c0:c1, :]
                 else:
-                    Kj = Kbuf[..., :bc, :]
-                    np.copyto(Kj, k_c[..., c0:c1, :], casting="unsafe")
-                Vj = Vbuf[..., :bc, :]
-                np.copyto(Vj[..., :dv], v_c[..., c0:c1, :], casting="unsafe")
+                    Kj, Vj = Kbuf[..., :bc, :], Vbuf[..., :bc, :]
+                    np.copyto(Kj[..., :d], k_c[..., c0:c1, :], casting="unsafe")
+                    np.copyto(Vj[..., :dv], v_c[..., c0:c1, :], casting="unsafe")
                 Sj = S[..., :bc]
-                np.matmul(Qi, np.swapaxes(Kj, -1, -2), out=Sj)              # S = Qi Kj^T
+                np.matmul(Qa, np.swapaxes(Kj, -1, -2), out=Sj)             # S - m_i
                 hidden = _tile_mask(r0, r1, c0, c1, offset)
                 if hidden is not None:                                     # boundary tile
                     track(hidden)
                     Sj[..., hidden] = -np.inf
-                # -- update m_i; rows with nothing visible yet shift by 0
-                m_new = np.maximum(m_i, Sj.max(axis=-1))
-                m_shift = m_new if np.isfinite(m_new).all() else np.where(
-                    np.isneginf(m_new), 0, m_new)
-                alpha = np.exp(m_i - m_shift)                              # exp(m_old - m_new)
-                np.subtract(Sj, m_shift[..., None], out=Sj)
+                # -- running max relative to the shift; move the shift where it left the slack
+                run = np.maximum(top, Sj.max(axis=-1))
+                move = (run > tau) | ((run < -tau) & (run > -np.inf))
+                if move.any():
+                    delta = np.where(move, run, 0).astype(ct, copy=False)
+                    # exp(m_old - m_new); rows with nothing accumulated yet keep acc = 0
+                    alpha = np.where(top > -np.inf, np.exp(-delta), 0).astype(ct, copy=False)
+                    acc *= alpha[..., None]
+                    Sj -= delta[..., None]
+                    m_i += delta
+                    Qa[..., d] = -m_i
+                    top = np.where(move, 0, run).astype(ct, copy=False)
+                else:
+                    top = run
                 np.exp(Sj, out=Sj)                                         # P~
-                # -- acc = alpha * acc + P~ [Vj, 1]  (last column: l_i)
-                acc *= alpha[..., None]
-                np.matmul(Sj, Vj, out=PV)
+                np.matmul(Sj, Vj, out=PV)                                  # [P~ Vj, rowsum P~]
                 acc += PV
-                m_i = m_new
             l_i = acc[..., dv]
             l_safe = np.where(l_i == 0, 1, l_i)
             np.divide(acc[..., :dv], l_safe[..., None], out=o_c[..., r0:r1, :],
@@ -920,7 +963,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     stats = 2 * BH * N * acc_it
     tile = 2 * Br * Bc * it
     sram = (Br * d + Bc * d + Bc * d) * it + Br * Bc * acc_it + Br * d * acc_it + 2 * Br * acc_it
-    std_read = BH * ((N * d + Nk * d) * it + S_bytes + S_bytes + Nk * d * it)
+    std_read = BH * (N * d + Nk * d + Nk * d) * it + 2 * S_bytes
     std_written = BH * N * d * it + 2 * S_bytes
     t_read, t_written = tiled_forward_hbm_bytes(N, Nk, d, d, it, Br, Bc, None, BH, acc_it)
     tiled_extra = stats + tile
@@ -969,5 +1012,5 @@ def verify_no_full_materialization(q, k, v, block_size):
     if block_size is None:
         raise ValueError("block_size must be a positive int, got None")
     track = _Tracker()
-    o, _ = _flash_forward(spec, q, k, v, spec.block_q, spec.block_kv, 1, track)
+    o, _ = _flash_forward(spec, q, k, v, spec.block_q, spec.block_kv, 1, track, stage="tile")
     return o, track.max_size
