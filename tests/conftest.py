@@ -27,8 +27,8 @@ import cuflash  # noqa: E402
 # unavailable "numpy"/"emulator" is a failure, not a skip.
 BACKENDS = [
     pytest.param("numpy", id="numpy"),
-    # pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),
-    # pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+    pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),  # KERNELS-FWD: enabled
+    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
 ]
 
 # backends that run only a reduced grid (cases marked full_grid are deselected)
