@@ -32,7 +32,8 @@ from . import kernels, tiling
 from ._launch import (MAX_GRID_YZ, alloc_output, flatten_lead, get_kernel, pointer_arg,
                       problem_dims)
 
-__all__ = ["tiled_attention_backward", "flash_bwd", "bwd_defines", "kv_heads_for_kernel"]
+__all__ = ["tiled_attention_backward", "flash_bwd", "bwd_defines", "kv_heads_for_kernel",
+           "compile_variants"]
 
 _FILE = "flash_bwd.cu"
 
@@ -46,6 +47,33 @@ def bwd_defines(plan):
     return {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
             "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
             "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+
+
+def compile_variants():
+    """Specialisations of flash_bwd.cu worth compile-checking (for tests/test_nvrtc.py).
+
+    A list of option tuples as :func:`cuflash.kernels.build_options` makes them
+    (no ``-arch``): float16, float32 and float64 at every head dim of the test
+    grid with the default tiles (planned without a device limit), bfloat16 at
+    two head dims, the smallest tiles, and dv != d.
+    """
+    out, seen = [], set()
+
+    def add(dtype, d, dv=None, bq=None, bkv=None):
+        p = tiling.plan("flash_bwd_dkdv", d, d if dv is None else dv, dtype, bq, bkv)
+        opts = kernels.build_options(bwd_defines(p))
+        if opts not in seen:
+            seen.add(opts)
+            out.append(opts)
+
+    for dt in ("float16", "float32", "float64"):
+        for d in (16, 32, 64, 96, 128, 256):
+            add(dt, d)
+    add("bfloat16", 16)
+    add("bfloat16", 256)
+    add("float32", 64, bq=8, bkv=8)
+    add("float32", 96, dv=32)
+    return out
 
 
 def kv_heads_for_kernel(spec):

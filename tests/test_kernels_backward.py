@@ -112,7 +112,8 @@ BWD_CASES = [
     ("float64", (1, 6, 203, 64), (1, 2, 113, 64), "top_left", None, None, "c", True),  # GQA, Nq > Nk
     # float16, d=32
     ("float16", (2, 3, 200, 32), (2, 3, 200, 32), True, None, None, "c", False),
-    ("float16", (6, 17, 32), (6, 1, 32), False, None, None, "c", True),                # Nk = 1
+    # Nk = 1: dk, dv carry everything; dq is 0 by the math (P = 1, dS = 0) up to rounding
+    ("float16", (6, 17, 32), (6, 1, 32), False, None, None, "c", True),
     # bfloat16, d=16
     ("bfloat16", (1, 6, 255, 16), (1, 2, 255, 16), "bottom_right", None, None, "c", True),
     ("bfloat16", (3, 1, 16), (3, 147, 16), "top_left", None, None, "c", False),        # Nq = 1
@@ -125,7 +126,8 @@ BWD_CASES = [
     ("float32", (2, 1, 37, 16), (3, 50, 16), "top_left", 16, 8, "c", True),
     ("float32", (2, 1, 37, 16), (3, 50, 16), "bottom_right", 16, 8, "c", False),
     ("float32", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided", False),
-    ("float64", (2, 1, 2), (2, 1, 2), False, None, None, "c", True),  # d=2, Nq = Nk = 1
+    ("float64", (2, 1, 2), (2, 3, 2), False, None, None, "c", True),  # d=2, Nq = 1
+    # (Nk = 1 would make dq exactly 0 in theory: P = 1, dS = 0 -- a comparison with zeros)
 ]
 
 
@@ -185,6 +187,16 @@ def test_scale_and_huge_logits(kb, rng):
     do = oracle.randn(rng, o.shape, "float64")
     grads = _run_bwd(kb, do, q, k, v, o, lse, causal="top_left", scale=0.7)
     oracle.check_backward(grads, do, q, k, v, 0.7, "top_left")
+
+
+def test_dv_differs_from_d(kb, rng):
+    """The backward kernels take dv != d (HEAD_DIM_V is its own define)."""
+    q, k, v = oracle.qkv(rng, (2, 33, 96), (2, 41, 96), (2, 41, 32), dtype="float32")
+    o, lse = _fwd_from_oracle(q, k, v, "bottom_right", "float32")
+    do = oracle.randn(rng, o.shape, "float32")
+    for det in (True, False):
+        grads = _run_bwd(kb, do, q, k, v, o, lse, causal=True, deterministic=det)
+        oracle.check_backward(grads, do, q, k, v, None, True)
 
 
 def test_empty_sequences(kb, rng):
