@@ -1,0 +1,23 @@
+#!/usr/bin/env python3
+"""CPU benchmark of the cuflash NumPy backend: naive NumPy, cuflash standard,
+cuflash tiled and torch SDPA (when installed) - median time, GFLOP/s
+(flash-attn FLOP convention) and peak memory, plus a plot against N.
+
+The benchmark itself lives in the package (``cuflash/_bench_cpu.py``) so that
+an installed cuflash runs it as ``python -m cuflash bench``; this script is
+the same thing from a checkout:
+
+    python bench/bench_cpu.py                      # default sizes 1024, 2048, 4096
+    python bench/bench_cpu.py --sizes 512,1024 --mem-n 0 --plot ''
+    python bench/bench_cpu.py --help
+"""
+import os
+import sys
+
+# run from a checkout without installing: the repository root holds cuflash/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from cuflash._bench_cpu import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(prog="bench/bench_cpu.py"))
