@@ -90,8 +90,14 @@ def analysis(backend, *args, **kw):
     (255, 300, 16, 16, 16, 3, 1),
 ])
 def test_memory_analysis_arithmetic(backend, dtype, N, Nk, d, bq, bkv, batch, heads):
-    m = analysis(backend, N, d, dtype, Nk=Nk, block_q=bq, block_kv=bkv, batch=batch,
-                 heads=heads)
+    try:
+        m = analysis(backend, N, d, dtype, Nk=Nk, block_q=bq, block_kv=bkv, batch=batch,
+                     heads=heads)
+    except ValueError as e:
+        # kernels may refuse tiles beyond their shared memory (api.md), saying so
+        if backend.name == "numpy" or "shared memory" not in str(e):
+            raise
+        pytest.skip(f"{backend.name} refuses these tiles: {str(e)[:120]}")
     for key in KEYS:
         assert key in m, f"memory_analysis has no {key!r}: {sorted(m)}"
     assert m["block_q"] == bq and m["block_kv"] == bkv, "explicit tiles must be honoured"
