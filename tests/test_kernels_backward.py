@@ -212,6 +212,20 @@ def test_empty_sequences(kb, rng):
             assert np.all(g == 0)
 
 
+def test_no_full_materialization(kernel_backend, rng):
+    """Every array the backward allocates is O(N d): none grows with Nq * Nk."""
+    # d = 32 float32: the specialisation test_deterministic_is_bitwise_repeatable compiles
+    q, k, v = oracle.qkv(rng, (1, 2, 200, 32), (1, 2, 230, 32), dtype="float32")
+    o, lse = _fwd_from_oracle(q, k, v, False, "float32")
+    do = oracle.randn(rng, o.shape, "float32")
+    for det in (True, False):
+        with _launch.track_allocations() as ledger:
+            grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, deterministic=det)
+        oracle.check_backward(grads, do, q, k, v)
+        sizes = {what: int(np.prod(shape)) for what, shape in ledger}
+        assert sizes and max(sizes.values()) <= 2 * 230 * 32, sizes  # (B*H, N, d) at most
+
+
 # --------------------------------------------------------------------------
 # determinism: deterministic=True is bitwise repeatable; the atomic path agrees
 # --------------------------------------------------------------------------
