@@ -106,6 +106,43 @@ inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { return
 
 namespace cuflash_emu {
 
+// Under ThreadSanitizer (race_check=True) the block mutex that implements the
+// barriers must not count as synchronisation: it would order, say, two warps
+// that merely both shuffled, hiding races the GPU has.  Its internals run with
+// TSan's sync and access tracking off, and each barrier publishes exactly the
+// ordering CUDA gives (all threads of the block for __syncthreads, the warp's
+// lanes for a warp collective) with explicit release/acquire.
+#if defined(__SANITIZE_THREAD__)
+extern "C" {
+void AnnotateIgnoreSyncBegin(const char*, int);
+void AnnotateIgnoreSyncEnd(const char*, int);
+void AnnotateIgnoreReadsBegin(const char*, int);
+void AnnotateIgnoreReadsEnd(const char*, int);
+void AnnotateIgnoreWritesBegin(const char*, int);
+void AnnotateIgnoreWritesEnd(const char*, int);
+void __tsan_acquire(void*);
+void __tsan_release(void*);
+}
+struct TsanQuiet {
+    TsanQuiet() {
+        AnnotateIgnoreSyncBegin(__FILE__, __LINE__);
+        AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+        AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+    }
+    ~TsanQuiet() {
+        AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+        AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+        AnnotateIgnoreSyncEnd(__FILE__, __LINE__);
+    }
+};
+inline void tsan_release(void* p) { __tsan_release(p); }
+inline void tsan_acquire(void* p) { __tsan_acquire(p); }
+#else
+struct TsanQuiet {};
+inline void tsan_release(void*) {}
+inline void tsan_acquire(void*) {}
+#endif
+
 // Thrown into a thread to unwind it out of the kernel when the launch fails.
 struct KernelAbort {};
 
@@ -115,6 +152,7 @@ struct Barrier {
     unsigned arrived = 0;
     unsigned waiters = 0;   // arrived threads blocked in this barrier
     unsigned long long gen = 0;
+    char sync[2];  // ThreadSanitizer sync objects of even / odd generations
 };
 
 struct CpCopy { void* dst; const void* src; };
@@ -128,6 +166,7 @@ struct ThreadCtx {
     dim3 blockDim, gridDim;
     unsigned tid = 0, lane = 0, warp = 0;
     unsigned xphase = 0;  // which of the two warp exchange buffers is next
+    unsigned bar_phase = 0;  // parity of this thread's __syncthreads count
     Block* blk = nullptr;
     unsigned char* dyn_smem = nullptr;
     unsigned long long bytes_read = 0, bytes_written = 0;
@@ -199,7 +238,18 @@ struct Block {
                " returned; a barrier is not reached by every thread (divergent __syncthreads or collective)";
     }
 
-    void arrive_and_wait(Barrier& b) {
+    // `parity`: the caller's count of waits at this barrier, mod 2 (all
+    // participants agree on it), selecting the ThreadSanitizer sync object.
+    void arrive_and_wait(Barrier& b, unsigned parity) {
+        tsan_release(&b.sync[parity]);
+        {
+            TsanQuiet quiet;
+            arrive_and_wait_locked(b);
+        }
+        tsan_acquire(&b.sync[parity]);
+    }
+
+    void arrive_and_wait_locked(Barrier& b) {
         std::unique_lock<std::mutex> lk(mu);
         if (aborted) throw KernelAbort{};
         if (++b.arrived == b.expected) { release(b); return; }
@@ -221,6 +271,7 @@ struct Block {
 
     // A returning thread stops counting in its barriers, as on the hardware.
     void thread_exit(unsigned warp) {
+        TsanQuiet quiet;
         std::lock_guard<std::mutex> lk(mu);
         --live;
         for (Barrier* b : {&bar, &warp_bar[warp]}) {
@@ -231,8 +282,11 @@ struct Block {
     }
 
     [[noreturn]] void fail(const std::string& msg) {
-        std::lock_guard<std::mutex> lk(mu);
-        abort_locked(msg);
+        {
+            TsanQuiet quiet;
+            std::lock_guard<std::mutex> lk(mu);
+            abort_locked(msg);
+        }
         throw KernelAbort{};
     }
 };
@@ -264,10 +318,11 @@ inline const unsigned char* warp_exchange(const void* mine, size_t n, unsigned m
                       what, mask, need);
         device_error(buf);
     }
-    unsigned char (*s)[64] = c.blk->wx[c.warp].slot[c.xphase];
+    const unsigned phase = c.xphase;
+    unsigned char (*s)[64] = c.blk->wx[c.warp].slot[phase];
     c.xphase ^= 1u;
     if (n) std::memcpy(s[c.lane], mine, n);
-    c.blk->arrive_and_wait(c.blk->warp_bar[c.warp]);
+    c.blk->arrive_and_wait(c.blk->warp_bar[c.warp], phase);
     return &s[0][0];
 }
 
@@ -476,15 +531,17 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         for (unsigned long long b = 0; b < nblocks && !stop; ++b) {
             c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                                unsigned(b / (1ull * grid[0] * grid[1]))};
-            c.xphase = 0;
+            c.xphase = 0; c.bar_phase = 0;
             c.cp_open.clear(); c.cp_groups.clear();
             try {
                 entry(args);
             } catch (const KernelAbort&) {
             } catch (const std::exception& e) {
+                TsanQuiet quiet;
                 std::lock_guard<std::mutex> lk(blk.mu);
                 blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
             } catch (...) {
+                TsanQuiet quiet;
                 std::lock_guard<std::mutex> lk(blk.mu);
                 blk.abort_locked("unknown C++ exception in device code");
             }
@@ -543,7 +600,8 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
 // ---------------------------------------------------------------- synchronisation
 inline void __syncthreads() {
     ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
-    c.blk->arrive_and_wait(c.blk->bar);
+    c.blk->arrive_and_wait(c.blk->bar, c.bar_phase);
+    c.bar_phase ^= 1u;
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     ::cuflash_emu::warp_exchange(nullptr, 0, mask, "__syncwarp");

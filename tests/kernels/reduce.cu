@@ -22,8 +22,8 @@ extern "C" __global__ void block_sum(const float* x, float* out, int n, int per_
     }
 }
 
-// The same with the barrier removed: warp 0 may read warp_sums before the
-// other warps wrote it.  Only for the race checker test.
+// The same with the __syncthreads removed: warp 0 may read warp_sums before
+// the other warps wrote it.  Only for the race checker test.
 extern "C" __global__ void block_sum_racy(const float* x, float* out, int n, int per_block) {
     __shared__ float warp_sums_racy[32];
     const int begin = blockIdx.x * per_block;
@@ -33,6 +33,7 @@ extern "C" __global__ void block_sum_racy(const float* x, float* out, int n, int
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) warp_sums_racy[warp] = v;
+    __syncwarp();  // not enough: orders the lanes of one warp, not the warps
     if (warp == 0) {
         const int nwarps = (blockDim.x + 31) / 32;
         float s = lane < nwarps ? warp_sums_racy[lane] : 0.0f;

@@ -1,0 +1,103 @@
+"""Race checking: one launch under ThreadSanitizer, in a child process.
+
+ThreadSanitizer has to be loaded when a process starts, so a race-checked
+launch cannot run inside the Python process.  The kernel source is built
+together with a small ``main`` (``_module._TSAN_MAIN``) into an executable;
+the launch's arguments go to it through a file, the arrays come back through
+another, and ThreadSanitizer's report (the racing accesses with their source
+lines, and the shared array they touch) becomes a :class:`RaceError`.
+"""
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._module import LaunchError, RaceError
+
+_TIMEOUT_S = 600
+
+
+def _tsan_env():
+    env = dict(os.environ)
+    # keep going after the first report, so the error lists every racing pair
+    env["TSAN_OPTIONS"] = "halt_on_error=0 exitcode=66 report_signal_unsafe=0 " + env.get("TSAN_OPTIONS", "")
+    return env
+
+
+def _command(exe, inp, out):
+    # ThreadSanitizer (GCC 12) cannot map its shadow memory under the high
+    # ASLR entropy of recent kernels ("unexpected memory mapping"); running
+    # without address randomisation avoids that where setarch is available.
+    cmd = [str(exe), str(inp), str(out)]
+    setarch = shutil.which("setarch")
+    if setarch:
+        cmd = [setarch, os.uname().machine, "-R"] + cmd
+    return cmd
+
+
+def summarize(report, limit=6):
+    """The lines of a ThreadSanitizer report that say where: accesses and locations."""
+    keep = []
+    for line in report.splitlines():
+        s = line.strip()
+        if (s.startswith(("WARNING: ThreadSanitizer", "Write of size", "Read of size", "Previous write",
+                          "Previous read", "Location is", "Atomic"))
+                or re.match(r"#0 ", s)):
+            keep.append(s)
+    n = report.count("WARNING: ThreadSanitizer: data race")
+    head = f"{n} data race report(s)" if n else "ThreadSanitizer reports"
+    return head + ":\n  " + "\n  ".join(keep[:limit * 4])
+
+
+def run_tsan(kernel, grid, block, shmem, args):
+    """Run ``kernel`` once under ThreadSanitizer; copy the arrays back; raise on races."""
+    exe = kernel.module._compile_tsan()
+    holders, arrays = kernel._convert(args)
+    with tempfile.TemporaryDirectory(prefix="cuflash_tsan_") as d:
+        inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
+        with open(inp, "wb") as f:
+            f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
+                    f"{shmem} {len(holders)}\n".encode())
+            ai = 0
+            for (pname, kind, size, decl), h in zip(kernel.params, holders):
+                if kind == "p":
+                    data = arrays[ai].tobytes()
+                    ai += 1
+                    f.write(f"a {len(data)}\n".encode())
+                else:
+                    data = ctypes.string_at(ctypes.addressof(h), ctypes.sizeof(h))
+                    f.write(f"s {len(data)}\n".encode())
+                f.write(data)
+                f.write(b"\n")
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(_command(exe, inp, out), capture_output=True, env=_tsan_env(), timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"kernel {kernel.name}: the race-checked launch took longer than {_TIMEOUT_S} s") from None
+        dt = time.perf_counter() - t0
+        report = r.stderr.decode(errors="replace")
+        if not out.exists():
+            raise LaunchError(f"kernel {kernel.name}: the ThreadSanitizer run failed (exit {r.returncode}):\n"
+                              f"{report[-8000:]}")
+        blob = out.read_bytes()
+    first, _, rest = blob.partition(b"\n")
+    rc, rd, wr = (int(v) for v in first.split())
+    err, _, data = rest.partition(b"\n@@\n")
+    pos = 0
+    for a in arrays:
+        n = a.nbytes
+        if a.flags.writeable:
+            a.reshape(-1).view(np.uint8)[:] = np.frombuffer(data[pos:pos + n], np.uint8)
+        pos += n
+    kernel._record(grid, block, shmem, rd, wr, dt)
+    if "WARNING: ThreadSanitizer" in report:
+        raise RaceError(f"kernel {kernel.name} (grid {grid}, block {block}): ThreadSanitizer found "
+                        f"{summarize(report)}", report)
+    if rc != 0:
+        raise LaunchError(f"kernel {kernel.name} (grid {grid}, block {block}): {err.decode(errors='replace')}")
