@@ -95,19 +95,7 @@ def flops(B, H, N, d, causal=False):
 # Pause before timing a method: OpenMP (torch) and OpenBLAS worker threads keep
 # spinning for ~0.1-0.2 s after their last call, which on 2 cores steals a core
 # from whatever runs next (seen here: naive NumPy 20x slower right after SDPA).
-SETTLE_S = 0.5
-
-
-def _median_time(fn, reps, warmup):
-    time.sleep(SETTLE_S)
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)), ts
+SETTLE_S = 0.3
 
 
 def _tracemalloc_peak(fn):
@@ -303,11 +291,27 @@ def run(args):
             err = float(np.max(np.abs(out - ref)))
             if not err < 1e-4:
                 raise SystemExit(f"N={N}: {name} disagrees with {ref_name}: max abs diff {err:.3e}")
+        # -- timing, interleaved: rep r of every method runs before rep r + 1 of any, so
+        # a change in the machine's load hits all methods alike and the ratios stay fair
+        _log(f"N={N}: timing {', '.join(methods)} ({args.warmup} warm-up + {args.reps} "
+             "interleaved runs each)")
+        times = {name: [] for name in methods}
+        for name, fn in methods.items():
+            for _ in range(args.warmup):
+                fn(q, k, v)
+        for rep in range(args.reps):
+            for name, fn in methods.items():
+                time.sleep(SETTLE_S)
+                t0 = time.perf_counter()
+                fn(q, k, v)
+                times[name].append(time.perf_counter() - t0)
+            _log(f"  run {rep + 1}/{args.reps}: " + ", ".join(
+                f"{n_} {times[n_][-1] * 1e3:.0f} ms" for n_ in methods))
         sdpa_ms = None
         point = []
         for name, fn in methods.items():
-            _log(f"N={N}: timing {name} ({args.warmup} warm-up + {args.reps} runs)")
-            med, _ = _median_time(lambda: fn(q, k, v), args.reps, args.warmup)
+            med = float(np.median(times[name]))
+            _log(f"N={N}: peak memory of {name}")
             if name == "torch sdpa":
                 peak, why = torch_peak_rss(B, H, N, d, threads, args.causal)
                 note = " (RSS)" if peak is not None else ""
@@ -315,7 +319,7 @@ def run(args):
                     _log(f"  torch peak memory n/a: {why}")
             else:
                 peak, note = _tracemalloc_peak(lambda: fn(q, k, v)), ""
-            r = {"N": N, "method": name, "ms": med * 1e3,
+            r = {"N": N, "method": name, "ms": med * 1e3, "runs_ms": [x * 1e3 for x in times[name]],
                  "gflops": flops(B, H, N, d, args.causal) / med / 1e9,
                  "peak_bytes": peak, "mem_note": note}
             point.append(r)
@@ -375,7 +379,7 @@ def report(res, plot_path=""):
     """Print the results (markdown table + memory line + machine); save the plot."""
     c, m = res["config"], res["machine"]
     print(f"cuflash CPU benchmark: B={c['B']} H={c['H']} d={c['d']} float32"
-          f"{' causal' if c['causal'] else ''}, median of {c['reps']} runs after "
+          f"{' causal' if c['causal'] else ''}, median of {c['reps']} interleaved runs after "
           f"{c['warmup']} warm-up")
     print(f"machine: {m.get('cpu')}, {m.get('nproc')} cores; numpy {m['numpy']}"
           + (f" ({m['blas']}, {m.get('blas_threads')} threads)" if "blas" in m else "")
