@@ -349,3 +349,64 @@ def test_determinism(backend, rng, dtype):
     for _ in range(2):
         again = forward(backend, q, k, v, blocks=(32, 16), causal=True)
         assert np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+
+
+# --------------------------------------------------------------------------
+# random tiles (fuzz): any block sizes, any lengths, the reference must honour them
+# --------------------------------------------------------------------------
+@pytest.mark.reference_only
+@pytest.mark.parametrize("draw", range(6))
+def test_random_tiles(backend, rng, draw):
+    Nq, Nk = (int(x) for x in rng.integers(1, 160, 2))
+    d, dv = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+    bq, bkv = (int(x) for x in rng.integers(1, 140, 2))
+    causal = (False, "bottom_right", "top_left")[draw % 3]
+    dtype = DTYPES[draw % 4]
+    q, k, v = mk(rng, (2, Nq, d), (2, Nk, d), (2, Nk, dv), dtype=dtype)
+    check_all(backend, q, k, v, blocks=(bq, bkv), causal=causal)
+
+
+# --------------------------------------------------------------------------
+# the oracle and the tolerance rules themselves
+# --------------------------------------------------------------------------
+def test_oracle_agrees_with_torch_sdpa(rng):
+    # an independent implementation of the same definition, including GQA and both
+    # causal alignments (SDPA's is_causal is top_left; bottom_right via an explicit mask)
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    q, k, v = mk(rng, (2, 6, 13, 8), (2, 2, 17, 8), (2, 2, 17, 5))
+    do = rng.standard_normal((2, 6, 13, 5))
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    for causal in (False, "top_left", "bottom_right"):
+        mask = torch.tensor(oracle.visible(13, 17, causal))
+        out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True,
+                                             scale=0.3)
+        ref, _, _ = oracle.attention(q, k, v, 0.3, causal)
+        np.testing.assert_allclose(out.detach().numpy(), ref, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(out, (tq, tk, tv), torch.tensor(do))
+        mine = oracle.attention_backward(do, q, k, v, 0.3, causal)
+        for g, m, n in zip(grads, mine, "qkv"):
+            np.testing.assert_allclose(g.numpy(), m, rtol=1e-11, atol=1e-12, err_msg=f"d{n}")
+
+
+def test_tolerance_rules_can_fail(rng):
+    q, k, v = mk(rng, (40, 16), (50, 16), dtype="float16")
+    ref, _, _ = oracle.attention(q, k, v)
+    base, _, _ = oracle.attention_lowp(q, k, v, "float16")
+    base_err = np.max(np.abs(base - ref))
+    assert base_err > 0
+    oracle.assert_lowp_close(ref.astype(np.float16), ref, base, "float16", 2)
+    bad = ref.copy()
+    bad[3, 4] += 3 * base_err + 1e-2
+    with pytest.raises(AssertionError, match="max abs err"):
+        oracle.assert_lowp_close(bad, ref, base, "float16", 2)
+    with pytest.raises(AssertionError, match="max abs err"):
+        oracle.assert_rel_close(ref * (1 + 1e-11), ref, "float64")
+    nan = ref.copy()
+    nan[0, 0] = np.nan   # an unwritten (poisoned) element fails
+    with pytest.raises(AssertionError):
+        oracle.assert_rel_close(nan, ref, "float64")
+    with pytest.raises(AssertionError):
+        oracle.assert_lowp_close(nan, ref, base, "float16", 2)
+    poison = oracle.poisoned((3, 4), "bfloat16")
+    assert oracle.dtype_name(poison.dtype) == "bfloat16" and np.isnan(oracle.f64(poison)).all()
