@@ -106,6 +106,8 @@ BWD_CASES = [
     ("float32", (1, 113, 64), (1, 203, 64), False, None, None, "c", True),
     ("float32", (2, 6, 97, 64), (2, 1, 97, 64), "top_left", None, None, "c", False),    # MQA
     ("float32", (2, 3, 40, 64), (2, 3, 61, 64), "bottom_right", None, None, "strided", True),
+    # GQA 6/2 and k/v broadcast over the batch: group summed in the block, batch on the host
+    ("float32", (2, 6, 30, 64), (1, 2, 41, 64), "top_left", None, None, "c", False),
     # float64 (computed in double: 1e-12); dQ always by the deterministic pass
     ("float64", (3, 128, 64), (3, 127, 64), "bottom_right", None, None, "c", False),
     ("float64", (2, 6, 5, 64), (2, 6, 2, 64), "bottom_right", None, None, "c", True),  # 3 rows see nothing
