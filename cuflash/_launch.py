@@ -227,7 +227,18 @@ def _acc_scalar(dtype, value):
     return np.float64(value) if tiling.accumulator_bytes(dtype) == 8 else np.float32(value)
 
 
-def flash_fwd(runtime, q, k, v, spec):
+def _data_ptr(x):
+    if (type(x).__module__ or "").split(".")[0] == "cupy":
+        return int(x.data.ptr)
+    return int(x.__array_interface__["data"][0])
+
+
+def _aligned_for_cp_async(x, strides):
+    """True when every 16-byte cp.async of flash_fwd_tc reads an aligned address."""
+    return _data_ptr(x) % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+def flash_fwd(runtime, q, k, v, spec, kernel=None):
     """Run flash_fwd for a validated call: returns ``(o, lse)``.
 
     Parameters
@@ -235,6 +246,9 @@ def flash_fwd(runtime, q, k, v, spec):
     runtime : cuflash.kernels.Runtime
     q, k, v : ndarray (of ``runtime.xp``)
     spec : cuflash._validate.AttentionSpec
+    kernel : None, "flash_fwd" or "flash_fwd_tc"
+        None: the choice of :func:`cuflash.tiling.plan_flash_fwd` (tensor cores
+        for float16/bfloat16 where supported); tests force one to cover both.
 
     Raises
     ------
@@ -243,7 +257,7 @@ def flash_fwd(runtime, q, k, v, spec):
         or more than 65535 heads or batch entries.
     """
     xp = runtime.xp
-    plan = runtime.plan("flash_fwd", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
     o = alloc_output(xp, spec.out_shape, spec.dtype, "o")
     lse = alloc_output(xp, spec.lse_shape, spec.lse_dtype, "lse")
     B, H = problem_dims(spec.lead)
@@ -257,11 +271,22 @@ def flash_fwd(runtime, q, k, v, spec):
     q_, qs = flatten_lead(runtime, q, spec.lead)
     k_, ks = flatten_lead(runtime, k, spec.lead, grouped)
     v_, vs = flatten_lead(runtime, v, spec.lead, grouped)
+    if plan.kernel == "flash_fwd_tc":
+        # cp.async copies 16 bytes: an input view with an odd offset or stride is copied
+        def aligned(x, st, grp):
+            if _aligned_for_cp_async(x, st):
+                return x, st
+            c = xp.ascontiguousarray(x)
+            _record("aligned copy", c)
+            return flatten_lead(runtime, c, spec.lead, grp)
+        q_, qs = aligned(q_, qs, False)
+        k_, ks = aligned(k_, ks, grouped)
+        v_, vs = aligned(v_, vs, grouped)
     o_sb, o_sh = contiguous_strides(spec.lead, (spec.Nq, spec.dv))
     l_sb, l_sh = contiguous_strides(spec.lead, (spec.Nq,))
     causal = spec.causal is not None
     offset = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
-    fn = get_kernel(runtime, "flash_fwd.cu", "flash_fwd", kernels.fwd_defines(plan), plan)
+    fn = get_kernel(runtime, plan.kernel + ".cu", plan.kernel, kernels.fwd_defines(plan), plan)
     i32, i64 = np.int32, np.int64
     args = (pointer_arg(runtime, q_), pointer_arg(runtime, k_), pointer_arg(runtime, v_), o, lse,
             i32(spec.Nq), i32(spec.Nk), i32(spec.group), i32(causal), i32(offset),
@@ -388,7 +413,7 @@ def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, head
     bq = check_positive_int(block_q, "block_q")
     bkv = check_positive_int(block_kv, "block_kv")
     label = _dtype_label(dtype)
-    plan = runtime.plan("flash_fwd", d_, d_, label, bq, bkv)
+    plan = runtime.plan_fwd(d_, d_, label, bq, bkv)
     out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
                                     block_kv=plan.block_kv, batch=batch, heads=heads)
     BH = out["batch"] * out["heads"]
@@ -399,7 +424,7 @@ def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, head
         "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads,
         "sram_bytes_per_block": plan.shared_bytes,
-        "sram_layout": tiling.kernel_tiling("flash_fwd").layout(
+        "sram_layout": tiling.kernel_tiling(plan.kernel).layout(
             plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
         "sram_limit_bytes": plan.limit,
         "sram_limit_source": plan.limit_source,
@@ -422,9 +447,12 @@ def api_verify_no_full_materialization(runtime, q, k, v, block_size):
     spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
     with track_allocations() as ledger:
         o, _ = flash_fwd(runtime, q, k, v, spec)
-    plan = runtime.plan("flash_fwd", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
     bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
-    sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]  # shared-memory tiles
+    if plan.kernel == "flash_fwd_tc":  # shared-memory tiles (K/V double buffered)
+        sizes = [bq * (d + 8), 2 * bkv * (d + 8), 2 * bkv * (dv + 8)]
+    else:
+        sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]
     for what, shape in ledger:
         if what != "o":
             n = 1

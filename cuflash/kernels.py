@@ -34,7 +34,6 @@ __all__ = [
     "get_function", "compile_variants", "fwd_defines",
 ]
 
-_KERNEL_FILES = ("flash_fwd.cu", "online_softmax.cu")
 
 
 def kernel_dir():
@@ -126,6 +125,11 @@ class Runtime:
         """:func:`cuflash.tiling.plan` against this runtime's shared-memory limit."""
         return tiling.plan(kernel, d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
                            limit_source=self.smem_source)
+
+    def plan_fwd(self, d, dv, dtype, block_q=None, block_kv=None, kernel=None):
+        """:func:`cuflash.tiling.plan_flash_fwd` (which forward kernel, which tiles) here."""
+        return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
+                                     limit_source=self.smem_source, kernel=kernel)
 
     def module(self, filename, options):
         """A compiled module for one source file and option set (not cached here)."""
@@ -223,5 +227,17 @@ def compile_variants():
     add("float32", 64, 8, 8)        # smallest tiles
     add("float32", 128, 128, 64)    # largest tile pair within the register rule at d=128
     out["flash_fwd.cu"] = fwd
+    tc = []
+    for dt in tiling.TC_DTYPES:
+        for d in (16, 64, 128):
+            p = tiling.plan("flash_fwd_tc", d, d, dt)
+            tc.append(build_options(fwd_defines(p)))
+    tc.append(build_options(fwd_defines(tiling.plan("flash_fwd_tc", 96, 32, "float16", 16, 128))))
+    out["flash_fwd_tc.cu"] = tc
     out["online_softmax.cu"] = [build_options({define: None}) for define in _DTYPE_DEFINES.values()]
+    try:  # the backward's own list (cuflash/_launch_bwd.py, KERNELS-BWD)
+        from . import _launch_bwd
+        out["flash_bwd.cu"] = list(_launch_bwd.compile_variants())
+    except (ImportError, AttributeError):
+        pass
     return out

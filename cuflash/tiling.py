@@ -35,7 +35,7 @@ import numpy as np
 __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
-    "defaults_table", "flash_fwd_traffic",
+    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES",
 ]
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
@@ -258,12 +258,15 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
 
 def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(16, 32, 64, 96, 128, 256),
                    limit=None, limit_source="unlimited"):
-    """Rows (dtype, d, block_q, block_kv, threads, shared_bytes) of the default plans."""
+    """Rows (dtype, d, kernel, block_q, block_kv, threads, shared_bytes) of the default plans."""
     rows = []
     for dt in dtypes:
         for d in head_dims:
-            p = plan(kernel, d, d, dt, limit=limit, limit_source=limit_source)
-            rows.append((dt, d, p.block_q, p.block_kv, p.threads, p.shared_bytes))
+            if kernel == "flash_fwd":  # the forward picks its kernel per dtype and d
+                p = plan_flash_fwd(d, d, dt, limit=limit, limit_source=limit_source)
+            else:
+                p = plan(kernel, d, d, dt, limit=limit, limit_source=limit_source)
+            rows.append((dt, d, p.kernel, p.block_q, p.block_kv, p.threads, p.shared_bytes))
     return rows
 
 
@@ -349,6 +352,83 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
     read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
     written = bh * (Nq * dv * isz + Nq * lse_sz)
     return read, written
+
+
+# --------------------------------------------------------------------------
+# flash_fwd_tc (kernels_cu/flash_fwd_tc.cu): float16/bfloat16 on tensor cores
+# --------------------------------------------------------------------------
+# Layout (input dtype, 2 bytes): Qs (block_q, d+8), Ks 2 x (block_kv, d+8),
+# Vs 2 x (block_kv, dv+8) -- K/V double buffered for cp.async; the +8 pads
+# (16 bytes) spread the 8 rows of one ldmatrix over the banks.  Each warp owns
+# 16 query rows: block_q = 16 * warps, threads = 2 * block_q.
+TC_DTYPES = ("float16", "bfloat16")
+
+
+def _tc_shared(bq, bkv, d, dv, acc):
+    return 2 * (bq * (d + 8) + 2 * bkv * (d + 8) + 2 * bkv * (dv + 8))
+
+
+def _tc_layout(bq, bkv, d, dv, acc):
+    return (f"16-bit Qs[{bq}][{d + 8}] + Ks[2][{bkv}][{d + 8}] + "
+            f"Vs[2][{bkv}][{dv + 8}]")
+
+
+def _tc_check(bq, bkv, d, dv):
+    if d % 16 or dv % 16:
+        return f"the tensor-core kernel needs d and dv multiples of 16, got d={d}, dv={dv}"
+    if dv > 128:
+        return f"the tensor-core kernel keeps O in registers: dv <= 128, got dv={dv}"
+    # registers per thread: S (block_kv / 2 floats) + O (dv / 2 floats)
+    if bkv // 2 + dv // 2 > 96:
+        return (f"block_kv={bkv} with dv={dv} needs {bkv // 2 + dv // 2} accumulator "
+                "registers per thread on tensor cores (limit 96)")
+    return None
+
+
+def _tc_preferences(d, dv, acc):
+    if max(d, dv) <= 64:
+        return [(64, 64), (64, 32), (32, 32), (16, 16)]
+    return [(64, 32), (32, 32), (16, 16)]
+
+
+register(KernelTiling(
+    name="flash_fwd_tc",
+    block_q_choices=(16, 32, 64, 128),
+    block_kv_choices=(16, 32, 64, 128),
+    shared_bytes=_tc_shared,
+    threads=lambda bq, bkv, d, dv: 2 * bq,
+    preferences=_tc_preferences,
+    layout=_tc_layout,
+    check=_tc_check,
+))
+
+
+def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                   limit_source="unlimited", kernel=None):
+    """The forward's plan: which kernel (flash_fwd_tc or flash_fwd) with which tiles.
+
+    float16/bfloat16 run on tensor cores (flash_fwd_tc) when the head dims and
+    any explicit tile sizes are ones that kernel supports and its tiles fit the
+    limit; everything else runs the SIMT kernel flash_fwd, which takes every
+    dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
+    are honoured by whichever kernel runs, or refused by flash_fwd's rules.
+    ``kernel`` forces one of the two (tests use it to cover both).
+    """
+    if kernel is None:
+        tc = kernel_tiling("flash_fwd_tc")
+        if (_dtype_name(dtype) in TC_DTYPES
+                and (block_q is None or block_q in tc.block_q_choices)
+                and (block_kv is None or block_kv in tc.block_kv_choices)
+                and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
+            try:
+                return plan("flash_fwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
+                            limit_source=limit_source)
+            except ValueError:
+                pass  # does not fit this device: the SIMT kernel may
+        kernel = "flash_fwd"
+    if kernel == "flash_fwd_tc" and _dtype_name(dtype) not in TC_DTYPES:
+        raise ValueError(f"flash_fwd_tc runs {TC_DTYPES} only, got {_dtype_name(dtype)}")
+    return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
 
 
 # --------------------------------------------------------------------------
