@@ -199,6 +199,58 @@ def test_empty_sequences(kb, rng):
 
 
 # --------------------------------------------------------------------------
+# the two forward kernels: which runs, and each one forced on float16/bfloat16
+# --------------------------------------------------------------------------
+def _runtime(backend):
+    if backend.name == "cuda":
+        from cuflash import cuda_backend
+        return cuda_backend.runtime()
+    from cuflash import emulator_backend
+    return emulator_backend.runtime()
+
+
+def test_forward_kernel_choice():
+    def kernel(d, dv, dtype, bq=None, bkv=None):
+        return tiling.plan_flash_fwd(d, dv, dtype, bq, bkv, limit=163 * 1024).kernel
+    assert kernel(64, 64, "float16") == kernel(128, 128, "bfloat16") == "flash_fwd_tc"
+    assert kernel(64, 64, "float32") == kernel(64, 64, "float64") == "flash_fwd"
+    assert kernel(59, 59, "float16") == "flash_fwd"       # d not a multiple of 16
+    assert kernel(256, 256, "float16") == "flash_fwd"     # dv > 128
+    assert kernel(64, 64, "float16", 8, 8) == "flash_fwd"  # explicit tiles the TC kernel lacks
+    assert kernel(64, 64, "float16", 16, 32) == "flash_fwd_tc"
+
+
+@pytest.mark.parametrize("kernel", ["flash_fwd", "flash_fwd_tc"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
+    """float16/bfloat16 through each kernel explicitly (the default picks tensor cores)."""
+    q, k, v = oracle.qkv(rng, (2, 2, 45, 32), (2, 1, 70, 32), dtype=dtype)
+    q, k, v = (kernel_backend.asarray(x) for x in (q, k, v))
+    spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16,
+                                            block_kv=16)
+    with poisoned_outputs():
+        o, lse = _launch.flash_fwd(_runtime(kernel_backend), q, k, v, spec, kernel=kernel)
+    if kernel_backend.name == "emulator":
+        assert _emulator_stats()["kernel"] == kernel
+    qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
+    oracle.check_forward(kernel_backend.to_numpy(o), qn, kn, vn, None, "bottom_right",
+                         lse=kernel_backend.to_numpy(lse))
+
+
+def test_tensor_core_kernel_misaligned_view(kernel_backend, rng):
+    """A view whose rows start at odd addresses is copied for cp.async, not read misaligned."""
+    buf = oracle.randn(rng, (3, 50 * 64 + 1), "float16")
+    k = buf[:, 1:].reshape(3, 50, 64)            # 2-byte offset: not 16-byte aligned
+    q = oracle.randn(rng, (3, 33, 64), "float16")
+    v = oracle.randn(rng, (3, 50, 64), "float16")
+    o = cuflash.tiled_attention(kernel_backend.asarray(q), kernel_backend.asarray(k),
+                                kernel_backend.asarray(v), backend=kernel_backend.name)
+    if kernel_backend.name == "emulator":
+        assert _emulator_stats()["kernel"] == "flash_fwd_tc"
+    oracle.check_forward(kernel_backend.to_numpy(o), q, k, v)
+
+
+# --------------------------------------------------------------------------
 # online_softmax_rows against the reference
 # --------------------------------------------------------------------------
 SOFTMAX_CASES = [
@@ -405,6 +457,16 @@ def test_race_check_flash_fwd(rng):
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
     o, lse = _launch.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
+
+
+def test_race_check_flash_fwd_tc(rng):
+    """The tensor-core kernel (ldmatrix, mma, cp.async double buffering) under TSan."""
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 1, 20, 16), (1, 1, 45, 16), dtype="float16")
+    spec = _validate.check_attention_inputs(q, k, v, causal="top_left", block_q=16,
+                                            block_kv=16)
+    o, lse = _launch.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
+    oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
 
 
 def test_race_check_online_softmax(rng):
