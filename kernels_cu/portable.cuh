@@ -31,11 +31,13 @@ typedef unsigned int uint32_t;
 typedef long int64_t;  // LP64, as glibc's <stdint.h>
 typedef unsigned long uint64_t;
 typedef unsigned long uintptr_t;
+// NVRTC knows no __builtin_huge_valf: as CUDA's CUDART_INF_F, these are
+// not constant expressions (no `constexpr float x = INFINITY;` in kernels).
 #ifndef INFINITY
-#define INFINITY __builtin_huge_valf()
+#define INFINITY __int_as_float(0x7f800000)
 #endif
 #ifndef NAN
-#define NAN __builtin_nanf("")
+#define NAN __int_as_float(0x7fffffff)
 #endif
 #ifdef __CUDA_ARCH__
 #define CUFLASH_ARCH __CUDA_ARCH__
@@ -101,7 +103,9 @@ __device__ __forceinline__ float cuflash_bf16_to_float(unsigned short h) {
 // happens in float, as in the kernels' accumulators).
 struct __align__(2) __half {
     unsigned short __x;
-    static constexpr const char* cuflash_kind = "h";
+#ifdef CUFLASH_EMULATOR
+    static constexpr const char* cuflash_kind = "h";  // parameter kind for the emulator's launcher
+#endif
     __half() = default;
     __device__ __half(float f) : __x(cuflash_float_to_h16(f)) {}
     __device__ __half(double f) : __x(cuflash_float_to_h16((float)f)) {}
@@ -110,7 +114,9 @@ struct __align__(2) __half {
 };
 struct __align__(2) __nv_bfloat16 {
     unsigned short __x;
-    static constexpr const char* cuflash_kind = "B";
+#ifdef CUFLASH_EMULATOR
+    static constexpr const char* cuflash_kind = "B";  // parameter kind for the emulator's launcher
+#endif
     __nv_bfloat16() = default;
     __device__ __nv_bfloat16(float f) : __x(cuflash_float_to_bf16(f)) {}
     __device__ __nv_bfloat16(double f) : __x(cuflash_float_to_bf16((float)f)) {}

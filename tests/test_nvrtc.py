@@ -1,0 +1,111 @@
+"""Every kernel compiles with NVRTC (what CuPy's RawModule uses) without a GPU.
+
+Each ``.cu`` file of ``kernels_cu/`` (found by glob, so new kernels are
+included automatically) and of ``tests/kernels/`` is compiled to a cubin (so
+ptxas runs too) for sm_75, sm_80, sm_86, sm_89 and sm_90; any error or
+warning fails.  The specialisations come from
+``cuflash.kernels.compile_variants()``: all of them on sm_80, and on the
+other architectures one per file (a 16-bit one, which takes the tensor-core
+paths), because one NVRTC compile of a large kernel takes seconds.  A file
+without listed variants is compiled with its defaults.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from cuflash import _nvrtc
+
+ok, why = _nvrtc.is_available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"NVRTC not available: {why}")
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS_CU = ROOT / "kernels_cu"
+TEST_KERNELS = ROOT / "tests" / "kernels"
+ARCHS = (75, 80, 86, 89, 90)
+FULL_ARCHS = (80,)
+# specialisations of the test kernels (tests/kernels/*.cu)
+TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)],
+                 "basics.cu": [(), ("-DSCALE=2",)]}
+
+
+def _project_variants():
+    try:
+        from cuflash.kernels import compile_variants
+    except ImportError:
+        return {}
+    return compile_variants()
+
+
+def _dtype_of(options):
+    for o in options:
+        m = re.match(r"-D(CUFLASH_DTYPE_\w+|DTYPE=\S+)", o)
+        if m:
+            return m.group(1)
+    return None
+
+
+def _cases():
+    project = _project_variants()
+    files = [(p, project.get(p.name) or [("-std=c++17",)]) for p in sorted(KERNELS_CU.glob("*.cu"))]
+    files += [(p, TEST_VARIANTS.get(p.name, [()])) for p in sorted(TEST_KERNELS.glob("*.cu"))]
+    cases = []
+    for path, variants in files:
+        for arch in ARCHS:
+            chosen = list(enumerate(variants))
+            if arch not in FULL_ARCHS:
+                sixteen = [(i, o) for i, o in chosen if re.search(r"F16|BF16|__half|bfloat16", _dtype_of(o) or "")]
+                chosen = (sixteen or chosen)[:1]
+            for i, opts in chosen:
+                label = f"{path.parent.name}/{path.name}-sm_{arch}-v{i}"
+                cases.append(pytest.param(path, arch, tuple(opts), id=label))
+    return cases
+
+
+def _options(path, arch, opts):
+    inc = {f"-I{KERNELS_CU}", f"-I{path.parent}"}
+    base = [o for o in opts if not o.startswith("-I")] + sorted(inc)
+    if not any(o.startswith(("-std", "--std")) for o in base):
+        base.append("-std=c++17")
+    return (f"-arch=sm_{arch}", *base)
+
+
+@pytest.mark.parametrize("path,arch,opts", _cases())
+def test_compiles_without_warnings(path, arch, opts):
+    options = _options(path, arch, opts)
+    try:
+        res = _nvrtc.compile(path.read_text(), path.name, options)
+    except _nvrtc.NVRTCError as e:
+        pytest.fail(f"{path.name} sm_{arch} {' '.join(opts)}:\n{e.log}")
+    assert not res.warnings, f"{path.name} sm_{arch} {' '.join(opts)} warnings:\n{res.log}"
+    assert res.cubin, "no cubin: ptxas did not run"
+    assert re.search(r"\.entry\s+\w+", res.ptx), "no kernel entry in the PTX"
+
+
+def test_tensor_core_instructions_only_from_sm_80():
+    """portable.cuh emits mma/cp.async PTX for sm_80+, the software path below."""
+    src = (TEST_KERNELS / "mma.cu").read_text()
+    ptx = {arch: _nvrtc.compile(src, "mma.cu", _options(TEST_KERNELS / "mma.cu", arch, ())).ptx for arch in (75, 80)}
+    assert "mma.sync.aligned.m16n8k16" in ptx[80] and "cp.async.cg.shared.global" in ptx[80]
+    assert "mma.sync.aligned.m16n8k16" not in ptx[75] and "cp.async" not in ptx[75]
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx[75]  # ldmatrix exists from sm_75
+    assert "shfl.sync" in ptx[75]
+
+
+def test_errors_and_warnings_are_reported():
+    with pytest.raises(_nvrtc.NVRTCError, match="undefined_thing"):
+        _nvrtc.compile('extern "C" __global__ void f(float* x) { x[0] = undefined_thing; }', "bad.cu",
+                       ("-arch=sm_80",))
+    res = _nvrtc.compile('extern "C" __global__ void f(float* x) { int unused_var = 1; x[0] = 1.0f; }',
+                         "warn.cu", ("-arch=sm_80",))
+    assert res.warnings and "unused_var" in res.log
+
+
+def test_ptxas_figures_are_parsed():
+    res = _nvrtc.compile((TEST_KERNELS / "mma.cu").read_text(), "mma.cu",
+                         _options(TEST_KERNELS / "mma.cu", 80, ()) + ("--ptxas-options=-v",))
+    info = _nvrtc.parse_ptxas_info(res.log)
+    assert set(info) == {"matmul_mma", "cp_async_pipeline"}
+    mm = info["matmul_mma"]
+    assert mm["registers"] > 0 and mm["spill_stores"] == 0
+    assert mm["static_shared"] == 2 * (32 * 24 + 16 * 24)  # As + Bs of __half with padding
