@@ -109,3 +109,31 @@ def test_ptxas_figures_are_parsed():
     mm = info["matmul_mma"]
     assert mm["registers"] > 0 and mm["spill_stores"] == 0
     assert mm["static_shared"] == 2 * (32 * 24 + 16 * 24)  # As + Bs of __half with padding
+
+
+def _kernel_report():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "bench" / "kernel_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_report_occupancy_arithmetic():
+    kr = _kernel_report()
+    # 128 threads, 32 registers, no shared memory: 16 blocks fill sm_80's 64 warps
+    assert kr.occupancy(80, 128, 32, 0) == (16, 1.0, "warps")
+    # 44 registers -> 1536 per warp -> 42 warps of registers -> 10 blocks of 4 warps
+    assert kr.occupancy(80, 128, 44, 0) == (10, 40 / 64, "registers")
+    # 100 KB of shared memory: one block per sm_80 SM (164 KB), two on sm_90 (228 KB)
+    assert kr.occupancy(80, 128, 32, 100 * 1024)[:1] == (1,)
+    assert kr.occupancy(90, 128, 32, 100 * 1024)[0] == 2
+    # more than a block may have: cannot launch
+    assert kr.occupancy(80, 128, 32, 200 * 1024)[0] == 0
+
+
+def test_kernel_report_runs(capsys):
+    kr = _kernel_report()
+    assert kr.main(["--tests", "--only", "reduce.cu", "--arch", "80", "--jobs", "1", "--fail-on-spill"]) == 0
+    out = capsys.readouterr().out
+    assert "block_sum" in out and "sm_80" in out and "100%" in out
