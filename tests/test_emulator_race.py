@@ -13,7 +13,6 @@ import pytest
 
 from cuflash import emulator as em
 
-os.environ.setdefault("CUFLASH_EMULATOR_TIMEOUT", "60")
 KERNELS = Path(__file__).resolve().parent / "kernels"
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no host C++ compiler")

@@ -14,7 +14,6 @@ import pytest
 
 from cuflash import emulator as em
 
-os.environ.setdefault("CUFLASH_EMULATOR_TIMEOUT", "60")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 SRC = Path(__file__).resolve().parent / "kernels" / "mma.cu"

@@ -147,11 +147,13 @@ inline void tsan_acquire(void*) {}
 struct KernelAbort {};
 
 struct Barrier {
-    std::condition_variable cv;
     unsigned expected = 0;  // threads that must arrive (exited threads dropped)
     unsigned arrived = 0;
     unsigned waiters = 0;   // arrived threads blocked in this barrier
-    unsigned long long gen = 0;
+    // Waiters sleep on the generation (a futex, C++20 atomic wait) without the
+    // block mutex: a condition variable made all of them re-take the mutex on
+    // wake-up, serialising 128 threads at every __syncthreads.
+    std::atomic<unsigned> gen{0};
     char sync[2];  // ThreadSanitizer sync objects of even / odd generations
 };
 
@@ -186,19 +188,16 @@ struct Block {
     unsigned nthreads = 0, nwarps = 0;
     unsigned live = 0;     // threads of the block that have not returned
     unsigned waiting = 0;  // threads blocked in some barrier
-    bool aborted = false;
+    std::atomic<bool> aborted{false};
     std::string error;
     std::string kernel;
     Barrier bar;  // __syncthreads
     std::unique_ptr<Barrier[]> warp_bar;
     std::unique_ptr<WarpExchange[]> wx;
-    double timeout_s = 120.0;
 
     Block(unsigned n, const char* name) : nthreads(n), nwarps((n + 31) / 32), kernel(name) {
         warp_bar.reset(new Barrier[nwarps]);
         wx.reset(new WarpExchange[nwarps]);
-        const char* t = std::getenv("CUFLASH_EMULATOR_TIMEOUT");
-        if (t && std::atof(t) > 0) timeout_s = std::atof(t);
     }
     unsigned warp_size(unsigned w) const { return std::min(32u, nthreads - 32u * w); }
 
@@ -216,15 +215,17 @@ struct Block {
 
     void release(Barrier& b) {
         waiting -= b.waiters;
-        b.waiters = 0; b.arrived = 0; ++b.gen;
-        b.cv.notify_all();
+        b.waiters = 0; b.arrived = 0;
+        b.gen.fetch_add(1, std::memory_order_release);
+        b.gen.notify_all();
     }
 
     // Stop the launch: record the first error and wake every waiting thread.
     void abort_locked(const std::string& msg) {
-        if (!aborted) { aborted = true; error = msg; }
-        bar.cv.notify_all();
-        for (unsigned w = 0; w < nwarps; ++w) warp_bar[w].cv.notify_all();
+        if (!aborted) { error = msg; aborted = true; }
+        // a new generation wakes every waiter, which then sees `aborted`
+        bar.gen.fetch_add(1); bar.gen.notify_all();
+        for (unsigned w = 0; w < nwarps; ++w) { warp_bar[w].gen.fetch_add(1); warp_bar[w].gen.notify_all(); }
     }
 
     std::string where() const;
@@ -250,23 +251,20 @@ struct Block {
     }
 
     void arrive_and_wait_locked(Barrier& b) {
-        std::unique_lock<std::mutex> lk(mu);
-        if (aborted) throw KernelAbort{};
-        if (++b.arrived == b.expected) { release(b); return; }
-        const unsigned long long g = b.gen;
-        ++b.waiters; ++waiting;
-        if (waiting == live) {  // nobody left who could complete any barrier
-            abort_locked(deadlock_message());
-            throw KernelAbort{};
-        }
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-        while (b.gen == g && !aborted) {
-            if (b.cv.wait_until(lk, deadline) == std::cv_status::timeout && b.gen == g && !aborted) {
-                abort_locked("a barrier wait in block " + where() + " exceeded " + std::to_string(timeout_s) +
-                             " s (CUFLASH_EMULATOR_TIMEOUT): a thread is stuck outside any barrier");
+        unsigned g;
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            if (aborted) throw KernelAbort{};
+            if (++b.arrived == b.expected) { release(b); return; }
+            g = b.gen.load(std::memory_order_relaxed);
+            ++b.waiters; ++waiting;
+            if (waiting == live) {  // nobody left who could complete any barrier
+                abort_locked(deadlock_message());
+                throw KernelAbort{};
             }
         }
-        if (b.gen == g) throw KernelAbort{};
+        while (b.gen.load(std::memory_order_acquire) == g) b.gen.wait(g, std::memory_order_acquire);
+        if (aborted) throw KernelAbort{};
     }
 
     // A returning thread stops counting in its barriers, as on the hardware.
