@@ -64,6 +64,8 @@ def occupancy(arch, threads, registers, shared_bytes):
     limits = {"warps": by_warps, "blocks": lim["max_blocks"], "registers": by_regs, "shared memory": by_smem}
     blocks = min(limits.values())
     limiter = next(k for k, v in limits.items() if v == blocks)
+    if blocks == 0:
+        limiter = "DOES NOT FIT (shared memory)" if by_smem == 0 else "DOES NOT FIT (registers)"
     return blocks, blocks * warps / lim["max_warps"], limiter
 
 
@@ -90,13 +92,19 @@ def launch_size(kernel, options, ptx):
         bq = int(d["CUFLASH_BLOCK_Q"]) if d.get("CUFLASH_BLOCK_Q") else None
         bkv = int(d["CUFLASH_BLOCK_KV"]) if d.get("CUFLASH_BLOCK_KV") else None
         if hd:
-            p = tiling.plan(kernel, hd, hdv, dtype, bq, bkv)
-            return p.threads, p.shared_bytes, "tiling"
-        # kernels whose size does not depend on a head dim (online_softmax_rows)
+            try:
+                p = tiling.plan(kernel, hd, hdv, dtype, bq, bkv)
+                return p.threads, p.shared_bytes, "tiling"
+            except ValueError:  # tiles this kernel's planner would not pick: use its formulas directly
+                pass
+        # also kernels whose size does not depend on a head dim (online_softmax_rows)
         acc = tiling.accumulator_bytes(dtype)
-        return t.threads(bq or 0, bkv or 0, 0, 0), t.shared_bytes(bq or 0, bkv or 0, 0, 0, acc), "tiling"
+        return (t.threads(bq or 0, bkv or 0, hd, hdv), t.shared_bytes(bq or 0, bkv or 0, hd, hdv, acc),
+                "tiling")
     except (ImportError, KeyError, StopIteration, ValueError, TypeError, ZeroDivisionError):
         pass
+    if d.get("CUFLASH_THREADS"):  # a helper kernel the tiling does not describe: threads from the define
+        return int(d["CUFLASH_THREADS"]), None, "define"
     # otherwise: the block size the kernel declares (__launch_bounds__ -> .maxntid), no dynamic shared memory known
     m = re.search(r"\.entry\s+" + re.escape(kernel) + r"\b[^{]*?\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)", ptx, re.S)
     if m:
@@ -216,7 +224,7 @@ def _print_table(rows):
     for r in rows:
         lines.append([r["kernel"], r["variant"], f"sm_{r['arch']}", str(r["registers"]),
                       f"{r['spill_stores']}/{r['spill_loads']}", str(r["stack"]), str(r["static_shared"]),
-                      "?" if r["dynamic_shared"] is None else str(r["dynamic_shared"]),
+                      "?" if r["dynamic_shared"] is None else str(r["dynamic_shared"]),  # occupancy then assumes 0
                       "?" if r["threads"] is None else str(r["threads"]),
                       str(r.get("blocks_per_sm", "?")),
                       f"{100 * r['occupancy']:.0f}%" if "occupancy" in r else "?", r.get("limiter", "-")])

@@ -4,7 +4,6 @@ SIMT execution model: grids and blocks, barriers with early exit, warp
 collectives, dynamic shared memory poison, atomics, 16-bit conversions,
 argument conversion, launch statistics and failure modes.
 """
-import os
 from pathlib import Path
 
 import numpy as np

@@ -6,7 +6,6 @@ once through portable.cuh's shuffle-based software mma (-arch=sm_75), which
 cross-checks the two fragment-layout implementations; and a cp.async double
 buffer whose copies land only at the matching wait.
 """
-import os
 from pathlib import Path
 
 import numpy as np

@@ -22,7 +22,6 @@
 #ifndef CUFLASH_PREPROCESS_ONLY
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <climits>
 #include <cmath>
 #include <condition_variable>
