@@ -107,6 +107,16 @@ def test_divergent_barrier_is_an_error_naming_the_kernel(basics):
     np.testing.assert_array_equal(ids, np.arange(4))
 
 
+@pytest.mark.parametrize("threads", [37, 96])
+def test_syncthreads_count_or_and(basics, threads):
+    rounds = 4
+    out = np.full(3 * rounds, -1, np.int32)
+    basics.get_function("sync_reductions")(2, threads, (out, np.int32(rounds)))
+    t = np.arange(threads)
+    want = [[int((t % (r + 2) == 0).sum()), int(r < threads), int(r == 0)] for r in range(rounds)]
+    np.testing.assert_array_equal(out.reshape(rounds, 3), want)
+
+
 def test_float_atomic_add(basics):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 7, 1000).astype(np.int32)
@@ -188,18 +198,33 @@ def test_launch_configuration_errors(basics):
         basics.get_function("nope")
 
 
+SCALED_SRC = """#include "portable.cuh"
+#ifdef SCALE
+// exists only when -DSCALE=... is given: out[i] = x[i] * SCALE
+extern "C" __global__ void scaled(const float* x, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gstore(out + i, gload(x + i) * (float)(SCALE));
+}
+#endif
+extern "C" __global__ void arch(int* out) { gstore(out, (int)__CUDA_ARCH__); }
+"""
+
+
 def test_defines_select_code_and_are_part_of_the_cache_key():
     x = np.arange(10, dtype=np.float32)
     for scale in (2, 3):
-        mod = em.RawModule(path=KERNELS / "basics.cu", options=(f"-DSCALE={scale}", "--use_fast_math", "-std=c++17",
-                                                                  "--gpu-architecture=sm_80"))
+        mod = em.RawModule(code=SCALED_SRC, options=(f"-DSCALE={scale}", "--use_fast_math", "-std=c++17",
+                                                     "--gpu-architecture=sm_90"))
         out = np.full(10, np.nan, np.float32)
         mod.get_function("scaled")(1, 32, (x, out, np.int32(10)))
         np.testing.assert_array_equal(out, x * scale)
+        arch = np.zeros(1, np.int32)
+        mod.get_function("arch")(1, 1, (arch,))
+        assert arch[0] == 900  # -arch sets the emulated __CUDA_ARCH__
     with pytest.raises(AttributeError, match="scaled"):
-        em.RawModule(path=KERNELS / "basics.cu").get_function("scaled")
+        em.RawModule(code=SCALED_SRC).get_function("scaled")
     with pytest.raises(ValueError, match="not understood"):
-        em.RawModule(path=KERNELS / "basics.cu", options=("--frobnicate",))
+        em.RawModule(code=SCALED_SRC, options=("--frobnicate",))
 
 
 def test_code_string_with_include_path_and_compile_error(tmp_path):

@@ -25,8 +25,7 @@ TEST_KERNELS = ROOT / "tests" / "kernels"
 ARCHS = (75, 80, 86, 89, 90)
 FULL_ARCHS = (80,)
 # specialisations of the test kernels (tests/kernels/*.cu)
-TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)],
-                 "basics.cu": [(), ("-DSCALE=2",)]}
+TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)]}
 
 
 def _project_variants():

@@ -191,6 +191,11 @@ struct Block {
     std::string error;
     std::string kernel;
     Barrier bar;  // __syncthreads
+    // __syncthreads_count/and/or: counts of the even / odd __syncthreads of the
+    // block; each completion clears the other parity's, which nobody touches
+    // until every thread has passed this barrier and read its own count.
+    std::atomic<int> sync_count[2];
+    unsigned long long bar_completions = 0;
     std::unique_ptr<Barrier[]> warp_bar;
     std::unique_ptr<WarpExchange[]> wx;
 
@@ -205,6 +210,7 @@ struct Block {
         live = nthreads;
         waiting = 0;
         bar.expected = nthreads; bar.arrived = 0; bar.waiters = 0;
+        sync_count[0] = 0; sync_count[1] = 0; bar_completions = 0;
         for (unsigned w = 0; w < nwarps; ++w) {
             warp_bar[w].expected = warp_size(w);
             warp_bar[w].arrived = 0; warp_bar[w].waiters = 0;
@@ -213,6 +219,7 @@ struct Block {
     }
 
     void release(Barrier& b) {
+        if (&b == &bar) sync_count[(++bar_completions) & 1u] = 0;
         waiting -= b.waiters;
         b.waiters = 0; b.arrived = 0;
         b.gen.fetch_add(1, std::memory_order_release);
@@ -599,6 +606,21 @@ inline void __syncthreads() {
     ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
     c.blk->arrive_and_wait(c.blk->bar, c.bar_phase);
     c.bar_phase ^= 1u;
+}
+inline int __syncthreads_count(int pred) {
+    ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
+    const unsigned p = c.bar_phase;
+    if (pred) c.blk->sync_count[p].fetch_add(1);
+    __syncthreads();
+    return c.blk->sync_count[p].load();
+}
+inline int __syncthreads_or(int pred) { return __syncthreads_count(pred) != 0; }
+inline int __syncthreads_and(int pred) {
+    ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
+    const unsigned p = c.bar_phase;
+    if (!pred) c.blk->sync_count[p].fetch_add(1);  // counts the threads whose predicate is false
+    __syncthreads();
+    return c.blk->sync_count[p].load() == 0;
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     ::cuflash_emu::warp_exchange(nullptr, 0, mask, "__syncwarp");

@@ -89,10 +89,13 @@ extern "C" __global__ void scalars(double* out, int a, unsigned int b, long long
     gstore(out + 3, (double)d); gstore(out + 4, e); gstore(out + 5, f ? 1.0 : 0.0);
 }
 
-#ifdef SCALE
-// Exists only when -DSCALE=... is given: out[i] = x[i] * SCALE.
-extern "C" __global__ void scaled(const float* x, float* out, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) gstore(out + i, gload(x + i) * (float)(SCALE));
+// __syncthreads_count/or/and over a few rounds: out[3 * r + {0,1,2}] from thread 0
+// with predicates (threadIdx.x % (r + 2) == 0), (threadIdx.x == r), (threadIdx.x < blockDim.x - r).
+extern "C" __global__ void sync_reductions(int* out, int rounds) {
+    for (int r = 0; r < rounds; ++r) {
+        const int c = __syncthreads_count(threadIdx.x % (r + 2) == 0);
+        const int o = __syncthreads_or(threadIdx.x == (unsigned)r);
+        const int a = __syncthreads_and(threadIdx.x < blockDim.x - r);
+        if (threadIdx.x == 0) { gstore(out + 3 * r, c); gstore(out + 3 * r + 1, o); gstore(out + 3 * r + 2, a); }
+    }
 }
-#endif
