@@ -237,3 +237,28 @@ def test_code_string_with_include_path_and_compile_error(tmp_path):
     bad = '#include "portable.cuh"\nextern "C" __global__ void g(float* y) { y[0] = undefined_name; }\n'
     with pytest.raises(em.CompileError, match="undefined_name"):
         em.RawModule(code=bad).get_function("g")
+
+
+def test_launches_from_several_python_threads(reduce_mod):
+    """Static __shared__ arrays belong to the library: concurrent launches must not mix them."""
+    import threading
+    k = reduce_mod.get_function("block_sum")
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(512).astype(np.float32) for _ in range(4)]
+    outs = [np.full(4, np.nan, np.float32) for _ in range(4)]
+    errors = []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                k((4,), (128,), (xs[i], outs[i], np.int32(512), np.int32(128)))
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out, x.reshape(4, 128).astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)

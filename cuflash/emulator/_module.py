@@ -296,6 +296,9 @@ def _set_stats(**kw):
 # ---------------------------------------------------------------- module
 _libs = {}  # cache key -> ctypes.CDLL (a library is loaded once per process)
 _libs_lock = threading.Lock()
+# `__shared__` arrays are statics of the library: launches of one library from
+# several Python threads must not overlap
+_launch_locks = {}
 
 
 class RawModule:
@@ -393,6 +396,7 @@ class RawModule:
         with _libs_lock:
             if key in _libs:
                 self._lib = _libs[key]
+                self._launch_lock = _launch_locks[key]
                 return self._lib
             so = cache_dir() / f"{key}.so"
             if not so.exists():
@@ -402,6 +406,7 @@ class RawModule:
                      f"compiling {self._what()} for the emulator")
                 os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
+            self._launch_lock = _launch_locks.setdefault(key, threading.Lock())
         return self._lib
 
     def _compile_tsan(self):
@@ -588,9 +593,10 @@ class RawKernel:
         grid3, block3 = (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b)
         stats = (ctypes.c_ulonglong * 2)()
         err = ctypes.create_string_buffer(4096)
-        t0 = time.perf_counter()
-        rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)))
-        dt = time.perf_counter() - t0
+        with self.module._launch_lock:
+            t0 = time.perf_counter()
+            rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)))
+            dt = time.perf_counter() - t0
         del arrays  # kept alive until here: the kernel wrote through their pointers
         self._record(g, b, shmem, stats[0], stats[1], dt)
         if rc != 0:
