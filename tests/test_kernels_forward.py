@@ -104,6 +104,7 @@ FWD_CASES = [
     ("float32", (2, 1, 37, 16), (3, 50, 16), "top_left", 16, 8, "c"),
     ("float32", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided"),
     ("float64", (2, 1, 2), (2, 1, 2), False, None, None, "c"),  # d=2, Nq = Nk = 1
+    ("float32", (33, 64), (47, 64), "bottom_right", None, None, "c"),  # plain 2-D
 ]
 
 
@@ -148,6 +149,20 @@ def test_forward_against_oracle(kb, case, rng):
         assert np.all(np.isneginf(lse[..., blind]))
     for x, x0 in zip((q, k, v), before):
         assert np.array_equal(x, x0, equal_nan=True), "an input was modified"
+
+
+@pytest.mark.parametrize("dtype,d,dv", [("float32", 64, 48), ("float16", 32, 64),
+                                         ("float64", 16, 7)])
+def test_dv_differs_from_d(kb, dtype, d, dv, rng):
+    """The kernels take dv != d (their own define); float16 runs on tensor cores here."""
+    q = oracle.randn(rng, (2, 3, 29, d), dtype)
+    k = oracle.randn(rng, (2, 3, 41, d), dtype)
+    v = oracle.randn(rng, (2, 3, 41, dv), dtype)
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(v),
+                                         causal="top_left", return_lse=True, backend=kb.name)
+    assert o.shape == (2, 3, 29, dv)
+    oracle.check_forward(kb.to_numpy(o), q, k, v, None, "top_left", lse=kb.to_numpy(lse))
 
 
 def test_huge_and_equal_logits(kb, rng):
