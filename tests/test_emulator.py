@@ -4,6 +4,7 @@ SIMT execution model: grids and blocks, barriers with early exit, warp
 collectives, dynamic shared memory poison, atomics, 16-bit conversions,
 argument conversion, launch statistics and failure modes.
 """
+import os
 from pathlib import Path
 
 import numpy as np
@@ -262,3 +263,22 @@ def test_launches_from_several_python_threads(reduce_mod):
     assert not errors
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out, x.reshape(4, 128).astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_endless_loop_ends_the_process_with_a_message(tmp_path):
+    """A thread spinning outside every barrier cannot be stopped: the watchdog
+    (CUFLASH_EMULATOR_TIMEOUT) ends the process instead of hanging CI."""
+    import subprocess
+    import sys
+    script = tmp_path / "spin.py"
+    script.write_text(
+        "import numpy as np\nfrom cuflash import emulator as em\n"
+        "src = '#include \"portable.cuh\"\\n"
+        "extern \"C\" __global__ void spin(volatile int* f) { while (f[0] == 0) {} }\\n'\n"
+        "em.RawModule(code=src).get_function('spin')(1, 4, (np.zeros(1, np.int32),))\n"
+        "print('returned')\n")
+    env = dict(os.environ, CUFLASH_EMULATOR_TIMEOUT="1",
+               PYTHONPATH=str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "returned" not in r.stdout
+    assert "kernel spin did not finish within 1 s" in r.stderr

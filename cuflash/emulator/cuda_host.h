@@ -22,6 +22,7 @@
 #ifndef CUFLASH_PREPROCESS_ONLY
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <condition_variable>
@@ -512,6 +513,7 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
     std::condition_variable bcv;
     unsigned b_arrived = 0;
     unsigned long long b_gen = 0;
+    unsigned finished = 0;  // threads done with every block
     auto between_barrier = [&]() {  // all threads of the launch; completion resets the block
         std::unique_lock<std::mutex> lk(bm);
         if (++b_arrived == nthreads) {
@@ -553,6 +555,9 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
             between_barrier();
         }
         tctx = nullptr;
+        std::lock_guard<std::mutex> lk(bm);
+        ++finished;
+        bcv.notify_all();
     };
     // Threads wait at a gate until all of them exist: if starting one fails,
     // the started ones leave without running the kernel.
@@ -578,6 +583,23 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         gate = start_error.empty() ? 1 : -1;
     }
     bcv.notify_all();
+    // Watchdog: a thread that never returns (an endless loop outside every
+    // barrier) cannot be stopped; end the process with a message rather than
+    // hang the caller forever.  Deadlocks in barriers are caught exactly above.
+    if (start_error.empty()) {
+        const char* env = std::getenv("CUFLASH_EMULATOR_TIMEOUT");
+        const double limit = env ? std::atof(env) : 1800.0;
+        std::unique_lock<std::mutex> lk(bm);
+        auto done = [&] { return finished == threads.size(); };
+        if (limit > 0 && !bcv.wait_for(lk, std::chrono::duration<double>(limit), done)) {
+            std::fprintf(stderr, "cuflash.emulator: kernel %s did not finish within %g s "
+                         "(CUFLASH_EMULATOR_TIMEOUT; 0 disables): a thread loops forever. Aborting.\n",
+                         name, limit);
+            std::fflush(stderr);
+            std::abort();
+        }
+        if (limit <= 0) bcv.wait(lk, done);
+    }
     for (auto& th : threads) th.join();
     if (!start_error.empty()) {
         std::snprintf(err, errlen, "%s", start_error.c_str());
