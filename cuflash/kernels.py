@@ -147,10 +147,12 @@ def _cupy_factory(filename, options):
     return cupy.RawModule(code=code, options=options)
 
 
-def _emulator_factory(race_check):
+def _emulator_factory(race_check, arch=None):
+    extra = () if arch is None else (f"-arch={arch}",)
+
     def factory(filename, options):
         from . import emulator
-        return emulator.RawModule(path=source_path(filename), options=options,
+        return emulator.RawModule(path=source_path(filename), options=tuple(options) + extra,
                                   race_check=race_check)
     return factory
 
@@ -158,8 +160,11 @@ def _emulator_factory(race_check):
 def get_runtime(backend, *, race_check=False, arch=None):
     """The :class:`Runtime` of ``"cuda"`` (current CuPy device) or ``"emulator"``.
 
-    ``arch`` (emulator only) names the nominal architecture whose shared-memory
-    limit tile plans are held to (default sm_80; see :mod:`cuflash.tiling`).
+    ``arch`` (emulator only, e.g. ``"sm_75"``) names the architecture emulated:
+    tile plans are held to its nominal shared-memory limit (default sm_80; see
+    :mod:`cuflash.tiling`) and, when given, the kernels are compiled with
+    ``-arch=<arch>`` (before sm_80 portable.cuh's software mma and synchronous
+    cp.async run instead of the emulated tensor-core instructions).
     """
     limit, source = tiling.device_smem_limit(backend, arch)
     if backend == "cuda":
@@ -168,8 +173,8 @@ def get_runtime(backend, *, race_check=False, arch=None):
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
         return Runtime("cuda", cupy, _cupy_factory, limit, source,
                        device_key=("cuda", cupy.cuda.Device().id))
-    return Runtime("emulator", np, _emulator_factory(race_check), limit, source,
-                   race_check=race_check, device_key=("emulator", bool(race_check)))
+    return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
+                   race_check=race_check, device_key=("emulator", bool(race_check), arch))
 
 
 _CACHE = {}

@@ -252,6 +252,18 @@ def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
                          lse=kernel_backend.to_numpy(lse))
 
 
+def test_tensor_core_kernel_as_sm75(rng):
+    """flash_fwd_tc compiled for sm_75: portable.cuh's software mma and synchronous cp.async."""
+    rt = kernels.get_runtime("emulator", arch="sm_75")
+    assert rt.smem_limit == 64 * 1024
+    q, k, v = oracle.qkv(rng, (2, 50, 64), (2, 77, 64), dtype="bfloat16")
+    spec = _validate.check_attention_inputs(q, k, v, causal=True)
+    with poisoned_outputs():
+        o, lse = _launch.flash_fwd(rt, q, k, v, spec)
+    assert _emulator_stats()["kernel"] == "flash_fwd_tc"
+    oracle.check_forward(o, q, k, v, None, True, lse=lse)
+
+
 def test_tensor_core_kernel_misaligned_view(kernel_backend, rng):
     """A view whose rows start at odd addresses is copied for cp.async, not read misaligned."""
     buf = oracle.randn(rng, (3, 50 * 64 + 1), "float16")
