@@ -367,8 +367,9 @@ class RawModule:
 
     def _key(self, kind):
         h = hashlib.sha256()
-        for part in (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(), self._pre, self.code,
-                     "\0".join(self._flags), _cxx(), str(self.path)):
+        parts = (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+                 self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
+        for part in parts:
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:24]
