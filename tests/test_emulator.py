@@ -164,20 +164,25 @@ def test_math_intrinsics(basics):
 def test_scalar_arguments_converted_by_signature(basics):
     out = np.full(6, np.nan)
     k = basics.get_function("scalars")
-    k(1, 1, (out, -3, 4000000000, -(2 ** 40), 0.5, 1e300, True))
+    k(1, 1, (out, -3, 4000000000, -(2 ** 40), np.float32(0.5), 1e300, True))
     np.testing.assert_array_equal(out, [-3, 4000000000, -(2 ** 40), 0.5, 1e300, 1])
     k(1, 1, (out, np.int32(7), np.uint32(8), np.int64(9), np.float32(0.25), np.float64(2.5), np.bool_(False)))
     np.testing.assert_array_equal(out, [7, 8, 9, 0.25, 2.5, 0])
 
 
+F = np.float32(0.5)
+
+
 @pytest.mark.parametrize("args,match", [
-    ((np.zeros(6), np.int64(1), 1, 1, 0.5, 1.0, True), r"parameter 'a' \(int a\).*int32.*int64"),
-    ((np.zeros(6), 1.5, 1, 1, 0.5, 1.0, True), r"parameter 'a'.*expected an int"),
+    ((np.zeros(6), np.int64(1), 1, 1, F, 1.0, True), r"parameter 'a' \(int a\).*int32.*int64"),
+    ((np.zeros(6), 1.5, 1, 1, F, 1.0, True), r"parameter 'a'.*expected an int"),
     ((np.zeros(6), 1, 1, 1, np.float64(0.5), 1.0, True), r"parameter 'd'.*float32"),
-    ((np.zeros(6), 1, -1, 1, 0.5, 1.0, True), r"parameter 'b'.*does not fit"),
-    ((np.zeros(6), 1, 1, 1, 1, 1.0, True), r"parameter 'd'.*expected a float"),
-    ((5, 1, 1, 1, 0.5, 1.0, True), r"parameter 'out'.*numpy.ndarray"),
-    ((np.zeros(6), 1, 1, 1, 0.5, 1.0), r"takes 7 arguments"),
+    ((np.zeros(6), 1, 1, 1, 0.5, 1.0, True), r"parameter 'd'.*numpy.float32, not a Python float"),
+    ((np.zeros(6), 1, 1, 1, 1, 1.0, True), r"parameter 'd'.*numpy.float32, not a Python int"),
+    ((np.zeros(6), 1, -1, 1, F, 1.0, True), r"parameter 'b'.*does not fit"),
+    ((np.zeros(6), 1, 1, 1, F, 1, True), r"parameter 'e'.*expected a float"),
+    ((5, 1, 1, 1, F, 1.0, True), r"parameter 'out'.*numpy.ndarray"),
+    ((np.zeros(6), 1, 1, 1, F, 1.0), r"takes 7 arguments"),
 ])
 def test_argument_mismatch_is_a_type_error(basics, args, match):
     with pytest.raises(TypeError, match=match):

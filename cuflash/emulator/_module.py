@@ -502,7 +502,15 @@ def _dims(v, what):
 
 
 class RawKernel:
-    """One kernel of a :class:`RawModule`; call as ``k(grid, block, args, shared_mem=0)``."""
+    """One kernel of a :class:`RawModule`; call as ``k(grid, block, args, shared_mem=0)``.
+
+    Arguments are checked against the kernel's parameter types as CuPy would
+    pass them: numpy arrays for pointers; numpy scalars of exactly the
+    parameter's type; Python ints for integer parameters (CuPy sends 8 bytes,
+    of which an ``int`` parameter reads the low 4, so values must fit);
+    Python floats only for ``double`` parameters.  Anything else is a
+    ``TypeError`` naming the parameter.
+    """
 
     def __init__(self, module, name, params):
         self.module = module
@@ -553,6 +561,11 @@ class RawKernel:
                 if not isinstance(a, bool):
                     raise TypeError(f"{where}: expected a bool, got {type(a).__name__}")
             elif kind == "f":
+                # CuPy passes a Python float as a double: right for a double
+                # parameter, garbage for a float one (cupy/cupy#8485)
+                if size != 8 and isinstance(a, (float, int)):
+                    raise TypeError(f"{where}: pass numpy.float32, not a Python {type(a).__name__} "
+                                    "(CuPy would send it as 8 bytes into a 4-byte parameter)")
                 if isinstance(a, bool) or not isinstance(a, float):
                     raise TypeError(f"{where}: expected a float (or numpy.float{8 * size}), got {type(a).__name__}")
             else:
