@@ -252,6 +252,25 @@ def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
                          lse=kernel_backend.to_numpy(lse))
 
 
+@pytest.mark.parametrize("dtype,d,bq,bkv,kernel", [
+    ("float32", 128, 128, 64, "flash_fwd"),     # largest SIMT tiles (512 threads)
+    ("float32", 64, 8, 8, "flash_fwd"),         # smallest (one warp)
+    ("float16", 64, 128, 128, "flash_fwd_tc"),  # largest tensor-core tiles (8 warps)
+    ("bfloat16", 128, 16, 64, "flash_fwd_tc"),  # one warp, long KV tiles
+])
+def test_extreme_tiles(kernel_backend, dtype, d, bq, bkv, kernel, rng):
+    q, k, v = oracle.qkv(rng, (1, 2, 150, d), (1, 2, 131, d), dtype=dtype)
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(kernel_backend.asarray(q), kernel_backend.asarray(k),
+                                         kernel_backend.asarray(v), causal=True, block_q=bq,
+                                         block_kv=bkv, return_lse=True,
+                                         backend=kernel_backend.name)
+    if kernel_backend.name == "emulator":
+        assert _emulator_stats()["kernel"] == kernel
+    oracle.check_forward(kernel_backend.to_numpy(o), q, k, v, None, True,
+                         lse=kernel_backend.to_numpy(lse))
+
+
 def test_tensor_core_kernel_as_sm75(rng):
     """flash_fwd_tc compiled for sm_75: portable.cuh's software mma and synchronous cp.async."""
     rt = kernels.get_runtime("emulator", arch="sm_75")
