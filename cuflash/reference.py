@@ -587,6 +587,8 @@ _RESCALE_SLACK = 8.0
 # is recomputed with the max pass and the shift moves (rare: the running max
 # must jump by more than ~20 after the first tile).
 _FAST_PATH_LOG_BOUND = 20.0
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
 
 
 def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="whole"):
@@ -596,7 +598,8 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
     pool); inside, the key/value tiles Kj, Vj stream past with the online
     softmax of seeds 001/004:
         S = Qi Kj^T - m_i;  P~ = exp(S);  l_i += rowsum P~;  acc += P~ Vj
-    and at the end O_i = acc / l_i, lse_i = m_i + log l_i.
+    and at the end O_i = acc / l_i, lse_i = m_i + log l_i.  (The logits are
+    carried in base 2, ``log2(e) * scale * q.k``, so ``exp2`` serves as exp.)
 
     Two CPU-specific devices keep the passes over the (Br, Bc) tile to the
     minimum (one max, one exp; both matmuls in BLAS):
@@ -630,13 +633,20 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
     lse_c = lse.reshape(lead_c + (Nq,))
     offset = _causal_offset(spec)
     scale = spec.scale
-    tau = _RESCALE_SLACK
-    l_hi, l_lo = math.exp(_FAST_PATH_LOG_BOUND), math.exp(-tau)
+    # base-2 logits: exp2 is ~1.5x faster than exp in NumPy (float32, AVX-512), and
+    # folding log2(e) into the scale of Qi makes the switch free; m_i is in bits too
+    scale2 = scale * _LOG2E
+    tau = _RESCALE_SLACK * _LOG2E
+    l_hi, l_lo = math.exp(_FAST_PATH_LOG_BOUND), math.exp(-_RESCALE_SLACK)
+    if lse.size == 0:                  # no query rows (or an empty batch): nothing to do
+        return o, lse
     Kaug = Vaug = None
     if stage == "whole" and Nq and Nk:
-        Kaug = np.empty(k_c.shape[:-1] + (d + 1,), ct)                  # [K, 1]
-        np.copyto(Kaug[..., :d], k_c, casting="unsafe")
-        Kaug[..., d] = 1
+        # [K, 1]^T stored transposed, (..., d + 1, Nk): a plain (not transposed) BLAS
+        # operand measured 10-25% faster for S = Qi Kj^T than the transposed view
+        Kaug = np.empty(k_c.shape[:-2] + (d + 1, Nk), ct)
+        np.copyto(Kaug[..., :d, :], np.swapaxes(k_c, -1, -2), casting="unsafe")
+        Kaug[..., d, :] = 1
         Vaug = np.empty(v_c.shape[:-1] + (dv + 1,), ct)                 # [V, 1]
         np.copyto(Vaug[..., :dv], v_c, casting="unsafe")
         Vaug[..., dv] = 1
@@ -647,7 +657,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
         br = r1 - r0
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             Qa = np.empty(lead_c + (br, d + 1), ct)                         # [Qi, -m_i]
-            np.multiply(q_c[..., r0:r1, :], scale, out=Qa[..., :d], dtype=ct,
+            np.multiply(q_c[..., r0:r1, :], scale2, out=Qa[..., :d], dtype=ct,
                         casting="unsafe")
             Qa[..., d] = 0
             m_i = np.zeros(lead_c + (br,), ct)                              # the shift
@@ -656,23 +666,25 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
             PV = np.empty(lead_c + (br, dv + 1), ct)
             Kbuf = Vbuf = None
             if Kaug is None:
-                Kbuf = np.empty(k_c.shape[:-2] + (Bc, d + 1), ct)
-                Kbuf[..., d] = 1
+                Kbuf = np.empty(k_c.shape[:-2] + (d + 1, Bc), ct)           # [Kj, 1]^T
+                Kbuf[..., d, :] = 1
                 Vbuf = np.empty(v_c.shape[:-2] + (Bc, dv + 1), ct)
                 Vbuf[..., dv] = 1
             track(Qa, m_i, acc, S, PV, Kbuf, Vbuf)
+            all_seen = False
             _, j_hi = _kv_range(r0, r1, Nk, Bc, offset)
             for j in range(j_hi):
                 c0, c1 = j * Bc, min(Nk, (j + 1) * Bc)
                 bc = c1 - c0
                 if Kaug is not None:
-                    Kj, Vj = Kaug[..., c0:c1, :], Vaug[..., c0:c1, :]
+                    KjT, Vj = Kaug[..., c0:c1], Vaug[..., c0:c1, :]
                 else:
-                    Kj, Vj = Kbuf[..., :bc, :], Vbuf[..., :bc, :]
-                    np.copyto(Kj[..., :d], k_c[..., c0:c1, :], casting="unsafe")
+                    KjT, Vj = Kbuf[..., :bc], Vbuf[..., :bc, :]
+                    np.copyto(KjT[..., :d, :], np.swapaxes(k_c[..., c0:c1, :], -1, -2),
+                              casting="unsafe")
                     np.copyto(Vj[..., :dv], v_c[..., c0:c1, :], casting="unsafe")
                 Sj = S[..., :bc]
-                np.matmul(Qa, np.swapaxes(Kj, -1, -2), out=Sj)             # S - m_i
+                np.matmul(Qa, KjT, out=Sj)             # S - m_i
                 hidden = _tile_mask(r0, r1, c0, c1, offset)
                 if hidden is not None:                                     # boundary tile
                     track(hidden)
@@ -680,15 +692,18 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                 l_acc = acc[..., dv]
                 if j > 0:
                     # -- fast path: exp straight away; the row sums tell whether it was safe
-                    np.exp(Sj, out=Sj)                                     # P~
+                    np.exp2(Sj, out=Sj)                                    # P~
                     np.matmul(Sj, Vj, out=PV)                              # [P~ Vj, rowsum P~]
                     l_t = PV[..., dv]
-                    if ((l_t <= l_hi) & ((l_acc > 0) | (l_t == 0) | (l_t >= l_lo))).all():
+                    if l_t.max() <= l_hi and (all_seen or ((l_acc > 0) | (l_t == 0)
+                                                           | (l_t >= l_lo)).all()):
                         acc += PV
+                        if not all_seen:
+                            all_seen = bool((acc[..., dv] > 0).all())
                         continue
                     # some row's max rose above the slack (or a row's first keys lie far
                     # below its shift): recompute the tile and move those shifts
-                    np.matmul(Qa, np.swapaxes(Kj, -1, -2), out=Sj)
+                    np.matmul(Qa, KjT, out=Sj)
                     if hidden is not None:
                         Sj[..., hidden] = -np.inf
                 # -- tile max relative to the shift; move the shift where it left the slack
@@ -697,19 +712,21 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                 if move.any():
                     delta = np.where(move, t, 0).astype(ct, copy=False)
                     # exp(m_old - m_new); rows with nothing accumulated yet keep acc = 0
-                    alpha = np.where(l_acc > 0, np.exp(-delta), 0).astype(ct, copy=False)
+                    alpha = np.where(l_acc > 0, np.exp2(-delta), 0).astype(ct, copy=False)
                     acc *= alpha[..., None]
                     Sj -= delta[..., None]
                     m_i += delta
                     Qa[..., d] = -m_i
-                np.exp(Sj, out=Sj)                                         # P~
+                np.exp2(Sj, out=Sj)                                        # P~
                 np.matmul(Sj, Vj, out=PV)                                  # [P~ Vj, rowsum P~]
                 acc += PV
+                if not all_seen:   # once every row has mass, the first-contact test is moot
+                    all_seen = bool((acc[..., dv] > 0).all())
             l_i = acc[..., dv]
             l_safe = np.where(l_i == 0, 1, l_i)
             np.divide(acc[..., :dv], l_safe[..., None], out=o_c[..., r0:r1, :],
                       casting="unsafe")
-            np.add(m_i, np.log(l_i), out=lse_c[..., r0:r1], casting="unsafe")
+            np.add(m_i * _LN2, np.log(l_i), out=lse_c[..., r0:r1], casting="unsafe")
 
     n_q = -(-Nq // Br) if Nq else 0
     tasks = list(range(n_q))
