@@ -135,8 +135,8 @@ def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
     _say(f"model (memory_analysis): standard needs S and P = "
          f"{model['standard_extra_bytes'] / mib:.1f} MiB extra, tiled "
          f"{model['tiled_extra_bytes'] / mib:.2f} MiB (row statistics + one tile pair); "
-         f"HBM traffic {model['standard_hbm_bytes'] / mib:.0f} vs "
-         f"{model['tiled_hbm_bytes'] / mib:.0f} MiB; tiles block_q={model['block_q']}, "
+         f"HBM traffic {model['standard_hbm_bytes'] / mib:.2f} vs "
+         f"{model['tiled_hbm_bytes'] / mib:.2f} MiB; tiles block_q={model['block_q']}, "
          f"block_kv={model['block_kv']}")
     if not rel < 1e-4:
         _say("ERROR: standard and tiled attention disagree")
