@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ._validate import (AttentionSpec, check_attention_inputs, check_backward_inputs,
+from ._validate import (check_attention_inputs, check_backward_inputs,
                         check_float_dtype, check_positive_int)
 
 __all__ = [
@@ -325,7 +325,7 @@ def default_blocks(batch, Nq, Nk, d, dv=None, workers=None):
 # ---------------------------------------------------------------------------
 # online softmax
 # ---------------------------------------------------------------------------
-def _check_softmax_input(x, chunk_size, min_ndim):
+def _check_softmax_input(x, chunk_size):
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"x must be a numpy.ndarray, got {type(x).__module__}.{type(x).__name__}")
     check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
@@ -389,7 +389,7 @@ def online_softmax(x, chunk_size=None, *, return_stats=False):
     TypeError
         x not a float array.
     """
-    chunk_size = _check_softmax_input(x, chunk_size, 1)
+    chunk_size = _check_softmax_input(x, chunk_size)
     if x.ndim != 1:
         raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
                          "use online_softmax_2d for rows")
@@ -423,7 +423,7 @@ def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
     l : ndarray, shape (...,), float64
         Row sums of ``exp(x - m)`` (only with ``return_stats``).
     """
-    chunk_size = _check_softmax_input(x, chunk_size, 1)
+    chunk_size = _check_softmax_input(x, chunk_size)
     if x.ndim < 1:
         raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
     p, m, l = _online_softmax_rows(x, chunk_size)
