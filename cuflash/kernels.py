@@ -109,11 +109,17 @@ class Runtime:
     race_check : bool
         Emulator only: compile the kernels with ThreadSanitizer and raise
         ``cuflash.emulator.RaceError`` on a race.
+    tensor_cores : bool
+        Whether the forward may pick the mma.m16n8k16 kernel by default: sm_80
+        and newer.  Before sm_80 portable.cuh emulates that mma with 32 shuffles,
+        which is correct but slower than the SIMT kernel, so only an explicit
+        ``kernel="flash_fwd_tc"`` runs it there.
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None):
+                 device_key=None, tensor_cores=True):
         self.name = name
+        self.tensor_cores = tensor_cores
         self.xp = xp
         self._factory = module_factory
         self.smem_limit = smem_limit
@@ -128,6 +134,8 @@ class Runtime:
 
     def plan_fwd(self, d, dv, dtype, block_q=None, block_kv=None, kernel=None):
         """:func:`cuflash.tiling.plan_flash_fwd` (which forward kernel, which tiles) here."""
+        if kernel is None and not self.tensor_cores:
+            kernel = "flash_fwd"
         return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
                                      limit_source=self.smem_source, kernel=kernel)
 
@@ -171,10 +179,12 @@ def get_runtime(backend, *, race_check=False, arch=None):
         import cupy
         if race_check:
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
-        return Runtime("cuda", cupy, _cupy_factory, limit, source,
-                       device_key=("cuda", cupy.cuda.Device().id))
+        dev = cupy.cuda.Device()
+        return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
+                       tensor_cores=int(dev.compute_capability) >= 80)
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
-                   race_check=race_check, device_key=("emulator", bool(race_check), arch))
+                   race_check=race_check, device_key=("emulator", bool(race_check), arch),
+                   tensor_cores=arch is None or int(arch.split("_")[1]) >= 80)
 
 
 _CACHE = {}

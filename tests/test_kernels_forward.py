@@ -277,8 +277,12 @@ def test_tensor_core_kernel_as_sm75(rng):
     assert rt.smem_limit == 64 * 1024
     q, k, v = oracle.qkv(rng, (2, 50, 64), (2, 77, 64), dtype="bfloat16")
     spec = _validate.check_attention_inputs(q, k, v, causal=True)
+    # before sm_80 the default is the SIMT kernel (software mma is slower there) ...
+    assert rt.plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd"
+    assert kernels.get_runtime("emulator").plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd_tc"
+    # ... but the tensor-core kernel still runs there when asked for
     with poisoned_outputs():
-        o, lse = _launch.flash_fwd(rt, q, k, v, spec)
+        o, lse = _launch.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
     assert _emulator_stats()["kernel"] == "flash_fwd_tc"
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
