@@ -74,7 +74,7 @@ def test_regular_install_ships_kernels(tmp_path):
                           if f.endswith((".cu", ".cuh")))
     assert kernels_here, "no .cu/.cuh files in kernels_cu/"
     script = textwrap.dedent(f"""
-        import os, sys, importlib
+        import os, sys
         import cuflash
         pkg = os.path.dirname(os.path.abspath(cuflash.__file__))
         assert 'site-packages' in pkg, pkg
@@ -83,19 +83,10 @@ def test_regular_install_ships_kernels(tmp_path):
         shipped = sorted(f for f in os.listdir(kdir) if f.endswith(('.cu', '.cuh')))
         missing = set({kernels_here!r}) - set(shipped)
         assert not missing, ('not shipped', missing, shipped)
-        # the run-time lookup (cuflash.kernels, when it exists) must point into the install
-        try:
-            kernels = importlib.import_module('cuflash.kernels')
-        except ImportError as e:
-            if getattr(e, 'name', '') != 'cuflash.kernels':
-                raise
-            kernels = None
-        if kernels is not None:
-            fns = [getattr(kernels, n) for n in ('kernel_dir', 'kernel_source_dir',
-                   'source_dir', 'kernels_dir') if callable(getattr(kernels, n, None))]
-            assert fns, 'cuflash.kernels has no kernel source dir function'
-            found = os.path.realpath(str(fns[0]()))
-            assert found == os.path.realpath(kdir), (found, kdir)
+        # the run-time lookup must point into the install
+        from cuflash import kernels
+        found = os.path.realpath(str(kernels.kernel_dir()))
+        assert found == os.path.realpath(kdir), (found, kdir)
         import numpy as np
         q = np.random.default_rng(0).standard_normal((2, 9, 8))
         o = cuflash.tiled_attention(q, q, q, block_q=4, block_kv=4)
