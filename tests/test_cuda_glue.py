@@ -1,0 +1,523 @@
+"""The "cuda" backend's Python glue, run against a FAKE ``cupy`` (no GPU needed).
+
+CI machines have no GPU and no CuPy, so everything in cuflash that touches the
+``cupy`` module (cuda_backend.py, kernels.get_runtime/_cupy_factory,
+tiling.device_smem_limit, the xp code of _launch/_launch_bwd and of the
+standard attention) would otherwise first run on a real GPU.  This module
+installs a small stand-in for ``cupy`` in ``sys.modules`` for its duration:
+
+* ``cupy.ndarray`` WRAPS a numpy array and is deliberately NOT a numpy.ndarray
+  subclass -- like the real one: ``np.asarray(cupy_array)`` raises TypeError
+  (implicit conversion), mixing numpy arrays into cupy calls/operators raises
+  TypeError, reductions and indexing return 0-d arrays, ``.get()`` copies to
+  the host, ``.data.ptr`` is the address of the first element.
+* Only names the real CuPy has are provided (a whitelist, checked against the
+  CuPy sources); glue that calls a NumPy-only function fails here.
+* ``cupy.RawModule(code=..., options=...)`` / ``get_function`` /
+  ``RawKernel(grid, block, args, shared_mem=...)`` run the CUDA C through
+  :mod:`cuflash.emulator`; array arguments are passed as device pointers to
+  their first element (a strided view is handed over as its buffer span, as
+  the GPU would see the pointer), numpy arrays as arguments are a TypeError
+  (as in CuPy), and a launch with more than 48 KB of dynamic shared memory
+  fails unless ``max_dynamic_shared_size_bytes`` was raised first (on a GPU:
+  CUDA_ERROR_INVALID_VALUE); raising it above the device's opt-in limit fails.
+* ``cupy.cuda.Device()`` (``.id``, ``.compute_capability`` '80'),
+  ``cupy.cuda.runtime.getDeviceCount/getDeviceProperties/deviceGetAttribute``
+  with ``cudaDevAttrMaxSharedMemoryPerBlockOptin`` (= 97, 166912 bytes as an
+  A100 reports), ``cupy.cuda.is_available()``.
+
+CuPy behaviours this fake ASSUMES (a first real GPU run should confirm them):
+RawKernel accepts numpy scalars (np.int32/np.int64/np.float32/np.float64) as
+typed kernel arguments; ``max_dynamic_shared_size_bytes`` is a settable
+RawKernel attribute whose default allows 48 KB; ``compute_capability`` is a
+string like '80'; ``getDeviceProperties(i)['name']`` is bytes;
+``cupy.ascontiguousarray(a, dtype=)``, ``cupy.isneginf``, ``cupy.where`` with
+numpy scalar operands, ``cupy.broadcast_to`` exist with NumPy semantics.
+"""
+import operator
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _launch, cuda_backend, kernels
+
+import oracle
+
+OPTIN_BYTES = 166912          # cudaDevAttrMaxSharedMemoryPerBlockOptin of an A100 (163 KB)
+STATIC_DEFAULT = 48 * 1024    # dynamic shared memory a kernel may use without opting in
+ATTR_OPTIN = 97               # cudaDevAttrMaxSharedMemoryPerBlockOptin (CUDA's enum value)
+
+
+# --------------------------------------------------------------------------
+# the fake cupy
+# --------------------------------------------------------------------------
+class CUDADriverError(RuntimeError):
+    """cupy.cuda.driver.CUDADriverError: what a failed cuLaunchKernel raises."""
+
+
+def _unwrap(x):
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, np.ndarray):
+        # CuPy refuses host arrays in device operations ("Unsupported type")
+        raise TypeError(f"Unsupported type {type(x)}")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_unwrap(i) for i in x)
+    return x
+
+
+def _wrap(x):
+    if isinstance(x, np.ndarray):
+        return ndarray(x)
+    if isinstance(x, np.generic):  # CuPy reductions / full indexing give 0-d arrays
+        return ndarray(np.asarray(x))
+    if isinstance(x, tuple):
+        return tuple(_wrap(i) for i in x)
+    return x
+
+
+class ndarray:
+    """cupy.ndarray stand-in: a device array (numpy buffer) that numpy cannot take implicitly."""
+
+    _METHODS = {"reshape", "astype", "sum", "max", "min", "mean", "copy", "transpose",
+                "swapaxes", "ravel", "fill", "any", "all", "view", "squeeze", "item"}
+    _ATTRS = {"shape", "dtype", "ndim", "size", "strides", "itemsize", "nbytes", "flags"}
+
+    def __init__(self, a):
+        assert isinstance(a, np.ndarray)
+        self._a = a
+
+    def __getattr__(self, name):
+        if name in ndarray._ATTRS:
+            return getattr(self._a, name)
+        if name in ndarray._METHODS:
+            meth = getattr(self._a, name)
+            return lambda *a, **kw: _wrap(meth(*_unwrap(a), **{k: _unwrap(v) for k, v in kw.items()}))
+        raise AttributeError(f"fake cupy.ndarray has no attribute {name!r}")
+
+    @property
+    def T(self):
+        return ndarray(self._a.T)
+
+    @property
+    def data(self):  # cupy.cuda.MemoryPointer: .ptr is the address of element 0
+        return types.SimpleNamespace(ptr=int(self._a.__array_interface__["data"][0]))
+
+    def get(self):
+        return self._a.copy()
+
+    def __len__(self):
+        return len(self._a)
+
+    def __getitem__(self, idx):
+        return _wrap(self._a[_unwrap(idx)])
+
+    def __setitem__(self, idx, value):
+        self._a[_unwrap(idx)] = _unwrap(value)
+
+    def __array__(self, *a, **kw):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kw):
+        # numpy scalar (op) cupy array ends up here, as with real CuPy
+        if method != "__call__" or not hasattr(sys.modules["cupy"], ufunc.__name__):
+            return NotImplemented
+        return _wrap(getattr(ufunc, method)(*_unwrap(inputs), **kw))
+
+    def __array_function__(self, func, types_, args, kwargs):
+        if not hasattr(sys.modules["cupy"], func.__name__):
+            return NotImplemented
+        return getattr(sys.modules["cupy"], func.__name__)(*args, **kwargs)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __float__(self):
+        return float(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __repr__(self):
+        return f"fake_cupy.ndarray({self._a!r})"
+
+
+ndarray.__module__ = "cupy"  # what cuflash._dispatch.array_library looks at
+ndarray.__qualname__ = ndarray.__name__ = "ndarray"
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "pow", "mod", "matmul",
+              "and", "or", "xor"):
+    _op = getattr(operator, _name if _name not in ("and", "or") else _name + "_")
+
+    def _fwd(self, other, _op=_op):
+        return _wrap(_op(self._a, _unwrap(other)))
+
+    def _rev(self, other, _op=_op):
+        return _wrap(_op(_unwrap(other), self._a))
+    setattr(ndarray, f"__{_name}__", _fwd)
+    setattr(ndarray, f"__r{_name}__", _rev)
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(ndarray, f"__{_name}__",
+            lambda self, other, _op=getattr(operator, _name): _wrap(_op(self._a, _unwrap(other))))
+for _name in ("neg", "pos", "abs", "invert"):
+    setattr(ndarray, f"__{_name}__", lambda self, _op=getattr(operator, _name): _wrap(_op(self._a)))
+ndarray.__hash__ = None
+
+
+def _device_fn(name):
+    f = getattr(np, name)
+
+    def fn(*args, **kw):
+        return _wrap(f(*_unwrap(args), **{k: _unwrap(v) for k, v in kw.items()}))
+    fn.__name__ = name
+    return fn
+
+
+# functions of the real CuPy namespace, with NumPy semantics (host arrays refused)
+_FUNCTIONS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
+              "ascontiguousarray", "broadcast_to", "matmul", "swapaxes", "arange", "where",
+              "isneginf", "isposinf", "isinf", "isnan", "isfinite", "exp", "exp2", "log", "sqrt",
+              "maximum", "minimum", "abs", "sum", "max", "min", "concatenate", "stack",
+              "transpose", "reshape", "logical_and", "logical_or", "signbit", "multiply",
+              "add", "subtract", "divide", "true_divide", "negative", "power")
+_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+           "uint32", "uint64", "bool_", "dtype", "inf", "nan", "newaxis")
+
+
+def _asarray(a, dtype=None, order=None):
+    if isinstance(a, ndarray):
+        r = np.asarray(a._a, dtype=dtype, order=order)
+        return a if r is a._a else ndarray(r)
+    return ndarray(np.array(a, dtype=dtype, order=order, copy=True))  # host -> device copy
+
+
+def _asnumpy(a, stream=None, order="C"):
+    return a._a.copy(order=order) if isinstance(a, ndarray) else np.asarray(a, order=order)
+
+
+class RawKernel:
+    """cupy.RawKernel over a cuflash.emulator kernel."""
+
+    def __init__(self, fn, name):
+        self._fn = fn
+        self.kernel_name = name
+        self._fn.max_dynamic_shared_size_bytes = STATIC_DEFAULT
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._fn.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        # cuFuncSetAttribute refuses more than the device's opt-in limit
+        if int(value) > OPTIN_BYTES:
+            raise CUDADriverError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+        self._fn.max_dynamic_shared_size_bytes = int(value)
+
+    @staticmethod
+    def _pointer(x):
+        a = x._a
+        if a.flags.c_contiguous:
+            return a
+        if any(s < 0 for s in a.strides):
+            pytest.fail("fake cupy: the emulator cannot address a negatively strided view")
+        # the kernel gets the address of element 0 and applies the strides itself
+        span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + a.itemsize if a.size else 0
+        return np.lib.stride_tricks.as_strided(a, shape=(-(-span // a.itemsize),),
+                                               strides=(a.itemsize,))
+
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None,
+                 enable_cooperative_groups=False):
+        if not isinstance(args, tuple):
+            raise TypeError("args must be a tuple")
+        conv = []
+        for a in args:
+            if isinstance(a, ndarray):
+                conv.append(self._pointer(a))
+            elif isinstance(a, np.ndarray):
+                raise TypeError(f"Unsupported type {type(a)}")  # CuPy: host arrays are refused
+            else:
+                conv.append(a)
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise CUDADriverError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+        LAUNCHES.append((self.kernel_name, tuple(grid), tuple(block), shared_mem))
+        self._fn(grid, block, tuple(conv), shared_mem=shared_mem)
+
+
+LAUNCHES = []
+
+
+class RawModule:
+    """cupy.RawModule(code=..., options=...) compiled by the emulator instead of NVRTC."""
+
+    def __init__(self, code=None, *, path=None, options=(), backend="nvrtc",
+                 translate_cucomplex=False, enable_cooperative_groups=False,
+                 name_expressions=None, jitify=False):
+        if (code is None) == (path is None):
+            raise TypeError("One of code or path should be given.")
+        if not isinstance(options, tuple) or not all(isinstance(o, str) for o in options):
+            raise TypeError(f"options must be a tuple of str, got {options!r}")
+        if any(o.startswith("-arch") for o in options):
+            raise ValueError("CuPy adds -arch for the current device itself")
+        from cuflash import emulator
+        self._mod = emulator.RawModule(code=code, path=path, options=options)
+
+    def get_function(self, name):
+        return RawKernel(self._mod.get_function(name), name)
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = 0 if device is None else int(device)
+
+    @property
+    def compute_capability(self):
+        return FAKE_STATE["cc"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+FAKE_STATE = {"cc": "80"}
+
+
+def _device_get_attribute(attrib, device):
+    if attrib != ATTR_OPTIN or device != 0:
+        raise RuntimeError(f"fake cupy: attribute {attrib} of device {device} not modelled")
+    return OPTIN_BYTES
+
+
+def make_fake_cupy():
+    cp = types.ModuleType("cupy")
+    cp.ndarray = ndarray
+    for n in _FUNCTIONS:
+        setattr(cp, n, _device_fn(n))
+    for n in _DTYPES:
+        setattr(cp, n, getattr(np, n))
+    cp.asarray = cp.array = _asarray
+    cp.asnumpy = _asnumpy
+    cp.RawModule = RawModule
+    cp.RawKernel = RawKernel
+    cuda = types.ModuleType("cupy.cuda")
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    runtime.getDeviceCount = lambda: 1
+    runtime.getDeviceProperties = lambda device: {"name": b"fake A100 (cuflash emulator)",
+                                                  "major": int(FAKE_STATE["cc"][:-1]),
+                                                  "minor": int(FAKE_STATE["cc"][-1])}
+    runtime.deviceGetAttribute = _device_get_attribute
+    runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin = ATTR_OPTIN
+    runtime.CUDARuntimeError = RuntimeError
+    driver = types.ModuleType("cupy.cuda.driver")
+    driver.CUDADriverError = CUDADriverError
+    cuda.runtime, cuda.driver, cuda.Device = runtime, driver, Device
+    cuda.is_available = lambda: True
+    cp.cuda = cuda
+    return {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime,
+            "cupy.cuda.driver": driver}
+
+
+def _drop_cuda_caches():
+    cuda_backend._RUNTIMES.clear()
+    with kernels._CACHE_LOCK:
+        for key in [k for k in kernels._CACHE if k[0] and k[0][0] == "cuda"]:
+            del kernels._CACHE[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_cupy():
+    fake = make_fake_cupy()
+    saved = {name: sys.modules.get(name) for name in fake}
+    sys.modules.update(fake)
+    _drop_cuda_caches()
+    try:
+        yield fake["cupy"]
+    finally:
+        _drop_cuda_caches()
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
+@pytest.fixture
+def poison():
+    """Fill every output the launchers allocate with NaN before the kernels run."""
+    with _launch.output_hook(lambda a: a.fill(np.nan)):
+        yield
+
+
+def dev(cp, *arrays):
+    return tuple(cp.asarray(a) for a in arrays)
+
+
+def assert_fake_cupy(*arrays):
+    for a in arrays:
+        assert isinstance(a, ndarray), f"expected a (fake) cupy.ndarray, got {type(a)}"
+
+
+# --------------------------------------------------------------------------
+# the fake itself behaves like CuPy where the glue depends on it
+# --------------------------------------------------------------------------
+def test_fake_is_strict(fake_cupy):
+    cp = fake_cupy
+    x = cp.asarray(np.arange(6.0))
+    with pytest.raises(TypeError):
+        np.asarray(x)
+    with pytest.raises(TypeError):
+        x + np.arange(6.0)
+    assert isinstance(x.sum(), ndarray) and x.sum().ndim == 0
+    assert not hasattr(cp, "einsum_path")  # only whitelisted (real CuPy) names
+    mod = cp.RawModule(code=open(kernels.source_path("online_softmax.cu")).read(),
+                       options=kernels.build_options({"CUFLASH_DTYPE_F32": None}))
+    fn = mod.get_function("online_softmax_rows")
+    with pytest.raises(CUDADriverError):
+        fn.max_dynamic_shared_size_bytes = OPTIN_BYTES + 1
+    p, m, l = cp.empty((1, 4), np.float32), cp.empty(1, np.float32), cp.empty(1, np.float32)
+    args = (cp.zeros((1, 4), np.float32), p, m, l, np.int32(1), np.int32(4), np.int32(4),
+            np.int64(4), np.int64(4))
+    with pytest.raises(CUDADriverError):  # > 48 KB without opting in
+        fn((1,), (32,), args, shared_mem=STATIC_DEFAULT + 16)
+    with pytest.raises(TypeError):  # a host array as a kernel argument
+        fn((1,), (32,), (np.zeros((1, 4), np.float32),) + args[1:])
+
+
+def test_is_available_and_runtime():
+    ok, why = cuda_backend.is_available()
+    assert ok, why
+    assert "fake A100" in why
+    rt = cuda_backend.runtime()
+    assert rt.name == "cuda" and rt.smem_limit == OPTIN_BYTES and rt.tensor_cores
+    assert "sm_80" in rt.smem_source
+
+
+# --------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,causal,q_shape,k_shape", [
+    ("float32", True, (2, 4, 37, 32), (2, 2, 45, 32)),   # GQA (group 2), bottom-right causal
+    ("float16", False, (3, 29, 64), (3, 51, 64)),        # tensor-core kernel on sm_80
+    ("float64", "top_left", (50, 16), (61, 16)),          # plain 2-D
+])
+def test_forward(fake_cupy, rng, poison, dtype, causal, q_shape, k_shape):
+    cp = fake_cupy
+    q, k, v = oracle.qkv(rng, q_shape, k_shape, dtype=dtype)
+    keep = [a.copy() for a in (q, k, v)]
+    qd, kd, vd = dev(cp, q, k, v)
+    LAUNCHES.clear()
+    o, lse = cuflash.tiled_attention(qd, kd, vd, causal=causal, return_lse=True)  # backend=None
+    assert LAUNCHES and LAUNCHES[0][0] == ("flash_fwd_tc" if dtype == "float16" else "flash_fwd")
+    assert_fake_cupy(o, lse)
+    assert o.dtype == np.dtype(dtype) and o.shape == q_shape[:-1] + (k_shape[-1],)
+    oracle.check_forward(o, q, k, v, causal=causal, lse=lse)
+    o2 = cuflash.tiled_attention(qd, kd, vd, causal=causal, backend="cuda")
+    assert np.array_equal(o2.get(), o.get())
+    for a, ad, b in zip((q, k, v), (qd, kd, vd), keep):
+        assert np.array_equal(a, b) and np.array_equal(ad.get(), b)
+
+
+def test_forward_strided_views(fake_cupy, rng, poison):
+    """Views with odd offsets/strides reach the kernels by pointer + strides (no host copy)."""
+    cp = fake_cupy
+    base_q = oracle.randn(rng, (2, 40, 3, 32), "float16")  # (B, N, H, d) -> heads axis view
+    base_kv = oracle.randn(rng, (2, 33, 3, 64), "float16")
+    qd = cp.asarray(base_q).swapaxes(1, 2)              # (2, 3, 40, 32), rows strided
+    kvd = cp.asarray(base_kv).swapaxes(1, 2)
+    kd, vd = kvd[..., :32], kvd[..., 32:]                # v starts 64 bytes into the buffer
+    o = cuflash.tiled_attention(qd, kd, vd, block_q=16, block_kv=16, backend="cuda")
+    assert_fake_cupy(o)
+    oracle.check_forward(o, qd.get(), kd.get(), vd.get())
+
+
+# --------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward(fake_cupy, rng, poison, deterministic):
+    cp = fake_cupy
+    q, k, v = oracle.qkv(rng, (2, 2, 33, 16), (2, 1, 41, 16), dtype="float32")
+    do = oracle.randn(rng, q.shape, "float32")
+    keep = [a.copy() for a in (do, q, k, v)]
+    qd, kd, vd, dod = dev(cp, q, k, v, do)
+    o, lse = cuflash.tiled_attention(qd, kd, vd, causal=True, return_lse=True)
+    o_keep, lse_keep = o.get(), lse.get()
+    grads = cuflash.tiled_attention_backward(dod, qd, kd, vd, o, lse, causal=True,
+                                             deterministic=deterministic)
+    assert_fake_cupy(*grads)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    oracle.check_backward(grads, do, q, k, v, causal=True)
+    assert np.array_equal(o.get(), o_keep) and np.array_equal(lse.get(), lse_keep)
+    for a, b in zip((dod, qd, kd, vd), keep):
+        assert np.array_equal(a.get(), b)
+
+
+# --------------------------------------------------------------------------
+# online softmax, standard attention, analysis
+# --------------------------------------------------------------------------
+def test_online_softmax(fake_cupy, rng, poison):
+    cp = fake_cupy
+    x = oracle.randn(rng, (5, 77), "float32", scale=3.0)
+    xd = cp.asarray(x)
+    p, m, l = cuflash.online_softmax_2d(xd, chunk_size=16, return_stats=True)
+    assert_fake_cupy(p, m, l)
+    x64 = x.astype(np.float64)
+    ref = np.exp(x64 - x64.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    oracle.assert_rel_close(p, ref, "float32", "p")
+    oracle.assert_rel_close(m, x64.max(-1), "float32", "m")
+    p1, m1, l1 = cuflash.online_softmax(xd[2], return_stats=True, backend="cuda")
+    assert_fake_cupy(p1, m1, l1)
+    oracle.assert_rel_close(p1, ref[2], "float32", "p (1-D)")
+    assert float(m1) == pytest.approx(x64[2].max(), rel=1e-6)
+    assert np.array_equal(xd.get(), x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_standard_attention(fake_cupy, rng, dtype):
+    cp = fake_cupy
+    q, k, v = oracle.qkv(rng, (2, 4, 19, 8), (2, 2, 23, 8), dtype=dtype)
+    do = oracle.randn(rng, q.shape, dtype)
+    qd, kd, vd, dod = dev(cp, q, k, v, do)
+    o, p = cuflash.standard_attention(qd, kd, vd, causal=True)
+    assert_fake_cupy(o, p)
+    ref_o, _, ref_p = oracle.attention(q, k, v, causal=True)
+    oracle.assert_rel_close(o, ref_o, dtype, "o")
+    oracle.assert_rel_close(p, ref_p, dtype, "p")
+    grads = cuflash.standard_attention_backward(dod, qd, kd, vd, causal=True, backend="cuda")
+    assert_fake_cupy(*grads)
+    oracle.check_backward(grads, do, q, k, v, causal=True)
+
+
+def test_memory_analysis_and_verify(fake_cupy, rng):
+    cp = fake_cupy
+    r = cuflash.memory_analysis(4096, 64, "float16", backend="cuda")
+    assert r["backend"] == "cuda" and r["sram_limit_bytes"] == OPTIN_BYTES
+    assert "sm_80" in r["sram_limit_source"]
+    assert r["kernel"] == "flash_fwd_tc" and r["sram_bytes_per_block"] <= OPTIN_BYTES
+    q, k, v = oracle.qkv(rng, (60, 16), (70, 16), dtype="float32")
+    o, biggest = cuflash.verify_no_full_materialization(*dev(cp, q, k, v), 16)
+    assert_fake_cupy(o)
+    oracle.check_forward(o, q, k, v)
+    assert biggest < 60 * 70
+
+
+def test_pre_sm80_takes_simt_kernel(fake_cupy, rng):
+    """compute_capability '75': no tensor-core kernel by default (cuflash.kernels.Runtime)."""
+    FAKE_STATE["cc"] = "75"
+    _drop_cuda_caches()
+    try:
+        q, k, v = oracle.qkv(rng, (20, 32), (24, 32), dtype="float16")
+        LAUNCHES.clear()
+        o = cuflash.tiled_attention(*dev(fake_cupy, q, k, v))
+        assert LAUNCHES[0][0] == "flash_fwd"
+        oracle.check_forward(o, q, k, v)
+    finally:
+        FAKE_STATE["cc"] = "80"
+        _drop_cuda_caches()
