@@ -521,3 +521,29 @@ def test_pre_sm80_takes_simt_kernel(fake_cupy, rng):
     finally:
         FAKE_STATE["cc"] = "80"
         _drop_cuda_caches()
+
+
+def test_broadcast_leading_dims(fake_cupy, rng, poison):
+    """Batch axes broadcast unevenly: the xp.broadcast_to copy, then dk/dv summed back (xp code)."""
+    cp = fake_cupy
+    q, k, v = oracle.qkv(rng, (2, 3, 2, 21, 16), (2, 1, 2, 26, 16), dtype="float32")
+    do = oracle.randn(rng, q.shape, "float32")
+    qd, kd, vd, dod = dev(cp, q, k, v, do)
+    o, lse = cuflash.tiled_attention(qd, kd, vd, return_lse=True)
+    assert_fake_cupy(o, lse)
+    oracle.check_forward(o, q, k, v, lse=lse)
+    grads = cuflash.tiled_attention_backward(dod, qd, kd, vd, o, lse)
+    assert_fake_cupy(*grads)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    oracle.check_backward(grads, do, q, k, v)
+
+
+def test_library_mismatch(fake_cupy, rng):
+    cp = fake_cupy
+    q, k, v = oracle.qkv(rng, (8, 16), (8, 16), dtype="float32")
+    with pytest.raises(TypeError):
+        cuflash.tiled_attention(cp.asarray(q), k, v)
+    with pytest.raises(TypeError):
+        cuflash.tiled_attention(*dev(cp, q, k, v), backend="numpy")
+    with pytest.raises(TypeError):
+        cuflash.tiled_attention(q, k, v, backend="cuda")
