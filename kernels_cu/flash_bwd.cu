@@ -62,7 +62,7 @@
 // Limits: SIMT (no tensor cores); head dims <= 256; H, Hk and B <= 65535 (grid y/z); the
 // atomic dQ path's summation order is not fixed (deterministic=False only).
 
-#include "portable.cuh"
+#include "dtype.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
@@ -75,33 +75,6 @@ static_assert(NUM_THREADS % 32 == 0, "CUFLASH_THREADS must be a multiple of the 
 static_assert(HEAD_DIM >= 1 && HEAD_DIM <= 256 && HEAD_DIM_V >= 1 && HEAD_DIM_V <= 256,
               "head dims 1..256");
 
-// ---- storage type (scalar_t) and compute type (acc_t) ---------------------------------
-#if defined(CUFLASH_DTYPE_F16)
-typedef __half scalar_t;
-typedef float acc_t;
-__device__ __forceinline__ acc_t to_acc(scalar_t x) { return __half2float(x); }
-__device__ __forceinline__ scalar_t from_acc(acc_t x) { return __float2half(x); }
-#elif defined(CUFLASH_DTYPE_BF16)
-typedef __nv_bfloat16 scalar_t;
-typedef float acc_t;
-__device__ __forceinline__ acc_t to_acc(scalar_t x) { return __bfloat162float(x); }
-__device__ __forceinline__ scalar_t from_acc(acc_t x) { return __float2bfloat16(x); }
-#elif defined(CUFLASH_DTYPE_F32)
-typedef float scalar_t;
-typedef float acc_t;
-__device__ __forceinline__ acc_t to_acc(scalar_t x) { return x; }
-__device__ __forceinline__ scalar_t from_acc(acc_t x) { return x; }
-#elif defined(CUFLASH_DTYPE_F64)
-typedef double scalar_t;
-typedef double acc_t;
-__device__ __forceinline__ acc_t to_acc(scalar_t x) { return x; }
-__device__ __forceinline__ scalar_t from_acc(acc_t x) { return x; }
-#else
-#error "define one of CUFLASH_DTYPE_F16, _BF16, _F32, _F64"
-#endif
-
-__device__ __forceinline__ float acc_exp(float x) { return expf(x); }
-__device__ __forceinline__ double acc_exp(double x) { return exp(x); }
 
 #define Br CUFLASH_BLOCK_Q
 #define Bc CUFLASH_BLOCK_KV
@@ -115,7 +88,7 @@ __device__ __forceinline__ double acc_exp(double x) { return exp(x); }
 // into a shared tile with row stride `ld`; rows rows..R-1 are zero-filled so that partial
 // tiles add nothing. Consecutive threads read consecutive elements of a row: coalesced.
 template <int R, int cols, int ld>
-__device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const scalar_t* __restrict__ src,
+__device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const elem_t* __restrict__ src,
                                           long long sr, int rows) {
     for (int e = threadIdx.x; e < R * cols; e += NUM_THREADS) {
         const int r = e / cols, c = e - (e / cols) * cols;
@@ -136,8 +109,8 @@ __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const scalar_
 // Shared memory: sizeof(acc_t) * PRE_ROWS * 33.
 #define PRE_ROWS 32
 static_assert(NUM_THREADS >= PRE_ROWS, "one thread per row adds up the partial sums");
-extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ O,
-                                                const scalar_t* __restrict__ dO,
+extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
+                                                const elem_t* __restrict__ dO,
                                                 acc_t* __restrict__ D,
                                                 float* __restrict__ dq_accum,
                                                 int Nq, int rows_per_block, int zero_dq,
@@ -148,8 +121,8 @@ extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ O,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.y, b = blockIdx.z;
     const size_t bh = (size_t)b * gridDim.y + h;
-    const scalar_t* Ob = O + b * o_sb + h * o_sh;
-    const scalar_t* dOb = dO + b * do_sb + h * do_sh;
+    const elem_t* Ob = O + b * o_sb + h * o_sh;
+    const elem_t* dOb = dO + b * do_sb + h * do_sh;
     const int block_end = min(Nq, (int)(blockIdx.x + 1) * rows_per_block);
     for (int i0 = blockIdx.x * rows_per_block; i0 < block_end; i0 += PRE_ROWS) {
         const int rows = min(PRE_ROWS, block_end - i0);
@@ -175,14 +148,14 @@ extern "C" __global__ void flash_bwd_preprocess(const scalar_t* __restrict__ O,
 
 // ---------------------------------------------------------------------------------------
 // dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = (ceil(Nk/Bc), Hk, B).
-extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ Q,
-                                          const scalar_t* __restrict__ K,
-                                          const scalar_t* __restrict__ V,
-                                          const scalar_t* __restrict__ dO,
+extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
+                                          const elem_t* __restrict__ K,
+                                          const elem_t* __restrict__ V,
+                                          const elem_t* __restrict__ dO,
                                           const acc_t* __restrict__ LSE,
                                           const acc_t* __restrict__ D,
-                                          scalar_t* __restrict__ dK,
-                                          scalar_t* __restrict__ dV,
+                                          elem_t* __restrict__ dK,
+                                          elem_t* __restrict__ dV,
                                           float* __restrict__ dq_accum,
                                           int Nq, int Nk, int group, int causal,
                                           int causal_offset, int atomic_dq,
@@ -230,8 +203,8 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ Q,
     for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;    // query head of the GQA group
         const size_t bh = (size_t)b * H + h;
-        const scalar_t* Qb = Q + b * q_sb + h * q_sh;
-        const scalar_t* dOb = dO + b * do_sb + h * do_sh;
+        const elem_t* Qb = Q + b * q_sb + h * q_sh;
+        const elem_t* dOb = dO + b * do_sb + h * do_sh;
         for (int it = it0; it < n_q_tiles; ++it) {
             const int q0 = it * Br;
             const int q_rows = min(Br, Nq - q0);
@@ -300,8 +273,8 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ Q,
 
     // -- write dKj = scale * sum dS^T Q and dVj (rows past Nk are not written)
     const size_t bhk = (size_t)b * Hk + hk;
-    scalar_t* dk_tile = dK + (bhk * Nk + kv0) * HEAD_DIM;
-    scalar_t* dv_tile = dV + (bhk * Nk + kv0) * HEAD_DIM_V;
+    elem_t* dk_tile = dK + (bhk * Nk + kv0) * HEAD_DIM;
+    elem_t* dv_tile = dV + (bhk * Nk + kv0) * HEAD_DIM_V;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
@@ -316,13 +289,13 @@ extern "C" __global__ void flash_bwd_dkdv(const scalar_t* __restrict__ Q,
 
 // ---------------------------------------------------------------------------------------
 // Deterministic dQ: grid = (ceil(Nq/Br), H, B). Qi, dOi resident; Kj, Vj streamed.
-extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ Q,
-                                        const scalar_t* __restrict__ K,
-                                        const scalar_t* __restrict__ V,
-                                        const scalar_t* __restrict__ dO,
+extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
+                                        const elem_t* __restrict__ K,
+                                        const elem_t* __restrict__ V,
+                                        const elem_t* __restrict__ dO,
                                         const acc_t* __restrict__ LSE,
                                         const acc_t* __restrict__ D,
-                                        scalar_t* __restrict__ dQ,
+                                        elem_t* __restrict__ dQ,
                                         int Nq, int Nk, int group, int causal, int causal_offset,
                                         long long q_sb, long long q_sh, long long q_sr,
                                         long long k_sb, long long k_sh, long long k_sr,
@@ -344,8 +317,8 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ Q,
     const size_t bh = (size_t)b * gridDim.y + h;
     const int q0 = blockIdx.x * Br;
     const int q_rows = min(Br, Nq - q0);
-    const scalar_t* Kb = K + b * k_sb + hk * k_sh;
-    const scalar_t* Vb = V + b * v_sb + hk * v_sh;
+    const elem_t* Kb = K + b * k_sb + hk * k_sh;
+    const elem_t* Vb = V + b * v_sb + hk * v_sh;
 
     load_tile<Br, HEAD_DIM, DP>(Q_s, Q + b * q_sb + h * q_sh + q0 * q_sr, q_sr, q_rows);
     load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + b * do_sb + h * do_sh + q0 * do_sr, do_sr, q_rows);
@@ -408,7 +381,7 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ Q,
         __syncthreads();  // reads of K_s, V_s, dS_s done before the next Kj, Vj overwrite them
     }
 
-    scalar_t* dq_tile = dQ + (bh * Nq + q0) * HEAD_DIM;
+    elem_t* dq_tile = dQ + (bh * Nq + q0) * HEAD_DIM;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
@@ -419,7 +392,7 @@ extern "C" __global__ void flash_bwd_dq(const scalar_t* __restrict__ Q,
 // ---------------------------------------------------------------------------------------
 // Atomic path, last step: dq = dq_accum in the input dtype (grid-stride, coalesced).
 extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ dq_accum,
-                                                scalar_t* __restrict__ dQ, long long n) {
+                                                elem_t* __restrict__ dQ, long long n) {
     for (long long e = (long long)blockIdx.x * NUM_THREADS + threadIdx.x; e < n;
          e += (long long)gridDim.x * NUM_THREADS)
         gstore(dQ + e, from_acc((acc_t)gload(dq_accum + e)));

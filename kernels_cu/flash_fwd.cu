@@ -38,23 +38,7 @@
 // Limits: d, dv <= 256; block_q a multiple of 8, block_kv a multiple of 4 (tiling.py
 // lists the supported values); float16/bfloat16 are loaded as such and computed in
 // float32, float32 in float32, float64 in double.  H and B <= 65535 (grid y/z).
-#include "portable.cuh"
-
-#if defined(CUFLASH_DTYPE_F16)
-typedef __half elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_BF16)
-typedef __nv_bfloat16 elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_F32)
-typedef float elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_F64)
-typedef double elem_t;
-typedef double acc_t;
-#else
-#error "define one of CUFLASH_DTYPE_F16, _BF16, _F32, _F64"
-#endif
+#include "dtype.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -76,22 +60,6 @@ static_assert(kBr % 8 == 0 && kBr >= 8, "block_q must be a multiple of 8");
 static_assert(kBc % 4 == 0 && kBc >= 4, "block_kv must be a multiple of 4");
 static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256");
 
-__device__ inline float to_acc(float x) { return x; }
-__device__ inline double to_acc(double x) { return x; }
-__device__ inline float to_acc(__half x) { return __half2float(x); }
-__device__ inline float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-__device__ inline void from_acc(float x, float* out) { *out = x; }
-__device__ inline void from_acc(double x, double* out) { *out = x; }
-__device__ inline void from_acc(float x, __half* out) { *out = __float2half(x); }
-__device__ inline void from_acc(float x, __nv_bfloat16* out) { *out = __float2bfloat16(x); }
-
-__device__ inline float acc_exp(float x) { return expf(x); }
-__device__ inline double acc_exp(double x) { return exp(x); }
-__device__ inline float acc_log(float x) { return logf(x); }
-__device__ inline double acc_log(double x) { return log(x); }
-// max that propagates NaN (as NumPy's max does); fmaxf would drop it
-__device__ inline acc_t acc_max(acc_t a, acc_t b) { return (a > b || a != a) ? a : b; }
 
 extern "C" __global__ void flash_fwd(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
@@ -228,9 +196,7 @@ extern "C" __global__ void flash_fwd(
         for (int u = 0; u < kOutPerLane; ++u) {
             const int e = t + 4 * u;
             if (e < kDv) {
-                elem_t out;
-                from_acc(acc[u] * inv, &out);
-                gstore(orow + e, out);
+                gstore(orow + e, from_acc(acc[u] * inv));
             }
         }
         if (t == 0) gstore(LSEb + i, empty ? acc_t(-INFINITY) : m_i + acc_log(l_i));

@@ -31,16 +31,10 @@
 // 16-byte aligned base pointers and element strides that are multiples of 8 (else it
 // copies the input).  On GPUs before sm_80 portable.cuh computes the same mma in software
 // and cp.async is a synchronous copy.  float32/float64 use flash_fwd.cu.
-#include "portable.cuh"
-
-#if defined(CUFLASH_DTYPE_F16)
-typedef __half elem_t;
-#elif defined(CUFLASH_DTYPE_BF16)
-typedef __nv_bfloat16 elem_t;
-#else
+#if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
 #error "flash_fwd_tc supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16 only"
 #endif
-typedef float acc_t;
+#include "dtype.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -63,7 +57,6 @@ static_assert(kBr % 16 == 0 && kBc % 16 == 0, "block_q and block_kv must be mult
 static_assert(kD % 16 == 0 && kDv % 16 == 0, "d and dv must be multiples of 16");
 static_assert(kD <= 256 && kDv <= 128, "d <= 256, dv <= 128");
 
-__device__ inline acc_t acc_max(acc_t a, acc_t b) { return (a > b || a != a) ? a : b; }
 
 // Start copying a (kRows, kCols) tile from global memory (row stride gs elements) into shared
 // memory (row stride kSS) with 16-byte cp.async; rows >= rows are zero-filled with plain

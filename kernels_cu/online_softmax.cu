@@ -16,40 +16,10 @@
 // Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32 | _F64 (input/output dtype;
 // statistics in float32, double for float64).  Launch: grid ceil(rows / 4), block 128.
 // Limits: cols and chunk are ints (< 2^31); rows up to 65535 * 2^16 blocks.
-#include "portable.cuh"
-
-#if defined(CUFLASH_DTYPE_F16)
-typedef __half elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_BF16)
-typedef __nv_bfloat16 elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_F32)
-typedef float elem_t;
-typedef float acc_t;
-#elif defined(CUFLASH_DTYPE_F64)
-typedef double elem_t;
-typedef double acc_t;
-#else
-#error "define one of CUFLASH_DTYPE_F16, _BF16, _F32, _F64"
-#endif
+#include "dtype.cuh"
 
 constexpr int kRowsPerBlock = 4;
 
-__device__ inline float to_acc(float x) { return x; }
-__device__ inline double to_acc(double x) { return x; }
-__device__ inline float to_acc(__half x) { return __half2float(x); }
-__device__ inline float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-__device__ inline void from_acc(float x, float* out) { *out = x; }
-__device__ inline void from_acc(double x, double* out) { *out = x; }
-__device__ inline void from_acc(float x, __half* out) { *out = __float2half(x); }
-__device__ inline void from_acc(float x, __nv_bfloat16* out) { *out = __float2bfloat16(x); }
-
-__device__ inline float acc_exp(float x) { return expf(x); }
-__device__ inline double acc_exp(double x) { return exp(x); }
-// max that propagates NaN (as NumPy's max does); fmaxf would drop it
-__device__ inline acc_t acc_max(acc_t a, acc_t b) { return (a > b || a != a) ? a : b; }
 
 __device__ inline acc_t warp_max(acc_t x) {
 #pragma unroll
@@ -95,11 +65,8 @@ extern "C" __global__ void online_softmax_rows(
     const acc_t m_fin = m == acc_t(-INFINITY) ? acc_t(0) : m;
     const acc_t l_fin = l == acc_t(0) ? acc_t(1) : l;
     elem_t* p = P + r * p_sr;
-    for (int c = lane; c < cols; c += 32) {
-        elem_t out;
-        from_acc(acc_exp(to_acc(gload(x + c)) - m_fin) / l_fin, &out);
-        gstore(p + c, out);
-    }
+    for (int c = lane; c < cols; c += 32)
+        gstore(p + c, from_acc(acc_exp(to_acc(gload(x + c)) - m_fin) / l_fin));
     if (lane == 0) {
         gstore(M + r, m);
         gstore(L + r, l);
