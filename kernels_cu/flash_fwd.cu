@@ -60,7 +60,6 @@ static_assert(kBr % 8 == 0 && kBr >= 8, "block_q must be a multiple of 8");
 static_assert(kBc % 4 == 0 && kBc >= 4, "block_kv must be a multiple of 4");
 static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256");
 
-
 extern "C" __global__ void flash_fwd(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
     elem_t* __restrict__ O, acc_t* __restrict__ LSE,
