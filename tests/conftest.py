@@ -12,6 +12,7 @@ case the kernels need not support at all (d = 59, dv != d) is marked
 ``reference_only``; both are deselected (not skipped) for the backends
 concerned, so the report stays readable.
 """
+import contextlib
 import os
 import sys
 
@@ -87,15 +88,43 @@ def _available():
     return _AVAILABLE
 
 
-@pytest.fixture
-def backend(request):
-    name = request.param
+def require_backend(name):
+    """Backend(name); skips an optional backend that is absent, fails on any other."""
     ok, why = _available().get(name, (False, "not a backend of cuflash._dispatch"))
     if not ok:
         if name in OPTIONAL_BACKENDS:
             pytest.skip(f"backend {name!r} not available: {why}")
         pytest.fail(f"backend {name!r} must run here but is not available: {why}")
     return Backend(name)
+
+
+@pytest.fixture
+def backend(request):
+    return require_backend(request.param)
+
+
+# The kernel test files parametrise by fixture (every case on every backend, no
+# reduced-grid deselection): `kb` is every backend, `kernel_backend` only those
+# that run the kernels.
+@pytest.fixture(params=BACKENDS)
+def kb(request):
+    return require_backend(request.param)
+
+
+@pytest.fixture(params=[p for p in BACKENDS if p.values[0] != "numpy"])
+def kernel_backend(request):
+    return require_backend(request.param)
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Arrays the kernel launchers allocate are NaN until a kernel writes them."""
+    from cuflash import _launch
+
+    def poison(a):
+        a[...] = np.nan
+    with _launch.output_hook(poison):
+        yield
 
 
 def pytest_generate_tests(metafunc):

@@ -22,50 +22,8 @@ import pytest
 
 import cuflash
 import oracle
-from conftest import Backend
+from conftest import Backend, poisoned_outputs, require_backend
 from cuflash import _launch, _launch_bwd, _validate, kernels, tiling
-
-KERNEL_BACKENDS = [
-    pytest.param("numpy", id="numpy"),
-    pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
-]
-
-
-def _availability(name):
-    return cuflash.available_backends()[name]
-
-
-def _backend(name):
-    ok, why = _availability(name)
-    if not ok:
-        if name == "cuda":
-            pytest.skip(f"backend 'cuda' not available: {why}")
-        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
-    return Backend(name)
-
-
-@pytest.fixture(params=KERNEL_BACKENDS)
-def kb(request):
-    """The backend under test (a conftest.Backend); cuda is skipped when absent."""
-    return _backend(request.param)
-
-
-@pytest.fixture(params=[p for p in KERNEL_BACKENDS if p.values[0] != "numpy"])
-def kernel_backend(request):
-    """Only the backends that run kernels (emulator, cuda)."""
-    return _backend(request.param)
-
-
-def _poison(a):
-    a[...] = np.nan
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Arrays the launchers allocate are NaN until a kernel writes them."""
-    with _launch.output_hook(_poison):
-        yield
 
 
 def _make(rng, dtype, shape, layout):
@@ -360,7 +318,7 @@ def _count_launches():
 ])
 def test_traffic_equals_model(qs, ks, causal, det, rng):
     """Bytes the emulated kernels move == cuflash.tiling.flash_bwd_traffic."""
-    _backend("emulator")
+    require_backend("emulator")
     q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
     o, lse = _fwd_from_oracle(q, k, v, causal or False, "float32")
     do = oracle.randn(rng, o.shape, "float32")
@@ -379,7 +337,7 @@ def test_traffic_equals_model(qs, ks, causal, det, rng):
 
 def test_race_check_every_backward_kernel(rng):
     """Each backward kernel once under ThreadSanitizer (RaceError on any race)."""
-    _backend("emulator")
+    require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 1, 37, 16), dtype="float32")
     o, lse = _fwd_from_oracle(q, k, v, True, "float32")

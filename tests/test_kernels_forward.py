@@ -13,60 +13,13 @@ covering odd lengths, Nq != Nk both ways, both causal alignments (with rows
 that see no key), MHA/GQA/MQA, broadcast leading dims, strided inputs,
 d in {16, 32, 64, 96, 128, 256} and every dtype.
 """
-import contextlib
-
 import numpy as np
 import pytest
 
 import cuflash
 import oracle
-from conftest import Backend
+from conftest import poisoned_outputs, require_backend
 from cuflash import _launch, _validate, kernels, reference, tiling
-
-KERNEL_BACKENDS = [
-    pytest.param("numpy", id="numpy"),
-    pytest.param("emulator", id="emulator", marks=pytest.mark.emulator),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
-]
-
-
-def _availability(name):
-    return cuflash.available_backends()[name]
-
-
-@pytest.fixture(params=KERNEL_BACKENDS)
-def kb(request):
-    """The backend under test (a conftest.Backend); cuda is skipped when absent."""
-    name = request.param
-    ok, why = _availability(name)
-    if not ok:
-        if name == "cuda":
-            pytest.skip(f"backend 'cuda' not available: {why}")
-        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
-    return Backend(name)
-
-
-@pytest.fixture(params=[p for p in KERNEL_BACKENDS if p.values[0] != "numpy"])
-def kernel_backend(request):
-    """Only the backends that run kernels (emulator, cuda)."""
-    name = request.param
-    ok, why = _availability(name)
-    if not ok:
-        if name == "cuda":
-            pytest.skip(f"backend 'cuda' not available: {why}")
-        pytest.fail(f"backend {name!r} must run here but is not available: {why}")
-    return Backend(name)
-
-
-def _poison(a):
-    a[...] = np.nan
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Kernel outputs are NaN until the kernel writes them."""
-    with _launch.output_hook(_poison):
-        yield
 
 
 def _emulator_stats():
@@ -398,8 +351,7 @@ TRAFFIC_CASES = [
                          ids=[f"{c[0]}-q{c[1][-2]}-k{c[2][-2]}-{c[3]}" for c in TRAFFIC_CASES])
 def test_traffic_equals_model(case, rng):
     """Global-memory bytes counted by the emulator == the HBM model of memory_analysis."""
-    if not _availability("emulator")[0]:
-        pytest.fail(f"emulator must run here: {_availability('emulator')[1]}")
+    require_backend("emulator")
     dtype, qs, ks, causal, bq, bkv = case
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     cuflash.tiled_attention(q, k, v, causal=causal or False, block_q=bq, block_kv=bkv,
