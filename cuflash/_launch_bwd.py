@@ -29,6 +29,7 @@ a grouped-query (or MQA: one kv head) group are summed inside the dkdv block.
 import numpy as np
 
 from . import kernels, tiling
+from .reference import sum_to_shape
 from ._launch import (MAX_GRID_YZ, alloc_output, flatten_lead, get_kernel, pointer_arg,
                       problem_dims)
 
@@ -113,14 +114,7 @@ def _sum_to_shape(xp, a, shape, acc_dtype, dtype):
     shape = tuple(int(s) for s in shape)
     if a.size == int(np.prod(shape, dtype=np.int64)):
         return a.reshape(shape)
-    a = a.astype(acc_dtype)
-    extra = a.ndim - len(shape)
-    if extra > 0:
-        a = a.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
-    if axes:
-        a = a.sum(axis=axes, keepdims=True)
-    return xp.ascontiguousarray(a.reshape(shape).astype(dtype))
+    return xp.ascontiguousarray(sum_to_shape(a.astype(acc_dtype), shape).astype(dtype))
 
 
 def _acc_scalar(dtype, value):

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _launch, kernels
 from ._validate import check_attention_inputs, check_backward_inputs
+from .reference import sum_to_shape
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
@@ -101,17 +102,6 @@ def _probs(xp, spec, q, k):
     return e / xp.where(l == 0, ct(1), l)
 
 
-def _sum_to(xp, a, shape):
-    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting)."""
-    extra = a.ndim - len(shape)
-    if extra:
-        a = a.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
-    if axes:
-        a = a.sum(axis=axes, keepdims=True)
-    return a.reshape(shape)
-
-
 def _standard_forward(xp, q, k, v, spec):
     qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
     p = _probs(xp, spec, qg, kg)
@@ -132,11 +122,11 @@ def _standard_backward(xp, do, q, k, v, spec):
     ds = p * (dp - D)
     dq = xp.matmul(ds, kg.astype(ct)) * ct(spec.scale)
     dk = xp.matmul(xp.swapaxes(ds, -1, -2), qg.astype(ct)) * ct(spec.scale)
-    dq = _sum_to(xp, dq.reshape(spec.lead + (spec.Nq, spec.d)), q.shape)
+    dq = sum_to_shape(dq.reshape(spec.lead + (spec.Nq, spec.d)), q.shape)
     if spec.group > 1:  # sum over the query heads of each group first
         dk, dv_ = dk.sum(axis=-3), dv_.sum(axis=-3)
-    return (dq.astype(spec.dtype), _sum_to(xp, dk, k.shape).astype(spec.dtype),
-            _sum_to(xp, dv_, v.shape).astype(spec.dtype))
+    return (dq.astype(spec.dtype), sum_to_shape(dk, k.shape).astype(spec.dtype),
+            sum_to_shape(dv_, v.shape).astype(spec.dtype))
 
 
 def standard_attention(q, k, v, *, scale=None, causal=False):

@@ -258,8 +258,12 @@ def _is_blas_ready(a, ct):
     return a.dtype == ct and (a.shape[-1] <= 1 or a.strides[-1] == a.itemsize)
 
 
-def _sum_to(a, shape):
-    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting)."""
+def sum_to_shape(a, shape):
+    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting).
+
+    Only array methods are used, so the CuPy backend and the kernel launchers
+    call this same function on their arrays.
+    """
     shape = tuple(shape)
     extra = a.ndim - len(shape)
     if extra:
@@ -541,9 +545,9 @@ def _reduce_grads(spec, q, k, v, dq, dk, dv_):
     ``dv_`` have the canonical (broadcast) kv layout.  Each is summed over the
     axes its input was broadcast along (the adjoint of broadcasting).
     """
-    dq = _sum_to(dq.reshape(spec.lead + q.shape[-2:]), q.shape)
-    dk = _sum_to(dk, _canonical_shape_kv(spec, k)).reshape(k.shape)
-    dv_ = _sum_to(dv_, _canonical_shape_kv(spec, v)).reshape(v.shape)
+    dq = sum_to_shape(dq.reshape(spec.lead + q.shape[-2:]), q.shape)
+    dk = sum_to_shape(dk, _canonical_shape_kv(spec, k)).reshape(k.shape)
+    dv_ = sum_to_shape(dv_, _canonical_shape_kv(spec, v)).reshape(v.shape)
     return (dq.astype(spec.dtype, copy=False), dk.astype(spec.dtype, copy=False),
             dv_.astype(spec.dtype, copy=False))
 
@@ -858,8 +862,8 @@ def _flash_backward(spec, do, q, k, v, o, lse, Br, Bc, workers=1):
                     dq[..., r0:r1, :] += np.matmul(dS, Kj) * scale
                     dK_j += np.matmul(np.swapaxes(dS, -1, -2), Qi)
                 # sum over the heads/batch this kv tile was broadcast to
-                dk_c[..., c0:c1, :] = _sum_to(dK_j, k_c.shape[:-2] + (bc, d))
-                dv_c[..., c0:c1, :] = _sum_to(dV_j, v_c.shape[:-2] + (bc, dv))
+                dk_c[..., c0:c1, :] = sum_to_shape(dK_j, k_c.shape[:-2] + (bc, d))
+                dv_c[..., c0:c1, :] = sum_to_shape(dV_j, v_c.shape[:-2] + (bc, dv))
         return dq
 
     W = max(1, min(workers, n_kv))

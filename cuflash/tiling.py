@@ -28,7 +28,7 @@ in the marked section at the bottom with :func:`register`; everything else
 (planning, limits, messages) is shared.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 
