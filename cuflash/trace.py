@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ._validate import check_attention_inputs
-from .reference import _causal_offset, _kv_range, _tile_mask
+from .reference._common import _causal_offset, _kv_range, _tile_mask
 
 __all__ = ["TileStep", "QTileResult", "ForwardTrace", "trace_forward", "format_trace",
            "worked_example", "backward_steps", "format_backward"]

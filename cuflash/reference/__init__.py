@@ -1,0 +1,56 @@
+"""The NumPy reference backend (``backend="numpy"``): the algorithm of the seed documents.
+
+Every function of ``docs/api.md`` is defined here with its full documentation;
+the dispatching front (``cuflash/__init__.py``) and the other backends refer
+to these docstrings.  The notation is the one of the seeds and of the CUDA
+kernels, so this file and ``kernels_cu/flash_fwd.cu`` read side by side:
+
+======  ==================================================================
+Br, Bc  rows of a query tile (``block_q``) and of a key/value tile (``block_kv``)
+Qi      the i-th query tile, ``q[..., i*Br:(i+1)*Br, :]`` (pre-multiplied by ``scale``)
+Kj, Vj  the j-th key and value tiles
+S       the logits of one tile, ``Qi @ Kj^T``, shape (..., Br, Bc)
+m_i     running row maximum of the logits seen so far, shape (..., Br)
+l_i     running row sum of ``exp(S - m_i)``, shape (..., Br)
+acc     the unnormalised output ``sum_j exp(S_ij - m_i) @ Vj``, shape (..., Br, dv)
+lse     log-sum-exp of each row, ``m_i + log(l_i)`` (what the backward keeps)
+D       ``rowsum(do * o)``, the softmax-backward correction of FlashAttention-2
+======  ==================================================================
+
+Performance (the CPU path users actually run): everything is vectorised over
+all leading dims (batch, heads: one BLAS call per tile stack, no Python loop);
+tiles are sized for BLAS; float16/bfloat16/float32 compute in float32 (float64
+in float64), never widened to float64 in the big arrays; the query tiles are
+shared out to a small thread pool (NumPy releases the GIL in matmul and the
+ufuncs) with OpenBLAS held to one thread per call meanwhile, which measured
+~1.5x faster on 2 cores than one Python thread driving a 2-thread BLAS (see
+``_blas_single_thread``).  The measured figures are in the README.
+
+The package is split by family (each module holds one concern, all re-exported
+here, so ``cuflash.reference.tiled_attention`` is the public name):
+``softmax`` (online softmax), ``standard`` (the textbook algorithm),
+``flash_forward`` and ``flash_backward`` (the tiled algorithm), ``memory``
+(the memory/traffic model and the instrumented forward) and ``_common``
+(threads, BLAS control and shared helpers).
+"""
+import numpy as np
+
+# _blas and blas_controllable: the CPU benchmark reports the BLAS in use
+from ._common import _blas, blas_controllable, default_blocks, sum_to_shape  # noqa: F401
+from .flash_backward import tiled_attention_backward
+from .flash_forward import tiled_attention
+from .memory import memory_analysis, tiled_forward_hbm_bytes, verify_no_full_materialization
+from .softmax import online_softmax, online_softmax_2d
+from .standard import standard_attention, standard_attention_backward
+
+__all__ = [
+    "online_softmax", "online_softmax_2d", "standard_attention",
+    "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
+    "memory_analysis", "verify_no_full_materialization", "is_available",
+    "default_blocks", "tiled_forward_hbm_bytes", "sum_to_shape",
+]
+
+
+def is_available():
+    """The NumPy backend runs wherever NumPy imports: ``(True, reason)``."""
+    return True, f"NumPy {np.__version__} on the CPU"

@@ -1,0 +1,145 @@
+"""The memory and HBM-traffic model, and the instrumented forward that records its largest array.
+"""
+from .._validate import check_attention_inputs, check_positive_int
+from ._common import _Tracker, _dtype_from_name, _kv_range, default_blocks
+from .flash_forward import _flash_forward
+
+
+# ---------------------------------------------------------------------------
+# memory: the model and the instrumented run
+# ---------------------------------------------------------------------------
+def tiled_forward_hbm_bytes(Nq, Nk, d, dv, itemsize, block_q, block_kv, causal=None,
+                            batch=1, lse_itemsize=4):
+    """HBM bytes (read, written) of the tiled forward under the traffic model.
+
+    The model (the one the CUDA forward is held to): every query tile reads
+    its ``Qi`` once, then the ``Kj`` and ``Vj`` tiles it visits (all of them,
+    or only those up to the causal boundary: the skipped tiles are never
+    loaded; partial last tiles count their real rows), and writes its ``O_i``
+    and ``lse_i`` once.  Returns ``(read_bytes, written_bytes)`` for ``batch``
+    independent (batch x heads) problems.
+
+    causal : None, False, True, "bottom_right" or "top_left"
+    """
+    causal = {False: None, True: "bottom_right"}.get(causal, causal)
+    offset = None if causal is None else (Nk - Nq if causal == "bottom_right" else 0)
+    kv_rows = 0
+    for i in range(-(-Nq // block_q) if Nq else 0):
+        r0, r1 = i * block_q, min(Nq, (i + 1) * block_q)
+        _, j_hi = _kv_range(r0, r1, Nk, block_kv, offset)
+        kv_rows += min(Nk, j_hi * block_kv)
+    read = batch * (Nq * d + kv_rows * (d + dv)) * itemsize
+    written = batch * Nq * (dv * itemsize + lse_itemsize)
+    return read, written
+
+
+def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
+                    heads=1):
+    """Memory and HBM-traffic model of standard vs tiled attention.
+
+    Parameters
+    ----------
+    N : int
+        Query length Nq.
+    d : int
+        Head dim (v's head dim is taken equal to d).
+    dtype : str or dtype
+        Element type of q, k, v, o (S and P are counted in it too, as the
+        seed's "2 N^2 sizeof(dtype)").
+    Nk : int, optional
+        Key length (default N).
+    block_q, block_kv : int, optional
+        Br and Bc; None uses this backend's defaults (:func:`default_blocks`).
+    batch, heads : int
+        Independent problems: everything scales by ``batch * heads``.
+
+    Returns
+    -------
+    dict
+        ``standard_extra_bytes``: S and P, ``2 * B * H * N * Nk * itemsize``.
+        ``tiled_extra_bytes``: the row statistics m and l (``2 * B * H * N * 4``,
+        8 for float64) plus one S/P tile pair (``2 * Br * Bc * itemsize``).
+        ``sram_bytes_per_block``: what one thread block holds for its tiles:
+        Qi, Kj, Vj in ``dtype``, the S/P tile, the acc tile and m, l in the
+        accumulation type (float32; float64 for float64).
+        ``standard_hbm_bytes``: reads Q, K (S = QK^T written), reads S (P
+        written), reads P, V (O written): ``(2 N d + Nk d + N d) + 4 N Nk``
+        elements, times B * H.
+        ``tiled_hbm_bytes``: Q read once, K and V once per query tile, O and
+        lse written once (:func:`tiled_forward_hbm_bytes`, non-causal).
+        Also ``*_read_bytes``/``*_written_bytes`` splits, ``ratio_extra``
+        (standard / tiled extra bytes), ``ratio_hbm``, ``block_q``,
+        ``block_kv``, ``itemsize`` and the inputs.
+    """
+    N = check_positive_int(N, "N") if N != 0 else 0
+    d = check_positive_int(d, "d")
+    Nk = N if Nk is None else (check_positive_int(Nk, "Nk") if Nk != 0 else 0)
+    block_q = check_positive_int(block_q, "block_q")
+    block_kv = check_positive_int(block_kv, "block_kv")
+    batch = check_positive_int(batch, "batch")
+    heads = check_positive_int(heads, "heads")
+    dt = _dtype_from_name(dtype)
+    it = dt.itemsize
+    acc_it = 8 if dt.name == "float64" else 4
+    BH = batch * heads
+    if block_q is None or block_kv is None:
+        Br, Bc = default_blocks(BH, max(N, 1), max(Nk, 1), d, d)
+        block_q = Br if block_q is None else block_q
+        block_kv = Bc if block_kv is None else block_kv
+    Br, Bc = block_q, block_kv
+    S_bytes = BH * N * Nk * it
+    standard_extra = 2 * S_bytes
+    stats = 2 * BH * N * acc_it
+    tile = 2 * Br * Bc * it
+    sram = (Br * d + Bc * d + Bc * d) * it + Br * Bc * acc_it + Br * d * acc_it + 2 * Br * acc_it
+    std_read = BH * (N * d + Nk * d + Nk * d) * it + 2 * S_bytes
+    std_written = BH * N * d * it + 2 * S_bytes
+    t_read, t_written = tiled_forward_hbm_bytes(N, Nk, d, d, it, Br, Bc, None, BH, acc_it)
+    tiled_extra = stats + tile
+    return {
+        "N": N, "Nk": Nk, "d": d, "dtype": dt.name, "itemsize": it, "batch": batch,
+        "heads": heads, "block_q": Br, "block_kv": Bc,
+        "standard_extra_bytes": standard_extra,
+        "standard_S_bytes": S_bytes, "standard_P_bytes": S_bytes,
+        "tiled_extra_bytes": tiled_extra,
+        "tiled_stats_bytes": stats, "tiled_tile_bytes": tile,
+        "sram_bytes_per_block": sram,
+        "standard_hbm_read_bytes": std_read, "standard_hbm_written_bytes": std_written,
+        "standard_hbm_bytes": std_read + std_written,
+        "tiled_hbm_read_bytes": t_read, "tiled_hbm_written_bytes": t_written,
+        "tiled_hbm_bytes": t_read + t_written,
+        "ratio_extra": standard_extra / tiled_extra if tiled_extra else float("inf"),
+        "ratio_hbm": (std_read + std_written) / (t_read + t_written)
+        if t_read + t_written else float("inf"),
+    }
+
+
+def verify_no_full_materialization(q, k, v, block_size):
+    """Instrumented tiled forward: the output and the largest intermediate it created.
+
+    Runs the same forward as :func:`tiled_attention` (``block_q = block_kv =
+    block_size``, one thread) while recording the size of every array the
+    algorithm allocates: the scaled query tile, the S/P tile, the acc tile,
+    the [Vj, 1] tile, the row statistics of the tile and any causal mask.
+    The inputs and the returned output/lse are not intermediates.
+
+    Parameters
+    ----------
+    q, k, v : ndarray
+        As in :func:`tiled_attention` (non-causal, default scale).
+    block_size : int
+        Br = Bc.
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv)
+    max_tensor_size : int
+        Elements of the largest intermediate array: O(batch * block_size *
+        max(block_size, d)), independent of N (an (Nq, Nk) matrix never exists).
+    """
+    spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
+    if block_size is None:
+        raise ValueError("block_size must be a positive int, got None")
+    track = _Tracker()
+    o, _ = _flash_forward(spec, q, k, v, spec.block_q, spec.block_kv, 1, track, stage="tile")
+    return o, track.max_size

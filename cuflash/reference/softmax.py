@@ -1,0 +1,115 @@
+"""Online softmax (one streaming pass over chunks): ``online_softmax``, ``online_softmax_2d``.
+"""
+import numpy as np
+
+from .._validate import check_float_dtype, check_positive_int
+
+
+# ---------------------------------------------------------------------------
+# online softmax
+# ---------------------------------------------------------------------------
+def _check_softmax_input(x, chunk_size):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"x must be a numpy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    return chunk_size
+
+
+def _online_softmax_rows(x, chunk_size):
+    """Row-wise online softmax over the last axis: (p, m, l), stats in float64."""
+    M = x.shape[-1]
+    lead = x.shape[:-1]
+    C = M if chunk_size is None else chunk_size
+    C = max(C, 1)
+    m = np.full(lead, -np.inf)
+    l = np.zeros(lead)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # one streaming pass: m and l updated chunk by chunk (seed 001)
+        for c0 in range(0, M, C):
+            xc = np.asarray(x[..., c0:c0 + C], dtype=np.float64)
+            m_new = np.maximum(m, xc.max(axis=-1))
+            # rows that have seen only -inf keep a shift of 0: never form inf - inf
+            m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+            l = l * np.exp(m - m_safe) + np.exp(xc - m_safe[..., None]).sum(axis=-1)
+            m = m_new
+        m_safe = np.where(np.isneginf(m), 0.0, m)
+        l_safe = np.where(l == 0, 1.0, l)
+        p = np.exp(np.asarray(x, dtype=np.float64) - m_safe[..., None]) / l_safe[..., None]
+    return p.astype(x.dtype, copy=False), m, l
+
+
+def online_softmax(x, chunk_size=None, *, return_stats=False):
+    """Softmax of a 1-D array computed in one streaming pass over chunks.
+
+    The running maximum ``m`` and the running sum ``l = sum(exp(x - m))`` are
+    updated chunk by chunk; when a chunk raises the maximum the sum so far is
+    rescaled by ``exp(m_old - m_new)`` (seed 001).  The probabilities are then
+    ``exp(x - m) / l``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (N,)
+        float16, bfloat16, float32 or float64.  Not modified.
+    chunk_size : int, optional
+        Elements per chunk; None processes the vector as one chunk.
+    return_stats : bool
+        Also return the final statistics.
+
+    Returns
+    -------
+    p : ndarray, shape (N,), dtype of x
+        ``softmax(x)``.  If every element is ``-inf`` (or N = 0) p is 0.
+    m : numpy.float64
+        ``max(x)`` (only with ``return_stats``).
+    l : numpy.float64
+        ``sum(exp(x - m))`` accumulated chunk by chunk (only with ``return_stats``).
+
+    Raises
+    ------
+    ValueError
+        x not 1-D, or chunk_size not a positive int.
+    TypeError
+        x not a float array.
+    """
+    chunk_size = _check_softmax_input(x, chunk_size)
+    if x.ndim != 1:
+        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
+                         "use online_softmax_2d for rows")
+    p, m, l = _online_softmax_rows(x, chunk_size)
+    if return_stats:
+        return p, np.float64(m), np.float64(l)
+    return p
+
+
+def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
+    """Row-wise online softmax over the last axis of a (..., M) array.
+
+    Every row is processed independently with the algorithm of
+    :func:`online_softmax`, all rows at once (chunks run along the last axis).
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., M)
+        At least 1-D; float16, bfloat16, float32 or float64.  Not modified.
+    chunk_size : int, optional
+        Columns per chunk; None processes each row as one chunk.
+    return_stats : bool
+        Also return the per-row statistics.
+
+    Returns
+    -------
+    p : ndarray, shape (..., M), dtype of x
+        Each row sums to 1 (rows of only ``-inf`` give 0).
+    m : ndarray, shape (...,), float64
+        Row maxima (only with ``return_stats``).
+    l : ndarray, shape (...,), float64
+        Row sums of ``exp(x - m)`` (only with ``return_stats``).
+    """
+    chunk_size = _check_softmax_input(x, chunk_size)
+    if x.ndim < 1:
+        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
+    p, m, l = _online_softmax_rows(x, chunk_size)
+    if return_stats:
+        return p, m, l
+    return p

@@ -1,0 +1,108 @@
+"""Standard attention, the textbook algorithm that materialises P, and its stored-P backward.
+"""
+import numpy as np
+
+from .._validate import check_attention_inputs, check_backward_inputs
+from ._common import _canonical, _causal_offset, _compute_dtype, _reduce_grads, _tile_mask
+
+
+# ---------------------------------------------------------------------------
+# standard attention (materialises P)
+# ---------------------------------------------------------------------------
+def _standard_probs(spec, q_c, k_c, offset):
+    """P = softmax(scale * q @ k^T [masked]) in the compute dtype, shape lead_c + (Nq, Nk)."""
+    ct = _compute_dtype(spec.dtype)
+    qs = np.multiply(q_c, spec.scale, dtype=ct)
+    kt = np.asarray(k_c, dtype=ct)
+    S = np.matmul(qs, np.swapaxes(kt, -1, -2))                 # (..., Nq, Nk)
+    if offset is not None:
+        hidden = _tile_mask(0, spec.Nq, 0, spec.Nk, offset)
+        if hidden is not None:
+            S[..., hidden] = -np.inf
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = S.max(axis=-1, keepdims=True) if spec.Nk else np.zeros(S.shape[:-1] + (1,), ct)
+        m = np.where(np.isneginf(m), 0, m)                      # rows that see no key
+        S -= m
+        np.exp(S, out=S)
+        l = S.sum(axis=-1, keepdims=True)
+        S /= np.where(l == 0, 1, l)                             # P in place of S
+    return S
+
+
+def standard_attention(q, k, v, *, scale=None, causal=False):
+    """Textbook attention that materialises the (Nq, Nk) probabilities.
+
+    ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole logits matrix S
+    and probability matrix P in memory (the baseline FlashAttention avoids).
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., Nq, d)
+    k : ndarray, shape (..., Nk, d)
+    v : ndarray, shape (..., Nk, dv)
+        Leading dims broadcast; grouped-query heads as in ``docs/api.md``.
+        One float dtype for all three.  Not modified.
+    scale : float, optional
+        Logit scale; None means ``1/sqrt(d)``.
+    causal : bool or {"bottom_right", "top_left"}
+        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``;
+        ``"top_left"``: iff ``j <= i``.
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv), dtype of q
+        Rows that see no key are 0.
+    p : ndarray, shape (..., Nq, Nk), dtype of q
+        The attention probabilities (0 for hidden keys and blind rows).
+
+    See Also
+    --------
+    tiled_attention : the same output without the (Nq, Nk) arrays.
+    """
+    spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
+    q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
+    ct = _compute_dtype(spec.dtype)
+    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec))
+    o = np.matmul(P, np.asarray(v_c, dtype=ct))
+    o = o.reshape(spec.out_shape).astype(spec.dtype, copy=False)
+    p = P.reshape(spec.lead + (spec.Nq, spec.Nk)).astype(spec.dtype, copy=False)
+    return o, p
+
+
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+    """Textbook attention backward that stores P.
+
+    ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (seed 000, section 4).
+
+    Parameters
+    ----------
+    do : ndarray, shape (..., Nq, dv)
+        Gradient of the loss with respect to the output.
+    q, k, v, scale, causal
+        As in :func:`standard_attention`.
+
+    Returns
+    -------
+    dq : ndarray, shape of q
+    dk : ndarray, shape of k
+    dv : ndarray, shape of v
+        In the inputs' dtype; gradients of broadcast or grouped inputs are
+        summed over the axes they were broadcast along.  Rows that see no key
+        contribute 0.
+    """
+    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal)
+    q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
+    ct = _compute_dtype(spec.dtype)
+    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec))        # stored: (..., Nq, Nk)
+    do_c = np.asarray(do, dtype=ct).reshape(lead_c + (spec.Nq, spec.dv))
+    kc, vc = np.asarray(k_c, dtype=ct), np.asarray(v_c, dtype=ct)
+    qc = np.asarray(q_c, dtype=ct)
+    dv_ = np.matmul(np.swapaxes(P, -1, -2), do_c)                    # P^T dO
+    dP = np.matmul(do_c, np.swapaxes(vc, -1, -2))                    # dO V^T
+    D = np.einsum("...ij,...ij->...i", P, dP)[..., None]             # rowsum(P * dP)
+    dS = P * (dP - D)
+    del dP
+    dq = np.matmul(dS, kc) * spec.scale
+    dk = np.matmul(np.swapaxes(dS, -1, -2), qc) * spec.scale
+    return _reduce_grads(spec, q, k, v, dq, dk, dv_)
