@@ -12,7 +12,12 @@ to match) and the report reads:
   place launch sizes are computed) for the defines of the specialisation;
 * the theoretical occupancy those imply (resident blocks and warps per SM,
   and which resource limits it), with the per-architecture limits of the
-  CUDA occupancy calculator.
+  CUDA occupancy calculator;
+* the instruction mix of the machine code (``cuobjdump -sass`` of the cubin,
+  :mod:`cuflash._sass`): HMMA, LDSM, LDS/STS, LDG/STG, LDGSTS, RED/ATOM, BAR,
+  MUFU, FFMA, LDL/STL, SHFL and the total, static counts over the kernel's main
+  loop (the loop with the most HMMA, else FFMA; inner loops counted once) and
+  the kernel's total size (``--no-sass`` skips it).
 
 No GPU is needed.  Usage::
 
@@ -31,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cuflash import _nvrtc  # noqa: E402
+from cuflash import _nvrtc, _sass  # noqa: E402
 
 # Per-SM limits (CUDA occupancy calculator / programming guide, "Compute capabilities").
 ARCH_LIMITS = {
@@ -124,7 +129,7 @@ def _short(options):
 
 
 def _compile_one(job):
-    path, options, arch = job
+    path, options, arch, want_sass = job
     opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{ROOT / 'kernels_cu'}", f"-I{Path(path).parent}",
             *[o for o in options if not o.startswith("-I")])
     if not any(o.startswith(("-std", "--std")) for o in opts):
@@ -133,10 +138,12 @@ def _compile_one(job):
         res = _nvrtc.compile(Path(path).read_text(), Path(path).name, opts)
     except _nvrtc.NVRTCError as e:
         return job, None, e.log
+    if want_sass:
+        res.sass = _sass.instructions(_sass.disassemble(res.cubin))
     return job, res, None
 
 
-def jobs(archs, include_tests, only=None):
+def jobs(archs, include_tests, only=None, sass=False):
     try:
         from cuflash.kernels import compile_variants
         variants = compile_variants()
@@ -152,7 +159,7 @@ def jobs(archs, include_tests, only=None):
             continue
         for opts in variants.get(f.name) or extra.get(f.name) or [()]:
             for arch in archs:
-                out.append((str(f), tuple(opts), arch))
+                out.append((str(f), tuple(opts), arch, sass))
     return out
 
 
@@ -166,20 +173,28 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", help="only files whose name contains one of these strings")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel NVRTC compiles")
     ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--no-sass", action="store_true",
+                    help="skip the instruction mix (cuobjdump -sass of every cubin)")
     args = ap.parse_args(argv)
     ok, why = _nvrtc.is_available()
     if not ok:
         print(f"NVRTC not available: {why}", file=sys.stderr)
         return 2
     print(f"NVRTC {'.'.join(map(str, _nvrtc.version()))} ({_nvrtc.find_libnvrtc()})", file=sys.stderr)
-    todo = jobs(args.arch, args.tests, args.only)
+    want_sass = not args.no_sass
+    if want_sass:
+        ok, why = _sass.is_available()
+        if not ok:
+            print(f"no instruction mix: {why} (or pass --no-sass)", file=sys.stderr)
+            return 2
+    todo = jobs(args.arch, args.tests, args.only, want_sass)
     rows, failures = [], []
     # NVRTC compiles in worker processes (a large kernel takes seconds); --jobs 1 compiles in-process
     ex = cf.ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else None
     results = ex.map(_compile_one, todo) if ex else map(_compile_one, todo)
     try:
         for i, (job, res, err) in enumerate(results, 1):
-            path, options, arch = job
+            path, options, arch, _ = job
             print(f"\r[{i}/{len(todo)}] {Path(path).name} sm_{arch}", end="", file=sys.stderr, flush=True)
             if res is None:
                 failures.append((job, err))
@@ -194,6 +209,11 @@ def main(argv=None):
                 if threads:
                     b, occ, lim = occupancy(arch, threads, info["registers"], info["static_shared"] + (dyn or 0))
                     row.update(blocks_per_sm=b, occupancy=occ, limiter=lim)
+                code = getattr(res, "sass", {}).get(kernel)
+                if code:
+                    span = _sass.main_loop(code)
+                    row["sass_loop"] = dict(_sass.mix(code, span)) if span else None
+                    row["sass_total"] = len(code)
                 rows.append(row)
     finally:
         if ex:
@@ -202,7 +222,10 @@ def main(argv=None):
     _print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    for (path, options, arch), err in failures:
+    if any("sass_total" in r for r in rows):
+        print()
+        _print_mix(rows)
+    for (path, options, arch, _), err in failures:
         print(f"\nFAILED to compile {Path(path).name} sm_{arch} {' '.join(options)}:\n{err}", file=sys.stderr)
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     if spills:
@@ -217,6 +240,30 @@ def main(argv=None):
     return 0
 
 
+def _print_mix(rows):
+    """Instruction mix of each kernel's main loop (static SASS counts)."""
+    cols = list(_sass.CLASSES) + ["total"]
+    head = ["kernel", "specialisation", "arch", *[f"loop {c}" for c in cols], "HMMA %", "kernel size"]
+    lines = []
+    for r in rows:
+        if "sass_total" not in r:
+            continue
+        loop = r.get("sass_loop")
+        vals = [str(loop[c]) if loop else "-" for c in cols]
+        share = f"{100 * loop['HMMA'] / loop['total']:.1f}" if loop and loop["total"] else "-"
+        lines.append([r["kernel"], r["variant"], f"sm_{r['arch']}", *vals, share, str(r["sass_total"])])
+    _print_rows(head, lines)
+
+
+def _print_rows(head, lines):
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
+    print(fmt.format(*head))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for l in lines:
+        print(fmt.format(*l))
+
+
 def _print_table(rows):
     head = ["kernel", "specialisation", "arch", "regs", "spill st/ld", "stack", "static smem", "dyn smem",
             "threads", "blocks/SM", "occupancy", "limited by"]
@@ -228,12 +275,7 @@ def _print_table(rows):
                       "?" if r["threads"] is None else str(r["threads"]),
                       str(r.get("blocks_per_sm", "?")),
                       f"{100 * r['occupancy']:.0f}%" if "occupancy" in r else "?", r.get("limiter", "-")])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
-    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
-    print(fmt.format(*head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for l in lines:
-        print(fmt.format(*l))
+    _print_rows(head, lines)
 
 
 if __name__ == "__main__":

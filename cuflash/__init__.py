@@ -1,68 +1,395 @@
 """cuflash: exact FlashAttention as CUDA C kernels compiled at run time.
 
-One API, three backends (``docs/api.md``): ``"numpy"`` (the reference),
-``"cuda"`` (CuPy arrays, kernels compiled by NVRTC) and ``"emulator"`` (the
-same CUDA C executed on the CPU).  ``backend=None`` picks from the array type.
-Each function here is one line: find the backend module and call it; the full
-documentation of every function is on the reference, ``cuflash.reference``.
+One API, three backends: ``"numpy"`` (the reference, NumPy arrays on the
+CPU), ``"cuda"`` (CuPy arrays; the kernels of ``kernels_cu/`` compiled by
+NVRTC on first use) and ``"emulator"`` (the same CUDA C executed on the CPU,
+for tests and learning).  ``backend=None`` picks from the array type.  Each
+function here validates nothing itself: it finds the backend module and calls
+it, so the full documentation of every function is here and the backends'
+own docstrings describe only how they compute it.
+
+The algorithm is FlashAttention (Dao et al., "FlashAttention: Fast and
+Memory-Efficient Exact Attention with IO-Awareness", NeurIPS 2022) in the
+loop order of FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with
+Better Parallelism and Work Partitioning", 2023).
 """
+from . import reference  # noqa: F401  (NumPy only; help(cuflash.reference.<name>) after import cuflash)
 from ._dispatch import available_backends, get_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "available_backends", "get_backend",
+    "available_backends", "get_backend", "precompile",
     "online_softmax", "online_softmax_2d",
     "standard_attention", "standard_attention_backward",
     "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization",
 ]
 
+_INPUTS_DOC = """q : ndarray, shape (..., Nq, d)
+    k : ndarray, shape (..., Nk, d)
+    v : ndarray, shape (..., Nk, dv)
+        NumPy arrays (backends "numpy", "emulator") or CuPy arrays ("cuda"); one
+        float dtype for all three: float16, bfloat16 (NumPy: ``ml_dtypes.bfloat16``),
+        float32 or float64.  Leading dims broadcast as in NumPy; grouped-query
+        attention (GQA/MQA) when the heads axis (-3) of k/v, Hk, divides q's H and
+        is neither 1 nor H: query head h reads kv head ``h // (H // Hk)``, with no
+        copy of k or v.  Not modified; non-contiguous views are accepted."""
+
+
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, backend=None,
+               progress=None):
+    """Compile the kernels of default-tile forward and backward calls ahead of time.
+
+    The first call of a new configuration (dtype, head dim, tiles) compiles its
+    kernels (NVRTC through CuPy on a GPU, the host compiler on the emulator)
+    and caches them on disk; this fills that cache now -- for a container
+    image or a cluster job that should not pay the compile at its first step.
+    The modules are compiled concurrently.  Also ``python -m cuflash compile``.
+
+    Parameters
+    ----------
+    dtypes : sequence of str
+        Any of "float16", "bfloat16", "float32", "float64".
+    head_dims : sequence of int
+        Head dims d (with dv = d).
+    backend : {None, "cuda", "emulator", "numpy"}
+        None: "cuda" when a GPU and CuPy are usable here, else a ValueError
+        saying why (pass "emulator" to fill the emulator's cache).  "numpy"
+        compiles nothing.
+    progress : callable(str), optional
+        Called with a line before and after compiling.
+
+    Returns
+    -------
+    dict
+        ``backend``, ``seconds`` (wall time) and ``modules``: one entry per
+        compiled module with its ``file``, ``kernels`` and ``options``.
+
+    Notes
+    -----
+    Where the cache lives: on a GPU, CuPy's kernel cache (``$CUPY_CACHE_DIR``,
+    default ``~/.cupy/kernel_cache``); on the emulator ``$CUFLASH_CACHE_DIR/emulator``
+    (default ``~/.cache/cuflash/emulator``).  A process also keeps compiled
+    modules in memory.
+    """
+    if backend is None:
+        ok, why = available_backends()["cuda"]
+        if not ok:
+            raise ValueError(f"precompile(backend=None) compiles for the GPU, and backend "
+                             f"'cuda' is not available here: {why}; pass backend='emulator' "
+                             "to fill the emulator's cache")
+        backend = "cuda"
+    return get_backend(backend).precompile(dtypes, head_dims, progress=progress)
+
 
 def online_softmax(x, chunk_size=None, *, return_stats=False, backend=None):
-    """Softmax of a 1-D array in one streaming pass. See ``cuflash.reference.online_softmax``."""
-    return get_backend(backend, x).online_softmax(x, chunk_size, return_stats=return_stats)
+    """Softmax of a 1-D array computed in one streaming pass over chunks.
+
+    The running maximum ``m`` and the running sum ``l = sum(exp(x - m))`` are
+    updated chunk by chunk; when a chunk raises the maximum, the sum so far is
+    rescaled by ``exp(m_old - m_new)`` (Milakov & Gimelshein, "Online
+    normalizer calculation for softmax", 2018).  The probabilities are then
+    ``exp(x - m) / l``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (N,)
+        float16, bfloat16, float32 or float64.  Not modified.
+    chunk_size : int, optional
+        Elements per chunk; None processes the vector as one chunk.
+    return_stats : bool
+        Also return the final statistics.
+    backend : {None, "numpy", "cuda", "emulator"}
+        None picks from the array type.
+
+    Returns
+    -------
+    p : ndarray, shape (N,), dtype of x
+        ``softmax(x)``.  If every element is ``-inf`` (or N = 0) p is 0.
+    m : float64 scalar (0-d array on "cuda")
+        ``max(x)`` (only with ``return_stats``).
+    l : float64 scalar (0-d array on "cuda")
+        ``sum(exp(x - m))`` accumulated chunk by chunk (only with ``return_stats``).
+
+    Raises
+    ------
+    ValueError
+        x not 1-D, or chunk_size not a positive int.
+    TypeError
+        x not a float array.
+    """
+    return get_backend(backend, x, names="x").online_softmax(x, chunk_size, return_stats=return_stats)
 
 
 def online_softmax_2d(x, chunk_size=None, *, return_stats=False, backend=None):
-    """Row-wise online softmax. See ``cuflash.reference.online_softmax_2d``."""
-    return get_backend(backend, x).online_softmax_2d(x, chunk_size, return_stats=return_stats)
+    """Row-wise online softmax over the last axis of a (..., M) array.
+
+    Every row is processed independently with the algorithm of
+    :func:`online_softmax` (on "cuda"/"emulator": one warp per row).
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., M)
+        At least 1-D; float16, bfloat16, float32 or float64.  Not modified.
+    chunk_size : int, optional
+        Columns per chunk; None processes each row as one chunk.
+    return_stats : bool
+        Also return the per-row statistics.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    p : ndarray, shape (..., M), dtype of x
+        Each row sums to 1 (rows of only ``-inf`` give 0).
+    m : ndarray, shape (...,), float64
+        Row maxima (only with ``return_stats``).
+    l : ndarray, shape (...,), float64
+        Row sums of ``exp(x - m)`` (only with ``return_stats``).
+    """
+    return get_backend(backend, x, names="x").online_softmax_2d(x, chunk_size, return_stats=return_stats)
 
 
 def standard_attention(q, k, v, *, scale=None, causal=False, backend=None):
-    """Attention that materialises P. See ``cuflash.reference.standard_attention``."""
-    return get_backend(backend, q, k, v).standard_attention(q, k, v, scale=scale, causal=causal)
+    """Textbook attention that materialises the (Nq, Nk) probabilities.
+
+    ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole logits matrix S
+    and probability matrix P in memory: the baseline FlashAttention avoids.
+    On "cuda" it is plain CuPy (cuBLAS matmuls and a softmax), the code a user
+    would write; on "emulator" it is the NumPy reference.
+
+    Parameters
+    ----------
+    {inputs}
+    scale : float, optional
+        Logit scale; None means ``1/sqrt(d)``.
+    causal : bool or {{"bottom_right", "top_left"}}
+        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
+        (flash-attn >= 2.1); ``"top_left"``: iff ``j <= i`` (PyTorch's
+        ``is_causal``).  A row that sees no key gives 0, never NaN.
+    backend : {{None, "numpy", "cuda", "emulator"}}
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv), dtype of q
+    p : ndarray, shape (..., Nq, Nk), dtype of q
+        The attention probabilities (0 for hidden keys and for rows that see none).
+
+    See Also
+    --------
+    tiled_attention : the same output without any (Nq, Nk) array.
+    """
+    return get_backend(backend, q, k, v, names="q k v").standard_attention(q, k, v, scale=scale, causal=causal)
 
 
 def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, backend=None):
-    """Textbook backward storing P. See ``cuflash.reference.standard_attention_backward``."""
-    return get_backend(backend, do, q, k, v).standard_attention_backward(
+    """Textbook attention backward that stores P.
+
+    ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
+
+    Parameters
+    ----------
+    do : ndarray, shape (..., Nq, dv)
+        Gradient of the loss with respect to the output; dtype of q.
+    q, k, v, scale, causal
+        As in :func:`standard_attention`.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shapes and dtype of q, k, v; gradients of broadcast or grouped inputs
+        are summed over the axes they were broadcast along.  Rows that see no
+        key contribute 0.
+    """
+    return get_backend(backend, do, q, k, v, names="do q k v").standard_attention_backward(
         do, q, k, v, scale=scale, causal=causal)
 
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
                     return_lse=False, backend=None):
-    """Flash attention forward. See ``cuflash.reference.tiled_attention``."""
-    return get_backend(backend, q, k, v).tiled_attention(
+    """FlashAttention forward: exact attention without any (Nq, Nk) array.
+
+    Query tiles ``Qi`` of ``block_q`` (Br) rows stay put while key/value tiles
+    ``Kj, Vj`` of ``block_kv`` (Bc) rows stream past with the online-softmax
+    update (running max ``m_i``, running sum ``l_i``, unnormalised output),
+    normalised once at the end.  Tiles entirely above the causal boundary are
+    skipped (never loaded); tiles crossing it are masked.
+
+    Parameters
+    ----------
+    {inputs}
+    scale : float, optional
+        Logit scale; None means ``1/sqrt(d)``.
+    causal : bool or {{"bottom_right", "top_left"}}
+        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
+        (flash-attn >= 2.1); ``"top_left"``: iff ``j <= i`` (PyTorch's
+        ``is_causal``).  A row that sees no key gives o = 0 and lse = -inf.
+    block_q, block_kv : int, optional
+        Br and Bc.  None picks good sizes for the backend and problem (the GPU
+        kernels: :mod:`cuflash.tiling`, against the device's shared memory);
+        explicit sizes are honoured or refused with a ValueError naming the
+        budget and the sizes that fit -- never silently changed.
+    return_lse : bool
+        Also return the row log-sum-exp, which the backward needs.
+    backend : {{None, "numpy", "cuda", "emulator"}}
+        None picks from the array type.
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv), dtype of q
+        Leading dims: the broadcast of q's and k/v's (GQA: q's).
+    lse : ndarray, shape (..., Nq), float32 (float64 for float64 inputs)
+        Only with ``return_lse``: ``log(sum_j exp(scale * q_i . k_j))`` over
+        the visible keys.
+
+    Raises
+    ------
+    TypeError
+        Non-arrays, integer/bool/complex dtypes, differing dtypes, arrays of
+        two libraries.
+    ValueError
+        Inconsistent shapes (named in the message), unknown ``causal``, bad or
+        unsupported tile sizes, a backend that is not available here.
+
+    Notes
+    -----
+    float16/bfloat16/float32 are computed in float32, float64 in float64.
+    Extra memory is O(Br * Bc) per thread block (or CPU worker) plus O(Nq)
+    for the row statistics: see :func:`memory_analysis`.  On "cuda" the first
+    call of a configuration compiles its kernel (see :func:`precompile`);
+    later identical calls cost a few tens of microseconds of host time.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 8, 100, 64), dtype=np.float32)
+    >>> k = v = rng.standard_normal((2, 2, 120, 64), dtype=np.float32)  # GQA, 2 kv heads
+    >>> o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True)
+    >>> o.shape, lse.shape
+    ((2, 8, 100, 64), (2, 8, 100))
+    """
+    return get_backend(backend, q, k, v, names="q k v").tiled_attention(
         q, k, v, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv,
         return_lse=return_lse)
 
 
 def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
                              block_kv=None, deterministic=False, backend=None):
-    """Flash attention backward. See ``cuflash.reference.tiled_attention_backward``."""
-    return get_backend(backend, do, q, k, v, o, lse).tiled_attention_backward(
+    """FlashAttention backward: the gradients without storing P.
+
+    P is recomputed tile by tile from the forward's ``lse``
+    (``P_ij = exp(scale * q_i . k_j - lse_i)``) and the softmax correction uses
+    ``D = rowsum(do * o)`` (FlashAttention-2).
+
+    Parameters
+    ----------
+    do : ndarray, shape (..., Nq, dv)
+        Gradient of the loss with respect to ``o``; dtype of q.
+    q, k, v : ndarray
+        The forward's inputs (see :func:`tiled_attention`).
+    o : ndarray, shape (..., Nq, dv)
+        The forward's output.
+    lse : ndarray, shape (..., Nq)
+        The forward's log-sum-exp (``tiled_attention(..., return_lse=True)``);
+        any float dtype.
+    scale, causal, block_q, block_kv
+        As in :func:`tiled_attention`; scale and causal must be the forward's.
+    deterministic : bool
+        True guarantees bitwise-identical results on every run.  On "cuda" and
+        "emulator" the default accumulates dQ with float32 atomics, whose
+        summation order varies; the NumPy reference is always deterministic.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shapes and dtype of q, k, v; dk/dv (and dq) summed over broadcast and
+        grouped heads.  Rows that see no key contribute exactly 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`tiled_attention`, plus ``do``/``o``/``lse`` whose shapes do
+        not match the forward's (or ``lse`` that is not an array).
+    """
+    return get_backend(backend, do, q, k, v, o, lse, names="do q k v o lse").tiled_attention_backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv,
         deterministic=deterministic)
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
                     heads=1, backend=None):
-    """Memory and HBM-traffic model. See ``cuflash.reference.memory_analysis``."""
+    """Memory and HBM-traffic model of standard vs tiled attention.
+
+    Parameters
+    ----------
+    N : int
+        Query length Nq.
+    d : int
+        Head dim (v's head dim is taken equal to d).
+    dtype : str or dtype
+        Element type of q, k, v, o (S and P of the standard algorithm are
+        counted in it too: ``2 N^2 sizeof(dtype)``).
+    Nk : int, optional
+        Key length (default N).
+    block_q, block_kv : int, optional
+        Br and Bc; None uses the backend's defaults.
+    batch, heads : int
+        Independent problems: everything scales by ``batch * heads``.
+    backend : {None, "numpy", "cuda", "emulator"}
+        None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
+        the current device; "emulator" those of a nominal sm_80.
+
+    Returns
+    -------
+    dict
+        ``standard_extra_bytes``: S and P, ``2 * B * H * N * Nk * itemsize``.
+        ``tiled_extra_bytes``: the row statistics m and l (``2 * B * H * N * 4``,
+        8 for float64) plus one S/P tile pair (``2 * Br * Bc * itemsize``).
+        ``sram_bytes_per_block``: the GPU shared memory one thread block of the
+        forward kernel uses for these tiles ("cuda"/"emulator"; None on
+        "numpy", whose tiles live in CPU caches: its figure is
+        ``cpu_tile_bytes_per_worker``, the working set of one worker thread).
+        ``standard_hbm_bytes`` / ``tiled_hbm_bytes``: modelled memory traffic
+        (tiled: Q read once, K and V once per query tile, O and lse written
+        once), with ``*_read_bytes``/``*_written_bytes`` splits, ``ratio_extra``,
+        ``ratio_hbm``, ``block_q``, ``block_kv``, ``itemsize`` and the inputs.
+        Kernel backends add ``kernel``, ``threads_per_block``, ``sram_layout``,
+        ``sram_limit_bytes`` and where that limit comes from.
+    """
     return get_backend("numpy" if backend is None else backend).memory_analysis(
         N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads)
 
 
 def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
-    """Instrumented tiled forward. See ``cuflash.reference.verify_no_full_materialization``."""
-    return get_backend(backend, q, k, v).verify_no_full_materialization(q, k, v, block_size)
+    """Instrumented tiled forward: the output and the largest intermediate it created.
+
+    Runs :func:`tiled_attention` with ``block_q = block_kv = block_size``
+    while recording the size of every array the algorithm creates besides its
+    outputs (o and the O(Nq) row statistics): tiles, masks, input copies and,
+    on the kernel backends, the kernel's shared-memory tiles.
+
+    Parameters
+    ----------
+    q, k, v : ndarray
+        As in :func:`tiled_attention` (non-causal, default scale).
+    block_size : int
+        Br = Bc.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv)
+    max_tensor_size : int
+        Elements of the largest intermediate: O(batch * block_size *
+        max(block_size, d)), independent of N (no (Nq, Nk) array ever exists).
+    """
+    return get_backend(backend, q, k, v, names="q k v").verify_no_full_materialization(q, k, v, block_size)
+
+
+for _fn in (standard_attention, tiled_attention):
+    _fn.__doc__ = _fn.__doc__.replace("{inputs}", _INPUTS_DOC).replace("{{", "{").replace("}}", "}")
+del _fn

@@ -1,7 +1,7 @@
 """Choosing the backend module that runs a call.
 
 Every backend is a module with the same public names and signatures (the
-contract of ``docs/api.md``); the front in ``cuflash/__init__.py`` asks this
+API contract documented on the functions of ``cuflash``); the front in ``cuflash/__init__.py`` asks this
 module for one and calls it.  Backends are imported lazily so that
 ``import cuflash`` never needs CuPy, a GPU or a compiler.
 """
@@ -18,6 +18,7 @@ BACKEND_MODULES = {
 
 # the names every backend module must define (tests assert the signatures match)
 API_NAMES = (
+    "precompile",
     "online_softmax",
     "online_softmax_2d",
     "standard_attention",
@@ -29,15 +30,15 @@ API_NAMES = (
 )
 
 
-def array_library(a):
-    """'numpy' or 'cupy' for an array, TypeError for anything else."""
+def array_library(a, name="argument"):
+    """'numpy' or 'cupy' for an array, TypeError (naming the argument) for anything else."""
     if isinstance(a, np.ndarray):
         return "numpy"
     mod = type(a).__module__ or ""
     if mod.split(".")[0] == "cupy":
         return "cupy"
-    raise TypeError(
-        f"expected a numpy.ndarray or cupy.ndarray, got {type(a).__module__}.{type(a).__name__}")
+    raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got "
+                    f"{type(a).__module__}.{type(a).__name__}")
 
 
 def _module(name):
@@ -63,15 +64,36 @@ def _unavailable_message(name, why):
     return "\n".join(lines)
 
 
-def get_backend(backend, *arrays):
+# (backend argument, array types...) -> module, for calls that succeeded before: a
+# repeated call pays one dictionary lookup here (no availability query, no imports)
+_RESOLVED = {}
+
+
+def get_backend(backend, *arrays, names=None):
     """The backend module for ``backend`` (a name or None) and these arrays.
 
     ``None`` picks from the array type: CuPy arrays go to "cuda", NumPy arrays
     to "numpy".  Arrays of two libraries in one call are a TypeError; a named
-    backend that cannot take the arrays' library is a TypeError too.
+    backend that cannot take the arrays' library is a TypeError too -- except
+    that a backend that is not available here (no CuPy, no GPU) says so first.
+    ``names`` (space-separated) names the arrays in error messages.
     """
-    arrays = [a for a in arrays if a is not None]
-    libs = {array_library(a) for a in arrays}
+    try:
+        key = (backend,) + tuple(a.__class__ for a in arrays)
+        mod = _RESOLVED.get(key)
+    except TypeError:  # an unhashable backend argument: the checks below report it
+        key, mod = None, None
+    if mod is not None:
+        return mod
+    names = names.split() if names else [f"argument {i + 1}" for i in range(len(arrays))]
+    mod = _resolve(backend, [(n, a) for n, a in zip(names, arrays) if a is not None])
+    if key is not None:
+        _RESOLVED[key] = mod
+    return mod
+
+
+def _resolve(backend, named):
+    libs = {array_library(a, name) for name, a in named}
     if len(libs) > 1:
         raise TypeError(f"arrays of two libraries in one call: {sorted(libs)}; "
                         "pass all numpy.ndarray or all cupy.ndarray")
@@ -81,9 +103,6 @@ def get_backend(backend, *arrays):
     if not isinstance(backend, str) or backend not in BACKEND_MODULES:
         raise ValueError(f"unknown backend {backend!r}; choose one of "
                          f"{sorted(BACKEND_MODULES)} or None (pick from the array type)")
-    wants = "cupy" if backend == "cuda" else "numpy"
-    if lib is not None and lib != wants:
-        raise TypeError(f"backend {backend!r} takes {wants} arrays, got {lib} arrays")
     try:
         mod = _module(backend)
         ok, why = mod.is_available()
@@ -91,4 +110,7 @@ def get_backend(backend, *arrays):
         ok, why = False, f"cannot import {BACKEND_MODULES[backend]}: {e}"
     if not ok:
         raise ValueError(_unavailable_message(backend, why))
+    wants = "cupy" if backend == "cuda" else "numpy"
+    if lib is not None and lib != wants:
+        raise TypeError(f"backend {backend!r} takes {wants} arrays, got {lib} arrays")
     return mod

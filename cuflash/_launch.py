@@ -1,41 +1,56 @@
-"""Launching the kernels: the same code for the "cuda" and the "emulator" backends.
+"""What every kernel launcher shares: addressing inputs, allocating outputs, parameter blocks.
 
-Every function here takes a :class:`cuflash.kernels.Runtime` (array module,
-module factory, shared-memory limit), so CuPy arrays on a GPU and NumPy arrays
-on the emulator go through identical launch code.  Tile sizes, threads and
-shared memory come from :mod:`cuflash.tiling` (through ``runtime.plan``), the
-compiled kernels from :mod:`cuflash.kernels`.
+The launchers are one module per kernel family -- :mod:`cuflash._launch_fwd`
+(the forward kernels), :mod:`cuflash._launch_bwd` (the backward kernels) and
+:mod:`cuflash._launch_softmax` (online softmax) -- and all of them take a
+:class:`cuflash.kernels.Runtime` (array module, module factory, shared-memory
+limit), so CuPy arrays on a GPU and NumPy arrays on the emulator go through
+identical launch code.  Imports run one way: backends -> launchers -> this
+module -> :mod:`cuflash.kernels` / :mod:`cuflash.tiling`.
 
-Helpers the backward launcher (``cuflash/_launch_bwd.py``) reuses:
+The repeated-call path.  A launcher validates and plans a call once per
+distinct (shapes, strides, dtypes, scalar options) and keeps the result -- the
+compiled kernels, grids, a packed parameter block in device memory -- as a
+closure in ``runtime.calls`` (:func:`cached_call`); an identical later call
+does a dictionary lookup, allocates its outputs and launches, nothing else (no
+device query, no synchronisation, no host-to-device copy).
 
-* :func:`problem_dims` -- the output's leading shape as (B, H) problems;
-* :func:`flatten_lead` -- element strides (batch, head, row) of an input for
-  those problems (stride 0 for broadcast axes, the kv head stride for grouped
-  heads), copying only when unavoidable;
-* :func:`pointer_arg` -- an input (possibly a strided view) as a kernel pointer
-  argument of the runtime;
-* :func:`alloc_output` -- ``xp.empty`` plus the test hook that poisons outputs;
-* :func:`get_kernel` -- the compiled kernel for a tile plan;
-* :func:`track_allocations` -- records every array the launch path allocates
-  (for ``verify_no_full_materialization``).
+Helpers:
+
+* :func:`problem_dims`, :func:`flatten_lead`, :func:`contiguous_strides` --
+  an input's element strides (batch, head, row) for the (B, H) problems of a
+  call (stride 0 for broadcast axes, the kv head stride for grouped heads),
+  copying only when unavoidable; :func:`pointer_arg` hands strided views to
+  the emulator;
+* :func:`alloc_output` -- ``xp.empty`` plus the test hooks :func:`output_hook`
+  (poison outputs) and :func:`track_allocations` (record sizes);
+* :func:`params_dtype` / :func:`make_params` -- the ``FwdParams`` / ``BwdParams``
+  blocks of ``kernels_cu/params.cuh`` as a device buffer;
+* :func:`launch` -- every kernel launch goes through it, so tests can observe
+  launches (:func:`observe_launches`) without patching the launchers;
+* :func:`fold_grid` -- the one-axis grid of (tiles x heads x batch).
 """
 import contextlib
+import functools
+import re
 import threading
 
 import numpy as np
 
-from . import kernels, tiling
+from . import kernels
 
 __all__ = [
-    "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output", "output_hook",
-    "track_allocations", "get_kernel", "flash_fwd", "online_softmax_rows", "MAX_GRID_YZ",
+    "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output",
+    "output_hook", "track_allocations", "observe_launches", "launch", "params_dtype",
+    "make_params", "fold_grid", "cached_call", "MAX_GRID_X", "data_ptr", "aligned16",
 ]
 
-# gridDim.y and gridDim.z limit (heads and batch are grid axes y and z)
-MAX_GRID_YZ = 65535
+# CUDA's limit on gridDim.x (y and z: 65535, which is why batch/heads are folded into x)
+MAX_GRID_X = 2 ** 31 - 1
 
 _state = threading.local()
 _ALLOC_HOOK = None
+_LAUNCH_HOOK = None
 
 
 @contextlib.contextmanager
@@ -67,6 +82,43 @@ def track_allocations():
         _state.ledger = prev
 
 
+@contextlib.contextmanager
+def observe_launches():
+    """Record every kernel launch in the block: yields a list of dicts.
+
+    Each entry has ``kernel``, ``grid``, ``block``, ``shared_mem`` and, on the
+    emulator, the launch's counters (``global_bytes_read``/``_written``, from
+    :func:`cuflash.emulator.last_launch_stats`).
+    """
+    global _LAUNCH_HOOK
+    seen = []
+    prev = _LAUNCH_HOOK
+
+    def hook(name, grid, block, shared_mem, runtime_name):
+        entry = {"kernel": name, "grid": tuple(grid), "block": tuple(block),
+                 "shared_mem": int(shared_mem)}
+        if runtime_name == "emulator":
+            from . import emulator
+            st = emulator.last_launch_stats()
+            entry.update(global_bytes_read=st["global_bytes_read"],
+                         global_bytes_written=st["global_bytes_written"])
+        seen.append(entry)
+        if prev is not None:
+            prev(name, grid, block, shared_mem, runtime_name)
+    _LAUNCH_HOOK = hook
+    try:
+        yield seen
+    finally:
+        _LAUNCH_HOOK = prev
+
+
+def launch(runtime_name, fn, name, grid, block, args, shared_mem):
+    """``fn(grid, block, args, shared_mem=...)``, reported to :func:`observe_launches`."""
+    fn(grid, block, args, shared_mem=shared_mem)
+    if _LAUNCH_HOOK is not None:
+        _LAUNCH_HOOK(name, grid, block, shared_mem, runtime_name)
+
+
 def _record(what, arr):
     ledger = getattr(_state, "ledger", None)
     if ledger is not None:
@@ -76,12 +128,43 @@ def _record(what, arr):
 def alloc_output(xp, shape, dtype, what="output"):
     """``xp.empty(shape, dtype)``, recorded, and passed to the output hook if one is set."""
     out = xp.empty(shape, dtype=dtype)
-    _record(what, out)
+    if getattr(_state, "ledger", None) is not None:
+        _record(what, out)
     if _ALLOC_HOOK is not None:
         _ALLOC_HOOK(out)
     return out
 
 
+def record_copy(what, arr):
+    """Record an input copy the launch path made (for ``verify_no_full_materialization``)."""
+    _record(what, arr)
+
+
+# --------------------------------------------------------------------------
+# the repeated-call cache
+# --------------------------------------------------------------------------
+def cached_call(runtime, key, build):
+    """The prepared call for ``key`` in ``runtime.calls``; ``build()`` makes it when absent.
+
+    ``key`` None (an input that cannot be keyed: not an array, an unhashable
+    option) always builds, so the slow path raises the proper error.
+    """
+    if key is not None:
+        try:
+            run = runtime.calls.get(key)
+        except TypeError:  # an unhashable option: validation will say what is wrong
+            key, run = None, None
+        if run is not None:
+            return run
+    run = build()
+    if key is not None:
+        runtime.calls.put(key, run)
+    return run
+
+
+# --------------------------------------------------------------------------
+# addressing inputs
+# --------------------------------------------------------------------------
 def problem_dims(lead):
     """(B, H) for an output leading shape: H = last axis (heads), B = product of the rest.
 
@@ -167,6 +250,8 @@ def flatten_lead(runtime, x, lead, grouped=False):
     -- e.g. an input broadcast along one batch axis but not another -- there
     is no single stride, and ``x`` is materialised by a broadcast copy of shape
     ``lead[:-1] + (heads,) + x.shape[-2:]`` (heads = 1, Hk or H as x has them).
+    Whether a copy is made depends only on shapes and strides, so a repeated
+    call makes the same decision.
     """
     xp = getattr(runtime, "xp", runtime)
     no_negative = getattr(runtime, "name", None) == "emulator"
@@ -213,250 +298,85 @@ def contiguous_strides(lead, tail):
     return H * per, per
 
 
-def get_kernel(runtime, filename, kernel_name, defines, plan=None):
-    """The compiled kernel for this runtime, with the plan's shared memory allowed.
-
-    ``plan`` (a :class:`cuflash.tiling.TilePlan`) supplies the dynamic shared
-    memory bytes; the kernel's limit is raised above 48 KB when needed.
-    """
-    shared = plan.shared_bytes if plan is not None else 0
-    return kernels.get_function(runtime, filename, kernel_name, defines, shared)
-
-
-def _acc_scalar(dtype, value):
-    return np.float64(value) if tiling.accumulator_bytes(dtype) == 8 else np.float32(value)
-
-
-def _data_ptr(x):
+def data_ptr(x):
+    """Device (CuPy) or host (NumPy) address of ``x``'s first element."""
     if (type(x).__module__ or "").split(".")[0] == "cupy":
         return int(x.data.ptr)
     return int(x.__array_interface__["data"][0])
 
 
-def _aligned_for_cp_async(x, strides):
-    """True when every 16-byte cp.async of flash_fwd_tc reads an aligned address."""
-    return _data_ptr(x) % 16 == 0 and all(s % 8 == 0 for s in strides)
+def aligned16(x, strides):
+    """True when 16-byte copies (cp.async) of rows of ``x`` read aligned addresses.
 
-
-def flash_fwd(runtime, q, k, v, spec, kernel=None):
-    """Run flash_fwd for a validated call: returns ``(o, lse)``.
-
-    Parameters
-    ----------
-    runtime : cuflash.kernels.Runtime
-    q, k, v : ndarray (of ``runtime.xp``)
-    spec : cuflash._validate.AttentionSpec
-    kernel : None, "flash_fwd" or "flash_fwd_tc"
-        None: the choice of :func:`cuflash.tiling.plan_flash_fwd` (tensor cores
-        for float16/bfloat16 where supported); tests force one to cover both.
-
-    Raises
-    ------
-    ValueError
-        Tiles or head dims the kernel does not support (from cuflash.tiling),
-        or more than 65535 heads or batch entries.
+    Needs a 16-byte aligned first element and row/head/batch element strides
+    that are multiples of 8 (16 bytes of a 16-bit type).
     """
-    xp = runtime.xp
-    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
-    o = alloc_output(xp, spec.out_shape, spec.dtype, "o")
-    lse = alloc_output(xp, spec.lse_shape, spec.lse_dtype, "lse")
-    B, H = problem_dims(spec.lead)
-    if spec.Nq == 0 or B * H == 0:
-        return o, lse
-    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
-        raise ValueError(f"flash_fwd launches one grid row per head and batch entry; "
-                         f"leading shape {spec.lead} gives H={H}, B={B} (limit {MAX_GRID_YZ} "
-                         "each); reshape the leading dims")
-    grouped = spec.group > 1
-    q_, qs = flatten_lead(runtime, q, spec.lead)
-    k_, ks = flatten_lead(runtime, k, spec.lead, grouped)
-    v_, vs = flatten_lead(runtime, v, spec.lead, grouped)
-    if plan.kernel == "flash_fwd_tc":
-        # cp.async copies 16 bytes: an input view with an odd offset or stride is copied
-        def aligned(x, st, grp):
-            if _aligned_for_cp_async(x, st):
-                return x, st
-            c = xp.ascontiguousarray(x)
-            _record("aligned copy", c)
-            return flatten_lead(runtime, c, spec.lead, grp)
-        q_, qs = aligned(q_, qs, False)
-        k_, ks = aligned(k_, ks, grouped)
-        v_, vs = aligned(v_, vs, grouped)
-    o_sb, o_sh = contiguous_strides(spec.lead, (spec.Nq, spec.dv))
-    l_sb, l_sh = contiguous_strides(spec.lead, (spec.Nq,))
-    causal = spec.causal is not None
-    offset = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
-    fn = get_kernel(runtime, plan.kernel + ".cu", plan.kernel, kernels.fwd_defines(plan), plan)
-    i32, i64 = np.int32, np.int64
-    args = (pointer_arg(runtime, q_), pointer_arg(runtime, k_), pointer_arg(runtime, v_), o, lse,
-            i32(spec.Nq), i32(spec.Nk), i32(spec.group), i32(causal), i32(offset),
-            *(i64(s) for s in qs), *(i64(s) for s in ks), *(i64(s) for s in vs),
-            i64(o_sb), i64(o_sh), i64(spec.dv), i64(l_sb), i64(l_sh),
-            _acc_scalar(spec.dtype, spec.scale))
-    grid = (-(-spec.Nq // plan.block_q), H, B)
-    fn(grid, (plan.threads,), args, shared_mem=plan.shared_bytes)
-    return o, lse
-
-
-def online_softmax_rows(runtime, x, chunk_size=None):
-    """Run online_softmax_rows over the last axis of ``x``: ``(p, m, l)``.
-
-    ``p`` has x's shape and dtype; ``m`` and ``l`` have shape ``x.shape[:-1]``
-    and the kernel's statistics dtype (float32, float64 for float64 input).
-    ``chunk_size`` None processes each row as one chunk.
-    """
-    xp = runtime.xp
-    t = tiling.kernel_tiling("online_softmax_rows")
-    rows_per_block = tiling.ONLINE_SOFTMAX_ROWS_PER_BLOCK
-    lead, M = tuple(x.shape[:-1]), int(x.shape[-1])
-    stat_dtype = np.float64 if tiling.accumulator_bytes(x.dtype) == 8 else np.float32
-    p = alloc_output(xp, x.shape, x.dtype, "p")
-    m = alloc_output(xp, lead, stat_dtype, "m")
-    l = alloc_output(xp, lead, stat_dtype, "l")
-    rows = 1
-    for s in lead:
-        rows *= int(s)
-    if rows == 0:
-        return p, m, l
-    x2 = x.reshape(rows, M)
-    if (M > 1 and x2.strides[-1] != x2.itemsize) or (
-            runtime.name == "emulator" and any(st < 0 for st in x2.strides)):
-        x2 = xp.ascontiguousarray(x2)
-        _record("contiguous copy", x2)
-    es = _elem_strides(x2)
-    if es is None:
-        x2 = xp.ascontiguousarray(x2)
-        es = _elem_strides(x2)
-    chunk = M if chunk_size is None else int(chunk_size)
-    chunk = max(1, min(chunk, 2 ** 31 - 1))
-    fn = get_kernel(runtime, "online_softmax.cu", "online_softmax_rows",
-                    {kernels.dtype_define(x.dtype): None})
-    args = (pointer_arg(runtime, x2), p.reshape(rows, M), m.reshape(rows), l.reshape(rows),
-            np.int32(rows), np.int32(M), np.int32(chunk), np.int64(es[0]), np.int64(M))
-    grid = (-(-rows // rows_per_block),)
-    fn(grid, (t.threads(rows_per_block, 0, 0, 0),), args, shared_mem=0)
-    return p, m, l
+    return data_ptr(x) % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
 # --------------------------------------------------------------------------
-# the public functions that run kernels, parameterised by the runtime; the
-# "cuda" and "emulator" backend modules are thin wrappers around these
+# parameter blocks (kernels_cu/params.cuh) and the folded grid
 # --------------------------------------------------------------------------
-def _stat_out(xp, a, scalar):
-    """Statistics in float64 like the reference (0-d for 1-D input on NumPy: np.float64)."""
-    a = a.astype(np.float64)
-    if scalar and xp is np:
-        return np.float64(a[()])
-    return a
+_C_TYPES = {"int": "<i4", "long long": "<i8", "double": "<f8"}
+_FIELD_RE = re.compile(r"^\s*(long long|int|double)\s+([A-Za-z_][\w\s,]*);")
 
 
-def api_online_softmax(runtime, x, chunk_size, return_stats, one_d):
-    """online_softmax / online_softmax_2d through the online_softmax_rows kernel."""
-    from ._validate import check_float_dtype, check_positive_int
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"x must be an array, got {type(x).__module__}.{type(x).__name__}")
-    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
-    if one_d and x.ndim != 1:
-        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
-                         "use online_softmax_2d for rows")
-    if x.ndim < 1:
-        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
-    p, m, l = online_softmax_rows(runtime, x, chunk_size)
-    if not return_stats:
-        return p
-    xp = runtime.xp
-    return p, _stat_out(xp, m, one_d), _stat_out(xp, l, one_d)
+@functools.lru_cache(maxsize=None)
+def params_dtype(struct):
+    """The NumPy structured dtype of ``struct`` in ``kernels_cu/params.cuh`` (C alignment).
 
-
-def api_tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse):
-    """tiled_attention through flash_fwd (validation once, here)."""
-    from ._validate import check_attention_inputs
-    spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
-                                  block_kv=block_kv)
-    o, lse = flash_fwd(runtime, q, k, v, spec)
-    return (o, lse) if return_lse else o
-
-
-def api_tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_q, block_kv,
-                                 deterministic):
-    """tiled_attention_backward through the backward kernels (cuflash._launch_bwd)."""
-    from ._validate import check_backward_inputs
-    from . import _launch_bwd  # lazily: the backward launcher is its own module
-    spec = check_backward_inputs(do, q, k, v, o, lse, scale=scale, causal=causal,
-                                 block_q=block_q, block_kv=block_kv)
-    return _launch_bwd.flash_bwd(runtime, do, q, k, v, o, lse, spec,
-                                 deterministic=deterministic)
-
-
-def _dtype_label(dtype):
-    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
-
-
-def api_memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads):
-    """memory_analysis for the kernels: the reference's model with the kernel's tiles.
-
-    The tiles and ``sram_bytes_per_block`` are those flash_fwd launches with
-    (cuflash.tiling, against this runtime's shared-memory limit, which is
-    reported).  ``tiled_extra_bytes`` keeps the reference's definition (row
-    statistics plus one S/P tile pair, whatever memory holds them);
-    ``kernel_global_extra_bytes`` is what the kernel path actually keeps in
-    global memory besides q, k, v, o: the lse rows (m, l live in registers,
-    the S/P tile in registers and shared memory).  The HBM model is the reference's
-    (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
-    :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
-    the kernel is measured to move.
+    The header is the one definition of the layout; this reads its field list
+    (``int``, ``long long``, ``double`` members, in order) so that Python and
+    the kernels cannot disagree.
     """
-    from . import reference
-    from ._validate import check_positive_int
-    d_ = check_positive_int(d, "d")
-    bq = check_positive_int(block_q, "block_q")
-    bkv = check_positive_int(block_kv, "block_kv")
-    label = _dtype_label(dtype)
-    plan = runtime.plan_fwd(d_, d_, label, bq, bkv)
-    out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
-                                    block_kv=plan.block_kv, batch=batch, heads=heads)
-    BH = out["batch"] * out["heads"]
-    lse_bytes = BH * out["N"] * plan.acc_bytes
-    out.update({
-        "backend": runtime.name,
-        "kernel": plan.kernel,
-        "tiles_chosen": plan.chosen,
-        "threads_per_block": plan.threads,
-        "sram_bytes_per_block": plan.shared_bytes,
-        "sram_layout": tiling.kernel_tiling(plan.kernel).layout(
-            plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
-        "sram_limit_bytes": plan.limit,
-        "sram_limit_source": plan.limit_source,
-        "kernel_global_extra_bytes": lse_bytes,
-    })
-    return out
+    with open(kernels.source_path("params.cuh")) as f:
+        text = f.read()
+    m = re.search(r"struct\s+%s\s*\{(.*?)\};" % re.escape(struct), text, re.S)
+    if m is None:
+        raise KeyError(f"no struct {struct} in params.cuh")
+    fields = []
+    for line in m.group(1).splitlines():
+        line = line.split("//")[0]
+        fm = _FIELD_RE.match(line)
+        if fm is None:
+            if line.strip():
+                raise ValueError(f"params.cuh, struct {struct}: cannot read {line.strip()!r}")
+            continue
+        for name in fm.group(2).split(","):
+            fields.append((name.strip(), _C_TYPES[fm.group(1)]))
+    return np.dtype(fields, align=True)
 
 
-def api_verify_no_full_materialization(runtime, q, k, v, block_size):
-    """Run flash_fwd with block_q = block_kv = block_size and report the largest intermediate.
+def make_params(runtime, struct, **values):
+    """A ``struct`` parameter block holding ``values``, in the runtime's memory.
 
-    Intermediates are what the kernel path allocates besides the returned o:
-    the lse array (global memory), any contiguous/broadcast copy of an input,
-    and the kernel's shared-memory tiles (Qs, Ks, Vs, Ps of cuflash.tiling).
-    None of them grows with Nq * Nk.
+    Every field must be given (``pad*`` fields are zero).  Returns a 1-D uint8
+    array (NumPy on the emulator, CuPy on a GPU) whose address the kernels
+    receive as ``const struct*``.  On a GPU the copy is synchronised once here
+    (the block is then reused, unchanged, by every later identical call, on
+    any stream).
     """
-    from ._validate import check_attention_inputs
-    if block_size is None:
-        raise ValueError("block_size must be a positive int, got None")
-    spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
-    with track_allocations() as ledger:
-        o, _ = flash_fwd(runtime, q, k, v, spec)
-    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
-    bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
-    if plan.kernel == "flash_fwd_tc":  # shared-memory tiles (K/V double buffered)
-        sizes = [bq * (d + 8), 2 * bkv * (d + 8), 2 * bkv * (dv + 8)]
-    else:
-        sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]
-    for what, shape in ledger:
-        if what != "o":
-            n = 1
-            for s in shape:
-                n *= int(s)
-            sizes.append(n)
-    return o, int(max(sizes))
+    dt = params_dtype(struct)
+    missing = [n for n in dt.names if n not in values and not n.startswith("pad")]
+    extra = [n for n in values if n not in dt.names]
+    if missing or extra:
+        raise ValueError(f"internal: {struct} fields missing {missing}, unknown {extra}")
+    host = np.zeros(1, dtype=dt)
+    for n, val in values.items():
+        host[n] = val
+    raw = host.view(np.uint8)
+    if runtime.name == "emulator":
+        return raw
+    dev = runtime.xp.asarray(raw)
+    runtime.synchronize()
+    return dev
+
+
+def fold_grid(n_tiles, heads, batch, what):
+    """The grid ``(n_tiles * heads * batch,)`` of a folded launch, or ValueError past CUDA's limit."""
+    blocks = int(n_tiles) * int(heads) * int(batch)
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"{what} needs {blocks} thread blocks ({n_tiles} tiles x {heads} heads x "
+                         f"{batch} batch entries), more than a CUDA grid holds ({MAX_GRID_X}); "
+                         "split the call along the batch")
+    return (blocks,)

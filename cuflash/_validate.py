@@ -4,7 +4,7 @@ Every check here reads only ``.shape``, ``.dtype`` and ``.ndim`` (and the
 array's module, to refuse mixing libraries), so the same functions validate
 NumPy arrays for the reference and the emulator and CuPy arrays for the CUDA
 backend without touching their data.  Each error names the shapes or values
-involved (the error table of ``docs/api.md``).
+involved.
 
 The result of a successful check is an :class:`AttentionSpec`, the one
 description of the problem that the backends and the launchers read: the
@@ -80,7 +80,7 @@ class AttentionSpec:
 
     @property
     def lse_dtype(self):
-        """float64 for float64 inputs, float32 otherwise (``docs/api.md``)."""
+        """float64 for float64 inputs, float32 otherwise."""
         return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
     @property
@@ -176,7 +176,7 @@ def _broadcast(a, b):
 
 
 def _leading(q, k, v):
-    """(lead, q_lead, kv_lead, group) following the GQA rule of docs/api.md."""
+    """(lead, q_lead, kv_lead, group): broadcasting, and grouped-query heads when Hk divides H."""
     q_lead = tuple(q.shape[:-2])
     k_lead, v_lead = tuple(k.shape[:-2]), tuple(v.shape[:-2])
     kv_lead = _broadcast(k_lead, v_lead)
@@ -259,7 +259,7 @@ def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, b
 
 
 def check_backward_inputs(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
-                          block_kv=None):
+                          block_kv=None, need_forward=True):
     """Validate a backward call: q, k, v as in the forward, plus do, o and lse.
 
     Parameters
@@ -268,16 +268,24 @@ def check_backward_inputs(do, q, k, v, o, lse, *, scale=None, causal=False, bloc
         Gradient of the loss with respect to ``o``; same dtype as q.
     q, k, v : ndarray
         As in :func:`check_attention_inputs`.
-    o : ndarray, shape lead + (Nq, dv) or None
-        Forward output; same dtype as q.  None where the backward does not
-        need it (``standard_attention_backward``).
-    lse : ndarray, shape lead + (Nq,) or None
+    o : ndarray, shape lead + (Nq, dv)
+        Forward output; same dtype as q.
+    lse : ndarray, shape lead + (Nq,)
         Log-sum-exp of the forward; any supported float dtype.
+    need_forward : bool
+        True (the tiled backward): o and lse must be arrays.  False
+        (``standard_attention_backward``, which recomputes P): pass None for both.
 
     Returns
     -------
     AttentionSpec
     """
+    if need_forward:
+        for name, a in (("o", o), ("lse", lse)):
+            if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+                raise TypeError(f"{name} must be the forward's {name} array "
+                                "(o, lse = tiled_attention(q, k, v, return_lse=True)), got "
+                                f"{type(a).__module__}.{type(a).__name__}")
     named = [("do", do), ("q", q), ("k", k), ("v", v)] + ([("o", o)] if o is not None else [])
     _check_arrays(named)
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,

@@ -1,10 +1,11 @@
-"""Command line: ``python -m cuflash demo`` and ``python -m cuflash bench``.
+"""Command line: ``python -m cuflash demo``, ``bench`` and ``compile``.
 
-``demo`` prints the 4x4 walk-through of seed 000 tile by tile (the running
+``demo`` prints a 4x4 walk-through of the algorithm tile by tile (the running
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).
+``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).  ``compile``
+fills the kernel cache ahead of time (:func:`cuflash.precompile`).
 """
 import argparse
 import sys
@@ -32,14 +33,14 @@ def _progress(msg):
 
 
 def walkthrough():
-    """Seed 000's 4x4 example: forward trace, check against standard attention, backward."""
+    """The 4x4 walk-through: forward trace, check against standard attention, backward."""
     from .reference import standard_attention
     from .trace import backward_steps, format_backward, format_trace, trace_forward, \
         worked_example
     ex = worked_example()
     q, k, v, do = ex["q"], ex["k"], ex["v"], ex["do"]
     _say("=" * 78)
-    _say("Part 1 - the 4x4 walk-through of seed 000 (scale = 1, blocks of 2)")
+    _say("Part 1 - a 4x4 walk-through: Q, K, V of 4 rows, scale = 1, tiles of 2 rows")
     _say("=" * 78)
     _say("Q, K, V:")
     for name, a in (("Q", q), ("K", k), ("V", v)):
@@ -56,9 +57,9 @@ def walkthrough():
     _say("Backward with dO = " + np.array2string(do, precision=0, separator=", ",
                                                   prefix="Backward with dO = "))
     _say(format_backward(backward_steps(do, q, k, v, scale=1.0)))
-    _say("(Seed 000 rounds a few of these by hand; to more digits they are 5.5752 (seed: 5.57), "
-         "l = 1.6386 (1.638),\n 11.8039 (11.81), 16.7196 (16.71), D0 = 34.8155 (34.83), "
-         "dQ[0,1] = 1.1868 (1.18), dQ[2] = -3.1458/3.1458 (-3.14/3.14).)")
+    _say("(To more digits: l of rows 0-1 after tile (0,1) = 1.6386, their O[0,0] = 11.8039 and "
+         "O[0,3] = 16.7196;\n D[0] = 34.8155, dS[0,0] = -5.5715, dQ[0,1] = 1.1868, "
+         "dQ[2,0:2] = -3.1458, 3.1458.)")
 
 
 def _measure_numpy(fn):
@@ -138,6 +139,10 @@ def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
          f"HBM traffic {model['standard_hbm_bytes'] / mib:.2f} vs "
          f"{model['tiled_hbm_bytes'] / mib:.2f} MiB; tiles block_q={model['block_q']}, "
          f"block_kv={model['block_kv']}")
+    if backend == "numpy":
+        _say("(the model counts S and P as two arrays, as a textbook implementation keeps "
+             "them; the NumPy reference overwrites S with P in place, so it holds one "
+             "(N, N) array per head: half the modelled figure, plus its output)")
     if not rel < 1e-4:
         _say("ERROR: standard and tiled attention disagree")
         return 1
@@ -167,10 +172,10 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m cuflash",
         description="cuflash: exact FlashAttention - demo of the algorithm and benchmarks.")
-    sub = p.add_subparsers(dest="command", metavar="{demo,bench}")
+    sub = p.add_subparsers(dest="command", metavar="{demo,bench,compile}")
     d = sub.add_parser(
         "demo", help="the 4x4 walk-through tile by tile, then standard vs tiled attention",
-        description="Print seed 000's 4x4 walk-through tile by tile (running m, l and "
+        description="Print a 4x4 walk-through of the algorithm tile by tile (running m, l and "
         "unnormalised O after each tile) and its backward, then run standard and tiled "
         "attention at a moderate size on a backend, showing that they agree and the memory "
         "each used.")
@@ -193,7 +198,69 @@ def build_parser():
                    description="CPU benchmark of the cuflash NumPy backend against naive "
                    "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
                    "peak memory, and a plot against N.")
+    _add_compile_parser(sub)
     return p
+
+
+# --------------------------------------------------------------------------
+# compile: fill the kernel cache ahead of time
+# --------------------------------------------------------------------------
+def _csv(kind, choices=None):
+    """An argparse type: comma-separated values of ``kind``, each in ``choices`` if given."""
+    def parse(text):
+        out = []
+        for item in text.split(","):
+            item = item.strip()
+            try:
+                val = kind(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r} is not a {kind.__name__}") from None
+            if choices is not None and val not in choices:
+                raise argparse.ArgumentTypeError(f"{item!r}: choose from {', '.join(choices)}")
+            if kind is int and val <= 0:
+                raise argparse.ArgumentTypeError(f"{item!r}: must be a positive int")
+            out.append(val)
+        return tuple(out)
+    return parse
+
+
+def _add_compile_parser(sub):
+    from ._validate import SUPPORTED_DTYPES
+    c = sub.add_parser(
+        "compile", help="compile the kernels of default-tile calls now (fill the cache)",
+        description="Compile the forward and backward kernels of default-tile calls for "
+        "the given dtypes and head dims, concurrently, so that later processes load them "
+        "from the cache instead of compiling at their first call (for containers and "
+        "clusters). On a GPU the cache is CuPy's ($CUPY_CACHE_DIR, default "
+        "~/.cupy/kernel_cache); on the emulator $CUFLASH_CACHE_DIR/emulator (default "
+        "~/.cache/cuflash/emulator).")
+    c.add_argument("--dtypes", type=_csv(str, SUPPORTED_DTYPES), default=("float16", "bfloat16"),
+                   help="comma-separated dtypes (default: float16,bfloat16)")
+    c.add_argument("--head-dims", type=_csv(int), default=(64, 128),
+                   help="comma-separated head dims (default: 64,128)")
+    c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
+                   help="default: cuda (a GPU and CuPy must be present)")
+
+
+def compile_kernels(args):
+    import cuflash
+    from . import available_backends
+    backend = args.backend or "cuda"
+    ok, why = available_backends()[backend]
+    if not ok:
+        print(f"backend {backend!r} is not available here: {why}", file=sys.stderr)
+        return 2
+    try:
+        res = cuflash.precompile(args.dtypes, args.head_dims, backend=backend,
+                                 progress=_progress)
+    except ValueError as e:  # a head dim no kernel supports, shared memory, ...
+        print(f"cannot compile: {e}", file=sys.stderr)
+        return 2
+    for m in res["modules"]:
+        _say(f"{m['file']:<18} {', '.join(m['kernels'])}  [{' '.join(m['options'])}]")
+    _say(f"{len(res['modules'])} module(s) ready in {res['seconds']:.1f} s "
+         f"(backend {res['backend']})")
+    return 0
 
 
 def main(argv=None):
@@ -210,5 +277,7 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return 0
+    if args.command == "compile":
+        return compile_kernels(args)
     p.print_help()
     return 2

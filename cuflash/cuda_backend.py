@@ -4,7 +4,8 @@ Kernels are compiled at run time by ``cupy.RawModule`` (NVRTC for the current
 device's architecture), specialised by ``-D`` defines and cached per device
 (:mod:`cuflash.kernels`); tile sizes and the shared-memory budget come from
 :mod:`cuflash.tiling` against the device's ``MaxSharedMemoryPerBlockOptin``.
-The launch code is the same as the emulator's (:mod:`cuflash._launch`).
+The launch code is the same as the emulator's (:mod:`cuflash._launch_fwd`,
+:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`).
 
 ``standard_attention`` / ``standard_attention_backward`` are plain CuPy
 (cuBLAS matmuls and an elementwise softmax): the baseline users would write,
@@ -15,42 +16,64 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 """
 import numpy as np
 
-from . import _launch, kernels
+from . import _launch_bwd, _launch_fwd, _launch_softmax, _precompile, kernels
 from ._validate import check_attention_inputs, check_backward_inputs
 from .reference import sum_to_shape
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
     "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
-    "memory_analysis", "verify_no_full_materialization", "runtime",
+    "memory_analysis", "verify_no_full_materialization", "precompile", "runtime",
 ]
 
 _RUNTIMES = {}
+_AVAILABLE = None
+
+# what to tell a user without CuPy (a checkout is how cuflash is installed today)
+INSTALL_HINT = ('pip install ".[cuda12]" (CUDA 12.x driver) or ".[cuda13]" (CUDA 13.x) from a '
+                "cuflash checkout; nvidia-smi shows the driver's CUDA version")
 
 
 def runtime():
-    """The :class:`cuflash.kernels.Runtime` of the current CuPy device."""
+    """The :class:`cuflash.kernels.Runtime` of the current CuPy device.
+
+    One ``cudaGetDevice`` per call (no device-property query): the runtime,
+    with its plans, compiled kernels and prepared calls, is made once per device.
+    """
     import cupy
-    dev = cupy.cuda.Device().id
-    if dev not in _RUNTIMES:
-        _RUNTIMES[dev] = kernels.get_runtime("cuda")
-    return _RUNTIMES[dev]
+    dev = cupy.cuda.runtime.getDevice()
+    rt = _RUNTIMES.get(dev)
+    if rt is None:
+        rt = _RUNTIMES[dev] = kernels.get_runtime("cuda")
+    return rt
 
 
 def is_available():
-    """(True, device) when CuPy imports and sees a CUDA device, else (False, why)."""
+    """(True, device) when CuPy imports and sees a CUDA device, else (False, why).
+
+    Asked once per process (the answer is kept): the device count and name do
+    not change under a running program, and the query costs about a millisecond.
+    """
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = _probe()
+    return _AVAILABLE
+
+
+def _probe():
     try:
         import cupy
     except Exception as e:  # ImportError, or a CUDA library that fails to load
-        return False, f"cupy is not importable ({type(e).__name__}: {e}); " \
-                      "pip install cuflash[cuda12] or cuflash[cuda13]"
+        if isinstance(e, ImportError) and getattr(e, "name", None) == "cupy":
+            return False, f"CuPy is not installed: {INSTALL_HINT}"
+        return False, f"cupy is not importable ({type(e).__name__}: {e}); {INSTALL_HINT}"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:
-        return False, f"cupy cannot reach a CUDA device ({type(e).__name__}: {e})"
+        return False, f"CuPy cannot reach a CUDA device ({type(e).__name__}: {e})"
     if n < 1:
-        return False, "cupy found no CUDA device"
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        return False, "CuPy found no CUDA device"
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     name = props.get("name", b"?")
     name = name.decode() if isinstance(name, bytes) else str(name)
     return True, f"{n} CUDA device(s), current: {name}"
@@ -58,12 +81,12 @@ def is_available():
 
 def online_softmax(x, chunk_size=None, *, return_stats=False):
     """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
-    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
+    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
 
 
 def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
     """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
-    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
+    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
 
 
 # --------------------------------------------------------------------------
@@ -142,21 +165,22 @@ def standard_attention(q, k, v, *, scale=None, causal=False):
 def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
     """Plain CuPy stored-P backward. See Also ``cuflash.reference.standard_attention_backward``."""
     import cupy
-    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal)
+    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
+                                 need_forward=False)
     return _standard_backward(cupy, do, q, k, v, spec)
 
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
                     return_lse=False):
-    """Kernel flash_fwd. See Also ``cuflash.reference.tiled_attention``."""
-    return _launch.api_tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
+    """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
+    return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
                                        return_lse)
 
 
 def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
                              block_kv=None, deterministic=False):
-    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.reference.tiled_attention_backward``."""
-    return _launch.api_tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
+    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.tiled_attention_backward``."""
+    return _launch_bwd.tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
                                                 block_q, block_kv, deterministic)
 
 
@@ -164,10 +188,10 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
                     heads=1):
     """The model with flash_fwd's tiles against this device's shared-memory limit.
 
-    See Also ``cuflash.reference.memory_analysis``; the extra keys are described
-    in ``cuflash._launch.api_memory_analysis``.
+    See Also ``cuflash.memory_analysis``; the extra keys are described in
+    ``cuflash._launch_fwd.memory_analysis``.
     """
-    return _launch.api_memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+    return _launch_fwd.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
                                        heads)
 
 
@@ -176,4 +200,12 @@ def verify_no_full_materialization(q, k, v, block_size):
 
     See Also ``cuflash.reference.verify_no_full_materialization``.
     """
-    return _launch.api_verify_no_full_materialization(runtime(), q, k, v, block_size)
+    return _launch_fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
+
+
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+    """Compile the default-tile forward and backward kernels for this GPU now.
+
+    See Also ``cuflash.precompile``.
+    """
+    return _precompile.precompile(runtime(), dtypes, head_dims, progress)

@@ -4,7 +4,7 @@ NumPy arrays in and out.  The kernels are the same sources the "cuda" backend
 compiles with NVRTC; here ``cuflash.emulator`` compiles them with the host C++
 compiler and runs them with CUDA's execution semantics (slow: for tests,
 debugging and learning).  The launch code is shared with the "cuda" backend
-(:mod:`cuflash._launch`); tile sizes are held to a nominal sm_80 shared-memory
+(:mod:`cuflash._launch_fwd`, :mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`); tile sizes are held to a nominal sm_80 shared-memory
 limit (:mod:`cuflash.tiling`), which ``memory_analysis`` reports.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
@@ -13,12 +13,12 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 import os
 import shutil
 
-from . import _launch, kernels, reference
+from . import _launch_bwd, _launch_fwd, _launch_softmax, _precompile, kernels, reference
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
     "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
-    "memory_analysis", "verify_no_full_materialization", "runtime",
+    "memory_analysis", "verify_no_full_materialization", "precompile", "runtime",
 ]
 
 _RUNTIMES = {}
@@ -50,12 +50,12 @@ def is_available():
 
 def online_softmax(x, chunk_size=None, *, return_stats=False):
     """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
-    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
+    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
 
 
 def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
     """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
-    return _launch.api_online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
+    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
 
 
 def standard_attention(q, k, v, *, scale=None, causal=False):
@@ -76,15 +76,15 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
                     return_lse=False):
-    """Kernel flash_fwd. See Also ``cuflash.reference.tiled_attention``."""
-    return _launch.api_tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
+    """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
+    return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
                                        return_lse)
 
 
 def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
                              block_kv=None, deterministic=False):
-    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.reference.tiled_attention_backward``."""
-    return _launch.api_tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
+    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.tiled_attention_backward``."""
+    return _launch_bwd.tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
                                                 block_q, block_kv, deterministic)
 
 
@@ -92,10 +92,10 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
                     heads=1):
     """The model with flash_fwd's tiles and shared memory (nominal sm_80 limit).
 
-    See Also ``cuflash.reference.memory_analysis``; the extra keys are described
-    in ``cuflash._launch.api_memory_analysis``.
+    See Also ``cuflash.memory_analysis``; the extra keys are described in
+    ``cuflash._launch_fwd.memory_analysis``.
     """
-    return _launch.api_memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+    return _launch_fwd.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
                                        heads)
 
 
@@ -104,4 +104,12 @@ def verify_no_full_materialization(q, k, v, block_size):
 
     See Also ``cuflash.reference.verify_no_full_materialization``.
     """
-    return _launch.api_verify_no_full_materialization(runtime(), q, k, v, block_size)
+    return _launch_fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
+
+
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+    """Compile the default-tile kernels into the emulator's cache now (``CUFLASH_CACHE_DIR``).
+
+    See Also ``cuflash.precompile``.
+    """
+    return _precompile.precompile(runtime(), dtypes, head_dims, progress)

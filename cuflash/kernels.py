@@ -22,6 +22,9 @@ The one module that knows where the ``.cu`` files are and how they are built:
 
 Nothing here imports CuPy or the emulator until a kernel is actually needed.
 """
+import collections
+import concurrent.futures
+import functools
 import os
 import threading
 
@@ -31,11 +34,11 @@ from . import tiling
 
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
-    "get_function", "compile_variants", "fwd_defines",
+    "get_function", "get_functions", "compile_variants", "plan_defines", "KERNEL_SOURCES",
+    "CallCache",
 ]
 
-
-
+@functools.lru_cache(maxsize=None)
 def kernel_dir():
     """Directory holding the ``.cu`` sources and ``portable.cuh``.
 
@@ -52,6 +55,7 @@ def kernel_dir():
         "reinstall cuflash (the wheel must include cuflash/kernels_cu)")
 
 
+@functools.lru_cache(maxsize=None)
 def source_path(filename):
     """Absolute path of one kernel source file (e.g. ``"flash_fwd.cu"``)."""
     path = os.path.join(kernel_dir(), filename)
@@ -73,24 +77,75 @@ def dtype_define(dtype):
         raise TypeError(f"no kernel for dtype {name}; supported: {sorted(_DTYPE_DEFINES)}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _build_options(items):
+    opts = ["-std=c++17", f"-I{kernel_dir()}"]
+    for key, val in items:
+        opts.append(f"-D{key}" if val is None else f"-D{key}={val}")
+    return tuple(opts)
+
+
 def build_options(defines):
     """Compiler options for a dict of defines (value None = a bare ``-DNAME``).
 
     The order is canonical (sorted), so equal specialisations share one cache
     entry.
     """
-    opts = ["-std=c++17", f"-I{kernel_dir()}"]
-    for key in sorted(defines):
-        val = defines[key]
-        opts.append(f"-D{key}" if val is None else f"-D{key}={val}")
-    return tuple(opts)
+    return _build_options(tuple(sorted(defines.items())))
 
 
-def fwd_defines(plan):
-    """Defines of flash_fwd for a :class:`cuflash.tiling.TilePlan`."""
+# kernel name -> the kernels_cu file that defines it
+KERNEL_SOURCES = {
+    "flash_fwd": "flash_fwd.cu",
+    "flash_fwd_tc": "flash_fwd_tc.cu",
+    "online_softmax_rows": "online_softmax.cu",
+    "flash_bwd_preprocess": "flash_bwd.cu",
+    "flash_bwd_dkdv": "flash_bwd.cu",
+    "flash_bwd_dq": "flash_bwd.cu",
+    "flash_bwd_dq_convert": "flash_bwd.cu",
+}
+
+
+def plan_defines(plan):
+    """The ``-D`` defines of a kernel specialised for a :class:`cuflash.tiling.TilePlan`.
+
+    The same names in every kernel: dtype, ``CUFLASH_HEAD_DIM`` (d),
+    ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
+    ``CUFLASH_THREADS``.
+    """
     return {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
             "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
-            "CUFLASH_BLOCK_KV": plan.block_kv}
+            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+
+
+class CallCache:
+    """A bounded mapping key -> prepared call (least recently inserted dropped first).
+
+    Entries are small (a closure, a few hundred bytes of parameter block); the
+    bound only stops a process that sweeps thousands of shapes from growing
+    without limit.
+    """
+
+    def __init__(self, maxsize=1024):
+        self._d = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.maxsize = maxsize
+
+    def get(self, key):
+        return self._d.get(key)
+
+    def put(self, key, value):
+        with self._lock:
+            self._d[key] = value
+            while len(self._d) > self.maxsize:
+                self._d.popitem(last=False)
+
+    def clear(self):
+        with self._lock:
+            self._d.clear()
+
+    def __len__(self):
+        return len(self._d)
 
 
 class Runtime:
@@ -117,8 +172,10 @@ class Runtime:
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None, tensor_cores=True):
+                 device_key=None, tensor_cores=True, synchronize=None):
         self.name = name
+        self.calls = CallCache()
+        self._synchronize = synchronize
         self.tensor_cores = tensor_cores
         self.xp = xp
         self._factory = module_factory
@@ -138,6 +195,11 @@ class Runtime:
             kernel = "flash_fwd"
         return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
                                      limit_source=self.smem_source, kernel=kernel)
+
+    def synchronize(self):
+        """Wait for the device (GPU: the current stream); nothing on the emulator."""
+        if self._synchronize is not None:
+            self._synchronize()
 
     def module(self, filename, options):
         """A compiled module for one source file and option set (not cached here)."""
@@ -181,7 +243,8 @@ def get_runtime(backend, *, race_check=False, arch=None):
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
         dev = cupy.cuda.Device()
         return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
-                       tensor_cores=int(dev.compute_capability) >= 80)
+                       tensor_cores=int(dev.compute_capability) >= 80,
+                       synchronize=lambda: cupy.cuda.get_current_stream().synchronize())
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
                    race_check=race_check, device_key=("emulator", bool(race_check), arch),
                    tensor_cores=arch is None or int(arch.split("_")[1]) >= 80)
@@ -189,6 +252,25 @@ def get_runtime(backend, *, race_check=False, arch=None):
 
 _CACHE = {}
 _CACHE_LOCK = threading.Lock()
+
+
+def _module(runtime, filename, options):
+    key = (runtime.device_key, filename, options)
+    with _CACHE_LOCK:
+        mod = _CACHE.get(key)
+    if mod is None:
+        mod = runtime.module(filename, options)
+        with _CACHE_LOCK:
+            mod = _CACHE.setdefault(key, mod)
+    return mod
+
+
+def _raise_smem(fn, shared_bytes):
+    # both CuPy and the emulator hold launches to this attribute (48 KB by default)
+    if shared_bytes > tiling.STATIC_SMEM_LIMIT:
+        if getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = int(shared_bytes)
+    return fn
 
 
 def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
@@ -199,63 +281,89 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     ``max_dynamic_shared_size_bytes`` is raised to it (CuPy, and the emulator,
     which mirrors the attribute; plans there are checked against a nominal limit).
     """
-    options = build_options(defines)
-    key = (runtime.device_key, filename, options)
-    with _CACHE_LOCK:
-        mod = _CACHE.get(key)
-    if mod is None:
-        mod = runtime.module(filename, options)
+    mod = _module(runtime, filename, build_options(defines))
+    return _raise_smem(mod.get_function(kernel_name), shared_bytes)
+
+
+# NVRTC (through CuPy) and the host compiler release the GIL while they compile, so the
+# modules of one call compile side by side in threads
+_COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def get_functions(runtime, requests):
+    """Several kernels at once: ``[(filename, kernel_name, defines, shared_bytes), ...]``.
+
+    The distinct modules among the requests that are not compiled yet are
+    compiled concurrently (one thread each, up to ``_COMPILE_THREADS``): a call
+    that needs kernels from several modules pays for the slowest compile, not
+    the sum.  Returns the kernels in the order of ``requests``.
+    """
+    keyed = [(fn, name, build_options(defines), shared) for fn, name, defines, shared in requests]
+    todo = {}
+    for filename, _, options, _ in keyed:
+        key = (runtime.device_key, filename, options)
         with _CACHE_LOCK:
-            _CACHE[key] = mod
-    fn = mod.get_function(kernel_name)
-    # both CuPy and the emulator hold launches to this attribute (48 KB by default)
-    if shared_bytes > tiling.STATIC_SMEM_LIMIT:
-        if getattr(fn, "max_dynamic_shared_size_bytes", 0) < shared_bytes:
-            fn.max_dynamic_shared_size_bytes = int(shared_bytes)
-    return fn
+            cached = key in _CACHE
+        if not cached:
+            todo[key] = (filename, options)
+    if len(todo) > 1:
+        def build(item):
+            filename, options = item
+            mod = _module(runtime, filename, options)
+            compile_now = getattr(mod, "compile", None)  # CuPy / the emulator compile lazily
+            if compile_now is not None:
+                compile_now()
+        workers = min(len(todo), _COMPILE_THREADS)
+        with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+            list(ex.map(build, todo.values()))
+    return [_raise_smem(_module(runtime, filename, options).get_function(name), shared)
+            for filename, name, options, shared in keyed]
 
 
 def compile_variants():
     """Specialisations to compile-check per kernel file: ``{filename: [options, ...]}``.
 
     Each entry is a tuple of options as :func:`build_options` makes them (no
-    ``-arch``: the caller adds one per architecture).  The list covers every
-    dtype, the head dims of the test grid with the default tiles of an sm_80
-    (163 KB), the smallest and largest tiles, and the tensor-core kernel.
+    ``-arch``: the caller adds one per architecture).  Built from the tile
+    plans of :mod:`cuflash.tiling` alone (this module imports no launcher):
+    every dtype, the head dims of the test grid with the default tiles of an
+    sm_80 (163 KB, as a launch there gets them: the kernel report reads these
+    variants), the smallest and largest tiles, dv != d, and the tensor-core
+    kernel.  Kept short: a large kernel costs seconds of NVRTC per architecture.
     """
-    out = {}
-    fwd = []
-    seen = set()
-
-    # defaults as an sm_80 gets them (the kernel report reads these variants)
     sm80 = tiling.EMULATOR_ARCHES["sm_80"]
+    out = {}
 
-    def add(dtype, d, bq=None, bkv=None):
-        p = tiling.plan("flash_fwd", d, d, dtype, bq, bkv, limit=sm80)
-        opts = build_options(fwd_defines(p))
-        if opts not in seen:
-            seen.add(opts)
-            fwd.append(opts)
+    def add(kernel, dtype, d, dv=None, bq=None, bkv=None):
+        p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=sm80)
+        opts = build_options(plan_defines(p))
+        lst = out.setdefault(KERNEL_SOURCES[kernel], [])
+        if opts not in lst:
+            lst.append(opts)
 
+    # flash_fwd.cu (SIMT): every dtype
     for dt in ("float16", "bfloat16", "float32", "float64"):
         for d in (64, 256):
-            add(dt, d)
+            add("flash_fwd", dt, d)
     for d in (16, 32, 96, 128):
-        add("float32", d)
-    add("float32", 64, 8, 8)        # smallest tiles
-    add("float32", 128, 128, 64)    # largest tile pair within the register rule at d=128
-    out["flash_fwd.cu"] = fwd
-    tc = []
+        add("flash_fwd", "float32", d)
+    add("flash_fwd", "float32", 64, bq=8, bkv=8)        # smallest tiles
+    add("flash_fwd", "float32", 128, bq=128, bkv=64)    # largest pair within the register rule
+    # flash_fwd_tc.cu: float16/bfloat16 on tensor cores
     for dt in tiling.TC_DTYPES:
         for d in (16, 64, 128):
-            p = tiling.plan("flash_fwd_tc", d, d, dt, limit=sm80)
-            tc.append(build_options(fwd_defines(p)))
-    tc.append(build_options(fwd_defines(tiling.plan("flash_fwd_tc", 96, 32, "float16", 16, 128))))
-    out["flash_fwd_tc.cu"] = tc
+            add("flash_fwd_tc", dt, d)
+    add("flash_fwd_tc", "float16", 96, dv=32, bq=16, bkv=128)
+    # online_softmax.cu: one per dtype
     out["online_softmax.cu"] = [build_options({define: None}) for define in _DTYPE_DEFINES.values()]
-    try:  # the backward's own list (cuflash/_launch_bwd.py, KERNELS-BWD)
-        from . import _launch_bwd
-        out["flash_bwd.cu"] = list(_launch_bwd.compile_variants())
-    except (ImportError, AttributeError):
-        pass
+    # flash_bwd.cu (SIMT backward): float32 over the head dims of the test grid, two head
+    # dims for each other dtype (the dtype changes only conversions and the accumulator),
+    # the smallest tiles, dv != d
+    for d in (16, 32, 64, 96, 128, 256):
+        add("flash_bwd_dkdv", "float32", d)
+    for dt, dims in (("float16", (32, 128)), ("bfloat16", (16, 256)), ("float64", (64, 256))):
+        for d in dims:
+            add("flash_bwd_dkdv", dt, d)
+    add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
+    add("flash_bwd_dkdv", "float32", 96, dv=32)
     return out

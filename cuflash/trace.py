@@ -1,15 +1,14 @@
 """A tile-by-tile trace of the FlashAttention forward, for learning and for tests.
 
-``trace_forward`` runs the algorithm of the seed documents on one (N, d)
+``trace_forward`` runs the FlashAttention forward on one (N, d)
 problem, in float64, and records after every (query tile i, key/value tile j)
-step exactly what the seed 000 walk-through prints: the tile's logits ``S``,
+step everything a hand walk-through of the algorithm shows: the tile's logits ``S``,
 its row maxima ``m~``, the running maximum before and after (``m_old``,
 ``m_new``), the correction ``c = exp(m_old - m_new)``, the local exponentials
 ``P~ = exp(S - m_new)``, the running sum ``l`` and the unnormalised output
-``O``.  ``format_trace`` prints it in the seed's layout; ``python -m cuflash
-demo`` shows it for the seed's 4x4 example (``worked_example()``), where it
-reproduces the walk-through number for number (the seed rounds two
-intermediate values by hand: its 11.81 and 16.71 are 11.804 and 16.720).
+``O``.  ``format_trace`` prints it one tile per block; ``python -m cuflash
+demo`` shows it for a 4x4 example (``worked_example()``), where it
+prints every intermediate value of the walk-through.
 
 The update is the one of ``cuflash.reference.tiled_attention`` (and of the
 CUDA kernel), written out one 2-D tile at a time instead of vectorised, so the
@@ -80,9 +79,9 @@ class ForwardTrace:
 
 
 def worked_example():
-    """The 4x4 example of seed 000: ``dict(q=Q, k=K, v=V, do=dO)`` as float64 arrays.
+    """The 4x4 walk-through example (Q, K, V, dO with 4 rows and d = 2 or 4): ``dict(q=Q, k=K, v=V, do=dO)`` as float64 arrays.
 
-    Used with ``scale=1`` and blocks of 2 (the seed ignores ``sqrt(d)``).
+    Used with ``scale=1`` and blocks of 2 (the walk-through ignores ``sqrt(d)``).
     """
     q = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 0, 0], [0, 1, 0, 0]], dtype=np.float64)
     k = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=np.float64)
@@ -100,9 +99,9 @@ def trace_forward(q, k, v, *, block_q=2, block_kv=2, scale=None, causal=False):
     k : ndarray, shape (Nk, d)
     v : ndarray, shape (Nk, dv)
     block_q, block_kv : int
-        Br and Bc (2 and 2 for the seed's walk-through).
+        Br and Bc (2 and 2 for the walk-through).
     scale : float, optional
-        None means ``1/sqrt(d)``; the seed uses 1.
+        None means ``1/sqrt(d)``; the walk-through uses 1.
     causal : bool or {"bottom_right", "top_left"}
         Tiles entirely above the boundary appear in ``skipped`` and are not
         computed; tiles crossing it are marked ``masked``.
@@ -187,7 +186,7 @@ def _block(label, a, decimals, indent="    "):
 
 
 def format_trace(trace, decimals=3):
-    """The trace as text in the seed's layout: one block per tile, then each Q tile's result.
+    """The trace as text: one block per tile, then each Q tile's result.
 
     Stats, ``P~`` and ``c`` are printed with ``decimals`` decimals, outputs with 2.
     """
@@ -231,7 +230,7 @@ def format_trace(trace, decimals=3):
 
 
 def backward_steps(do, q, k, v, *, scale=None, causal=False):
-    """The textbook backward of seed 000 on 2-D inputs, every intermediate kept (float64).
+    """The textbook backward on 2-D inputs, every intermediate kept (float64).
 
     Returns
     -------

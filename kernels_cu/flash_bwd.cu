@@ -1,12 +1,12 @@
 // flash_bwd.cu - FlashAttention-2 backward: dQ, dK, dV from dO, Q, K, V, O and lse.
 //
-// What it computes (docs/api.md, tiled_attention_backward), for every query head
+// What it computes (cuflash.tiled_attention_backward), for every query head
 // problem with P = softmax(scale * Q K^T [masked]) (never stored):
 //     dV = P^T dO              dP = dO V^T
-//     D  = rowsum(dO * O)      dS = P * (dP - D)        (softmax backward, seed 004 step 1)
+//     D  = rowsum(dO * O)      dS = P * (dP - D)        (softmax backward)
 //     dQ = scale * dS K        dK = scale * dS^T Q
 // P is recomputed tile by tile from the forward's log-sum-exp: P = exp(scale*S - lse)
-// (seed 004 step 0), so no (Nq, Nk) array exists anywhere.
+// (FlashAttention-2, Dao 2023), so no (Nq, Nk) array exists anywhere.
 //
 // Kernels (one launch each, in this order):
 //   flash_bwd_preprocess  D = rowsum(dO * O): warps read rows coalesced, partial sums meet
@@ -17,7 +17,7 @@
 //                         group and every Q tile that can see Kj; dKj, dVj accumulate in
 //                         registers and are written once -> deterministic, no atomics.
 //                         With atomic_dq != 0 it also adds scale * dS Kj into a float32 dQ
-//                         accumulator with atomics (seed 004, last line).
+//                         accumulator with atomics (as FlashAttention-2).
 //   flash_bwd_dq          deterministic dQ: one block per (Q tile i, query head): Qi, dOi
 //                         resident, Kj/Vj streamed, dQi accumulated in registers.
 //   flash_bwd_dq_convert  float32 dQ accumulator -> dQ in the input dtype (atomic path).
@@ -36,7 +36,8 @@
 // group's query heads, so dK/dV of a kv head are summed here, deterministically. Leading
 // dims along which q or k/v were broadcast are summed on the host by the launcher (xp.sum
 // over the contiguous gradients), not here.
-// Grids: preprocess and dq (ceil(Nq / rows), H, B); dkdv (ceil(Nk / Bc), Hk, B).
+// Grids (batch, heads and tiles folded into x, params.cuh): preprocess ceil(Nq / rows) * H * B,
+// dq ceil(Nq / Br) * H * B, dkdv ceil(Nk / Bc) * Hk * B; sizes and strides in a BwdParams block.
 //
 // Causal (runtime `causal`, `causal_offset`): query i sees key j iff j <= i + causal_offset,
 // causal_offset = Nk - Nq (bottom_right) or 0 (top_left). Q tiles that cannot see Kj are
@@ -59,10 +60,11 @@
 // Rows are padded by one element so that the threads of a warp, which read one column of
 // Kj/Vj each (K_s[c][k] for consecutive c), hit different banks.
 //
-// Limits: SIMT (no tensor cores); head dims <= 256; H, Hk and B <= 65535 (grid y/z); the
+// Limits: SIMT (no tensor cores); head dims <= 256; the
 // atomic dQ path's summation order is not fixed (deterministic=False only).
 
 #include "dtype.cuh"
+#include "params.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
@@ -97,7 +99,7 @@ __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const elem_t*
 }
 
 // ---------------------------------------------------------------------------------------
-// D = rowsum(dO * O). grid = (ceil(Nq / rows_per_block), H, B); rows_per_block is a runtime
+// D = rowsum(dO * O). grid = ceil(Nq / rows_per_block) * H * B (folded); rows_per_block is a runtime
 // multiple of PRE_ROWS (cuflash.tiling.BWD_PRE_ROWS on a GPU; one block per head on the
 // emulator, where every block costs a thread start-up). The block walks its rows in
 // chunks of PRE_ROWS: warp w reads rows w, w + warps, ... with its lanes on consecutive
@@ -112,19 +114,22 @@ static_assert(NUM_THREADS >= PRE_ROWS, "one thread per row adds up the partial s
 extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
                                                 const elem_t* __restrict__ dO,
                                                 acc_t* __restrict__ D,
-                                                float* __restrict__ dq_accum,
-                                                int Nq, int rows_per_block, int zero_dq,
-                                                long long o_sb, long long o_sh, long long o_sr,
-                                                long long do_sb, long long do_sh, long long do_sr) {
+                                                float* __restrict__ dq_accum_ws,
+                                                const BwdParams* __restrict__ P) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* red_s = smem;                 // (PRE_ROWS, 33)  per-lane partial sums, padded
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const size_t bh = (size_t)b * gridDim.y + h;
-    const elem_t* Ob = O + b * o_sb + h * o_sh;
-    const elem_t* dOb = dO + b * do_sb + h * do_sh;
-    const int block_end = min(Nq, (int)(blockIdx.x + 1) * rows_per_block);
-    for (int i0 = blockIdx.x * rows_per_block; i0 < block_end; i0 += PRE_ROWS) {
+    const BwdParams& p = *P;
+    const int Nq = p.Nq, rows_per_block = p.pre_rows, zero_dq = p.atomic_dq;
+    const long long o_sr = p.o_sr, do_sr = p.do_sr;
+    float* dq_accum = dq_accum_ws + p.dq_accum_offset;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_pre_tiles, p.H);
+    const int h = fi.h, b = fi.b;
+    const size_t bh = (size_t)b * p.H + h;
+    const elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
+    const elem_t* dOb = dO + b * p.do_sb + h * p.do_sh;
+    const int block_end = min(Nq, (fi.tile + 1) * rows_per_block);
+    for (int i0 = fi.tile * rows_per_block; i0 < block_end; i0 += PRE_ROWS) {
         const int rows = min(PRE_ROWS, block_end - i0);
         for (int r = warp; r < rows; r += NUM_THREADS / 32) {
             const int i = i0 + r;
@@ -147,7 +152,7 @@ extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
 }
 
 // ---------------------------------------------------------------------------------------
-// dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = (ceil(Nk/Bc), Hk, B).
+// dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = ceil(Nk/Bc) * Hk * B (folded).
 extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
                                           const elem_t* __restrict__ K,
                                           const elem_t* __restrict__ V,
@@ -156,14 +161,8 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
                                           const acc_t* __restrict__ D,
                                           elem_t* __restrict__ dK,
                                           elem_t* __restrict__ dV,
-                                          float* __restrict__ dq_accum,
-                                          int Nq, int Nk, int group, int causal,
-                                          int causal_offset, int atomic_dq,
-                                          long long q_sb, long long q_sh, long long q_sr,
-                                          long long k_sb, long long k_sh, long long k_sr,
-                                          long long v_sb, long long v_sh, long long v_sr,
-                                          long long do_sb, long long do_sh, long long do_sr,
-                                          acc_t scale) {
+                                          float* __restrict__ dq_accum_ws,
+                                          const BwdParams* __restrict__ P) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* K_s = smem;                   // (Bc, d+1)   Kj, resident
     acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj, resident
@@ -175,9 +174,20 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
     acc_t* D_s = lse_s + Br;             // (Br,)       D_i
 
     const int tid = threadIdx.x;
-    const int hk = blockIdx.y, b = blockIdx.z;
-    const int Hk = gridDim.y, H = Hk * group;
-    const int kv0 = blockIdx.x * Bc;
+    const BwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal;
+    const int causal_offset = p.causal_offset;
+    const long long q_sb = p.q_sb, q_sh = p.q_sh, q_sr = p.q_sr;
+    const long long k_sb = p.k_sb, k_sh = p.k_sh, k_sr = p.k_sr;
+    const long long v_sb = p.v_sb, v_sh = p.v_sh, v_sr = p.v_sr;
+    const long long do_sb = p.do_sb, do_sh = p.do_sh, do_sr = p.do_sr;
+    const acc_t scale = (acc_t)p.scale;
+    const int atomic_dq = p.atomic_dq;
+    float* dq_accum = dq_accum_ws + p.dq_accum_offset;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_kv_tiles, p.Hk);
+    const int hk = fi.h, b = fi.b;
+    const int Hk = p.Hk, H = p.H;
+    const int kv0 = fi.tile * Bc;
     const int kv_rows = min(Bc, Nk - kv0);
 
     load_tile<Bc, HEAD_DIM, DP>(K_s, K + b * k_sb + hk * k_sh + kv0 * k_sr, k_sr, kv_rows);
@@ -288,7 +298,7 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
 }
 
 // ---------------------------------------------------------------------------------------
-// Deterministic dQ: grid = (ceil(Nq/Br), H, B). Qi, dOi resident; Kj, Vj streamed.
+// Deterministic dQ: grid = ceil(Nq/Br) * H * B (folded). Qi, dOi resident; Kj, Vj streamed.
 extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
                                         const elem_t* __restrict__ K,
                                         const elem_t* __restrict__ V,
@@ -296,12 +306,7 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
                                         const acc_t* __restrict__ LSE,
                                         const acc_t* __restrict__ D,
                                         elem_t* __restrict__ dQ,
-                                        int Nq, int Nk, int group, int causal, int causal_offset,
-                                        long long q_sb, long long q_sh, long long q_sr,
-                                        long long k_sb, long long k_sh, long long k_sr,
-                                        long long v_sb, long long v_sh, long long v_sr,
-                                        long long do_sb, long long do_sh, long long do_sr,
-                                        acc_t scale) {
+                                        const BwdParams* __restrict__ P) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* Q_s = smem;                   // (Br, d+1)   Qi, resident
     acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi, resident
@@ -312,10 +317,19 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
     acc_t* D_s = lse_s + Br;             // (Br,)       D_i
 
     const int tid = threadIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const BwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal;
+    const int causal_offset = p.causal_offset;
+    const long long q_sb = p.q_sb, q_sh = p.q_sh, q_sr = p.q_sr;
+    const long long k_sb = p.k_sb, k_sh = p.k_sh, k_sr = p.k_sr;
+    const long long v_sb = p.v_sb, v_sh = p.v_sh, v_sr = p.v_sr;
+    const long long do_sb = p.do_sb, do_sh = p.do_sh, do_sr = p.do_sr;
+    const acc_t scale = (acc_t)p.scale;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_q_tiles, p.H);
+    const int h = fi.h, b = fi.b;
     const int hk = h / group;            // grouped-query: kv head of query head h
-    const size_t bh = (size_t)b * gridDim.y + h;
-    const int q0 = blockIdx.x * Br;
+    const size_t bh = (size_t)b * p.H + h;
+    const int q0 = fi.tile * Br;
     const int q_rows = min(Br, Nq - q0);
     const elem_t* Kb = K + b * k_sb + hk * k_sh;
     const elem_t* Vb = V + b * v_sb + hk * v_sh;
@@ -391,8 +405,11 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
 
 // ---------------------------------------------------------------------------------------
 // Atomic path, last step: dq = dq_accum in the input dtype (grid-stride, coalesced).
-extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ dq_accum,
-                                                elem_t* __restrict__ dQ, long long n) {
+extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ dq_accum_ws,
+                                                elem_t* __restrict__ dQ,
+                                                const BwdParams* __restrict__ P) {
+    const float* dq_accum = dq_accum_ws + P->dq_accum_offset;
+    const long long n = P->n_convert;
     for (long long e = (long long)blockIdx.x * NUM_THREADS + threadIdx.x; e < n;
          e += (long long)gridDim.x * NUM_THREADS)
         gstore(dQ + e, from_acc((acc_t)gload(dq_accum + e)));

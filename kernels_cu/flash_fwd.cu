@@ -1,7 +1,7 @@
 // flash_fwd: FlashAttention-2 forward, O = softmax(scale * Q K^T [causal mask]) V and
 // lse = log(sum(exp(scale * Q K^T))) per query row, without ever forming the (Nq, Nk) matrix.
 //
-// Algorithm (seeds/004, "flash-attn forward algorithm with tiling"): one thread block per
+// Algorithm (FlashAttention-2, Dao 2023, forward with tiling): one thread block per
 // (Q tile i, query head h, batch b).  The block loads Q_i (block_q rows) into shared memory
 // once, then streams the K_j/V_j tiles (block_kv rows each) through shared memory.  For
 // every tile it computes S = scale * Q_i K_j^T, updates the running row max m_i, the
@@ -32,13 +32,15 @@
 // Compile-time parameters (-D, built by cuflash/kernels.py from cuflash/tiling.py):
 //   CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16 | CUFLASH_DTYPE_F32 | CUFLASH_DTYPE_F64
 //   CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV
-// Launch: grid (ceil(Nq / block_q), H, B), block (4 * block_q), dynamic shared memory
-// as computed by cuflash.tiling (flash_fwd entry).
+// Launch: grid (ceil(Nq / block_q) * H * B) (tiles, heads and batch folded into x, see
+// params.cuh), block (4 * block_q), dynamic shared memory as computed by cuflash.tiling
+// (flash_fwd entry); sizes, strides, scale and the mask in a FwdParams block.
 //
 // Limits: d, dv <= 256; block_q a multiple of 8, block_kv a multiple of 4 (tiling.py
 // lists the supported values); float16/bfloat16 are loaded as such and computed in
-// float32, float32 in float32, float64 in double.  H and B <= 65535 (grid y/z).
+// float32, float32 in float32, float64 in double.
 #include "dtype.cuh"
+#include "params.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -62,14 +64,7 @@ static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256"
 
 extern "C" __global__ void flash_fwd(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-    elem_t* __restrict__ O, acc_t* __restrict__ LSE,
-    int Nq, int Nk, int group, int causal, int causal_offset,
-    long long q_sb, long long q_sh, long long q_sr,
-    long long k_sb, long long k_sh, long long k_sr,
-    long long v_sb, long long v_sh, long long v_sr,
-    long long o_sb, long long o_sh, long long o_sr,
-    long long lse_sb, long long lse_sh,
-    acc_t scale)
+    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* Qs = smem;                       // (kBr, kD + 1)   Q_i, resident
@@ -81,16 +76,20 @@ extern "C" __global__ void flash_fwd(
     const int lane = tid & 31;
     const int row = (tid >> 5) * 8 + (lane >> 2);  // this quad's query row in the tile
     const int t = lane & 3;                        // lane within the quad
-    const int q0 = blockIdx.x * kBr;
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
-    const int hk = h / group;                      // grouped-query: kv head of query head h
+    const FwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, causal_offset = p.causal_offset;
+    const acc_t scale = (acc_t)p.scale;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
+    const int q0 = fi.tile * kBr;
+    const int h = fi.h, b = fi.b;
+    const int hk = h / p.group;                    // grouped-query: kv head of query head h
+    const long long q_sr = p.q_sr, k_sr = p.k_sr, v_sr = p.v_sr, o_sr = p.o_sr;
 
-    const elem_t* Qb = Q + b * q_sb + h * q_sh;
-    const elem_t* Kb = K + b * k_sb + hk * k_sh;
-    const elem_t* Vb = V + b * v_sb + hk * v_sh;
-    elem_t* Ob = O + b * o_sb + h * o_sh;
-    acc_t* LSEb = LSE + b * lse_sb + h * lse_sh;
+    const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh;
+    const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
+    const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
+    elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
+    acc_t* LSEb = LSE + b * p.lse_sb + h * p.lse_sh;
 
     const int rows_q = min(kBr, Nq - q0);
     // Keys [0, kv_end) are visible to at least one row of this tile; tiles past it are

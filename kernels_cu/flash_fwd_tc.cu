@@ -2,7 +2,7 @@
 // bfloat16.  Same result contract: O = softmax(scale * Q K^T [causal mask]) V and
 // lse = m + log(l) per query row, with rows that see no key giving o = 0, lse = -inf.
 //
-// Algorithm (seeds/004, forward with tiling): one thread block per (Q tile, query head, batch);
+// Algorithm (FlashAttention-2, Dao 2023, forward with tiling): one thread block per (Q tile, query head, batch);
 // Q_i resident in shared memory, K_j/V_j streamed through two shared-memory buffers with
 // cp.async (tile j + 1 is in flight while tile j is computed); online softmax with running
 // m_i, l_i per row; causal tiles above the boundary never loaded (loop bound).
@@ -23,8 +23,9 @@
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV.  Launch: grid
-// (ceil(Nq / block_q), H, B), block 2 * block_q threads (block_q / 16 warps), dynamic shared
-// memory from cuflash.tiling ("flash_fwd_tc").  The arguments are those of flash_fwd.
+// (ceil(Nq / block_q) * H * B) (folded, params.cuh), block 2 * block_q threads (block_q / 16
+// warps), dynamic shared memory from cuflash.tiling ("flash_fwd_tc").  The arguments are
+// those of flash_fwd (pointers and a FwdParams block).
 //
 // Limits: d and dv multiples of 16 (mma k and n steps), dv <= 128 (register budget);
 // block_q and block_kv multiples of 16.  cp.async moves 16 bytes: the launcher guarantees
@@ -35,6 +36,7 @@
 #error "flash_fwd_tc supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16 only"
 #endif
 #include "dtype.cuh"
+#include "params.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -78,14 +80,7 @@ __device__ inline void load_tile_async(elem_t* s, const elem_t* g, long long gs,
 
 extern "C" __global__ void flash_fwd_tc(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-    elem_t* __restrict__ O, acc_t* __restrict__ LSE,
-    int Nq, int Nk, int group, int causal, int causal_offset,
-    long long q_sb, long long q_sh, long long q_sr,
-    long long k_sb, long long k_sh, long long k_sr,
-    long long v_sb, long long v_sh, long long v_sr,
-    long long o_sb, long long o_sh, long long o_sr,
-    long long lse_sb, long long lse_sh,
-    acc_t scale)
+    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
     CUFLASH_DYNAMIC_SHARED(elem_t, smem);
     elem_t* Qs = smem;                  // (kBr, kD + 8)          Q_i, resident
@@ -96,15 +91,20 @@ extern "C" __global__ void flash_fwd_tc(
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int q0 = blockIdx.x * kBr;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / group;
+    const FwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, causal_offset = p.causal_offset;
+    const acc_t scale = (acc_t)p.scale;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
+    const int q0 = fi.tile * kBr;
+    const int h = fi.h, b = fi.b;
+    const int hk = h / p.group;
+    const long long q_sr = p.q_sr, k_sr = p.k_sr, v_sr = p.v_sr, o_sr = p.o_sr;
 
-    const elem_t* Qb = Q + b * q_sb + h * q_sh;
-    const elem_t* Kb = K + b * k_sb + hk * k_sh;
-    const elem_t* Vb = V + b * v_sb + hk * v_sh;
-    elem_t* Ob = O + b * o_sb + h * o_sh;
-    acc_t* LSEb = LSE + b * lse_sb + h * lse_sh;
+    const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh;
+    const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
+    const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
+    elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
+    acc_t* LSEb = LSE + b * p.lse_sb + h * p.lse_sh;
 
     const int rows_q = min(kBr, Nq - q0);
     int kv_end = Nk;  // keys [0, kv_end) are visible to some row of the tile

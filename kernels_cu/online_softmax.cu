@@ -1,6 +1,6 @@
 // online_softmax_rows: row-wise softmax p = exp(x - m) / l of a (rows, cols) matrix, with
 // the statistics m = max(x) and l = sum(exp(x - m)) accumulated in one streaming pass over
-// chunks of `chunk` columns (the online softmax of seeds/001 and 004, step 1):
+// chunks of `chunk` columns (the online softmax of Milakov & Gimelshein 2018, as FlashAttention uses it):
 //     m_new = max(m, max(x_chunk)); l = l * exp(m - m_new) + sum(exp(x_chunk - m_new))
 // followed by a pass that writes p with the final (m, l).
 //

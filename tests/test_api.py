@@ -33,7 +33,7 @@ def backend_modules():
 
 def test_api_names_are_the_documented_functions():
     assert set(_dispatch.API_NAMES) == {
-        "online_softmax", "online_softmax_2d", "standard_attention",
+        "precompile", "online_softmax", "online_softmax_2d", "standard_attention",
         "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
         "memory_analysis", "verify_no_full_materialization"}
     for name in _dispatch.API_NAMES:

@@ -286,28 +286,14 @@ def test_unsupported_tiles_refused(kernel_backend, bq, bkv, needle, rng):
 # --------------------------------------------------------------------------
 @contextlib.contextmanager
 def _count_launches():
-    """Sum last_launch_stats() over every backward kernel launched in the block."""
-    from cuflash import emulator
+    """Sum the emulator's byte counters over every kernel launched in the block."""
     total = {"global_bytes_read": 0, "global_bytes_written": 0, "launches": []}
-    orig = _launch_bwd.get_kernel
-
-    def get_kernel(*args, **kw):
-        fn = orig(*args, **kw)
-
-        def launch(*a, **k):
-            out = fn(*a, **k)
-            st = emulator.last_launch_stats()
-            total["global_bytes_read"] += st["global_bytes_read"]
-            total["global_bytes_written"] += st["global_bytes_written"]
-            total["launches"].append(args[2])
-            return out
-        return launch
-
-    _launch_bwd.get_kernel = get_kernel
-    try:
+    with _launch.observe_launches() as seen:
         yield total
-    finally:
-        _launch_bwd.get_kernel = orig
+    for entry in seen:
+        total["global_bytes_read"] += entry["global_bytes_read"]
+        total["global_bytes_written"] += entry["global_bytes_written"]
+        total["launches"].append(entry["kernel"])
 
 
 @pytest.mark.parametrize("qs,ks,causal,det", [
@@ -346,7 +332,7 @@ def test_race_check_every_backward_kernel(rng):
                                            block_kv=16)
     with _count_launches() as total:
         for det in (True, False):  # preprocess, dkdv, dq; then preprocess (zeroing), dkdv
-            grads = _launch_bwd.tiled_attention_backward(rt, do, q, k, v, o, lse, spec,
+            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
                                                          deterministic=det)  # + atomics, convert
             oracle.check_backward(grads, do, q, k, v, None, True)
     assert set(total["launches"]) == {"flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq",

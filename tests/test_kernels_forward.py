@@ -19,7 +19,7 @@ import pytest
 import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
-from cuflash import _launch, _validate, kernels, reference, tiling
+from cuflash import _launch, _launch_fwd, _launch_softmax, _validate, kernels, reference, tiling
 
 
 def _emulator_stats():
@@ -197,7 +197,7 @@ def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
     spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16,
                                             block_kv=16)
     with poisoned_outputs():
-        o, lse = _launch.flash_fwd(_runtime(kernel_backend), q, k, v, spec, kernel=kernel)
+        o, lse = _launch_fwd.flash_fwd(_runtime(kernel_backend), q, k, v, spec, kernel=kernel)
     if kernel_backend.name == "emulator":
         assert _emulator_stats()["kernel"] == kernel
     qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
@@ -235,7 +235,7 @@ def test_tensor_core_kernel_as_sm75(rng):
     assert kernels.get_runtime("emulator").plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd_tc"
     # ... but the tensor-core kernel still runs there when asked for
     with poisoned_outputs():
-        o, lse = _launch.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
+        o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
     assert _emulator_stats()["kernel"] == "flash_fwd_tc"
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
@@ -457,7 +457,7 @@ def test_race_check_flash_fwd(rng):
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 2, 37, 16), dtype="float32")
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
-    o, lse = _launch.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
 
@@ -467,14 +467,14 @@ def test_race_check_flash_fwd_tc(rng):
     q, k, v = oracle.qkv(rng, (1, 1, 20, 16), (1, 1, 45, 16), dtype="float16")
     spec = _validate.check_attention_inputs(q, k, v, causal="top_left", block_q=16,
                                             block_kv=16)
-    o, lse = _launch.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
+    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
     oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
 
 
 def test_race_check_online_softmax(rng):
     rt = kernels.get_runtime("emulator", race_check=True)
     x = oracle.randn(rng, (5, 40), "float32")
-    p, m, l = _launch.online_softmax_rows(rt, x, 16)
+    p, m, l = _launch_softmax.online_softmax_rows(rt, x, 16)
     np.testing.assert_allclose(p, reference.online_softmax_2d(x, 16), rtol=1e-5, atol=1e-7)
 
 

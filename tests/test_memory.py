@@ -110,11 +110,18 @@ def test_memory_analysis_arithmetic(backend, dtype, N, Nk, d, bq, bkv, batch, he
     # tiled: one S/P tile pair plus O(N) row statistics, nothing of order N * Nk
     tile_pair = 2 * bq * bkv * it
     assert tile_pair <= m["tiled_extra_bytes"] <= tile_pair + BH * N * 4 * 8, m
-    # SRAM of one thread block: at least Qi (Br, d), Kj and Vj (Bc, d) in the input dtype,
-    # at most that plus an fp64-sized S/P tile, acc tile and a few row vectors
+    # SRAM of one thread block (kernel backends) or the CPU working set of one worker
+    # (numpy, which has no shared memory and reports sram_bytes_per_block None): at least
+    # Qi (Br, d), Kj and Vj (Bc, d) in the input dtype, at most that plus an fp64-sized
+    # S/P tile, acc tile and a few row vectors
     tiles_in = (bq * d + 2 * bkv * d) * it
-    assert tiles_in <= m["sram_bytes_per_block"] <= tiles_in + 8 * (2 * bq * bkv + bq * d
-                                                                      + 8 * bq), m
+    if backend.name == "numpy":
+        assert m["sram_bytes_per_block"] is None
+        held = m["cpu_tile_bytes_per_worker"]
+    else:
+        assert "cpu_tile_bytes_per_worker" not in m
+        held = m["sram_bytes_per_block"]
+    assert tiles_in <= held <= tiles_in + 8 * (2 * bq * bkv + bq * d + 8 * bq), m
     # HBM traffic of the tiled forward: Q read once, K and V once per query tile,
     # O and lse written once
     n_q_tiles = math.ceil(N / bq)
@@ -134,6 +141,7 @@ def test_memory_analysis_growth(backend):
     assert b["standard_extra_bytes"] == 4 * a["standard_extra_bytes"]
     assert b["tiled_extra_bytes"] <= 2 * a["tiled_extra_bytes"]
     assert b["sram_bytes_per_block"] == a["sram_bytes_per_block"]
+    assert b.get("cpu_tile_bytes_per_worker") == a.get("cpu_tile_bytes_per_worker")
     # at N = 16384 the tiled extra memory is a tiny fraction of the standard one
     c = analysis(backend, 16384, 64, "float32", block_q=64, block_kv=64)
     assert c["tiled_extra_bytes"] < 0.02 * c["standard_extra_bytes"]

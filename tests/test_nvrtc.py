@@ -141,3 +141,31 @@ def test_kernel_report_runs(capsys):
     assert kr.main(["--tests", "--only", "reduce.cu", "--arch", "80", "--jobs", "1", "--fail-on-spill"]) == 0
     out = capsys.readouterr().out
     assert "block_sum" in out and "sm_80" in out and "100%" in out
+
+
+def test_sass_instruction_mix():
+    """cuobjdump reads NVRTC's cubins: hardware mma on sm_80, the software one on sm_75."""
+    from cuflash import _sass
+    ok, why = _sass.is_available()
+    if not ok:
+        if os.environ.get("CI"):
+            raise RuntimeError(f"cuobjdump not available in CI: {why}")
+        pytest.skip(why)
+    path = TEST_KERNELS / "mma.cu"
+    mixes = {}
+    for arch in (75, 80):
+        res = _nvrtc.compile(path.read_text(), path.name, _options(path, arch, ()))
+        code = _sass.instructions(_sass.disassemble(res.cubin))
+        assert set(code) == {"matmul_mma", "cp_async_pipeline"}
+        mixes[arch] = _sass.mix(code["matmul_mma"])
+        assert mixes[arch]["total"] == len(code["matmul_mma"]) > 0
+    assert mixes[80]["HMMA"] >= 1 and mixes[80]["LDSM"] >= 1
+    assert mixes[75]["HMMA"] == 0 and mixes[75]["SHFL"] > 0   # mma from 32 shuffles
+    assert mixes[75]["LDSM"] >= 1                               # ldmatrix exists on sm_75
+    # the main loop of a kernel with a loop is found and lies inside the kernel
+    res = _nvrtc.compile((KERNELS_CU / "online_softmax.cu").read_text(), "online_softmax.cu",
+                         _options(KERNELS_CU / "online_softmax.cu", 80, ("-DCUFLASH_DTYPE_F32",)))
+    code = _sass.instructions(_sass.disassemble(res.cubin))["online_softmax_rows"]
+    lo, hi = _sass.main_loop(code)
+    assert code[0][0] <= lo < hi <= code[-1][0]
+    assert 0 < _sass.mix(code, (lo, hi))["total"] < len(code)

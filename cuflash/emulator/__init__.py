@@ -39,10 +39,11 @@ __all__ = ["RawModule", "RawKernel", "RaceError", "LaunchError", "CompileError",
 
 
 def is_available():
-    """``(True, "")`` when a host C++20 compiler is found, else ``(False, reason)``."""
+    """``(True, compiler path)`` when a host C++20 compiler is found, else ``(False, reason)``."""
     import shutil
     from ._module import _cxx
     cxx = _cxx()
-    if shutil.which(cxx) is None:
+    path = shutil.which(cxx)
+    if path is None:
         return False, f"no host C++ compiler {cxx!r} on PATH (install g++ or set CXX)"
-    return True, ""
+    return True, f"host compiler {path}"

@@ -25,7 +25,7 @@ __all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "3"
+_LAUNCHER_VERSION = "4"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
 _LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
@@ -237,21 +237,37 @@ _TSAN_MAIN = r'''
 typedef int (*cuflash_launcher_t)(const unsigned*, const unsigned*, unsigned long long, void**, unsigned long long*, char*, size_t);
 struct cuflash_entry_t { const char* name; cuflash_launcher_t fn; };
 static const cuflash_entry_t cuflash_table[] = {@TABLE@};
-// file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs\n then per arg: kind nbytes\n <raw bytes>
+// file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs nbuffers\n
+//       then per buffer: nbytes\n <raw bytes>\n
+//       then per arg: "a buffer offset\n" (a pointer into a buffer) or "s nbytes\n<raw bytes>\n"
+// Arguments that alias (the same array twice, or overlapping views) point into one buffer,
+// as they would into one allocation on the GPU.
 int main(int argc, char** argv) {
   if (argc != 3) { std::cerr << "usage: runner in out\n"; return 2; }
   std::ifstream in(argv[1], std::ios::binary);
-  std::string name; unsigned g[3], b[3]; unsigned long long shmem; size_t nargs;
-  in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs;
-  std::vector<std::vector<unsigned char>> store(nargs);
+  std::string name; unsigned g[3], b[3]; unsigned long long shmem; size_t nargs, nbuf;
+  in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs >> nbuf;
+  std::vector<std::vector<unsigned char>> bufs(nbuf);
+  for (size_t i = 0; i < nbuf; ++i) {
+    size_t n; in >> n; in.get();
+    bufs[i].resize(n + 64);
+    in.read(reinterpret_cast<char*>(bufs[i].data()), n);
+    in.get();
+  }
+  std::vector<std::vector<unsigned char>> scalars(nargs);
   std::vector<void*> ptrs(nargs), args(nargs);
-  std::vector<char> kinds(nargs);
   for (size_t i = 0; i < nargs; ++i) {
-    size_t n; in >> kinds[i] >> n; in.get();
-    store[i].resize(n + 64);
-    in.read(reinterpret_cast<char*>(store[i].data()), n);
-    if (kinds[i] == 'a') { ptrs[i] = store[i].data(); args[i] = &ptrs[i]; }
-    else args[i] = store[i].data();
+    char kind; in >> kind;
+    if (kind == 'a') {
+      size_t bi, off; in >> bi >> off; in.get();
+      ptrs[i] = bufs[bi].data() + off; args[i] = &ptrs[i];
+    } else {
+      size_t n; in >> n; in.get();
+      scalars[i].resize(n + 16);
+      in.read(reinterpret_cast<char*>(scalars[i].data()), n);
+      in.get();
+      args[i] = scalars[i].data();
+    }
   }
   cuflash_launcher_t fn = nullptr;
   for (const auto& e : cuflash_table) if (name == e.name) fn = e.fn;
@@ -260,8 +276,8 @@ int main(int argc, char** argv) {
   int rc = fn(g, b, shmem, args.data(), stats, err, sizeof err);
   std::ofstream out(argv[2], std::ios::binary);
   out << rc << " " << stats[0] << " " << stats[1] << "\n" << err << "\n@@\n";
-  for (size_t i = 0; i < nargs; ++i)
-    if (kinds[i] == 'a') out.write(reinterpret_cast<const char*>(store[i].data()), store[i].size() - 64);
+  for (size_t i = 0; i < nbuf; ++i)
+    out.write(reinterpret_cast<const char*>(bufs[i].data()), bufs[i].size() - 64);
   return 0;
 }
 '''

@@ -55,26 +55,51 @@ def summarize(report, limit=6):
     return head + ":\n  " + "\n  ".join(keep[:limit * 4])
 
 
+def _buffers(arrays):
+    """Group the arrays' memory into disjoint buffers: ``(buffers, places)``.
+
+    ``buffers`` is a list of (start address, nbytes); ``places[i]`` is
+    (buffer index, byte offset) of ``arrays[i]``.  Arrays whose memory
+    overlaps (one array passed twice, views of one allocation) share a buffer,
+    so the child process sees them alias as the kernel would on a GPU.
+    """
+    spans = sorted((a.ctypes.data, a.ctypes.data + max(a.nbytes, 1), i) for i, a in enumerate(arrays))
+    buffers, places = [], [None] * len(arrays)
+    for start, end, i in spans:
+        if buffers and start < buffers[-1][1]:
+            buffers[-1][1] = max(buffers[-1][1], end)
+        else:
+            buffers.append([start, end])
+        places[i] = (len(buffers) - 1, start)
+    places = [(bi, addr - buffers[bi][0]) for bi, addr in places]
+    return [(s, e - s) for s, e in buffers], places
+
+
 def run_tsan(kernel, grid, block, shmem, args):
     """Run ``kernel`` once under ThreadSanitizer; copy the arrays back; raise on races."""
     exe = kernel.module._compile_tsan()
     holders, arrays = kernel._convert(args)
+    buffers, places = _buffers(arrays)
     with tempfile.TemporaryDirectory(prefix="cuflash_tsan_") as d:
         inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
-                    f"{shmem} {len(holders)}\n".encode())
+                    f"{shmem} {len(holders)} {len(buffers)}\n".encode())
+            for start, n in buffers:
+                f.write(f"{n}\n".encode())
+                f.write(ctypes.string_at(start, n))
+                f.write(b"\n")
             ai = 0
             for (pname, kind, size, decl), h in zip(kernel.params, holders):
                 if kind == "p":
-                    data = arrays[ai].tobytes()
+                    bi, off = places[ai]
                     ai += 1
-                    f.write(f"a {len(data)}\n".encode())
+                    f.write(f"a {bi} {off}\n".encode())
                 else:
                     data = ctypes.string_at(ctypes.addressof(h), ctypes.sizeof(h))
                     f.write(f"s {len(data)}\n".encode())
-                f.write(data)
-                f.write(b"\n")
+                    f.write(data)
+                    f.write(b"\n")
         t0 = time.perf_counter()
         try:
             r = subprocess.run(_command(exe, inp, out), capture_output=True, env=_tsan_env(), timeout=_TIMEOUT_S)
@@ -89,12 +114,14 @@ def run_tsan(kernel, grid, block, shmem, args):
     first, _, rest = blob.partition(b"\n")
     rc, rd, wr = (int(v) for v in first.split())
     err, _, data = rest.partition(b"\n@@\n")
-    pos = 0
-    for a in arrays:
-        n = a.nbytes
-        if a.flags.writeable:
-            a.reshape(-1).view(np.uint8)[:] = np.frombuffer(data[pos:pos + n], np.uint8)
+    starts, pos = [], 0
+    for _, n in buffers:
+        starts.append(pos)
         pos += n
+    for a, (bi, off) in zip(arrays, places):
+        if a.flags.writeable and a.nbytes:
+            lo = starts[bi] + off
+            a.reshape(-1).view(np.uint8)[:] = np.frombuffer(data[lo:lo + a.nbytes], np.uint8)
     kernel._record(grid, block, shmem, rd, wr, dt)
     if "WARNING: ThreadSanitizer" in report:
         raise RaceError(f"kernel {kernel.name} (grid {grid}, block {block}): ThreadSanitizer found "

@@ -47,10 +47,17 @@ __all__ = [
     "online_softmax", "online_softmax_2d", "standard_attention",
     "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization", "is_available",
-    "default_blocks", "tiled_forward_hbm_bytes", "sum_to_shape",
+    "default_blocks", "tiled_forward_hbm_bytes", "sum_to_shape", "precompile",
 ]
 
 
 def is_available():
     """The NumPy backend runs wherever NumPy imports: ``(True, reason)``."""
     return True, f"NumPy {np.__version__} on the CPU"
+
+
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+    """The NumPy backend compiles nothing: returns an empty record (``cuflash.precompile``)."""
+    if progress is not None:
+        progress("the numpy backend has no kernels to compile")
+    return {"backend": "numpy", "seconds": 0.0, "modules": []}

@@ -12,7 +12,7 @@ from .flash_forward import _resolve_blocks, _workers_for
 # tiled (flash) attention: backward
 # ---------------------------------------------------------------------------
 def _flash_backward(spec, do, q, k, v, o, lse, Br, Bc, workers=1):
-    """FlashAttention-2 backward (seed 004): P recomputed tile by tile from lse.
+    """FlashAttention-2 backward: P recomputed tile by tile from lse.
 
     Outer loop over key/value tiles (dK_j, dV_j accumulate in place), inner
     loop over the query tiles that see them:
@@ -97,7 +97,7 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
 
     P is recomputed tile by tile from the forward's ``lse``
     (``P_ij = exp(S_ij - lse_i)``) and the softmax correction uses
-    ``D = rowsum(do * o)`` (FlashAttention-2, seed 004).
+    ``D = rowsum(do * o)`` (FlashAttention-2).
 
     Parameters
     ----------

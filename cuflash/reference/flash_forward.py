@@ -50,7 +50,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
 
     One task per query tile Qi (FA2's outer loop; the tasks run on the thread
     pool); inside, the key/value tiles Kj, Vj stream past with the online
-    softmax of seeds 001/004:
+    softmax (Milakov & Gimelshein 2018; FlashAttention-2):
         S = Qi Kj^T - m_i;  P~ = exp(S);  l_i += rowsum P~;  acc += P~ Vj
     and at the end O_i = acc / l_i, lse_i = m_i + log l_i.  (The logits are
     carried in base 2, ``log2(e) * scale * q.k``, so ``exp2`` serves as exp.)
@@ -197,8 +197,8 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     Query tiles ``Qi`` of ``block_q`` (Br) rows, key/value tiles ``Kj``, ``Vj``
     of ``block_kv`` (Bc) rows; for each query tile the key/value tiles stream
     past with the online-softmax update (running max ``m_i``, running sum
-    ``l_i``, unnormalised ``acc``), normalised once at the end (seed 004,
-    FlashAttention-2).  Tiles entirely above the causal boundary are skipped
+    ``l_i``, unnormalised ``acc``), normalised once at the end
+    (FlashAttention-2).  Tiles entirely above the causal boundary are skipped
     (never computed); tiles crossing it are masked.  The work is vectorised
     over all leading dims and the query tiles run on a small thread pool.
 

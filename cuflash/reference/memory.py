@@ -35,41 +35,14 @@ def tiled_forward_hbm_bytes(Nq, Nk, d, dv, itemsize, block_q, block_kv, causal=N
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
                     heads=1):
-    """Memory and HBM-traffic model of standard vs tiled attention.
+    """The memory and HBM-traffic model (parameters and keys: ``cuflash.memory_analysis``).
 
-    Parameters
-    ----------
-    N : int
-        Query length Nq.
-    d : int
-        Head dim (v's head dim is taken equal to d).
-    dtype : str or dtype
-        Element type of q, k, v, o (S and P are counted in it too, as the
-        seed's "2 N^2 sizeof(dtype)").
-    Nk : int, optional
-        Key length (default N).
-    block_q, block_kv : int, optional
-        Br and Bc; None uses this backend's defaults (:func:`default_blocks`).
-    batch, heads : int
-        Independent problems: everything scales by ``batch * heads``.
-
-    Returns
-    -------
-    dict
-        ``standard_extra_bytes``: S and P, ``2 * B * H * N * Nk * itemsize``.
-        ``tiled_extra_bytes``: the row statistics m and l (``2 * B * H * N * 4``,
-        8 for float64) plus one S/P tile pair (``2 * Br * Bc * itemsize``).
-        ``sram_bytes_per_block``: what one thread block holds for its tiles:
-        Qi, Kj, Vj in ``dtype``, the S/P tile, the acc tile and m, l in the
-        accumulation type (float32; float64 for float64).
-        ``standard_hbm_bytes``: reads Q, K (S = QK^T written), reads S (P
-        written), reads P, V (O written): ``(2 N d + Nk d + N d) + 4 N Nk``
-        elements, times B * H.
-        ``tiled_hbm_bytes``: Q read once, K and V once per query tile, O and
-        lse written once (:func:`tiled_forward_hbm_bytes`, non-causal).
-        Also ``*_read_bytes``/``*_written_bytes`` splits, ``ratio_extra``
-        (standard / tiled extra bytes), ``ratio_hbm``, ``block_q``,
-        ``block_kv``, ``itemsize`` and the inputs.
+    The NumPy backend has no thread blocks: ``sram_bytes_per_block`` is None
+    and ``cpu_tile_bytes_per_worker`` is what one worker thread holds for its
+    tiles -- Qi, Kj, Vj in ``dtype``, the S/P tile, the acc tile and m, l in
+    the accumulation type (float32; float64 for float64) -- which lives in the
+    CPU's caches.  The kernel backends fill ``sram_bytes_per_block`` with
+    their shared memory (``cuflash._launch_fwd.memory_analysis``).
     """
     N = check_positive_int(N, "N") if N != 0 else 0
     d = check_positive_int(d, "d")
@@ -91,7 +64,8 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     standard_extra = 2 * S_bytes
     stats = 2 * BH * N * acc_it
     tile = 2 * Br * Bc * it
-    sram = (Br * d + Bc * d + Bc * d) * it + Br * Bc * acc_it + Br * d * acc_it + 2 * Br * acc_it
+    cpu_tiles = ((Br * d + Bc * d + Bc * d) * it + Br * Bc * acc_it + Br * d * acc_it
+                 + 2 * Br * acc_it)
     std_read = BH * (N * d + Nk * d + Nk * d) * it + 2 * S_bytes
     std_written = BH * N * d * it + 2 * S_bytes
     t_read, t_written = tiled_forward_hbm_bytes(N, Nk, d, d, it, Br, Bc, None, BH, acc_it)
@@ -103,7 +77,8 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         "standard_S_bytes": S_bytes, "standard_P_bytes": S_bytes,
         "tiled_extra_bytes": tiled_extra,
         "tiled_stats_bytes": stats, "tiled_tile_bytes": tile,
-        "sram_bytes_per_block": sram,
+        "sram_bytes_per_block": None,
+        "cpu_tile_bytes_per_worker": cpu_tiles,
         "standard_hbm_read_bytes": std_read, "standard_hbm_written_bytes": std_written,
         "standard_hbm_bytes": std_read + std_written,
         "tiled_hbm_read_bytes": t_read, "tiled_hbm_written_bytes": t_written,

@@ -25,7 +25,7 @@ def _online_softmax_rows(x, chunk_size):
     m = np.full(lead, -np.inf)
     l = np.zeros(lead)
     with np.errstate(invalid="ignore", over="ignore"):
-        # one streaming pass: m and l updated chunk by chunk (seed 001)
+        # one streaming pass: m and l updated chunk by chunk
         for c0 in range(0, M, C):
             xc = np.asarray(x[..., c0:c0 + C], dtype=np.float64)
             m_new = np.maximum(m, xc.max(axis=-1))
@@ -44,7 +44,7 @@ def online_softmax(x, chunk_size=None, *, return_stats=False):
 
     The running maximum ``m`` and the running sum ``l = sum(exp(x - m))`` are
     updated chunk by chunk; when a chunk raises the maximum the sum so far is
-    rescaled by ``exp(m_old - m_new)`` (seed 001).  The probabilities are then
+    rescaled by ``exp(m_old - m_new)`` (Milakov & Gimelshein 2018).  The probabilities are then
     ``exp(x - m) / l``.
 
     Parameters

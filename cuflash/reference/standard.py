@@ -40,7 +40,7 @@ def standard_attention(q, k, v, *, scale=None, causal=False):
     q : ndarray, shape (..., Nq, d)
     k : ndarray, shape (..., Nk, d)
     v : ndarray, shape (..., Nk, dv)
-        Leading dims broadcast; grouped-query heads as in ``docs/api.md``.
+        Leading dims broadcast; grouped-query heads as in ``cuflash.tiled_attention``.
         One float dtype for all three.  Not modified.
     scale : float, optional
         Logit scale; None means ``1/sqrt(d)``.
@@ -73,7 +73,7 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
     """Textbook attention backward that stores P.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
-    ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (seed 000, section 4).
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (the stored-P backward).
 
     Parameters
     ----------
@@ -91,7 +91,8 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
         summed over the axes they were broadcast along.  Rows that see no key
         contribute 0.
     """
-    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal)
+    spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
+                                 need_forward=False)
     q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
     ct = _compute_dtype(spec.dtype)
     P = _standard_probs(spec, q_c, k_c, _causal_offset(spec))        # stored: (..., Nq, Nk)

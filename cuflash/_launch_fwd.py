@@ -1,0 +1,222 @@
+"""Launching the forward kernels (``flash_fwd.cu``, ``flash_fwd_tc.cu``) for "cuda" and "emulator".
+
+:func:`tiled_attention` is the public forward of both kernel backends: on the
+first call of a kind it validates, plans (which kernel, which tiles:
+:func:`cuflash.tiling.plan_flash_fwd`), compiles and packs a ``FwdParams``
+block; it keeps all of that as one closure in ``runtime.calls``, so an
+identical later call costs a key lookup, two allocations (o, lse) and one
+launch.  :func:`memory_analysis` and :func:`verify_no_full_materialization`
+are the kernel versions of the reference's.
+"""
+import numpy as np
+
+from . import kernels, tiling
+from ._launch import (aligned16, alloc_output, cached_call, contiguous_strides, flatten_lead,
+                      fold_grid, launch, make_params, pointer_arg, problem_dims, record_copy,
+                      track_allocations)
+from ._validate import check_attention_inputs, check_positive_int
+
+__all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
+           "kernels_needed"]
+
+
+def _build(runtime, spec, q, k, v, kernel=None):
+    """The prepared forward for this call's shapes and strides: ``run(q, k, v) -> (o, lse)``.
+
+    ``kernel`` None lets the planner choose (tensor cores for float16/bfloat16
+    where supported); tests force "flash_fwd" or "flash_fwd_tc".
+    """
+    xp = runtime.xp
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
+    out_shape, lse_shape = spec.out_shape, spec.lse_shape
+    dtype, lse_dtype = spec.dtype, spec.lse_dtype
+    B, H = problem_dims(spec.lead)
+    if spec.Nq == 0 or B * H == 0:
+        def run_empty(q, k, v):
+            return (alloc_output(xp, out_shape, dtype, "o"),
+                    alloc_output(xp, lse_shape, lse_dtype, "lse"))
+        return run_empty
+
+    lead, grouped = spec.lead, spec.group > 1
+    q_, qs = flatten_lead(runtime, q, lead)
+    k_, ks = flatten_lead(runtime, k, lead, grouped)
+    v_, vs = flatten_lead(runtime, v, lead, grouped)
+    # whether an input is copied depends on its shape and strides only: replayed per call
+    copy_q, copy_k, copy_v = q_ is not q, k_ is not k, v_ is not v
+    o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
+    l_sb, l_sh = contiguous_strides(lead, (spec.Nq,))
+    n_tiles = -(-spec.Nq // plan.block_q)
+    grid = fold_grid(n_tiles, H, B, f"{plan.kernel} (Nq={spec.Nq}, block_q={plan.block_q})")
+    block = (plan.threads,)
+    smem = plan.shared_bytes
+    name = plan.kernel
+    fn = kernels.get_function(runtime, kernels.KERNEL_SOURCES[name], name,
+                              kernels.plan_defines(plan), smem)
+    params = make_params(
+        runtime, "FwdParams",
+        q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
+        v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], o_sb=o_sb, o_sh=o_sh, o_sr=spec.dv,
+        lse_sb=l_sb, lse_sh=l_sh, scale=spec.scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
+        group=spec.group, causal=int(spec.causal is not None),
+        causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
+        n_tiles=n_tiles)
+    needs_align = name == "flash_fwd_tc"  # cp.async copies 16 bytes
+    emulator = runtime.name == "emulator"
+    rt_name = runtime.name
+
+    def run(q, k, v):
+        if copy_q:
+            q = flatten_lead(runtime, q, lead)[0]
+        if copy_k:
+            k = flatten_lead(runtime, k, lead, grouped)[0]
+        if copy_v:
+            v = flatten_lead(runtime, v, lead, grouped)[0]
+        if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
+            return _misaligned(runtime, spec, q, k, v, kernel)
+        if emulator:
+            q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
+        o = alloc_output(xp, out_shape, dtype, "o")
+        lse = alloc_output(xp, lse_shape, lse_dtype, "lse")
+        launch(rt_name, fn, name, grid, block, (q, k, v, o, lse, params), smem)
+        return o, lse
+    return run
+
+
+def _misaligned(runtime, spec, q, k, v, kernel):
+    """An input view whose rows cp.async cannot read aligned: run on contiguous copies."""
+    xp = runtime.xp
+    copies = []
+    for x in (q, k, v):
+        if x.flags.c_contiguous and x.strides[-1] == x.itemsize and \
+                aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
+            copies.append(x)
+        else:
+            c = xp.ascontiguousarray(x)
+            record_copy("aligned copy", c)
+            copies.append(c)
+    q, k, v = copies
+    return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
+
+
+def _key(q, k, v, scale, causal, block_q, block_kv, kernel=None):
+    try:
+        return ("fwd", q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype,
+                v.shape, v.strides, v.dtype, scale.__class__, scale, causal.__class__, causal,
+                block_q.__class__, block_q, block_kv.__class__, block_kv, kernel)
+    except AttributeError:  # not arrays: the validation below says what is wrong
+        return None
+
+
+def _cached(runtime, spec, q, k, v, kernel=None):
+    key = _key(q, k, v, spec.scale, spec.causal, spec.block_q, spec.block_kv, kernel)
+    return cached_call(runtime, key, lambda: _build(runtime, spec, q, k, v, kernel))
+
+
+def tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse):
+    """The flash attention forward on the kernels: ``o`` or ``(o, lse)``.
+
+    Validation, planning and compilation happen on the first call of a kind;
+    see the module docstring.  Arguments as :func:`cuflash.tiled_attention`.
+    """
+    key = _key(q, k, v, scale, causal, block_q, block_kv)
+
+    def build():
+        spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
+                                      block_kv=block_kv)
+        return _build(runtime, spec, q, k, v)
+    o, lse = cached_call(runtime, key, build)(q, k, v)
+    return (o, lse) if return_lse else o
+
+
+def flash_fwd(runtime, q, k, v, spec, kernel=None):
+    """Run the forward for a validated call: ``(o, lse)``; ``kernel`` forces one kernel.
+
+    Raises
+    ------
+    ValueError
+        Tiles or head dims the kernel does not support (from cuflash.tiling), or
+        a grid beyond CUDA's 2^31 - 1 blocks.
+    """
+    return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
+
+
+def kernels_needed(runtime, d, dv, dtype):
+    """``(filename, kernel, defines, shared_bytes)`` of a default-tile forward (for precompile)."""
+    plan = runtime.plan_fwd(d, dv, dtype)
+    return [(kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, kernels.plan_defines(plan),
+             plan.shared_bytes)]
+
+
+def _dtype_label(dtype):
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads):
+    """memory_analysis for the kernels: the reference's model with the kernel's tiles.
+
+    The tiles and ``sram_bytes_per_block`` are those the forward launches with
+    (cuflash.tiling, against this runtime's shared-memory limit, which is
+    reported).  ``tiled_extra_bytes`` keeps the reference's definition (row
+    statistics plus one S/P tile pair, whatever memory holds them);
+    ``kernel_global_extra_bytes`` is what the kernel path actually keeps in
+    global memory besides q, k, v, o: the lse rows (m, l live in registers,
+    the S/P tile in registers and shared memory).  The HBM model is the reference's
+    (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
+    :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
+    the kernel is measured to move.
+    """
+    from . import reference
+    d_ = check_positive_int(d, "d")
+    bq = check_positive_int(block_q, "block_q")
+    bkv = check_positive_int(block_kv, "block_kv")
+    plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv)
+    out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
+                                    block_kv=plan.block_kv, batch=batch, heads=heads)
+    BH = out["batch"] * out["heads"]
+    out.pop("cpu_tile_bytes_per_worker", None)  # the reference's CPU figure: not this path
+    out.update({
+        "backend": runtime.name,
+        "kernel": plan.kernel,
+        "tiles_chosen": plan.chosen,
+        "threads_per_block": plan.threads,
+        "sram_bytes_per_block": plan.shared_bytes,
+        "sram_layout": tiling.kernel_tiling(plan.kernel).layout(
+            plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
+        "sram_limit_bytes": plan.limit,
+        "sram_limit_source": plan.limit_source,
+        "kernel_global_extra_bytes": BH * out["N"] * plan.acc_bytes,
+    })
+    return out
+
+
+# outputs and the O(N) row statistics are not intermediates: what the
+# ledger records under these names is left out of the largest intermediate
+_NOT_INTERMEDIATE = ("o", "lse")
+
+
+def verify_no_full_materialization(runtime, q, k, v, block_size):
+    """Run the forward with block_q = block_kv = block_size; report the largest intermediate.
+
+    Intermediates are what the kernel path creates besides its outputs (o and
+    the O(N) row statistics lse): any contiguous/broadcast/aligned copy of an
+    input, and the kernel's shared-memory tiles (Qs, Ks, Vs, Ps of
+    cuflash.tiling).  None of them grows with Nq * Nk.
+    """
+    if block_size is None:
+        raise ValueError("block_size must be a positive int, got None")
+    spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
+    with track_allocations() as ledger:
+        o, _ = _build(runtime, spec, q, k, v)(q, k, v)  # uncached: every copy is seen
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
+    if plan.kernel == "flash_fwd_tc":  # shared-memory tiles (K/V double buffered)
+        sizes = [bq * (d + 8), 2 * bkv * (d + 8), 2 * bkv * (dv + 8)]
+    else:
+        sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]
+    for what, shape in ledger:
+        if what not in _NOT_INTERMEDIATE:
+            n = 1
+            for s in shape:
+                n *= int(s)
+            sizes.append(n)
+    return o, int(max(sizes))
