@@ -75,4 +75,6 @@ def bfloat16_dtype():
 
 def is_bfloat16(dtype):
     """True for ml_dtypes' bfloat16 (checked by name: ml_dtypes need not be installed)."""
-    return np.dtype(dtype).name == "bfloat16"
+    dt = np.dtype(dtype)
+    # NumPy's own floats have kind "f"; only the name lookup of others is slow-ish
+    return dt.kind == "V" and dt.name == "bfloat16"
