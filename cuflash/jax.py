@@ -112,7 +112,7 @@ def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic
                             f"{type(x).__module__}.{type(x).__name__}")
     check_layout(layout, q=q, k=k, v=v)
     opts = _Options(scale, causal, layout, bool(deterministic))
-    _spec(opts, q, k, v)  # validate now, with the caller's shapes in the messages
+    _spec(opts, q, k, v)  # validate now: errors come before anything is traced or run
     return _attention(opts, q, k, v)
 
 
