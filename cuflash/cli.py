@@ -4,13 +4,15 @@
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).
+``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).  Bad option values are one-line
+argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
-import argparse
 import sys
 import time
 
 import numpy as np
+
+from ._cliargs import Parser, nonneg_int, positive_int
 
 
 def _default_backend():
@@ -164,7 +166,7 @@ def demo(args):
 
 def build_parser():
     from ._bench_cpu import build_parser as bench_parser
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m cuflash",
         description="cuflash: exact FlashAttention - demo of the algorithm and benchmarks.")
     sub = p.add_subparsers(dest="command", metavar="{demo,bench}")
@@ -177,38 +179,53 @@ def build_parser():
     d.add_argument("--backend", choices=("numpy", "cuda", "emulator"), default=None,
                    help="backend for part 2 (default: cuda when a GPU and CuPy are present, "
                    "else numpy)")
-    d.add_argument("--n", type=int, default=None,
+    d.add_argument("--n", type=positive_int, default=None,
                    help="sequence length for part 2 (default 2048; 128 on the emulator)")
-    d.add_argument("--batch", type=int, default=1, help="batch (default: %(default)s)")
-    d.add_argument("--heads", type=int, default=8, help="heads (default: %(default)s)")
-    d.add_argument("--dim", type=int, default=64, help="head dim (default: %(default)s)")
+    d.add_argument("--batch", type=positive_int, default=1, help="batch (default: %(default)s)")
+    d.add_argument("--heads", type=positive_int, default=8, help="heads (default: %(default)s)")
+    d.add_argument("--dim", type=positive_int, default=64, help="head dim (default: %(default)s)")
     d.add_argument("--causal", choices=("bottom_right", "top_left"), default=None,
                    help="causal mask for part 2 (default: none)")
-    d.add_argument("--block-q", type=int, default=None, help="tiled block_q (default: auto)")
-    d.add_argument("--block-kv", type=int, default=None, help="tiled block_kv (default: auto)")
-    d.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    d.add_argument("--block-q", type=positive_int, default=None,
+                   help="tiled block_q (default: auto)")
+    d.add_argument("--block-kv", type=positive_int, default=None,
+                   help="tiled block_kv (default: auto)")
+    d.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     d.add_argument("--no-walkthrough", action="store_true", help="skip part 1")
+    d.set_defaults(option_error=d.error)  # for option checks after parsing
     sub.add_parser("bench", parents=[bench_parser(add_help=False)],
                    help="CPU benchmark: naive NumPy, cuflash standard/tiled, torch SDPA",
                    description="CPU benchmark of the cuflash NumPy backend against naive "
                    "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
-                   "peak memory, and a plot against N.")
+                   "peak memory, and a plot against N (pip install \".[bench]\" torch).")
     return p
+
+
+def _check_demo_tiles(args, backend):
+    """Refuse tile sizes the backend's planner refuses, as an option error (not a traceback)."""
+    if args.block_q is None and args.block_kv is None:
+        return
+    import cuflash
+    N = args.n if args.n is not None else (128 if backend == "emulator" else 2048)
+    try:
+        cuflash.memory_analysis(N, args.dim, "float32", block_q=args.block_q,
+                                block_kv=args.block_kv, batch=args.batch, heads=args.heads,
+                                backend=None if backend == "numpy" else backend)
+    except ValueError as e:
+        args.option_error(f"--block-q/--block-kv: {e}")
 
 
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "demo":
+        backend = args.backend or _default_backend()
+        from . import available_backends
+        if available_backends().get(backend, (False, ""))[0]:
+            _check_demo_tiles(args, backend)
         return demo(args)
     if args.command == "bench":
-        from ._bench_cpu import report, run
-        res = run(args)
-        report(res, args.plot)
-        if args.json:
-            import json
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1, default=str)
-        return 0
+        from ._bench_cpu import run_and_report
+        return run_and_report(args)
     p.print_help()
     return 2
