@@ -4,7 +4,8 @@
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).  Bad option values are one-line
+``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``), ``bench --gpu``
+the GPU one (``cuflash/_bench_gpu.py``).  Bad option values are one-line
 argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
 import sys
@@ -193,11 +194,18 @@ def build_parser():
     d.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     d.add_argument("--no-walkthrough", action="store_true", help="skip part 1")
     d.set_defaults(option_error=d.error)  # for option checks after parsing
-    sub.add_parser("bench", parents=[bench_parser(add_help=False)],
-                   help="CPU benchmark: naive NumPy, cuflash standard/tiled, torch SDPA",
-                   description="CPU benchmark of the cuflash NumPy backend against naive "
-                   "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
-                   "peak memory, and a plot against N (pip install \".[bench]\" torch).")
+    b = sub.add_parser("bench", parents=[bench_parser(add_help=False)],
+                       help="CPU benchmark (naive NumPy, cuflash standard/tiled, torch SDPA); "
+                       "--gpu: the GPU benchmark",
+                       description="CPU benchmark of the cuflash NumPy backend against naive "
+                       "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
+                       "peak memory, and a plot against N (pip install \".[bench]\" torch). "
+                       "With --gpu: the GPU benchmark instead, whose options "
+                       "'python -m cuflash bench --gpu --help' lists.")
+    # handled in main() before parsing: everything after `bench --gpu` is the GPU bench's
+    b.add_argument("--gpu", action="store_true",
+                   help="run the GPU benchmark (cuflash/_bench_gpu.py) with the options that "
+                   "follow; 'bench --gpu --help' lists them")
     return p
 
 
@@ -215,7 +223,22 @@ def _check_demo_tiles(args, backend):
         args.option_error(f"--block-q/--block-kv: {e}")
 
 
+def _gpu_bench_argv(argv):
+    """The arguments after ``bench`` when ``--gpu`` is among them (less ``--gpu``), else None."""
+    if "bench" not in argv:
+        return None
+    rest = argv[argv.index("bench") + 1:]
+    if "--gpu" not in rest:
+        return None
+    return [a for a in rest if a != "--gpu"]
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gpu_argv = _gpu_bench_argv(argv)
+    if gpu_argv is not None:
+        from ._bench_gpu import main as bench_gpu_main
+        return bench_gpu_main(gpu_argv, prog="python -m cuflash bench --gpu")
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "demo":

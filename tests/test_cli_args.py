@@ -85,8 +85,7 @@ def test_bad_option_in_a_fresh_process_has_no_traceback():
 
 
 def test_cpu_bench_plot_title_path_and_extrapolated_points(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("matplotlib")
-    import matplotlib.figure
+    import matplotlib.figure  # a test dependency (setup.cfg, extra "test")
     seen = {}
     save = matplotlib.figure.Figure.savefig
 
