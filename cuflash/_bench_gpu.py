@@ -377,16 +377,19 @@ def _ratios(case):
 
 
 def _footnotes(res):
-    """Number each distinct (method, reason) once; cells refer to the number."""
+    """Number each distinct reason once (with the methods it applies to); cells cite it."""
     notes, index = [], {}
     for case in res["cases"]:
         for name, e in case["methods"].items():
             if e["status"] != "ok":
-                key = (name, e.get("reason", ""))
-                if key not in index:
-                    index[key] = len(notes) + 1
-                    notes.append({"n": index[key], "method": name, "reason": key[1]})
-                e["note"] = index[key]
+                reason = e.get("reason", "")
+                if reason not in index:
+                    index[reason] = len(notes) + 1
+                    notes.append({"n": index[reason], "methods": [], "reason": reason})
+                note = notes[index[reason] - 1]
+                if name not in note["methods"]:
+                    note["methods"].append(name)
+                e["note"] = index[reason]
     res["footnotes"] = notes
 
 
@@ -422,8 +425,9 @@ def run(args, log=_log):
 def main(argv=None, prog=None):
     """``bench/bench_gpu.py`` / ``python -m cuflash bench --gpu``; the exit status.
 
-    0: ran; 1: a cuflash method failed its correctness check; 2: bad options,
-    or the backend cannot run here (one line on stderr).
+    0: ran; 1: a cuflash method failed its correctness check, or cuflash tiled
+    could run no case; 2: bad options, or the backend cannot run here (one
+    line on stderr).
     """
     parser = build_parser(prog)
     args = finish_args(parser, parser.parse_args(argv))
@@ -448,7 +452,10 @@ def main(argv=None, prog=None):
         print(f"plot: {path}" if path else f"plot not saved: {why}")
     failed = [c for c in res["checks"] if c["status"] == "failed"
               and c["method"].startswith("cuflash")]
-    return 1 if failed else 0
+    tiled_ran = any(c["methods"]["cuflash tiled"]["status"] == "ok" for c in res["cases"])
+    if res["cases"] and not tiled_ran:
+        print("cuflash tiled ran in no case: see the footnotes", file=sys.stderr)
+    return 1 if failed or (res["cases"] and not tiled_ran) else 0
 
 
 if __name__ == "__main__":

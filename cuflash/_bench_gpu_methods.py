@@ -99,7 +99,10 @@ class CudaDevice:
         self.cp = cupy
         self.xp = cupy
         self.dev = cupy.cuda.Device()
-        self.l2_bytes = int(self.dev.attributes["L2CacheSize"])
+        l2 = self.dev.attributes.get("L2CacheSize")  # cudaDevAttrL2CacheSize
+        if l2 is None:
+            l2 = cupy.cuda.runtime.getDeviceProperties(self.dev.id).get("l2CacheSize")
+        self.l2_bytes = int(l2) if l2 else None  # None: no rotation, and the header says so
         self.torch = None  # set by Torch so release() can empty its cache
 
     def sync(self):
@@ -160,7 +163,7 @@ class CudaDevice:
         return {"name": name, "compute_capability": self.dev.compute_capability,
                 "sms": int(self.dev.attributes["MultiProcessorCount"]),
                 "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
-                "l2_bytes": self.l2_bytes, "driver": driver,
+                "l2_bytes": self.l2_bytes or 0, "driver": driver,
                 "cuda_driver_api": cuda_ver(rt.driverGetVersion()),
                 "cuda_runtime": cuda_ver(rt.runtimeGetVersion())}
 

@@ -134,7 +134,7 @@ def print_report(res, file=None):
     if res["footnotes"]:
         say()
         for f in res["footnotes"]:
-            say(f"[{f['n']}] {f['method']}: {f['reason']}")
+            say(f"[{f['n']}] {', '.join(f['methods'])}: {f['reason']}")
     _print_first_calls(res, say)
     _print_host_time(res, say)
     _print_checks(res, say)

@@ -138,6 +138,7 @@ def test_json_numbers(emulated):
     assert res["config"]["reps"] == 2 and res["timer"] == "time.perf_counter"
     assert len(res["cases"]) == 8 + 3
     notes = {f["n"]: f for f in res["footnotes"]}
+    assert len({f["reason"] for f in res["footnotes"]}) == len(notes)  # each reason once
     for c in res["cases"]:
         assert c["flops"] == expected_flops(c)
         assert c["input_sets"] == input_sets_needed(c["input_set_bytes"] + c["B"] * c["H"] * c["Nq"]
@@ -145,7 +146,7 @@ def test_json_numbers(emulated):
         timed = {}
         for name, e in c["methods"].items():
             if e["status"] != "ok":
-                assert e["reason"] and notes[e["note"]]["method"] == name
+                assert e["reason"] and name in notes[e["note"]]["methods"]
                 assert notes[e["note"]]["reason"] == e["reason"]
                 continue
             assert len(e["runs_ms"]) == 2 and all(t > 0 for t in e["runs_ms"])
@@ -225,6 +226,23 @@ def test_a_method_that_fails_its_check_is_reported_not_timed(monkeypatch):
     assert rows[0][8] == "failed check [1]"
     assert re.search(r"^\[1\] cuflash standard: correctness check failed \(o: max\|err\| ", out,
                      re.M)
+
+
+def test_a_cuflash_that_cannot_run_is_reported_and_fails_the_run(monkeypatch):
+    _emulator_or_skip()
+    from cuflash import _bench_gpu_methods as mth
+
+    def refuse(self, x, grad):
+        raise ValueError("no kernel for this\nsecond line")
+    monkeypatch.setattr(mth.CuflashTiled, "forward", refuse)
+    rc, out, err = run_main(["--backend", "emulator", "--dims", "16", "--seqlens", "16",
+                             "--causal", "no", "--modes", "fwd", "--decode-nk", "",
+                             "--host-calls", "0", "--no-torch", "--plot", ""])
+    assert rc == 1
+    _, rows = table_rows(out, "Main grid")
+    assert rows[0][7] == "n/a [1]" and re.fullmatch(r"\S+ / \S+", rows[0][8])
+    assert "[1] cuflash tiled: ValueError: no kernel for this" in out.splitlines()
+    assert "cuflash tiled ran in no case" in err
 
 
 def test_cuda_backend_without_gpu_exits_2_with_one_line():
