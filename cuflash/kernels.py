@@ -103,6 +103,10 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
+    "flash_fwd_serving": "flash_fwd.cu",
+    "flash_fwd_combine": "flash_fwd.cu",
+    "flash_kv_append": "flash_fwd.cu",
 }
 
 
@@ -164,6 +168,9 @@ class Runtime:
     race_check : bool
         Emulator only: compile the kernels with ThreadSanitizer and raise
         ``cuflash.emulator.RaceError`` on a race.
+    num_sms : int
+        Streaming multiprocessors (split-KV fills them; a nominal count on the
+        emulator).
     tensor_cores : bool
         Whether the forward may pick the mma.m16n8k16 kernel by default: sm_80
         and newer.  Before sm_80 portable.cuh emulates that mma with 32 shuffles,
@@ -172,8 +179,9 @@ class Runtime:
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None, tensor_cores=True, synchronize=None):
+                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108):
         self.name = name
+        self.num_sms = num_sms
         self.calls = CallCache()
         self._synchronize = synchronize
         self.tensor_cores = tensor_cores
@@ -244,10 +252,12 @@ def get_runtime(backend, *, race_check=False, arch=None):
         dev = cupy.cuda.Device()
         return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
                        tensor_cores=int(dev.compute_capability) >= 80,
-                       synchronize=lambda: cupy.cuda.get_current_stream().synchronize())
+                       synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
+                       num_sms=tiling.device_sm_count("cuda")[0])
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
                    race_check=race_check, device_key=("emulator", bool(race_check), arch),
-                   tensor_cores=arch is None or int(arch.split("_")[1]) >= 80)
+                   tensor_cores=arch is None or int(arch.split("_")[1]) >= 80,
+                   num_sms=tiling.device_sm_count("emulator", arch)[0])
 
 
 _CACHE = {}
@@ -349,6 +359,11 @@ def compile_variants():
         add("flash_fwd", "float32", d)
     add("flash_fwd", "float32", 64, bq=8, bkv=8)        # smallest tiles
     add("flash_fwd", "float32", 128, bq=128, bkv=64)    # largest pair within the register rule
+    # the serving module of flash_fwd.cu (split-KV, KV cache, varlen, combine, append)
+    for dt, d in (("float16", 128), ("bfloat16", 64), ("float32", 64), ("float64", 32)):
+        p = tiling.plan("flash_fwd", d, d, dt, 8, None, limit=sm80)
+        opts = build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None))
+        out.setdefault("flash_fwd.cu", []).append(opts)
     # flash_fwd_tc.cu: float16/bfloat16 on tensor cores
     for dt in tiling.TC_DTYPES:
         for d in (16, 64, 128):
