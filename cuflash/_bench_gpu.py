@@ -59,13 +59,13 @@ MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 # Defaults per backend; the emulator's are tiny (an emulated launch takes 0.05-0.1 s).
 DEFAULTS = {
     "cuda": dict(dims=[64, 128], seqlens=[512, 1024, 2048, 4096, 8192, 16384], tokens=16384,
-                 hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 16384, 65536],
+                 hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 8192, 16384, 65536],
                  decode_dim=128, host_calls=200, check_n=257, kv_nq=[1, 4],
-                 kv_page_sizes=[16, 256], varlen_mean=[512, 2048]),
+                 kv_page_sizes=[16, 256], varlen_mean=[512, 2048], target_ms=50.0),
     # warm-up 0 on the emulator: the (untimed) first call is its warm-up
     "emulator": dict(dims=[16, 32], seqlens=[32, 64], tokens=64, hidden=32, reps=2, warmup=0,
                      decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33, kv_nq=[1, 4],
-                     kv_page_sizes=[4, 16], varlen_mean=[16]),
+                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0),
 }
 # decode configurations (B, H, Hk) of the decode and KV-cache sections: MHA at batch 1 and 8,
 # GQA with 4 query heads per kv head (FlashAttention-2 on an H100: 0.36 ms for B1 H32 Nk=65536,
@@ -137,9 +137,9 @@ def build_parser(prog=None):
     p.add_argument("--warmup", type=nonneg_int,
                    help="warm-up calls after the first call (which is timed alone); the last "
                    f"sizes a repeat ({dflt('warmup')})")
-    p.add_argument("--target-ms", type=float, default=50.0,
+    p.add_argument("--target-ms", type=float,
                    help="calls per repeat chosen so a repeat takes about this long "
-                   "(default: %(default)s)")
+                   f"({dflt('target_ms')}: the emulator's times say nothing about a GPU)")
     p.add_argument("--decode-nk", type=lambda s: int_list(s, allow_empty=True),
                    help="key lengths of the decode and KV-cache sections, '' to skip both "
                    f"({dflt('decode_nk')})")

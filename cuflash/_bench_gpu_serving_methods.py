@@ -348,8 +348,8 @@ class VllmPaged:
     def _scale_arg(self, ops, fn):
         """k_scale/v_scale: a float in older vLLM, a float32 tensor in newer (the annotation
         says which); 1.0 either way (no fp8 cache)."""
-        ann = inspect.signature(getattr(ops, fn)).parameters["k_scale"].annotation
-        if ann is float or ann == "float":
+        param = inspect.signature(getattr(ops, fn)).parameters.get("k_scale")
+        if param is not None and (param.annotation is float or param.annotation == "float"):
             return 1.0
         return self.t.torch.ones((), dtype=self.t.torch.float32, device="cuda")
 
