@@ -108,11 +108,15 @@ def build_parser(prog=None):
         "GPU benchmark of cuflash (tiled and standard attention) against torch SDPA with each "
         "backend forced (flash, cudnn, efficient, math): correctness check against float64 "
         "first, then median time (CUDA events), TFLOP/s (flash-attn convention), first-call "
-        "(compile) time, decode shapes and host time per call; a table, JSON and a plot. "
+        "(compile) time, decode shapes and host time per call; then the serving calls: a KV "
+        "cache at decode time (contiguous and paged, GB/s of K/V read, against SDPA, "
+        "flash-attn and vLLM when importable) and ragged varlen batches (against equal "
+        "lengths and flash-attn); tables, JSON and a plot. "
         "Needs CuPy and a GPU (pip install \".[cuda12,bench]\" or \".[cuda13,bench]\", plus "
         "torch with CUDA for SDPA). --backend emulator runs tiny sizes on the CPU with the "
         "emulated kernels (defaults dims 16,32, seqlens 32,64, tokens 64, hidden 32, reps 2, "
-        "warmup 0, decode-nk 32,128, host-calls 3; about 30 s of CPU time)."))
+        "warmup 0, decode-nk 32,128, host-calls 3, kv-page-sizes 4,16, varlen-mean 16, "
+        "target-ms 10; about a minute of CPU time, half of it the serving sections)."))
     p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda",
                    help="where cuflash runs (default: %(default)s)")
     p.add_argument("--sections", type=choice_list(SECTIONS), default=list(SECTIONS),
@@ -121,16 +125,21 @@ def build_parser(prog=None):
                    "batches), host (host time per call); default: all")
     p.add_argument("--dtypes", type=choice_list(DTYPES), default=["float16"],
                    help=f"comma-separated, of {','.join(DTYPES)} (default float16)")
-    p.add_argument("--dims", type=int_list, help=f"head dims d ({dflt('dims')})")
+    p.add_argument("--dims", type=int_list,
+                   help=f"head dims d of the grid and varlen sections ({dflt('dims')})")
     p.add_argument("--seqlens", type=int_list, help=f"sequence lengths N ({dflt('seqlens')})")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
-                   help="causal cases (top-left mask, PyTorch's is_causal; default: %(default)s)")
+                   help="causal cases of the grid (top-left mask, PyTorch's is_causal) and varlen "
+                   "(per sequence) sections (default: %(default)s)")
     p.add_argument("--modes", type=choice_list(MODES), default=list(MODES),
-                   help="comma-separated, of fwd,bwd,fwdbwd (default: all)")
+                   help="comma-separated, of fwd,bwd,fwdbwd, for the grid and varlen sections "
+                   "(default: all)")
     p.add_argument("--tokens", type=positive_int,
-                   help=f"batch x N, as in FlashAttention-2's benchmark ({dflt('tokens')})")
+                   help="batch x N, as in FlashAttention-2's benchmark; also the tokens of a "
+                   f"varlen batch ({dflt('tokens')})")
     p.add_argument("--hidden", type=positive_int,
-                   help=f"heads x d, as in FlashAttention-2's benchmark ({dflt('hidden')})")
+                   help="heads x d, as in FlashAttention-2's benchmark, and in the varlen "
+                   f"section ({dflt('hidden')})")
     p.add_argument("--reps", type=positive_int,
                    help=f"timed repeats, the median is reported (at least {MIN_REPS_CUDA} on "
                    f"cuda; {dflt('reps')})")
@@ -157,14 +166,16 @@ def build_parser(prog=None):
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
-                   help=f"sequence length of the correctness checks ({dflt('check_n')})")
+                   help="sequence length of the correctness checks (KV cache: keys after the "
+                   f"append; varlen: a batch of 2 x check-n tokens) ({dflt('check_n')})")
     p.add_argument("--l2-bytes", type=nonneg_int, default=None,
                    help="L2 size that decides input rotation (default: the device's; none on "
                    "the emulator; 0: never rotate)")
     p.add_argument("--cold-cache", action="store_true",
                    help="compile into an empty temporary kernel cache, so first calls include "
                    "the compile even when CuPy's disk cache holds the kernels")
-    p.add_argument("--no-torch", action="store_true", help="leave the SDPA methods out")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out the methods that run through torch: SDPA, flash-attn, vLLM")
     p.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--json", default="", help="write every number here as JSON")
     p.add_argument("--plot", default="bench_gpu.png",
