@@ -103,6 +103,9 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    "flash_bwd_tc_preprocess": "flash_bwd_tc.cu",
+    "flash_bwd_tc": "flash_bwd_tc.cu",
+    "flash_bwd_tc_dq_convert": "flash_bwd_tc.cu",
 }
 
 
@@ -113,9 +116,12 @@ def plan_defines(plan):
     ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
     ``CUFLASH_THREADS``.
     """
-    return {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
-            "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
-            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+    out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
+           "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
+           "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+    # kernel-specific defines of the plan (KernelTiling.defines, e.g. flash_bwd_tc's passes)
+    out.update(tiling.kernel_tiling(plan.kernel).defines(plan.block_q, plan.block_kv, plan.d, plan.dv))
+    return out
 
 
 class CallCache:

@@ -36,6 +36,7 @@ __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
     "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES",
+    "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
 ]
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
@@ -94,6 +95,9 @@ class KernelTiling:
         One line naming the shared-memory arrays and their shapes (for messages).
     check : callable(block_q, block_kv, d, dv) -> str or None
         Further constraints (e.g. register arrays); a message when violated.
+    defines : callable(block_q, block_kv, d, dv) -> dict
+        Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
+        (:func:`cuflash.kernels.plan_defines` adds them); none by default.
     """
     name: str
     block_q_choices: Tuple[int, ...]
@@ -104,6 +108,7 @@ class KernelTiling:
     layout: Callable
     check: Callable = field(default=lambda bq, bkv, d, dv: None)
     max_head_dim: int = MAX_HEAD_DIM
+    defines: Callable = field(default=lambda bq, bkv, d, dv: {})
 
 
 @dataclass(frozen=True)
@@ -608,4 +613,209 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
             kv_rows += min(-(-end // block_kv) * block_kv, Nk)
         read += bh * (Nq * ((d + dv) * isz + 2 * acc) + kv_rows * (d + dv) * isz)
         written += bh * Nq * d * isz
+    return read, written
+
+
+# --------------------------------------------------------------------------
+# flash_bwd_tc (kernels_cu/flash_bwd_tc.cu): float16/bfloat16 backward on tensor cores
+# --------------------------------------------------------------------------
+# Each warp owns 16 * mt keys of the K/V tile (block_kv = 16 * mt * warps) and, for them,
+# all block_q queries: S^T and dP^T (mt * block_q / 2 floats each per lane) and the dK, dV
+# accumulators (mt * (d + dv) / 2 floats per lane, or half of them per pass when the head
+# dims run in two passes).  Layout (16-bit, rows padded by 8 elements; float32 at the end):
+#   Ks (Bc, d+8), Vs (Bc, dv+8), Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8), dSs (Bc, Br+8),
+#   lse2_s 2 x Br, D_s 2 x Br
+# Registers: ptxas puts the rest of the kernel (fragments, addresses, loop state) at
+# ~55-63 registers beside these arrays (sm_80/sm_90, NVRTC 13.0): 255 registers and no
+# spill at 192 floats of arrays (d = dv = 128, block_q = 64: 128 + 64), so plans are held to
+# BWD_TC_ARRAY_BUDGET floats.  tests/test_kernels_backward.py compiles the plans at the
+# edge of this budget with NVRTC and asserts no spills.
+BWD_TC_TILE_CHOICES = (16, 32, 64, 128)
+BWD_TC_ARRAY_BUDGET = 192
+BWD_TC_PRE_THREADS = 128   # kPreThreads in flash_bwd_tc.cu
+BWD_TC_CONVERT_THREADS = 256  # kConvThreads
+
+
+def _bwd_tc_arrays(bq, d, dv, mt, passes):
+    chunks = -(-(d // 16) // passes) + -(-(dv // 16) // passes)
+    return mt * 8 * chunks + mt * bq
+
+
+def bwd_tc_layout(bq, bkv, d, dv):
+    """``(warps, keys per warp // 16, passes)`` of flash_bwd_tc for a plan, or a str saying why not.
+
+    32 keys per warp (mt = 2) halves the Q/dO fragment reads per key and is used when its
+    register arrays fit and the tile has at least 64 keys; the head dims run in two passes
+    when one pass's dK/dV accumulators and S^T/dP^T do not fit the register budget.
+    """
+    if d % 16 or dv % 16 or not (16 <= d <= MAX_HEAD_DIM and 16 <= dv <= MAX_HEAD_DIM):
+        return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
+    if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
+        return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
+    if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= BWD_TC_ARRAY_BUDGET:
+        return bkv // 32, 2, 1
+    for passes in (1, 2):
+        if _bwd_tc_arrays(bq, d, dv, 1, passes) <= BWD_TC_ARRAY_BUDGET:
+            return bkv // 16, 1, passes
+    need = _bwd_tc_arrays(bq, d, dv, 1, 2)
+    return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread for S^T, dP^T "
+            f"and half of dK, dV (limit {BWD_TC_ARRAY_BUDGET}, beyond which ptxas spills)")
+
+
+def _bwd_tc_shared(bq, bkv, d, dv, acc):
+    return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
+                + bkv * (bq + 8)) + 16 * bq
+
+
+def _bwd_tc_layout_text(bq, bkv, d, dv, acc):
+    return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
+            f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}], float lse2_s[2][{bq}] + D_s[2][{bq}]")
+
+
+def _bwd_tc_check(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return lay if isinstance(lay, str) else None
+
+
+def _bwd_tc_threads(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return 32 * lay[0] if not isinstance(lay, str) else 32
+
+
+def _bwd_tc_defines(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return {"CUFLASH_BWD_PASSES": lay[2]} if not isinstance(lay, str) else {}
+
+
+def _bwd_tc_preferences(d, dv, acc):
+    # best first: 128 keys per block (K/V and dQ reds amortised over the most work), then
+    # smaller tiles for smaller shared-memory budgets (sm_86/89: 99 KB, sm_75: 64 KB)
+    dm = d + dv
+    if dm <= 128:    # 32 keys per warp, 4 warps
+        return [(32, 128), (64, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
+    if dm <= 256:    # 16 keys per warp, 8 warps
+        return [(64, 128), (32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]
+    return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
+
+
+register(KernelTiling(
+    name="flash_bwd_tc",
+    block_q_choices=BWD_TC_TILE_CHOICES,
+    block_kv_choices=BWD_TC_TILE_CHOICES,
+    shared_bytes=_bwd_tc_shared,
+    threads=_bwd_tc_threads,
+    preferences=_bwd_tc_preferences,
+    layout=_bwd_tc_layout_text,
+    check=_bwd_tc_check,
+    defines=_bwd_tc_defines,
+))
+
+# the helpers of flash_bwd_tc.cu (their own module: dtype, d, dv only); no shared memory
+register(KernelTiling(
+    name="flash_bwd_tc_preprocess",
+    block_q_choices=(64,), block_kv_choices=(64,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: BWD_TC_PRE_THREADS,
+    preferences=lambda d, dv, acc: [(64, 64)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+))
+register(KernelTiling(
+    name="flash_bwd_tc_dq_convert",
+    block_q_choices=(64,), block_kv_choices=(64,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: BWD_TC_CONVERT_THREADS,
+    preferences=lambda d, dv, acc: [(64, 64)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+))
+
+
+def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                   limit_source="unlimited", kernel=None, tensor_cores=True):
+    """The backward's plan: flash_bwd_tc (tensor cores) or flash_bwd_dkdv (SIMT), with tiles.
+
+    float16/bfloat16 run flash_bwd_tc when ``tensor_cores`` (sm_80+), the head dims are
+    multiples of 16 and any explicit tiles are ones it takes; everything else (and what
+    does not fit the limit there) runs the SIMT kernels of flash_bwd.cu.  ``kernel``
+    forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).
+    """
+    name = _dtype_name(dtype)
+    if kernel is None:
+        tc = kernel_tiling("flash_bwd_tc")
+        if (tensor_cores and name in TC_DTYPES
+                and (block_q is None or block_q in tc.block_q_choices)
+                and (block_kv is None or block_kv in tc.block_kv_choices)
+                and d % 16 == 0 and dv % 16 == 0):
+            try:
+                return plan("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
+                            limit_source=limit_source)
+            except ValueError:
+                pass  # does not fit this device: the SIMT kernels may
+        kernel = "flash_bwd_dkdv"
+    if kernel == "flash_bwd_tc" and name not in TC_DTYPES:
+        raise ValueError(f"flash_bwd_tc runs {TC_DTYPES} only, got {name}")
+    return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
+
+
+def bwd_dq_splits(n_kv_tiles, problems, slots):
+    """dQ accumulator slices of the deterministic tensor-core backward.
+
+    The grid is ``splits * problems`` blocks (problems = batch x kv heads), each doing
+    ``ceil(n_kv_tiles / splits)`` KV tiles one after another; ``slots`` blocks run at a
+    time.  Returns the fewest splits (least accumulator memory and summing) among those
+    with the smallest modelled makespan ``ceil(splits * problems / slots) *
+    ceil(n_kv_tiles / splits)`` -- the same number of KV-tile steps as the atomic path's
+    ``ceil(n_kv_tiles * problems / slots)`` whenever the waves divide evenly.
+    """
+    n_kv_tiles, problems, slots = max(1, int(n_kv_tiles)), max(1, int(problems)), max(1, int(slots))
+    best, best_cost = 1, None
+    for s in range(1, n_kv_tiles + 1):
+        cost = -(-s * problems // slots) * -(-n_kv_tiles // s)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def flash_bwd_tc_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
+                         causal=None, n_splits=1):
+    """Exact global-memory bytes (read, written) of one tensor-core backward call.
+
+    What the emulator counts for flash_bwd_tc_preprocess, flash_bwd_tc and
+    flash_bwd_tc_dq_convert (16-bit inputs; float32 workspace rows padded to whole Q tiles):
+
+    * preprocess: O and dO rows < Nq (2 * dv * 2 bytes) and lse (4) per query row; writes
+      lse2 and D (4 + 4 bytes) for every padded row, and zeroes the n_splits dQ
+      accumulators (4 * d bytes per row and slice);
+    * flash_bwd_tc, per (KV tile, kv head, batch) that some query sees: K/V rows < Nk
+      once; for every query head of the group and every Q tile from the first that sees
+      the KV tile: the Q/dO rows < Nq and Br padded lse2/D values; dQ reds of 4 bytes read
+      + 4 written per (valid row, column); dK/dV rows < Nk written once (also by KV tiles no
+      query sees, as zeros, without loading anything);
+    * convert: n_splits accumulators read, dQ written.
+    """
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    off = (Nk - Nq) if causal == "bottom_right" else 0
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    nq_pad = nq_t * block_q
+    read = bh * (Nq * (2 * dv * 2 + 4))
+    written = bh * (nq_pad * 8 + n_splits * Nq * d * 4)
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        kv_rows = min(block_kv, Nk - kv0)
+        it0 = 0
+        if causal is not None:
+            i_min = kv0 - off
+            it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        written += bhk * kv_rows * (d + dv) * 2
+        if it0 >= nq_t:
+            continue
+        q_rows = Nq - it0 * block_q
+        n_tiles = nq_t - it0
+        read += bhk * kv_rows * (d + dv) * 2
+        read += bhk * group * (q_rows * (d + dv) * 2 + n_tiles * block_q * 8)
+        read += bhk * group * q_rows * d * 4
+        written += bhk * group * q_rows * d * 4
+    read += n_splits * bh * Nq * d * 4
+    written += bh * Nq * d * 2
     return read, written
