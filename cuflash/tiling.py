@@ -620,25 +620,35 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
 # flash_bwd_tc (kernels_cu/flash_bwd_tc.cu): float16/bfloat16 backward on tensor cores
 # --------------------------------------------------------------------------
 # Each warp owns 16 * mt keys of the K/V tile (block_kv = 16 * mt * warps) and, for them,
-# all block_q queries: S^T and dP^T (mt * block_q / 2 floats each per lane) and the dK, dV
-# accumulators (mt * (d + dv) / 2 floats per lane, or half of them per pass when the head
-# dims run in two passes).  Layout (16-bit, rows padded by 8 elements; float32 at the end):
+# all block_q queries: dP^T (mt * block_q / 2 floats per lane) beside P^T packed in 16-bit
+# (mt * block_q / 4 registers) and the dK, dV accumulators (mt * (d + dv) / 2 floats per
+# lane, or half of them per pass when the head dims run in two passes).  Layout (16-bit, rows padded by 8 elements; float32 at the end):
 #   Ks (Bc, d+8), Vs (Bc, dv+8), Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8), dSs (Bc, Br+8),
 #   lse2_s 2 x Br, D_s 2 x Br
-# Registers: ptxas puts the rest of the kernel (fragments, addresses, loop state) at
-# ~55-63 registers beside these arrays (sm_80/sm_90, NVRTC 13.0): 255 registers and no
-# spill at 192 floats of arrays (d = dv = 128, block_q = 64: 128 + 64), so plans are held to
-# BWD_TC_ARRAY_BUDGET floats.  tests/test_kernels_backward.py compiles the plans at the
-# edge of this budget with NVRTC and asserts no spills.
+# Registers: ptxas needs ~65-80 registers beside these arrays (fragments, addresses, loop
+# state; sm_80/sm_90, NVRTC 13.0): 252-254 registers and no spill at 176 (d = dv = 128,
+# block_q = 64: 128 + 48; d = dv = 64, 32 keys per warp, block_q = 32: 128 + 48), while
+# 192 spilled (d = 96, dv = 32, 32 keys per warp, block_q = 32, with P kept in float32), and
+# two passes need ~24 more (on sm_80 d = dv = 256, block_q = 64: 128 + 48 spilled 12 bytes,
+# d = 256, dv = 176, block_q = 64, 4 warps: 112 + 48 spilled 4; 152 compiled clean).  So
+# plans are held to BWD_TC_ARRAY_BUDGET (one pass) and _TWO_PASSES;
+# tests/test_kernels_backward.py compiles plans at the edge of both with NVRTC and asserts
+# no spills.
 BWD_TC_TILE_CHOICES = (16, 32, 64, 128)
-BWD_TC_ARRAY_BUDGET = 192
+BWD_TC_ARRAY_BUDGET = 176
+BWD_TC_ARRAY_BUDGET_TWO_PASSES = 152
 BWD_TC_PRE_THREADS = 128   # kPreThreads in flash_bwd_tc.cu
 BWD_TC_CONVERT_THREADS = 256  # kConvThreads
 
 
 def _bwd_tc_arrays(bq, d, dv, mt, passes):
+    """Register array floats per lane: dK/dV (8 per 16-column chunk and 16 keys) + dP^T + P^T."""
     chunks = -(-(d // 16) // passes) + -(-(dv // 16) // passes)
-    return mt * 8 * chunks + mt * bq
+    return mt * 8 * chunks + mt * (bq // 2 + bq // 4)
+
+
+def _bwd_tc_budget(passes):
+    return BWD_TC_ARRAY_BUDGET if passes == 1 else BWD_TC_ARRAY_BUDGET_TWO_PASSES
 
 
 def bwd_tc_layout(bq, bkv, d, dv):
@@ -652,14 +662,15 @@ def bwd_tc_layout(bq, bkv, d, dv):
         return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
     if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
         return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
-    if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= BWD_TC_ARRAY_BUDGET:
+    if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
         return bkv // 32, 2, 1
     for passes in (1, 2):
-        if _bwd_tc_arrays(bq, d, dv, 1, passes) <= BWD_TC_ARRAY_BUDGET:
+        if _bwd_tc_arrays(bq, d, dv, 1, passes) <= _bwd_tc_budget(passes):
             return bkv // 16, 1, passes
     need = _bwd_tc_arrays(bq, d, dv, 1, 2)
-    return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread for S^T, dP^T "
-            f"and half of dK, dV (limit {BWD_TC_ARRAY_BUDGET}, beyond which ptxas spills)")
+    return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread for P^T, "
+            f"dP^T and half of dK, dV (limit {BWD_TC_ARRAY_BUDGET_TWO_PASSES} in two passes, beyond "
+            "which ptxas spills)")
 
 
 def _bwd_tc_shared(bq, bkv, d, dv, acc):

@@ -27,7 +27,8 @@
 //   S^T  = K_w Q_i^T   (kMT*16 x block_q)  A = K_w rows (ldmatrix.x4), B = Q_i rows (ldmatrix.x4:
 //                                           Q row-major is the "col" B operand of K Q^T)
 //   P^T  = exp2(S^T * scale_log2 - lse2)    in the accumulator layout: lane (g, t) holds keys
-//                                           g, g+8 and queries 2t, 2t+1 of each 8-query tile
+//                                           g, g+8 and queries 2t, 2t+1 of each 8-query tile;
+//                                           kept rounded to the input dtype (packed pairs)
 //   dV_w += P^T dO_i                        P^T's accumulators repacked in registers as the A
 //                                           operand (no shared-memory round trip), B = dO_i rows
 //                                           with ldmatrix.x4.trans
@@ -347,12 +348,16 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                         }
                     }
                 }
-                // -- P^T = exp2(S^T * scale * log2(e) - lse2), masked where needed
+                // -- P^T = exp2(S^T * scale * log2(e) - lse2), masked where needed, kept in
+                // the input dtype: pp[mt][n] = (keys g | g+8) x (queries 2t, 2t+1) as two
+                // 16-bit pairs -- the A operand of dV += P^T dO as it stands, and half the
+                // registers of float P while dP^T is computed (P is rounded there anyway)
+                uint32_t pp[kMT][kNQ][2];
 #pragma unroll
                 for (int n = 0; n < kNQ; ++n) {
                     const float2 l2 = *reinterpret_cast<const float2*>(lse_t + n * 8 + 2 * t);
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt)
+                    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
@@ -363,6 +368,9 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                             }
                             s[mt][n][e] = cuflash_exp2(x);
                         }
+                        pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
+                        pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                    }
                 }
                 // -- dV_w += P^T dO_i (this pass's columns)
 #pragma unroll
@@ -370,10 +378,10 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                     uint32_t a[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
-                        a[mt][0] = cvt_pack2<elem_t>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                        a[mt][1] = cvt_pack2<elem_t>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                        a[mt][2] = cvt_pack2<elem_t>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                        a[mt][3] = cvt_pack2<elem_t>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+                        a[mt][0] = pp[mt][2 * kc][0];
+                        a[mt][1] = pp[mt][2 * kc][1];
+                        a[mt][2] = pp[mt][2 * kc + 1][0];
+                        a[mt][3] = pp[mt][2 * kc + 1][1];
                     }
 #pragma unroll
                     for (int c = 0; c < kVC; ++c) {
@@ -422,8 +430,12 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            dp[mt][n][e] = s[mt][n][e] * (dp[mt][n][e] - ((e & 1) ? dd.y : dd.x));
+                        for (int hh = 0; hh < 2; ++hh) {
+                            float p0, p1;
+                            unpack2<elem_t>(pp[mt][n][hh], p0, p1);
+                            dp[mt][n][2 * hh] = p0 * (dp[mt][n][2 * hh] - dd.x);
+                            dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);
+                        }
                 }
                 // -- dK_w += dS^T Q_i (this pass's columns); pass 0 also stores dS^T for dQ
 #pragma unroll

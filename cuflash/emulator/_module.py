@@ -27,7 +27,7 @@ __all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "5"
+_LAUNCHER_VERSION = "6"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
 _LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
@@ -336,7 +336,10 @@ int main(int argc, char** argv) {
   unsigned long long stats[2] = {0, 0}; char err[4096] = {0};
   int rc = fn(g, b, shmem, args.data(), stats, err, sizeof err, flags);
   std::ofstream out(argv[2], std::ios::binary);
-  out << rc << " " << stats[0] << " " << stats[1] << "\n" << err << "\n@@\n";
+  // the buffers' addresses here, so the parent can map an address in a message to its arrays
+  out << rc << " " << stats[0] << " " << stats[1];
+  for (size_t i = 0; i < nbuf; ++i) out << " " << reinterpret_cast<unsigned long long>(bufs[i].data());
+  out << "\n" << err << "\n@@\n";
   for (size_t i = 0; i < nbuf; ++i)
     out.write(reinterpret_cast<const char*>(bufs[i].data()), bufs[i].size() - 64);
   return 0;
@@ -444,7 +447,8 @@ class RawModule:
 
     def _key(self, kind):
         h = hashlib.sha256()
-        parts = (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+        parts = (kind, _LAUNCHER_VERSION, _TSAN_MAIN if kind == "tsan" else "",
+                 " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
                  self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
         for part in parts:
             h.update(part.encode())
