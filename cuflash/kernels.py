@@ -372,4 +372,12 @@ def compile_variants():
             add("flash_bwd_dkdv", dt, d)
     add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
     add("flash_bwd_dkdv", "float32", 96, dv=32)
+    # flash_bwd_tc.cu (tensor-core backward, all three kernels in one compile here): the
+    # layouts of the planner -- 32 keys per warp (d=64), 16 keys per warp (d=128), two
+    # passes (d=256), dv != d -- and the smallest tiles (one warp)
+    add("flash_bwd_tc", "float16", 64)
+    add("flash_bwd_tc", "float16", 128)
+    add("flash_bwd_tc", "bfloat16", 256)
+    add("flash_bwd_tc", "bfloat16", 96, dv=32)
+    add("flash_bwd_tc", "float16", 32, bq=16, bkv=16)
     return out
