@@ -293,27 +293,31 @@ def _dq_tile(Br, d, warps):
 def tc_step(Br, Bc, d, dv):
     """Analytic counts of one flash_bwd_tc block step (see flash_bwd_tc.cu)."""
     from cuflash import tiling
-    warps, mt, passes = tiling.bwd_tc_layout(Br, Bc, d, dv)
-    nq = Br // 8
+    warps, mt, passes, qs = tiling.bwd_tc_layout(Br, Bc, d, dv)
+    nq = Br // qs // 8                     # 8-query tiles of S^T per warp
+    slices = passes * qs
+    kc_k, kc_v = -(-(d // 16) // slices), -(-(dv // 16) // slices)  # 16-col chunks per warp
     dqm, dqn = _dq_tile(Br, d, warps)
     dq_tiles = (Br // dqm) * (d // dqn)
-    # per warp in the first pass (what the SASS main loop holds: with two passes, each pass
-    # recomputes S^T, dP^T and does half of dK, dV; dQ in the first); the dQ phase counted
-    # for the busiest warp, ceil(tiles / warps) tiles
-    dq_w = -(-dq_tiles // warps)
-    hmma_w = (mt * nq * (d // 16 + dv // 16) + mt * (Br // 16) * (dv // 8 + d // 8) // passes
-              + dq_w * (dqm // 16) * (dqn // 8) * (Bc // 16))
-    ldsm_w = ((d // 16 + dv // 16) * (mt + nq // 2) + (Br // 16) * (dv // 16 + d // 16) // passes
-              + dq_w * (Bc // 16) * (dqm // 16 + dqn // 16))
-    ldsm_block = (warps * (passes * (d // 16 + dv // 16) * (mt + nq // 2)
-                           + (Br // 16) * (dv // 16 + d // 16))
+    dq_w = -(-dq_tiles // warps)           # the busiest warp's dQ tiles
+    # per warp and pass: S^T, dP^T (k loops), dV, dK (A from registers, or Ps / dSs with
+    # the query split), then in the first pass dQ
+    sdp_h = mt * nq * (d // 16 + dv // 16)
+    sdp_l = (d // 16 + dv // 16) * (mt + nq // 2)
+    kv_h = mt * (Br // 16) * 2 * (kc_k + kc_v)
+    kv_l = (Br // 16) * (kc_k + kc_v) + (2 * mt * (Br // 16) if qs == 2 else 0)
+    dq_h = dq_w * (dqm // 16) * (dqn // 8) * (Bc // 16)
+    dq_l = dq_w * (Bc // 16) * (dqm // 16 + dqn // 16)
+    hmma_w, ldsm_w = sdp_h + kv_h + dq_h, sdp_l + kv_l + dq_l   # the first pass
+    ldsm_block = (passes * warps * (sdp_l + kv_l)
                   + dq_tiles * (Bc // 16) * (dqm // 16 + dqn // 16))
+    sts = warps * mt * (Br // qs // 16) * 4 * (passes if qs == 2 else 1) * (2 if qs == 2 else 1)
     smem = (ldsm_block * LDSM_X4
-            + warps * mt * (Br // 4) * WAVEFRONT          # dS^T stores (STS.32, conflict-free)
+            + sts * WAVEFRONT                             # dS^T (and P^T) stores, conflict-free
             + passes * warps * 2 * nq * WAVEFRONT         # lse2 / D (LDS.64, broadcast)
             + passes * (Br * (d + dv) * 2 + Br * 8))      # cp.async fills of Q, dO, lse2, D
     hmma = (2 * Br * Bc * (d + dv) * passes + 2 * Br * Bc * (d + dv) + 2 * Br * Bc * d) // HMMA_FLOP
-    return dict(warps=warps, mt=mt, passes=passes, hmma=hmma, hmma_w=hmma_w, ldsm_w=ldsm_w,
+    return dict(warps=warps, mt=mt, passes=passes, qs=qs, hmma=hmma, hmma_w=hmma_w, ldsm_w=ldsm_w,
                 smem=smem, dq_tile=(dqm, dqn))
 
 
@@ -418,7 +422,10 @@ def bwd_model_line(row):
     per = "warp-step" if st["passes"] == 1 else "warp-pass"
     s_txt = (f"SASS/{per} HMMA {sass['HMMA']} (model {st['hmma_w']}), LDSM {sass['LDSM']} "
              f"(model {st['ldsm_w']})" if sass else "SASS inner loops unrolled: no per-step count")
-    line = (f"  flash_bwd_tc {row['variant']}: {st['warps']} warps x {16 * st['mt']} keys, "
+    if sass and Bc == 16:
+        s_txt += " [block_kv 16: ptxas reshapes the dQ loops, the weighting does not apply]"
+    keys = f"{16 * st['mt']} keys per warp" + (" pair (query split)" if st["qs"] == 2 else "")
+    line = (f"  flash_bwd_tc {row['variant']}: {st['warps']} warps, {keys}, "
             f"{st['passes']} pass(es): {st['hmma'] * HMMA_FLOP / 1e6:.1f} MFLOP = {st['hmma']} HMMA/step, "
             f"{st['smem']} B smem ({st['smem'] / st['hmma']:.0f} B/HMMA); {s_txt}")
     if d == dv and d in FA2_BWD and row.get("blocks_per_sm"):

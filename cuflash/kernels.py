@@ -340,8 +340,8 @@ def compile_variants():
     sm80 = tiling.EMULATOR_ARCHES["sm_80"]
     out = {}
 
-    def add(kernel, dtype, d, dv=None, bq=None, bkv=None):
-        p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=sm80)
+    def add(kernel, dtype, d, dv=None, bq=None, bkv=None, limit=sm80):
+        p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=limit)
         opts = build_options(plan_defines(p))
         lst = out.setdefault(KERNEL_SOURCES[kernel], [])
         if opts not in lst:
@@ -373,10 +373,12 @@ def compile_variants():
     add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
     add("flash_bwd_dkdv", "float32", 96, dv=32)
     # flash_bwd_tc.cu (tensor-core backward, all three kernels in one compile here): the
-    # layouts of the planner -- 32 keys per warp (d=64), 16 keys per warp (d=128), two
+    # layouts of the planner -- 32 keys per warp (d=64), 32 keys per warp pair (d=128), two
     # passes (d=256), dv != d -- and the smallest tiles (one warp)
     add("flash_bwd_tc", "float16", 64)
     add("flash_bwd_tc", "float16", 128)
+    add("flash_bwd_tc", "float16", 128, bq=64, bkv=128,  # the H100's default (177 KB)
+        limit=tiling.EMULATOR_ARCHES["sm_90"])
     add("flash_bwd_tc", "bfloat16", 256)
     add("flash_bwd_tc", "bfloat16", 96, dv=32)
     add("flash_bwd_tc", "float16", 32, bq=16, bkv=16)

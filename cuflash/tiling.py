@@ -619,12 +619,15 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
 # --------------------------------------------------------------------------
 # flash_bwd_tc (kernels_cu/flash_bwd_tc.cu): float16/bfloat16 backward on tensor cores
 # --------------------------------------------------------------------------
-# Each warp owns 16 * mt keys of the K/V tile (block_kv = 16 * mt * warps) and, for them,
-# all block_q queries: dP^T (mt * block_q / 2 floats per lane) beside P^T packed in 16-bit
-# (mt * block_q / 4 registers) and the dK, dV accumulators (mt * (d + dv) / 2 floats per
-# lane, or half of them per pass when the head dims run in two passes).  Layout (16-bit, rows padded by 8 elements; float32 at the end):
+# A key group of 16 * mt keys belongs to qs warps (query split qs = 1 or 2; block_kv =
+# 16 * mt * warps / qs); each of them computes S^T, dP^T for its keys and block_q / qs of
+# the queries -- dP^T (mt * block_q / qs / 2 floats per lane) beside P^T packed in 16-bit
+# (half that) -- and accumulates dK, dV for its keys and 1 / qs of the columns (mt * (d + dv)
+# / 2 / qs floats per lane, halved again per pass when the head dims run in two passes).
+# With qs = 2, P^T and dS^T meet in shared memory (Ps).  Layout (16-bit, rows padded by 8
+# elements; float32 at the end):
 #   Ks (Bc, d+8), Vs (Bc, dv+8), Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8), dSs (Bc, Br+8),
-#   lse2_s 2 x Br, D_s 2 x Br
+#   [Ps (Bc, Br+8) when qs = 2], lse2_s 2 x Br, D_s 2 x Br
 # Registers: ptxas needs ~65-80 registers beside these arrays (fragments, addresses, loop
 # state; sm_80/sm_90, NVRTC 13.0): 252-254 registers and no spill at 176 (d = dv = 128,
 # block_q = 64: 128 + 48; d = dv = 64, 32 keys per warp, block_q = 32: 128 + 48), while
@@ -641,10 +644,11 @@ BWD_TC_PRE_THREADS = 128   # kPreThreads in flash_bwd_tc.cu
 BWD_TC_CONVERT_THREADS = 256  # kConvThreads
 
 
-def _bwd_tc_arrays(bq, d, dv, mt, passes):
+def _bwd_tc_arrays(bq, d, dv, mt, passes, qs=1):
     """Register array floats per lane: dK/dV (8 per 16-column chunk and 16 keys) + dP^T + P^T."""
-    chunks = -(-(d // 16) // passes) + -(-(dv // 16) // passes)
-    return mt * 8 * chunks + mt * (bq // 2 + bq // 4)
+    slices = passes * qs
+    chunks = -(-(d // 16) // slices) + -(-(dv // 16) // slices)
+    return mt * 8 * chunks + mt * (bq // qs // 2 + bq // qs // 4)
 
 
 def _bwd_tc_budget(passes):
@@ -652,35 +656,47 @@ def _bwd_tc_budget(passes):
 
 
 def bwd_tc_layout(bq, bkv, d, dv):
-    """``(warps, keys per warp // 16, passes)`` of flash_bwd_tc for a plan, or a str saying why not.
+    """``(warps, keys per warp // 16, passes, query split)`` of flash_bwd_tc, or a str saying why not.
 
-    32 keys per warp (mt = 2) halves the Q/dO fragment reads per key and is used when its
-    register arrays fit and the tile has at least 64 keys; the head dims run in two passes
-    when one pass's dK/dV accumulators and S^T/dP^T do not fit the register budget.
+    In order of preference: 32 keys per warp (mt = 2; half the Q/dO fragment reads per key
+    of 16) when its register arrays fit and the tile has at least 64 keys; else 32 keys
+    per pair of warps with the queries and the dK/dV columns split between the two (qs =
+    2: the same per-warp reads as mt = 2 for twice the head dims, P^T and dS^T through
+    shared memory); else 16 keys per warp, in two passes over the head dims when one pass's
+    arrays do not fit the register budget.
     """
     if d % 16 or dv % 16 or not (16 <= d <= MAX_HEAD_DIM and 16 <= dv <= MAX_HEAD_DIM):
         return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
     if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
         return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
     if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
-        return bkv // 32, 2, 1
+        return bkv // 32, 2, 1, 1
+    if bkv >= 32 and bq % 32 == 0 and _bwd_tc_arrays(bq, d, dv, 2, 1, 2) <= _bwd_tc_budget(1):
+        return bkv // 16, 2, 1, 2
     for passes in (1, 2):
         if _bwd_tc_arrays(bq, d, dv, 1, passes) <= _bwd_tc_budget(passes):
-            return bkv // 16, 1, passes
+            return bkv // 16, 1, passes, 1
     need = _bwd_tc_arrays(bq, d, dv, 1, 2)
     return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread for P^T, "
             f"dP^T and half of dK, dV (limit {BWD_TC_ARRAY_BUDGET_TWO_PASSES} in two passes, beyond "
             "which ptxas spills)")
 
 
+def _bwd_tc_qsplit(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return 1 if isinstance(lay, str) else lay[3]
+
+
 def _bwd_tc_shared(bq, bkv, d, dv, acc):
+    ps = bkv * (bq + 8) if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else 0
     return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
-                + bkv * (bq + 8)) + 16 * bq
+                + bkv * (bq + 8) + ps) + 16 * bq
 
 
 def _bwd_tc_layout_text(bq, bkv, d, dv, acc):
+    ps = f" + Ps[{bkv}][{bq + 8}]" if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else ""
     return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
-            f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}], float lse2_s[2][{bq}] + D_s[2][{bq}]")
+            f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}]{ps}, float lse2_s[2][{bq}] + D_s[2][{bq}]")
 
 
 def _bwd_tc_check(bq, bkv, d, dv):
@@ -695,7 +711,8 @@ def _bwd_tc_threads(bq, bkv, d, dv):
 
 def _bwd_tc_defines(bq, bkv, d, dv):
     lay = bwd_tc_layout(bq, bkv, d, dv)
-    return {"CUFLASH_BWD_PASSES": lay[2]} if not isinstance(lay, str) else {}
+    return ({"CUFLASH_BWD_PASSES": lay[2], "CUFLASH_BWD_QSPLIT": lay[3]}
+            if not isinstance(lay, str) else {})
 
 
 def _bwd_tc_preferences(d, dv, acc):
@@ -704,8 +721,10 @@ def _bwd_tc_preferences(d, dv, acc):
     dm = d + dv
     if dm <= 128:    # 32 keys per warp, 4 warps
         return [(32, 128), (64, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
-    if dm <= 256:    # 16 keys per warp, 8 warps
-        return [(64, 128), (32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]
+    if dm <= 256:    # query split (32 keys per warp pair): block_q 64 keeps 32 queries per warp
+        # (bench/kernel_report.py model, d = 128: 64 x 128 259 B of shared memory per HMMA,
+        # 64 x 64 272, 32 x 128 336 -- FA2 256)
+        return [(64, 128), (64, 64), (32, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
     return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
 
 

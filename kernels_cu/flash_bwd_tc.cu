@@ -101,19 +101,27 @@ static_assert(kD % 16 == 0 && kDv % 16 == 0 && kD <= 256 && kDv <= 256, "d, dv: 
 #ifndef CUFLASH_BWD_PASSES
 #define CUFLASH_BWD_PASSES 1
 #endif
+#ifndef CUFLASH_BWD_QSPLIT
+#define CUFLASH_BWD_QSPLIT 1
+#endif
 constexpr int kBr = CUFLASH_BLOCK_Q;
 constexpr int kBc = CUFLASH_BLOCK_KV;
 constexpr int kThreads = CUFLASH_THREADS;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMT = kBc / (16 * kWarps);  // m16 key tiles per warp
+constexpr int kQS = CUFLASH_BWD_QSPLIT;   // warps sharing one key group (query / column split)
+constexpr int kMT = kBc * kQS / (16 * kWarps);  // m16 key tiles per warp
 constexpr int kPasses = CUFLASH_BWD_PASSES;
+constexpr int kBrw = kBr / kQS;           // queries of S^T / dP^T per warp
 constexpr int kKS = kD + 8;               // padded row strides (elements)
 constexpr int kVS = kDv + 8;
 constexpr int kSS = kBr + 8;
-constexpr int kNQ = kBr / 8;              // 8-query tiles of S^T per m16 key tile
-// dK / dV columns per pass, in 16-column chunks (the last pass may have fewer)
-constexpr int kKC = (kD / 16 + kPasses - 1) / kPasses;
-constexpr int kVC = (kDv / 16 + kPasses - 1) / kPasses;
+constexpr int kNQ = kBrw / 8;             // 8-query tiles of S^T per m16 key tile
+// dK / dV columns per warp and pass, in 16-column chunks: the columns are cut into
+// kPasses * kQS slices (the last may be shorter); warp qh of a key group takes slice
+// pass * kQS + qh
+constexpr int kSlices = kPasses * kQS;
+constexpr int kKC = (kD / 16 + kSlices - 1) / kSlices;
+constexpr int kVC = (kDv / 16 + kSlices - 1) / kSlices;
 // dQ warp tiles: kDqM rows x kDqN columns (at most 32 accumulator floats per lane), as
 // square as the tile allows while giving every warp a tile
 constexpr int kDqM = (kBr % 32 == 0 && kD % 32 == 0 && (kBr / 32) * (kD / 32) >= kWarps) ? 32 : 16;
@@ -122,9 +130,10 @@ constexpr int kDqN = kDqM == 32 ? 32
                    : (kD % 32 == 0 && (kBr / 16) * (kD / 32) >= kWarps) ? 32 : 16;
 constexpr int kDqTiles = (kBr / kDqM) * (kD / kDqN);
 
-static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc && (kMT == 1 || kMT == 2),
+static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
               "block_kv must be 16 or 32 keys per warp");
-static_assert(kBr % 16 == 0 && kBr <= 128, "block_q: a multiple of 16 up to 128");
+static_assert((kQS == 1 || kQS == 2) && kWarps % kQS == 0 && kBrw % 16 == 0 && kBr <= 128,
+              "block_q: a multiple of 16 (32 with the query split) up to 128");
 static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 
 // ------------------------------------------------------------------------------------------
@@ -144,6 +153,39 @@ __device__ __forceinline__ void load_rows_async(elem_t* s, const elem_t* g, long
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 __device__ __forceinline__ void load_floats_async(float* s, const float* g, int tid) {
     for (int idx = tid; idx < kBr / 4; idx += kThreads) cp_async_16(s + 4 * idx, g + 4 * idx);
+}
+
+// acc[mt] (16 keys x this slice's kC * 16 columns) += A[mt] (16 keys x queries 16kc..16kc+15,
+// fragments in registers) * B, B = those 16 rows of the row-major (queries x kCols) tile `b`
+// (row stride kSt): the "col" operand of the mma is the transposed 8x8 blocks, read with
+// ldmatrix.x4.trans (two 8-column tiles per load).  dV += P^T dO and dK += dS^T Q.
+template <int kC, int kSt, int kCols>
+__device__ __forceinline__ void mma_rows_times_tile(float (&acc)[kMT][2 * kC][4], const uint32_t (&a)[kMT][4],
+                                                    const elem_t* b, int kc, int slice, int lane) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+        const int col = (slice * kC + c) * 16;
+        if (kSlices == 1 || col < kCols) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, b + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kSt + col + (lane >> 4) * 8);
+            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_m16n8k16<elem_t>(acc[mt][2 * c], a[mt], b0, acc[mt][2 * c]);
+                mma_m16n8k16<elem_t>(acc[mt][2 * c + 1], a[mt], b1, acc[mt][2 * c + 1]);
+            }
+        }
+    }
+}
+
+// A 16 x 16 tile of 16-bit pairs in the mma A layout (a0: rows g, cols 2t..; a1: rows g+8;
+// a2: cols +8; a3: both) stored row-major at `row` (= &tile[g][2t], row stride kSS): four
+// conflict-free 32-bit stores (bank 4g + t of each quarter).
+__device__ __forceinline__ void store_pair_tile(elem_t* row, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+    cuflash_store_b32(row, a0);
+    cuflash_store_b32(row + 8 * kSS, a1);
+    cuflash_store_b32(row + 8, a2);
+    cuflash_store_b32(row + 8 * kSS + 8, a3);
 }
 
 #endif  // !CUFLASH_BWD_TC_HELPERS
@@ -229,7 +271,8 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
     elem_t* Qs = Vs + kBc * kVS;              // 2 x (Br, d+8)    Q_i, double buffered
     elem_t* dOs = Qs + 2 * kBr * kKS;         // 2 x (Br, dv+8)   dO_i, double buffered
     elem_t* dSs = dOs + 2 * kBr * kVS;        // (Bc, Br+8)       dS^T of the current tile
-    float* lse_s = reinterpret_cast<float*>(dSs + kBc * kSS);  // 2 x Br   lse2_i
+    elem_t* Ps = dSs + kBc * kSS;             // (Bc, Br+8)       P^T (query split only)
+    float* lse_s = reinterpret_cast<float*>(Ps + (kQS == 2 ? kBc * kSS : 0));  // 2 x Br   lse2_i
     float* D_s = lse_s + 2 * kBr;                               // 2 x Br   D_i
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -247,7 +290,9 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
     const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
     const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
     const int n_q_tiles = (Nq + kBr - 1) / kBr;
-    const int kw0 = warp * kMT * 16;          // this warp's first key in the tile
+    const int qh = warp % kQS;                // query half (S^T, dP^T) and column slice (dK, dV)
+    const int kw0 = (warp / kQS) * kMT * 16;  // this warp's first key in the tile
+    const int qw0 = qh * kBrw;                // this warp's first query of the tile
 
     for (int jt = fi.tile; jt < p.n_kv_tiles; jt += p.n_kv_blocks) {
         const int kv0 = jt * kBc;
@@ -304,18 +349,17 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 const int gg = tt / n_i, i = it0 + (tt - (tt / n_i) * n_i);
                 const int h = hk * group + gg;
                 const int q0 = i * kBr;
+                cp_async_wait<0>();  // this thread's copies of tile tt (and K_j, V_j)
+                // (A) Tile tt (copies and zero fills of every thread) is visible to all warps,
+                // and every warp has finished iteration tt - 1: its reads of the other buffer,
+                // of Ps / dSs and of Ks are done, so the prefetch below may overwrite that
+                // buffer and this iteration may rewrite Ps / dSs.
+                __syncthreads();
                 // -- the next tile goes into the other buffer while this one computes
                 if (tt + 1 < T) {
                     issue_tile(tt + 1, buf ^ 1);
                     cp_async_commit();
-                    cp_async_wait<1>();
-                } else {
-                    cp_async_wait<0>();
                 }
-                // (A) This thread's copies and zero fills of tile tt (and K_j, V_j) are done;
-                // after the barrier every warp sees all of them.  It also orders the previous
-                // tile's dQ phase (reads of dSs, Ks) before this tile's dSs stores.
-                __syncthreads();
                 const elem_t* Qt = Qs + buf * kBr * kKS;
                 const elem_t* dOt = dOs + buf * kBr * kVS;
                 const float* lse_t = lse_s + buf * kBr;
@@ -323,6 +367,7 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 // the mask is needed only where the tile crosses the causal boundary or
                 // holds keys past Nk (zero-filled rows of K_j would give s = 0, not -inf)
                 const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);
+                const int slice = pass * kQS + qh;  // this warp's dK / dV column slice
 
                 // -- S^T = K_w Q_i^T
                 float s[kMT][kNQ][4];
@@ -339,7 +384,8 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
 #pragma unroll
                     for (int n = 0; n < kNQ; n += 2) {
                         uint32_t bb[4];
-                        ldmatrix_x4(bb, Qt + (n * 8 + (lane & 7) + (lane >> 4) * 8) * kKS + kk + ((lane >> 3) & 1) * 8);
+                        ldmatrix_x4(bb, Qt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kKS + kk +
+                                            ((lane >> 3) & 1) * 8);
                         const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
@@ -355,7 +401,7 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 uint32_t pp[kMT][kNQ][2];
 #pragma unroll
                 for (int n = 0; n < kNQ; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(lse_t + n * 8 + 2 * t);
+                    const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -363,7 +409,7 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                             float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
                             if (need_mask) {
                                 const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
-                                const int qry = q0 + n * 8 + 2 * t + (e & 1);
+                                const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
                                 if (key >= Nk || (causal && key > qry + off)) x = -INFINITY;
                             }
                             s[mt][n][e] = cuflash_exp2(x);
@@ -372,32 +418,29 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                         pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
                     }
                 }
-                // -- dV_w += P^T dO_i (this pass's columns)
+                // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers
+                if (kQS == 1) {
 #pragma unroll
-                for (int kc = 0; kc < kBr / 16; ++kc) {
-                    uint32_t a[kMT][4];
+                    for (int kc = 0; kc < kBr / 16; ++kc) {
+                        uint32_t a[kMT][4];
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        a[mt][0] = pp[mt][2 * kc][0];
-                        a[mt][1] = pp[mt][2 * kc][1];
-                        a[mt][2] = pp[mt][2 * kc + 1][0];
-                        a[mt][3] = pp[mt][2 * kc + 1][1];
-                    }
-#pragma unroll
-                    for (int c = 0; c < kVC; ++c) {
-                        const int col = (pass * kVC + c) * 16;
-                        if (kPasses == 1 || col < kDv) {
-                            uint32_t bb[4];
-                            ldmatrix_x4_trans(bb, dOt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kVS + col +
-                                                      (lane >> 4) * 8);
-                            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
-#pragma unroll
-                            for (int mt = 0; mt < kMT; ++mt) {
-                                mma_m16n8k16<elem_t>(dv[mt][2 * c], a[mt], b0, dv[mt][2 * c]);
-                                mma_m16n8k16<elem_t>(dv[mt][2 * c + 1], a[mt], b1, dv[mt][2 * c + 1]);
-                            }
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            a[mt][0] = pp[mt][2 * kc][0];
+                            a[mt][1] = pp[mt][2 * kc][1];
+                            a[mt][2] = pp[mt][2 * kc + 1][0];
+                            a[mt][3] = pp[mt][2 * kc + 1][1];
                         }
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
                     }
+                } else {
+                    // query split: this warp's half of P^T to Ps, for both warps of the pair
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int kc = 0; kc < kBrw / 16; ++kc)
+                            store_pair_tile(Ps + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
+                                            pp[mt][2 * kc][0], pp[mt][2 * kc][1], pp[mt][2 * kc + 1][0],
+                                            pp[mt][2 * kc + 1][1]);
                 }
                 // -- dP^T = V_w dO_i^T
                 float dp[kMT][kNQ][4];
@@ -414,7 +457,8 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
 #pragma unroll
                     for (int n = 0; n < kNQ; n += 2) {
                         uint32_t bb[4];
-                        ldmatrix_x4(bb, dOt + (n * 8 + (lane & 7) + (lane >> 4) * 8) * kVS + kk + ((lane >> 3) & 1) * 8);
+                        ldmatrix_x4(bb, dOt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kVS + kk +
+                                            ((lane >> 3) & 1) * 8);
                         const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
@@ -426,7 +470,7 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 // -- dS^T = P^T * (dP^T - D_i), into dp (P^T is dead afterwards)
 #pragma unroll
                 for (int n = 0; n < kNQ; ++n) {
-                    const float2 dd = *reinterpret_cast<const float2*>(D_t + n * 8 + 2 * t);
+                    const float2 dd = *reinterpret_cast<const float2*>(D_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -437,9 +481,10 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                             dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);
                         }
                 }
-                // -- dK_w += dS^T Q_i (this pass's columns); pass 0 also stores dS^T for dQ
+                // -- dS^T to dSs (for dQ; with the query split also for dK); without the split
+                // dK_w += dS^T Q_i right here, A from registers
 #pragma unroll
-                for (int kc = 0; kc < kBr / 16; ++kc) {
+                for (int kc = 0; kc < kBrw / 16; ++kc) {
                     uint32_t a[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
@@ -447,35 +492,31 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                         a[mt][1] = cvt_pack2<elem_t>(dp[mt][2 * kc][2], dp[mt][2 * kc][3]);
                         a[mt][2] = cvt_pack2<elem_t>(dp[mt][2 * kc + 1][0], dp[mt][2 * kc + 1][1]);
                         a[mt][3] = cvt_pack2<elem_t>(dp[mt][2 * kc + 1][2], dp[mt][2 * kc + 1][3]);
-                        if (pass == 0) {
-                            // (keys g, g+8) x (queries 2t, 2t+1) of the two 8-query tiles
-                            elem_t* row = dSs + (kw0 + mt * 16 + g) * kSS + kc * 16 + 2 * t;
-                            cuflash_store_b32(row, a[mt][0]);
-                            cuflash_store_b32(row + 8 * kSS, a[mt][1]);
-                            cuflash_store_b32(row + 8, a[mt][2]);
-                            cuflash_store_b32(row + 8 * kSS + 8, a[mt][3]);
-                        }
+                        if (pass == 0 || kQS == 2)
+                            store_pair_tile(dSs + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
+                                            a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
                     }
+                    if (kQS == 1) mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
+                }
+                // (B) dS^T (and with the query split P^T) of every warp is in shared memory
+                // before the phase below reads it.
+                __syncthreads();
+
+                if (kQS == 2) {
+                    // -- dV_w += P^T dO_i, dK_w += dS^T Q_i over all queries, A from Ps / dSs
 #pragma unroll
-                    for (int c = 0; c < kKC; ++c) {
-                        const int col = (pass * kKC + c) * 16;
-                        if (kPasses == 1 || col < kD) {
-                            uint32_t bb[4];
-                            ldmatrix_x4_trans(bb, Qt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKS + col +
-                                                      (lane >> 4) * 8);
-                            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+                    for (int kc = 0; kc < kBr / 16; ++kc) {
+                        uint32_t a[kMT][4];
 #pragma unroll
-                            for (int mt = 0; mt < kMT; ++mt) {
-                                mma_m16n8k16<elem_t>(dk[mt][2 * c], a[mt], b0, dk[mt][2 * c]);
-                                mma_m16n8k16<elem_t>(dk[mt][2 * c + 1], a[mt], b1, dk[mt][2 * c + 1]);
-                            }
-                        }
+                        for (int mt = 0; mt < kMT; ++mt)
+                            ldmatrix_x4(a[mt], Ps + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt)
+                            ldmatrix_x4(a[mt], dSs + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
+                        mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
                     }
                 }
-                // (B) dS^T of every warp is in dSs before the dQ phase reads it; and every warp
-                // is done with Q_i, dO_i, lse2_i, D_i (buffer buf) before the next iteration's
-                // prefetch overwrites that buffer.
-                __syncthreads();
 
                 // -- dQ_i += dS K_j (pass 0): kDqM x kDqN tiles, float32 reds
                 if (pass == 0) {
@@ -524,30 +565,33 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 }
             }
 
-            // -- dK_j (scaled) and dV_j, this pass's columns; keys >= Nk are not written
+            // -- dK_j (scaled) and dV_j, this warp's and pass's columns; keys >= Nk not written
+            {
+                const int slice = pass * kQS + qh;
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
+                for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int key = kw0 + mt * 16 + g + 8 * hh;
-                    if (key < kv_rows) {
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int key = kw0 + mt * 16 + g + 8 * hh;
+                        if (key < kv_rows) {
 #pragma unroll
-                        for (int n = 0; n < 2 * kKC; ++n) {
-                            const int col = pass * kKC * 16 + n * 8 + 2 * t;
-                            if (kPasses == 1 || col < kD)
-                                gstore(reinterpret_cast<uint32_t*>(dKt + key * kD + col),
-                                       cvt_pack2<elem_t>(dk[mt][n][2 * hh] * (float)p.scale,
-                                                         dk[mt][n][2 * hh + 1] * (float)p.scale));
-                        }
+                            for (int n = 0; n < 2 * kKC; ++n) {
+                                const int col = slice * kKC * 16 + n * 8 + 2 * t;
+                                if (kSlices == 1 || col < kD)
+                                    gstore(reinterpret_cast<uint32_t*>(dKt + key * kD + col),
+                                           cvt_pack2<elem_t>(dk[mt][n][2 * hh] * (float)p.scale,
+                                                             dk[mt][n][2 * hh + 1] * (float)p.scale));
+                            }
 #pragma unroll
-                        for (int n = 0; n < 2 * kVC; ++n) {
-                            const int col = pass * kVC * 16 + n * 8 + 2 * t;
-                            if (kPasses == 1 || col < kDv)
-                                gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
-                                       cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
+                            for (int n = 0; n < 2 * kVC; ++n) {
+                                const int col = slice * kVC * 16 + n * 8 + 2 * t;
+                                if (kSlices == 1 || col < kDv)
+                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
+                            }
                         }
                     }
-                }
+            }
             // Every warp is done with the last tile's dQ phase (reads of Ks, dSs) and buffers
             // before the next pass or KV tile reloads them.
             __syncthreads();
