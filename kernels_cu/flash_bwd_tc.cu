@@ -22,39 +22,47 @@
 //   flash_bwd_tc_dq_convert  dQ = scale * (sum of the accumulator slices, in slice order), in
 //                            the input dtype.
 //
-// Warp layout of flash_bwd_tc (kWarps warps, each owning kMT * 16 consecutive keys of K_j, so
-// block_kv = 16 * kMT * kWarps):
-//   S^T  = K_w Q_i^T   (kMT*16 x block_q)  A = K_w rows (ldmatrix.x4), B = Q_i rows (ldmatrix.x4:
+// Warp layout of flash_bwd_tc.  A key group of kMT * 16 consecutive keys of K_j belongs to
+// kQS warps (block_kv = 16 * kMT * kWarps / kQS); each of them takes kBrw = block_q / kQS of
+// the queries of S^T and dP^T and 1 / kQS of the dK, dV columns:
+//   S^T  = K_w Q_i^T   (kMT*16 x kBrw)     A = K_w rows (ldmatrix.x4), B = Q_i rows (ldmatrix.x4:
 //                                           Q row-major is the "col" B operand of K Q^T)
 //   P^T  = exp2(S^T * scale_log2 - lse2)    in the accumulator layout: lane (g, t) holds keys
 //                                           g, g+8 and queries 2t, 2t+1 of each 8-query tile;
 //                                           kept rounded to the input dtype (packed pairs)
-//   dV_w += P^T dO_i                        P^T's accumulators repacked in registers as the A
-//                                           operand (no shared-memory round trip), B = dO_i rows
-//                                           with ldmatrix.x4.trans
-//   dP^T = V_w dO_i^T, dS^T = P^T (dP^T - D) the same way
-//   dK_w += dS^T Q_i                        dS^T from registers, B = Q_i (ldmatrix.x4.trans)
-//   dS^T -> shared memory (16-bit), barrier, then dQ_i (block_q x d) = dS K_j split into
-//   kDqM x kDqN warp tiles: A = dS from the stored dS^T with ldmatrix.x4.trans, B = K_j with
-//   ldmatrix.x4.trans; each lane reds its accumulator pairs (2 floats) into dQ.
-// Keys per warp: the transposed products need a warp to hold all queries of its keys, so
-// the warp tile is keys x block_q; 32 keys per warp (kMT = 2) halves the Q/dO fragment reads
-// per key but doubles the dK/dV accumulators, so the planner uses it only for small head dims.
-// Head dims too large for dK/dV in registers run in kPasses = 2 passes over the Q tiles: pass
-// p accumulates the p-th half of the dK and dV columns and recomputes S^T and dP^T (dQ is
-// added in pass 0 only).
+//   dP^T = V_w dO_i^T, dS^T = P^T (dP^T - D) the same way, dS^T -> shared memory (16-bit)
+//   dV_w += P^T dO_i, dK_w += dS^T Q_i      B = dO_i / Q_i rows with ldmatrix.x4.trans; A =
+//                                           kQS = 1: P^T / dS^T repacked in registers (the
+//                                           accumulator layout IS the A layout: no round trip),
+//                                           before the barrier;
+//                                           kQS = 2: all block_q queries of P^T / dS^T, half of
+//                                           them the pair's other warp's, from shared memory
+//                                           (Ps, dSs; ldmatrix.x4) after the barrier
+//   dQ_i (block_q x d) = dS K_j              after the barrier, kDqM x kDqN warp tiles: A = dS
+//                                           from the stored dS^T (ldmatrix.x4.trans), B = K_j
+//                                           (ldmatrix.x4.trans); each lane reds its pairs.
+// Why: the transposed products need the warp that owns a key to see all queries of it, so a
+// warp's S^T tile is (keys x queries) and it reads the whole Q_i / dO_i tile for its keys:
+// the shared-memory traffic per HMMA falls with the keys a warp (or warp pair) owns.  32 keys
+// per warp (kMT = 2) doubles the dK/dV registers, which fits small head dims (d + dv <= 128);
+// the query split gives 32 keys to a pair of warps for twice those head dims (d = 128: 259
+// B of shared memory per HMMA at 64 x 128 tiles against 307 with 16 keys per warp, and 256
+// for FlashAttention-2's layout; bench/kernel_report.py).  Head dims too large for dK/dV in
+// registers run in kPasses = 2 passes over the Q tiles: pass p accumulates the p-th slice of
+// the dK and dV columns and recomputes S^T and dP^T (dQ is added in pass 0 only).
 //
 // Shared memory (16-bit unless noted; rows padded by 8 elements = 16 bytes, see below):
 //   Ks (Bc, d+8), Vs (Bc, dv+8)            resident
 //   Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8)   double-buffered
-//   dSs (Bc, Br+8)                          dS^T of the current tile (for dQ)
+//   dSs (Bc, Br+8)                          dS^T of the current tile (dQ; dK with kQS = 2)
+//   Ps (Bc, Br+8)                           P^T of the current tile (kQS = 2 only)
 //   float lse2_s 2 x Br, D_s 2 x Br
 // Bank conflicts: every ldmatrix phase reads 8 rows of 16 bytes; a padded row stride of
 // 2*d + 16 bytes is an odd multiple of 16 for d a multiple of 16 (mod 128 bytes), so the 8
 // rows land in 8 different 16-byte bank groups -- conflict-free for the plain and the .trans
-// forms alike.  The 32-bit dS^T stores of a warp hit word (Br+8)/2 * g + t: (Br+8)/2 = 4
-// (mod 32) words for Br a multiple of 16 ... 4g + t, 32 different banks.  Padding rather than
-// an XOR swizzle: it costs 8 elements per row (about 6-12% more shared memory) but keeps
+// forms alike.  The 32-bit dS^T / P^T stores of a warp hit word (Br+8)/2 * g + t: (Br+8)/2 =
+// 4 (mod 32) words for Br a multiple of 16 ... 4g + t, 32 different banks.  Padding rather
+// than an XOR swizzle: it costs 8 elements per row (about 6-12% more shared memory) but keeps
 // every address a plain row * stride + column, the same in the loads and the fragments.
 //
 // Causal (runtime `causal`, `causal_offset`): query i sees key j iff j <= i + causal_offset.
@@ -72,7 +80,8 @@
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
-// CUFLASH_BWD_PASSES (1 or 2), all from cuflash.tiling ("flash_bwd_tc").
+// CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), all from cuflash.tiling
+// ("flash_bwd_tc", which also holds the register arrays to what compiles without spills).
 // Limits: d, dv multiples of 16 up to 256; Br, Bc multiples of 16; 16-byte aligned rows of
 // q, k, v, o, do (element strides multiples of 8; the launcher copies other inputs).  On
 // GPUs before sm_80 portable.cuh's software mma and synchronous copies run instead.
