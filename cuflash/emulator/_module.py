@@ -24,6 +24,8 @@ __all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
+# headers cuda_host.h includes (part of the cache key with it)
+_ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
 # bump when the generated launcher code changes (part of the cache key)
 _LAUNCHER_VERSION = "4"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
@@ -384,6 +386,7 @@ class RawModule:
     def _key(self, kind):
         h = hashlib.sha256()
         parts = (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+                 *(h.read_text() for h in _ENGINE_HEADERS),
                  self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
         for part in parts:
             h.update(part.encode())
