@@ -2,7 +2,9 @@
 
     python bench/bench_emulator.py [--repeat 3]
 
-Each number is the best of --repeat launches (the CI machines are shared):
+Each number is the best of --repeat launches (the CI machines are shared), as
+wall time and as CPU time of the process (user + system, all threads: on a
+loaded machine wall time also counts the time other processes had the cores):
   __syncthreads (128 threads)   per barrier, from a loop of barriers in one block
   shuffle (32 threads)          per __shfl_xor_sync, one warp
   mma.m16n8k16 (32 threads)     per warp-collective mma, one warp
@@ -46,12 +48,17 @@ extern "C" __global__ void one_store(float* out) {
 
 
 def best(fn, repeat):
+    """(wall, cpu) seconds: the best of `repeat` calls of fn."""
     ts = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+        ts.append((time.perf_counter() - t, time.process_time() - c))
+    return min(w for w, _ in ts), min(c for _, c in ts)
+
+
+def diff(a, b, n):
+    return tuple((y - x) / n for x, y in zip(a, b))
 
 
 def main():
@@ -69,7 +76,7 @@ def main():
         k(1, threads, (out, np.int32(0)))  # warm up (build, first call)
         t0 = best(lambda: k(1, threads, (out, np.int32(0))), a.repeat)
         t1 = best(lambda: k(1, threads, (out, np.int32(iters))), a.repeat)
-        return (t1 - t0) / iters
+        return diff(t0, t1, iters)
 
     rows.append(("__syncthreads, 128 threads", per_op("sync_loop", 128, 2000)))
     rows.append(("__shfl_xor_sync, 32 threads", per_op("shfl_loop", 32, 2000)))
@@ -80,11 +87,12 @@ def main():
         k(1, threads, (out,))
         t1 = best(lambda: k(1, threads, (out,)), a.repeat)
         tn = best(lambda: k(nblocks, threads, (out,)), a.repeat)
-        rows.append((f"block turnover, {threads} threads", (tn - t1) / (nblocks - 1)))
+        rows.append((f"block turnover, {threads} threads", diff(t1, tn, nblocks - 1)))
     t = best(lambda: k(1, 32, (out,)), a.repeat)
     rows.append(("launch of 1 block x 32 threads", t))
-    for name, s in rows:
-        print(f"{name:34s} {s * 1e6:10.2f} us")
+    print(f"{'':34s} {'wall':>10s}    {'cpu':>10s}")
+    for name, (w, c) in rows:
+        print(f"{name:34s} {w * 1e6:10.2f} us {c * 1e6:10.2f} us")
 
 
 if __name__ == "__main__":

@@ -96,14 +96,24 @@ cuflash_emu_fiber_switch:
     .cfi_adjust_cfa_offset 8
     pushq   %r15
     .cfi_adjust_cfa_offset 8
-    subq    $8, %rsp
+    pushq   $0
     .cfi_adjust_cfa_offset 8
     stmxcsr (%rsp)
     fnstcw  4(%rsp)
     movq    %rsp, (%rdi)
+    movq    %rsp, %rcx
     movq    %rsi, %rsp
+    # Load the target's MXCSR and x87 control word only where they differ
+    # from the current ones (ldmxcsr/fldcw are slow, and they hardly ever
+    # differ); MXCSR's exception flags (bits 0-5) are not compared: callers do
+    # not expect them preserved, and almost any float operation sets some.
+    movq    (%rsp), %rax
+    xorq    (%rcx), %rax
+    andq    $-64, %rax
+    jz      1f
     ldmxcsr (%rsp)
     fldcw   4(%rsp)
+1:
     addq    $8, %rsp
     .cfi_adjust_cfa_offset -8
     popq    %r15
@@ -274,13 +284,19 @@ inline void fiber_prepare(FiberContext& ctx, char* lo, size_t size, void (*fn)(v
 
 // ---------------------------------------------------------------- stacks
 constexpr size_t kFiberGuardBytes = 64 * 1024;  // more than any single frame steps over
+// The tops of the stacks are staggered by multiples of 1088 bytes within
+// this span: stacks a multiple of 64 KiB apart would put every fiber's top
+// frames into the same cache sets, and a round over 128 fibers would then
+// miss the cache at every switch (twice the switch time, measured).
+constexpr size_t kFiberColourSpan = 16 * 1024;
 
 // One mapping: [guard | stack].  Records are never freed or unmapped (the
 // pool reuses them), so the SIGSEGV handler can read the list without locks.
 struct FiberStack {
     char* guard = nullptr;  // lowest address; PROT_NONE
     char* lo = nullptr;     // usable stack [lo, lo + size)
-    size_t size = 0;
+    size_t size = 0;        // at least the size asked for
+    size_t asked = 0;       // the size asked for (pool key)
     std::atomic<const char*> owner{nullptr};  // kernel name while a launch uses it
     std::atomic<const void*> user{nullptr};   // the running fiber's context, for the report
     FiberStack* next_all = nullptr;           // list of every stack of this library
@@ -316,15 +332,16 @@ public:
         std::lock_guard<std::mutex> lk(mu_);
         out.clear();
         for (size_t i = free_.size(); i-- > 0 && out.size() < n;) {
-            if (free_[i]->size == size) { out.push_back(free_[i]); free_.erase(free_.begin() + i); }
+            if (free_[i]->asked == size) { out.push_back(free_[i]); free_.erase(free_.begin() + i); }
         }
         while (out.size() < n) {
-            void* p = mmap(nullptr, kFiberGuardBytes + size, PROT_READ | PROT_WRITE,
+            const size_t bytes = kFiberGuardBytes + size + kFiberColourSpan;
+            void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
             if (p == MAP_FAILED || mprotect(p, kFiberGuardBytes, PROT_NONE) != 0) {
                 err = std::string("could not map ") + std::to_string(n) + " fiber stacks of " +
                       std::to_string(size / 1024) + " KiB: " + std::strerror(errno);
-                if (p != MAP_FAILED) munmap(p, kFiberGuardBytes + size);
+                if (p != MAP_FAILED) munmap(p, bytes);
                 for (FiberStack* s : out) free_.push_back(s);
                 out.clear();
                 return false;
@@ -332,7 +349,8 @@ public:
             FiberStack* s = new FiberStack;
             s->guard = static_cast<char*>(p);
             s->lo = s->guard + kFiberGuardBytes;
-            s->size = size;
+            s->asked = size;
+            s->size = size + kFiberColourSpan - (1088 * mapped_++) % kFiberColourSpan;
             s->next_all = all_.load(std::memory_order_relaxed);
             all_.store(s, std::memory_order_release);  // published after it is complete
             out.push_back(s);
@@ -356,6 +374,7 @@ private:
     std::mutex mu_;
     std::vector<FiberStack*> free_;
     std::atomic<FiberStack*> all_{nullptr};
+    size_t mapped_ = 0;  // stacks mapped so far (their colours)
     std::once_flag handler_once_;
     struct sigaction previous_ {};
 
