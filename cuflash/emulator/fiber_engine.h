@@ -400,7 +400,7 @@ private:
             const void* u = s->user.load(std::memory_order_relaxed);
             if (FiberDescribe d = self.describe.load(std::memory_order_relaxed); u && d) d(u, t);
             t.put(": the fiber stack of ");
-            t.put_u(s->size / 1024);
+            t.put_u(s->asked / 1024);
             t.put(" KiB is exhausted (set CUFLASH_EMULATOR_STACK_KB to enlarge it). Aborting.\n");
             ssize_t w = write(2, t.buf, t.n);
             (void)w;
