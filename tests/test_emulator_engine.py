@@ -185,7 +185,8 @@ def test_stack_size_is_configurable(engine_mods, monkeypatch):
         k(1, 32, (out, np.int32(5), np.int32(1)))
 
 
-def test_fixed_order_runs_threads_by_index(engine_mods):
+def test_fixed_order_runs_threads_by_index(engine_mods, monkeypatch):
+    monkeypatch.delenv("CUFLASH_EMULATOR_SCHEDULE", raising=False)  # the default
     winner = np.full(50, -2, np.int32)
     engine_mods().get_function("first_writer")(50, 128, (winner,))
     assert (winner == 0).all()

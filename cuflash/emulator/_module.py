@@ -4,7 +4,10 @@ The CUDA C source is compiled unchanged as C++ by the host compiler with
 ``cuda_host.h`` force-included (docs/emulator.md), into a shared library that
 is cached on disk by a hash of the preprocessed source and the options.  Each
 ``extern "C" __global__`` kernel gets a generated launcher that runs the grid
-one block at a time with the block's threads as real threads.
+one block at a time, on the calling thread: the block's CUDA threads are
+fibers that switch where they wait (barriers, warp collectives; see
+``fiber_engine.h``).  ``race_check=True`` builds run them as real threads
+under ThreadSanitizer instead, in a child process (``_race.py``).
 """
 import ctypes
 import hashlib
@@ -338,7 +341,10 @@ class RawModule:
     race_check : bool
         Run every launch under ThreadSanitizer in a child process and raise
         :class:`RaceError` when it reports a data race (slow: about 1 s plus a
-        separate compile).
+        separate compile).  These builds run a block's CUDA threads as real
+        threads, so that ThreadSanitizer sees them run concurrently; other
+        builds run them as fibers in a fixed order (reproducible, fast, and
+        blind to races by construction).
     """
 
     def __init__(self, code=None, *, path=None, options=(), name_expressions=None, race_check=False):

@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
     {  // scheduling order: fixed, then pseudo-random
         std::vector<int> w(50, -2);
         int* pw = w.data();
+        unsetenv("CUFLASH_EMULATOR_SCHEDULE");  // the default
         CHECK(run("first_writer", entry_first_writer, 50, 128, {&pw}) == 0);
         for (int v : w) CHECK(v == 0);
         setenv("CUFLASH_EMULATOR_SCHEDULE", "random:1", 1);
