@@ -21,7 +21,8 @@
 //
 // All per-thread state hangs off ONE thread_local pointer (`tctx`): several
 // thread_locals per library exhausted glibc's static TLS after ~14 loaded
-// libraries on these machines.
+// libraries on these machines.  The fibers of a block share their OS thread's
+// `tctx`: the scheduler points it at a fiber's context before resuming it.
 #pragma once
 #ifndef CUFLASH_EMULATOR
 #define CUFLASH_EMULATOR 1
