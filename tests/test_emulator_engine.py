@@ -165,6 +165,9 @@ def test_stack_overflow_is_reported():
     code = (
         "import faulthandler; faulthandler.enable()\n"  # as under pytest: the report must still come first
         "import numpy as np\nfrom cuflash import emulator as em\n"
+        # another library launches first: it maps the shared stack pool and installs the handler
+        f"em.RawModule(path={str(BASICS_CU)!r}).get_function('index_map')(1, 64, "
+        "(np.zeros(64, np.int32), np.zeros((64, 12), np.int32)))\n"
         f"m = em.RawModule(path={str(ENGINE_CU)!r})\n"
         "m.get_function('overflow')(3, 64, (np.zeros(3, np.uint32), np.int32(33), np.int32(1 << 20)))\n"
         "print('returned')\n")
@@ -282,3 +285,29 @@ def test_engine_selftest_program(tmp_path, variant):
     r = subprocess.run([*runner, str(exe), "overflow"], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "returned" not in r.stdout
     assert "stack overflow in kernel overflow, block (2,0,0), thread (33,0,0)" in r.stderr, r.stderr[-3000:]
+
+
+def _guard_regions():
+    """64 KiB PROT_NONE mappings of this process: one below every fiber stack."""
+    n = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        n += perms == "---p" and hi - lo == 64 * 1024
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_fiber_stacks_are_shared_by_libraries(engine_mods, monkeypatch):
+    """One pool for the process: a library loaded later reuses the stacks of earlier ones
+    (pools per library held ~14,000 stacks after the test suite)."""
+    monkeypatch.delenv("CUFLASH_EMULATOR_STACK_KB", raising=False)
+    out = np.full(2 * 128, -1, np.int32)
+    engine_mods().get_function("many_blocks")(2, 128, (out,))
+    before = _guard_regions()
+    src = ('#include "portable.cuh"\n// a library of its own: test_fiber_stacks_are_shared_by_libraries\n'
+           'extern "C" __global__ void ids(int* o) { __syncthreads(); o[threadIdx.x] = threadIdx.x; }\n')
+    ids = np.full(128, -1, np.int32)
+    em.RawModule(code=src).get_function("ids")(1, 128, (ids,))
+    np.testing.assert_array_equal(ids, np.arange(128))
+    assert _guard_regions() == before

@@ -322,6 +322,23 @@ _libs_lock = threading.Lock()
 _launch_locks = {}
 
 
+# The stacks of the fiber engine are pooled for the whole process, not per
+# library (fiber_engine.h, FiberStackPool): the first library's pool is handed
+# to every library loaded after it.  Called with _libs_lock held.
+_fiber_pool = None
+
+
+def _share_fiber_pool(lib):
+    global _fiber_pool
+    try:
+        fn = getattr(lib, "__cuflash_fiber_pool")
+    except AttributeError:  # built with the threaded engine (-DCUFLASH_EMULATOR_THREADS=1)
+        return
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p]
+    _fiber_pool = fn(_fiber_pool)
+
+
 class RawModule:
     """CUDA C source compiled for the CPU; the emulator's ``cupy.RawModule``.
 
@@ -432,6 +449,7 @@ class RawModule:
                      f"compiling {self._what()} for the emulator")
                 os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
+            _share_fiber_pool(self._lib)
             self._launch_lock = _launch_locks.setdefault(key, threading.Lock())
         return self._lib
 

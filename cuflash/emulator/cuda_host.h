@@ -694,13 +694,13 @@ inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long
     for (unsigned t = 0; t < nthreads; ++t) users[t] = &ctxs[t];
     FiberScheduler sched(nthreads, [](void* u) { tctx = static_cast<ThreadCtx*>(u); }, users.data());
     std::string error;
-    if (!sched.allocate(stack_kb * 1024, name, error)) return error;
-    FiberStackPool::get().describe.store([](const void* u, SigText& t) {
+    auto describe = [](const void* u, SigText& t) {  // for a stack overflow report
         const ThreadCtx& c = *static_cast<const ThreadCtx*>(u);
         t.put(", block ("); t.put_u(c.blockIdx.x); t.put(","); t.put_u(c.blockIdx.y); t.put(","); t.put_u(c.blockIdx.z);
         t.put("), thread ("); t.put_u(c.threadIdx.x); t.put(","); t.put_u(c.threadIdx.y); t.put(","); t.put_u(c.threadIdx.z);
         t.put(")");
-    }, std::memory_order_relaxed);
+    };
+    if (!sched.allocate(stack_kb * 1024, name, describe, error)) return error;
     AltSignalStack alt_stack;  // so that a stack overflow can still be reported
     blk.fibers = &sched;
 

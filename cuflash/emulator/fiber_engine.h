@@ -30,8 +30,8 @@
 // that runs into it gets a SIGSEGV, which a handler installed by the first
 // fiber launch recognises: it prints the kernel, block and thread whose stack
 // overflowed and the variable to raise, then aborts the process (the stack
-// is gone, the launch cannot be unwound).  Stacks are kept in a pool per
-// library and reused by later launches.
+// is gone, the launch cannot be unwound).  Stacks are kept in one pool for
+// the process and reused by later launches.
 //
 // Constraints for the code running on fibers (kept by cuda_host.h):
 //   * never switch while holding a lock (all fibers share one OS thread);
@@ -290,18 +290,6 @@ constexpr size_t kFiberGuardBytes = 64 * 1024;  // more than any single frame st
 // miss the cache at every switch (twice the switch time, measured).
 constexpr size_t kFiberColourSpan = 16 * 1024;
 
-// One mapping: [guard | stack].  Records are never freed or unmapped (the
-// pool reuses them), so the SIGSEGV handler can read the list without locks.
-struct FiberStack {
-    char* guard = nullptr;  // lowest address; PROT_NONE
-    char* lo = nullptr;     // usable stack [lo, lo + size)
-    size_t size = 0;        // at least the size asked for
-    size_t asked = 0;       // the size asked for (pool key)
-    std::atomic<const char*> owner{nullptr};  // kernel name while a launch uses it
-    std::atomic<const void*> user{nullptr};   // the running fiber's context, for the report
-    FiberStack* next_all = nullptr;           // list of every stack of this library
-};
-
 // Fills a buffer for the async-signal-safe overflow report.
 struct SigText {
     char buf[512];
@@ -317,15 +305,89 @@ struct SigText {
 // Describes the fiber that overflowed (set by cuda_host.h: kernel, block, thread).
 using FiberDescribe = void (*)(const void* user, SigText& out);
 
+// One mapping: [guard | stack].  Records are never freed or unmapped (the
+// pool reuses them), so the SIGSEGV handler can read the list without locks.
+struct FiberStack {
+    char* guard = nullptr;  // lowest address; PROT_NONE
+    char* lo = nullptr;     // usable stack [lo, lo + size)
+    size_t size = 0;        // at least the size asked for
+    size_t asked = 0;       // the size asked for (pool key)
+    std::atomic<const char*> owner{nullptr};  // kernel name while a launch uses it
+    std::atomic<const void*> user{nullptr};   // the running fiber's context, for the report
+    std::atomic<FiberDescribe> describe{nullptr};  // how to print `user`
+    FiberStack* next_all = nullptr;           // list of every stack of the pool
+};
+
+// The stacks of the fibers, pooled for the whole process: each kernel library
+// has the code, and the Python side hands the first library's pool to every
+// library it loads after it (__cuflash_fiber_pool below).  Pools per library
+// held ~14,000 stacks after the test suite's 106 libraries -- 29,000 memory
+// maps of the 65,530 Linux allows, and every stack's touched pages; one pool
+// holds what the largest concurrent launches need.  Sharing data between
+// libraries is sound because all of a process's libraries are built from this
+// header's text (part of their cache key); the ABI number and size checked in
+// adopt() guard against anything else.
 class FiberStackPool {
 public:
+    static constexpr unsigned kAbi = 1;  // bump when FiberStackPool or FiberStack change
+
     static FiberStackPool& get() {
-        static FiberStackPool* pool = new FiberStackPool;  // never destroyed: the handler may run at exit
-        return *pool;
+        FiberStackPool* p = slot().load(std::memory_order_acquire);
+        if (p) return *p;
+        FiberStackPool* mine = new FiberStackPool;  // never destroyed: the handler may run at exit
+        if (slot().compare_exchange_strong(p, mine, std::memory_order_acq_rel)) return *mine;
+        delete mine;  // another thread was first
+        return *p;
+    }
+
+    // From now on use `shared` (another library's pool, or nullptr), unless
+    // this library has a pool already or `shared` is of another layout.
+    // Returns the pool this library uses.
+    static FiberStackPool* adopt(FiberStackPool* shared) {
+        FiberStackPool* none = nullptr;
+        if (shared && shared->abi_ == kAbi && shared->bytes_ == sizeof(FiberStackPool))
+            slot().compare_exchange_strong(none, shared, std::memory_order_acq_rel);
+        return &get();
     }
 
     // `n` stacks of `size` bytes (rounded up to pages); false and `err` if mmap fails.
-    bool take(unsigned n, size_t size, std::vector<FiberStack*>& out, std::string& err) {
+    // `owner` (the kernel) and describe(users[i]) name a stack's fiber in an overflow report.
+    bool take(unsigned n, size_t size, const char* owner, FiberDescribe describe, void* const* users,
+              std::vector<FiberStack*>& out, std::string& err) {
+        if (!take_stacks(n, size, out, err)) return false;
+        for (unsigned i = 0; i < n; ++i) {
+            out[i]->owner.store(owner, std::memory_order_relaxed);
+            out[i]->describe.store(describe, std::memory_order_relaxed);
+            out[i]->user.store(users[i], std::memory_order_release);
+        }
+        return true;
+    }
+
+    void give_back(std::vector<FiberStack*>& stacks) {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (FiberStack* s : stacks) {
+            s->user.store(nullptr, std::memory_order_relaxed);
+            free_.push_back(s);
+        }
+        stacks.clear();
+    }
+
+private:
+    const unsigned abi_ = kAbi;  // first: read by adopt() whatever the layout
+    const unsigned bytes_ = sizeof(FiberStackPool);
+    std::mutex mu_;
+    std::vector<FiberStack*> free_;
+    std::atomic<FiberStack*> all_{nullptr};
+    size_t mapped_ = 0;  // stacks mapped so far (their colours)
+    std::once_flag handler_once_;
+    struct sigaction previous_ {};
+
+    static std::atomic<FiberStackPool*>& slot() {  // this library's pool
+        static std::atomic<FiberStackPool*> pool{nullptr};
+        return pool;
+    }
+
+    bool take_stacks(unsigned n, size_t size, std::vector<FiberStack*>& out, std::string& err) {
         install_handler();
         const size_t page = size_t(sysconf(_SC_PAGESIZE));
         size = (size + page - 1) / page * page;
@@ -358,28 +420,16 @@ public:
         return true;
     }
 
-    void give_back(std::vector<FiberStack*>& stacks) {
-        std::lock_guard<std::mutex> lk(mu_);
-        for (FiberStack* s : stacks) {
-            s->owner.store(nullptr, std::memory_order_relaxed);
-            s->user.store(nullptr, std::memory_order_relaxed);
-            free_.push_back(s);
-        }
-        stacks.clear();
+    // The pool whose stacks the SIGSEGV handler of this library watches: the
+    // handler is installed once per pool, by the first library that maps stacks.
+    static FiberStackPool*& handler_pool() {
+        static FiberStackPool* pool = nullptr;
+        return pool;
     }
-
-    std::atomic<FiberDescribe> describe{nullptr};
-
-private:
-    std::mutex mu_;
-    std::vector<FiberStack*> free_;
-    std::atomic<FiberStack*> all_{nullptr};
-    size_t mapped_ = 0;  // stacks mapped so far (their colours)
-    std::once_flag handler_once_;
-    struct sigaction previous_ {};
 
     void install_handler() {
         std::call_once(handler_once_, [this] {
+            handler_pool() = this;
             struct sigaction sa {};
             sa.sa_sigaction = &FiberStackPool::on_segv;
             sa.sa_flags = SA_SIGINFO | SA_ONSTACK;  // the overflowed stack cannot run the handler
@@ -389,7 +439,7 @@ private:
     }
 
     static void on_segv(int sig, siginfo_t* si, void* uc) {
-        FiberStackPool& self = get();
+        FiberStackPool& self = *handler_pool();
         const char* a = static_cast<const char*>(si->si_addr);
         for (FiberStack* s = self.all_.load(std::memory_order_acquire); s; s = s->next_all) {
             if (a < s->guard || a >= s->lo) continue;
@@ -398,7 +448,7 @@ private:
             const char* k = s->owner.load(std::memory_order_relaxed);
             t.put(k ? k : "?");
             const void* u = s->user.load(std::memory_order_relaxed);
-            if (FiberDescribe d = self.describe.load(std::memory_order_relaxed); u && d) d(u, t);
+            if (FiberDescribe d = s->describe.load(std::memory_order_relaxed); u && d) d(u, t);
             t.put(": the fiber stack of ");
             t.put_u(s->asked / 1024);
             t.put(" KiB is exhausted (set CUFLASH_EMULATOR_STACK_KB to enlarge it). Aborting.\n");
@@ -470,13 +520,14 @@ public:
     FiberScheduler(const FiberScheduler&) = delete;
     FiberScheduler& operator=(const FiberScheduler&) = delete;
 
-    bool allocate(size_t stack_bytes, const char* owner, std::string& err) {
-        if (!FiberStackPool::get().take(unsigned(fibers_.size()), stack_bytes, stacks_, err)) return false;
-        for (size_t i = 0; i < fibers_.size(); ++i) {
-            fibers_[i].stack = stacks_[i];
-            stacks_[i]->owner.store(owner, std::memory_order_relaxed);
-            stacks_[i]->user.store(fibers_[i].user, std::memory_order_relaxed);
-        }
+    // Stacks from the pool; `owner` and describe() name a fiber in an overflow report.
+    bool allocate(size_t stack_bytes, const char* owner, FiberDescribe describe, std::string& err) {
+        std::vector<void*> users(fibers_.size());
+        for (size_t i = 0; i < fibers_.size(); ++i) users[i] = fibers_[i].user;
+        if (!FiberStackPool::get().take(unsigned(fibers_.size()), stack_bytes, owner, describe, users.data(),
+                                        stacks_, err))
+            return false;
+        for (size_t i = 0; i < fibers_.size(); ++i) fibers_[i].stack = stacks_[i];
         return true;
     }
 
@@ -578,3 +629,11 @@ private:
 };
 
 }  // namespace cuflash_emu
+
+// For cuflash.emulator._module, once per loaded library: nullptr -> this
+// library's stack pool; another library's pool -> use that one from now on.
+// Returns the pool in use.  (Weak rather than inline: an inline function that
+// nothing in the library calls would not be emitted at all.)
+extern "C" __attribute__((visibility("default"), weak)) void* __cuflash_fiber_pool(void* shared) {
+    return ::cuflash_emu::FiberStackPool::adopt(static_cast<::cuflash_emu::FiberStackPool*>(shared));
+}
