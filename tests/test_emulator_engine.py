@@ -234,9 +234,11 @@ def test_correct_kernels_do_not_depend_on_the_order(engine_mods, monkeypatch, sc
                                                       for r in range(4)])
 
 
-@pytest.mark.parametrize("engine", ["ucontext", "threads"])
+@pytest.mark.parametrize("engine", ["threads"])
 def test_engines_agree(engine_mods, engine):
-    """The same kernels on the fallback engines: results, deadlock reports, counters."""
+    """The same kernels on the threaded engine (race_check builds): results, deadlock
+    reports, counters.  (The ucontext fallback runs the engine kernels above and the
+    self-test program's.)"""
     red = engine_mods(engine, REDUCE_CU)
     x = np.random.default_rng(9).standard_normal(700).astype(np.float32)
     outs = {}
@@ -256,13 +258,12 @@ def test_engines_agree(engine_mods, engine):
         partial.get_function("p")(1, 32, (np.zeros(32, np.float32),))
 
 
-# The engine kernels in a standalone C++ program (no Python): natively, with
-# the ucontext fallback, and cross-compiled for aarch64 under qemu-user when
+# The engine kernels in a standalone C++ program (no Python): natively, and
+# cross-compiled for aarch64 under qemu-user when
 # aarch64-linux-gnu-g++ and qemu-aarch64 are installed, so that the aarch64
 # context switch is checked on an x86-64 machine too.
 SELFTEST_VARIANTS = {
     "native": (os.environ.get("CXX", "g++"), (), ()),
-    "native-ucontext": (os.environ.get("CXX", "g++"), ("-DCUFLASH_EMULATOR_UCONTEXT=1",), ()),
     "aarch64-qemu": ("aarch64-linux-gnu-g++", (), ("qemu-aarch64", "-L", "/usr/aarch64-linux-gnu")),
 }
 
@@ -272,8 +273,6 @@ def test_engine_selftest_program(tmp_path, variant):
     cxx, flags, runner = SELFTEST_VARIANTS[variant]
     if variant == "aarch64-qemu" and (shutil.which(cxx) is None or shutil.which(runner[0]) is None):
         pytest.skip("needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt: g++-aarch64-linux-gnu qemu-user)")
-    if variant != "aarch64-qemu" and os.uname().machine not in ("x86_64", "aarch64"):
-        flags = ()  # elsewhere the native build is the ucontext fallback anyway
     exe = tmp_path / "engine_selftest"
     from cuflash.emulator._module import HOST_HEADER
     r = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", *flags, "-x", "c++", "-include", str(HOST_HEADER),

@@ -19,7 +19,11 @@ nanoseconds per thread, without system calls.  Between two such points the
 threads run one after another in thread-index order, so every run is
 reproducible; a kernel that lacks a barrier gets whatever that order gives,
 which may hide the bug: finding races is ``race_check=True``'s job, whose
-builds run the threads as real threads under ThreadSanitizer.  Environment:
+builds run the threads as real threads under ThreadSanitizer.  A thread
+busy-waiting for another thread of its block (a flag in shared memory, no
+barrier) never lets that thread run: the watchdog below ends such a launch,
+where a GPU with independent thread scheduling (sm_70+) may get through.
+Environment:
 
 * ``CUFLASH_EMULATOR_SCHEDULE=random`` (or ``random:<seed>``) runs the
   threads in a pseudo-random order, drawn anew for every round between

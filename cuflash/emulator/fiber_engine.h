@@ -13,6 +13,9 @@
 //     trip between real threads cost tens of microseconds per barrier.
 //   * The order inside a round is the fiber index (fixed and reproducible)
 //     or, for debugging, a pseudo-random permutation drawn anew every round.
+//   * Fibers are not preempted: one that busy-waits for another fiber (a
+//     flag in shared memory, no barrier) spins for ever; the launch watchdog
+//     (cuda_host.h) ends the process then.
 //
 // Why a hand-written switch: glibc's swapcontext saves and restores the
 // signal mask with an rt_sigprocmask system call on every switch, which would
