@@ -11,6 +11,33 @@ NumPy arrays in ``args`` stand for device pointers (the kernel's writes are
 visible afterwards); scalars are converted by the kernel's signature and a
 mismatch raises ``TypeError``.  See docs/emulator.md for the execution model.
 
+Execution: the blocks of a grid run one after another on the calling thread.
+A block's CUDA threads are fibers (user-space contexts, ``fiber_engine.h``)
+that switch only where a CUDA thread waits -- ``__syncthreads*``,
+``__syncwarp``, shuffles, votes, ``mma``, ``ldmatrix`` -- at a few tens of
+nanoseconds per thread, without system calls.  Between two such points the
+threads run one after another in thread-index order, so every run is
+reproducible; a kernel that lacks a barrier gets whatever that order gives,
+which may hide the bug: finding races is ``race_check=True``'s job, whose
+builds run the threads as real threads under ThreadSanitizer.  A thread
+busy-waiting for another thread of its block (a flag in shared memory, no
+barrier) never lets that thread run: the watchdog below ends such a launch,
+where a GPU with independent thread scheduling (sm_70+) may get through.
+Environment:
+
+* ``CUFLASH_EMULATOR_SCHEDULE=random`` (or ``random:<seed>``) runs the
+  threads in a pseudo-random order, drawn anew for every round between
+  waits; the same seed gives the same order.  A correct kernel gives the
+  same results; ``fixed`` (the default) is thread-index order;
+* ``CUFLASH_EMULATOR_TIMEOUT`` (seconds, default 1800, 0 disables): a launch
+  running longer -- a thread looping forever outside every barrier, which
+  nothing else can stop -- ends the process with a message naming the
+  kernel.  A deadlock in barriers is a :class:`LaunchError` at once;
+* ``CUFLASH_EMULATOR_STACK_KB`` (default 256): stack per fiber.  Below each
+  stack is a guard region; overflowing into it ends the process with a
+  message naming the kernel, block and thread (the largest frame of
+  ``kernels_cu/`` is about 2.4 KiB).
+
 What a kernel and its launcher must respect (checked here, so that a launch
 that works on the emulator also works with CuPy on a GPU):
 
@@ -27,7 +54,8 @@ that works on the emulator also works with CuPy on a GPU):
   ``CUFLASH_DYNAMIC_SHARED(type, name)`` (``type* name``) and starts as NaN;
 * mma/ldmatrix and warp collectives need every lane of a full warp; a
   barrier not reached by all live threads is reported as a deadlock;
-* ``race_check=True`` runs each launch under ThreadSanitizer and raises
+* ``race_check=True`` runs each launch under ThreadSanitizer, with real
+  threads, and raises
   :class:`RaceError` (blocks run one after another, so races between blocks
   on global memory are not seen by it); :func:`interblock_check` logs every
   ``gstore`` and raises :class:`InterBlockRaceError` when two blocks of one

@@ -4,7 +4,10 @@ The CUDA C source is compiled unchanged as C++ by the host compiler with
 ``cuda_host.h`` force-included (docs/emulator.md), into a shared library that
 is cached on disk by a hash of the preprocessed source and the options.  Each
 ``extern "C" __global__`` kernel gets a generated launcher that runs the grid
-one block at a time with the block's threads as real threads.
+one block at a time, on the calling thread: the block's CUDA threads are
+fibers that switch where they wait (barriers, warp collectives; see
+``fiber_engine.h``).  ``race_check=True`` builds run them as real threads
+under ThreadSanitizer instead, in a child process (``_race.py``).
 """
 import contextlib
 import ctypes
@@ -26,8 +29,10 @@ __all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
+# headers cuda_host.h includes (part of the cache key with it)
+_ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "6"
+_LAUNCHER_VERSION = "7"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
 _LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
@@ -381,6 +386,23 @@ _libs_lock = threading.Lock()
 _launch_locks = {}
 
 
+# The stacks of the fiber engine are pooled for the whole process, not per
+# library (fiber_engine.h, FiberStackPool): the first library's pool is handed
+# to every library loaded after it.  Called with _libs_lock held.
+_fiber_pool = None
+
+
+def _share_fiber_pool(lib):
+    global _fiber_pool
+    try:
+        fn = getattr(lib, "__cuflash_fiber_pool")
+    except AttributeError:  # built with the threaded engine (-DCUFLASH_EMULATOR_THREADS=1)
+        return
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p]
+    _fiber_pool = fn(_fiber_pool)
+
+
 class RawModule:
     """CUDA C source compiled for the CPU; the emulator's ``cupy.RawModule``.
 
@@ -400,7 +422,10 @@ class RawModule:
     race_check : bool
         Run every launch under ThreadSanitizer in a child process and raise
         :class:`RaceError` when it reports a data race (slow: about 1 s plus a
-        separate compile).
+        separate compile).  These builds run a block's CUDA threads as real
+        threads, so that ThreadSanitizer sees them run concurrently; other
+        builds run them as fibers in a fixed order (reproducible, fast, and
+        blind to races by construction).
     """
 
     def __init__(self, code=None, *, path=None, options=(), name_expressions=None, race_check=False):
@@ -449,6 +474,7 @@ class RawModule:
         h = hashlib.sha256()
         parts = (kind, _LAUNCHER_VERSION, _TSAN_MAIN if kind == "tsan" else "",
                  " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+                 *(h.read_text() for h in _ENGINE_HEADERS),
                  self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
         for part in parts:
             h.update(part.encode())
@@ -488,6 +514,7 @@ class RawModule:
                      f"compiling {self._what()} for the emulator")
                 os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
+            _share_fiber_pool(self._lib)
             self._launch_lock = _launch_locks.setdefault(key, threading.Lock())
         return self._lib
 

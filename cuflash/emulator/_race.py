@@ -6,6 +6,10 @@ together with a small ``main`` (``_module._TSAN_MAIN``) into an executable;
 the launch's arguments go to it through a file, the arrays come back through
 another, and ThreadSanitizer's report (the racing accesses with their source
 lines, and the shared array they touch) becomes a :class:`RaceError`.
+
+These builds run a block's CUDA threads as real threads (cuda_host.h picks
+that engine where ``__SANITIZE_THREAD__`` is defined), not as the fibers of
+ordinary builds: ThreadSanitizer has to see them run concurrently.
 """
 import ctypes
 import os

@@ -1,17 +1,28 @@
 // cuda_host.h -- CUDA built-ins for running unchanged kernels_cu/*.cu sources on the CPU.
 //
 // Force-included (g++ -include) by cuflash.emulator before the kernel source.
-// Execution model (docs/emulator.md): one thread block at a time; the block's
-// CUDA threads are real std::threads, so `__shared__` can be a plain `static`
-// (one copy, shared by the running block) and ThreadSanitizer sees real
-// concurrency.  Every barrier (__syncthreads, warp collectives) goes through
-// one mutex per block, which makes deadlock detection exact: when every
-// thread that has not returned waits in some barrier that cannot complete,
-// the launch fails with a message instead of hanging.
+// Execution model (docs/emulator.md): one thread block at a time, so
+// `__shared__` can be a plain `static` (one copy, shared by the running
+// block).  Two engines run a block's CUDA threads, chosen when the library is
+// compiled (CUFLASH_EMULATOR_THREADS):
+//   * fibers (fiber_engine.h), the default: the threads are coroutines on the
+//     launching OS thread that switch only where they wait (barriers, warp
+//     collectives).  Between two such points the block's threads run one after
+//     another in a fixed order (thread index; CUFLASH_EMULATOR_SCHEDULE=random
+//     permutes it per round): runs are reproducible, and a missing barrier
+//     shows up as wrong results only for orders this one happens to expose --
+//     finding such races is the job of race_check=True;
+//   * real std::threads, for ThreadSanitizer builds (race_check=True, where
+//     __SANITIZE_THREAD__ is defined), so that TSan sees real concurrency.
+// Both share the barrier logic below: every barrier (__syncthreads, warp
+// collectives) goes through one lock per block, which makes deadlock detection
+// exact: when every thread that has not returned waits in some barrier that
+// cannot complete, the launch fails with a message instead of hanging.
 //
 // All per-thread state hangs off ONE thread_local pointer (`tctx`): several
 // thread_locals per library exhausted glibc's static TLS after ~14 loaded
-// libraries on these machines.
+// libraries on these machines.  The fibers of a block share their OS thread's
+// `tctx`: the scheduler points it at a fiber's context before resuming it.
 #pragma once
 #ifndef CUFLASH_EMULATOR
 #define CUFLASH_EMULATOR 1
@@ -41,6 +52,21 @@
 #include <utility>
 #include <vector>
 #include <math.h>
+#endif
+
+// Which engine runs the threads of a block (see the top of this file).
+#ifndef CUFLASH_EMULATOR_THREADS
+#if defined(__SANITIZE_THREAD__)
+#define CUFLASH_EMULATOR_THREADS 1
+#else
+#define CUFLASH_EMULATOR_THREADS 0
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__) && !CUFLASH_EMULATOR_THREADS
+#error "ThreadSanitizer builds need the threaded engine (CUFLASH_EMULATOR_THREADS=1)"
+#endif
+#if !CUFLASH_EMULATOR_THREADS && !defined(CUFLASH_PREPROCESS_ONLY)
+#include "fiber_engine.h"
 #endif
 
 // ---------------------------------------------------------------- keywords
@@ -146,13 +172,22 @@ inline void tsan_acquire(void*) {}
 // Thrown into a thread to unwind it out of the kernel when the launch fails.
 struct KernelAbort {};
 
+#if CUFLASH_EMULATOR_THREADS
+using BlockMutex = std::mutex;
+#else
+// The fibers of a block share one OS thread and never switch inside a locked
+// section: the block lock has nothing to exclude.
+struct BlockMutex { void lock() {} void unlock() {} };
+#endif
+
 struct Barrier {
     unsigned expected = 0;  // threads that must arrive (exited threads dropped)
     unsigned arrived = 0;
     unsigned waiters = 0;   // arrived threads blocked in this barrier
-    // Waiters sleep on the generation (a futex, C++20 atomic wait) without the
-    // block mutex: a condition variable made all of them re-take the mutex on
-    // wake-up, serialising 128 threads at every __syncthreads.
+    // Waiters wait for the generation to move on.  Threads sleep on it (a
+    // futex, C++20 atomic wait) without the block mutex: a condition variable
+    // made all of them re-take the mutex on wake-up, serialising 128 threads
+    // at every __syncthreads.  Fibers are resumed by the scheduler once it moved.
     std::atomic<unsigned> gen{0};
     char sync[2];  // ThreadSanitizer sync objects of even / odd generations
 };
@@ -190,7 +225,7 @@ inline thread_local ThreadCtx* tctx = nullptr;
 struct alignas(64) WarpExchange { unsigned char slot[2][32][64]; };
 
 struct Block {
-    std::mutex mu;
+    BlockMutex mu;
     unsigned nthreads = 0, nwarps = 0;
     unsigned live = 0;     // threads of the block that have not returned
     unsigned waiting = 0;  // threads blocked in some barrier
@@ -205,6 +240,9 @@ struct Block {
     unsigned long long bar_completions = 0;
     std::unique_ptr<Barrier[]> warp_bar;
     std::unique_ptr<WarpExchange[]> wx;
+#if !CUFLASH_EMULATOR_THREADS
+    FiberScheduler* fibers = nullptr;  // runs this block's threads
+#endif
 
     Block(unsigned n, const char* name) : nthreads(n), nwarps((n + 31) / 32), kernel(name) {
         warp_bar.reset(new Barrier[nwarps]);
@@ -225,20 +263,27 @@ struct Block {
         std::memset(wx.get(), 0xff, sizeof(WarpExchange) * nwarps);
     }
 
+    // A new generation: every thread waiting in `b` may go on.
+    static void next_generation(Barrier& b) {
+        b.gen.fetch_add(1, std::memory_order_release);
+#if CUFLASH_EMULATOR_THREADS
+        b.gen.notify_all();
+#endif
+    }
+
     void release(Barrier& b) {
         if (&b == &bar) sync_count[(++bar_completions) & 1u] = 0;
         waiting -= b.waiters;
         b.waiters = 0; b.arrived = 0;
-        b.gen.fetch_add(1, std::memory_order_release);
-        b.gen.notify_all();
+        next_generation(b);
     }
 
     // Stop the launch: record the first error and wake every waiting thread.
     void abort_locked(const std::string& msg) {
         if (!aborted) { error = msg; aborted = true; }
         // a new generation wakes every waiter, which then sees `aborted`
-        bar.gen.fetch_add(1); bar.gen.notify_all();
-        for (unsigned w = 0; w < nwarps; ++w) { warp_bar[w].gen.fetch_add(1); warp_bar[w].gen.notify_all(); }
+        next_generation(bar);
+        for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
     }
 
     std::string where() const;
@@ -264,26 +309,39 @@ struct Block {
     }
 
     void arrive_and_wait_locked(Barrier& b) {
-        unsigned g;
+        unsigned g = 0;
+        bool last;
         {
-            std::lock_guard<std::mutex> lk(mu);
+            std::lock_guard<BlockMutex> lk(mu);
             if (aborted) throw KernelAbort{};
-            if (++b.arrived == b.expected) { release(b); return; }
-            g = b.gen.load(std::memory_order_relaxed);
-            ++b.waiters; ++waiting;
-            if (waiting == live) {  // nobody left who could complete any barrier
-                abort_locked(deadlock_message());
-                throw KernelAbort{};
+            last = ++b.arrived == b.expected;
+            if (last) {
+                release(b);
+            } else {
+                g = b.gen.load(std::memory_order_relaxed);
+                ++b.waiters; ++waiting;
+                if (waiting == live) {  // nobody left who could complete any barrier
+                    abort_locked(deadlock_message());
+                    throw KernelAbort{};
+                }
             }
         }
+#if CUFLASH_EMULATOR_THREADS
+        if (last) return;
         while (b.gen.load(std::memory_order_acquire) == g) b.gen.wait(g, std::memory_order_acquire);
+#else
+        // The last to arrive steps aside too, so that the threads of a block
+        // run the code between two barriers in the scheduler's order.
+        if (last) fibers->yield();
+        else fibers->wait(b.gen, g);
+#endif
         if (aborted) throw KernelAbort{};
     }
 
     // A returning thread stops counting in its barriers, as on the hardware.
     void thread_exit(unsigned warp) {
         TsanQuiet quiet;
-        std::lock_guard<std::mutex> lk(mu);
+        std::lock_guard<BlockMutex> lk(mu);
         --live;
         for (Barrier* b : {&bar, &warp_bar[warp]}) {
             --b->expected;
@@ -295,7 +353,7 @@ struct Block {
     [[noreturn]] void fail(const std::string& msg) {
         {
             TsanQuiet quiet;
-            std::lock_guard<std::mutex> lk(mu);
+            std::lock_guard<BlockMutex> lk(mu);
             abort_locked(msg);
         }
         throw KernelAbort{};
@@ -560,36 +618,72 @@ inline std::string signature_of(void (*)(A...)) {
     return s;
 }
 
-// flags: bit 0 = the inter-block write check.  Returns 0, 1 (launch error) or 2 (inter-block race).
-enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u };
-inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
-                  const unsigned* block, unsigned long long shmem, unsigned long long* stats,
-                  char* err, size_t errlen, unsigned flags) {
-    const unsigned nthreads = block[0] * block[1] * block[2];
-    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
-    Block blk(nthreads, name);
-    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block.
-    const size_t dyn_bytes = shmem ? shmem : 16;
-    std::unique_ptr<unsigned char, void (*)(unsigned char*)> dyn(
-        static_cast<unsigned char*>(::operator new(dyn_bytes, std::align_val_t(128))),
-        [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); });
-    std::vector<ThreadCtx> ctxs(nthreads);
+// Ends the process when a launch runs longer than CUFLASH_EMULATOR_TIMEOUT
+// seconds (default 1800; 0 disables): a thread that loops forever outside
+// every barrier cannot be stopped -- with fibers it never even yields -- so
+// end with a message rather than hang the caller.  Deadlocks in barriers are
+// caught exactly by Block.
+class Watchdog {
+public:
+    explicit Watchdog(const char* kernel) {
+        const char* env = std::getenv("CUFLASH_EMULATOR_TIMEOUT");
+        const double limit = env ? std::atof(env) : 1800.0;
+        if (!(limit > 0)) return;
+        try {
+            thread_ = std::thread([this, kernel, limit] {
+                std::unique_lock<std::mutex> lk(mu_);
+                if (!cv_.wait_for(lk, std::chrono::duration<double>(limit), [this] { return done_; })) {
+                    std::fprintf(stderr, "cuflash.emulator: kernel %s did not finish within %g s "
+                                 "(CUFLASH_EMULATOR_TIMEOUT; 0 disables): a thread loops forever. Aborting.\n",
+                                 kernel, limit);
+                    std::fflush(stderr);
+                    std::abort();
+                }
+            });
+        } catch (const std::exception&) {
+            // no thread to spare: run unwatched rather than not at all
+        }
+    }
+    ~Watchdog() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            done_ = true;
+        }
+        cv_.notify_all();
+        if (thread_.joinable()) thread_.join();
+    }
+    Watchdog(const Watchdog&) = delete;
+    Watchdog& operator=(const Watchdog&) = delete;
+
+private:
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    std::thread thread_;
+};
+
+#if CUFLASH_EMULATOR_THREADS
+// Threaded engine: every CUDA thread of the block is a std::thread that runs
+// its part of every block; a barrier over all of them separates the blocks,
+// and its completion step prepares the next block.  Returns "" or why the
+// threads could not be started.
+template <class BeginBlock, class RunThread>
+inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long long nblocks, Block& blk,
+                              std::vector<ThreadCtx>& ctxs, BeginBlock begin_block, RunThread run_thread) {
     bool stop = false;
-    auto between_blocks = [&]() {
-        blk.reset();
-        std::memset(dyn.get(), 0xff, dyn_bytes);
-        stop = blk.aborted;
+    auto between_blocks = [&](unsigned long long next) {
+        stop = blk.aborted || next >= nblocks;
+        if (!stop) begin_block(next);
     };
-    between_blocks();
+    between_blocks(0);
     std::mutex bm;
     std::condition_variable bcv;
     unsigned b_arrived = 0;
     unsigned long long b_gen = 0;
-    unsigned finished = 0;  // threads done with every block
-    auto between_barrier = [&]() {  // all threads of the launch; completion resets the block
+    auto between_barrier = [&](unsigned long long next) {  // all threads of the launch; completion sets up `next`
         std::unique_lock<std::mutex> lk(bm);
         if (++b_arrived == nthreads) {
-            between_blocks();
+            between_blocks(next);
             b_arrived = 0; ++b_gen;
             bcv.notify_all();
             return;
@@ -600,38 +694,11 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
     auto body = [&](unsigned t) {
         ThreadCtx& c = ctxs[t];
         tctx = &c;
-        c.blockDim = dim3(block[0], block[1], block[2]);
-        c.gridDim = dim3(grid[0], grid[1], grid[2]);
-        c.threadIdx = uint3{t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
-        c.tid = t; c.lane = t % 32; c.warp = t / 32;
-        c.blk = &blk;
-        c.dyn_smem = dyn.get();
-        c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
-        for (unsigned long long b = 0; b < nblocks && !stop; ++b) {
-            c.block_lin = b;
-            c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
-                               unsigned(b / (1ull * grid[0] * grid[1]))};
-            c.xphase = 0; c.bar_phase = 0;
-            c.cp_open.clear(); c.cp_groups.clear();
-            try {
-                entry(args);
-            } catch (const KernelAbort&) {
-            } catch (const std::exception& e) {
-                TsanQuiet quiet;
-                std::lock_guard<std::mutex> lk(blk.mu);
-                blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
-            } catch (...) {
-                TsanQuiet quiet;
-                std::lock_guard<std::mutex> lk(blk.mu);
-                blk.abort_locked("unknown C++ exception in device code");
-            }
-            blk.thread_exit(c.warp);
-            between_barrier();
+        for (unsigned long long b = 0; !stop; ++b) {
+            run_thread(c, b);
+            between_barrier(b + 1);
         }
         tctx = nullptr;
-        std::lock_guard<std::mutex> lk(bm);
-        ++finished;
-        bcv.notify_all();
     };
     // Threads wait at a gate until all of them exist: if starting one fails,
     // the started ones leave without running the kernel.
@@ -657,24 +724,143 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         gate = start_error.empty() ? 1 : -1;
     }
     bcv.notify_all();
-    // Watchdog: a thread that never returns (an endless loop outside every
-    // barrier) cannot be stopped; end the process with a message rather than
-    // hang the caller forever.  Deadlocks in barriers are caught exactly above.
-    if (start_error.empty()) {
-        const char* env = std::getenv("CUFLASH_EMULATOR_TIMEOUT");
-        const double limit = env ? std::atof(env) : 1800.0;
-        std::unique_lock<std::mutex> lk(bm);
-        auto done = [&] { return finished == threads.size(); };
-        if (limit > 0 && !bcv.wait_for(lk, std::chrono::duration<double>(limit), done)) {
-            std::fprintf(stderr, "cuflash.emulator: kernel %s did not finish within %g s "
-                         "(CUFLASH_EMULATOR_TIMEOUT; 0 disables): a thread loops forever. Aborting.\n",
-                         name, limit);
-            std::fflush(stderr);
-            std::abort();
-        }
-        if (limit <= 0) bcv.wait(lk, done);
+    {
+        Watchdog watchdog(name);
+        for (auto& th : threads) th.join();
     }
-    for (auto& th : threads) th.join();
+    return start_error;
+}
+#else
+// Fiber engine (fiber_engine.h): the CUDA threads of a block are fibers on
+// the calling OS thread; blocks run one after another.  Returns "" or why
+// the launch could not start.
+template <class BeginBlock, class RunThread>
+inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long long nblocks, Block& blk,
+                              std::vector<ThreadCtx>& ctxs, BeginBlock begin_block, RunThread run_thread) {
+    // CUFLASH_EMULATOR_STACK_KB: stack per fiber (default 256 KiB).
+    size_t stack_kb = 256;
+    if (const char* env = std::getenv("CUFLASH_EMULATOR_STACK_KB"); env && *env) {
+        char* end = nullptr;
+        const unsigned long long v = std::strtoull(env, &end, 10);
+        if (*end || v < 16 || v > (1ull << 22))
+            return std::string("CUFLASH_EMULATOR_STACK_KB=") + env + " is not a size in KiB between 16 and 4194304";
+        stack_kb = size_t(v);
+    }
+    // CUFLASH_EMULATOR_SCHEDULE: fixed (default), random or random:<seed>.
+    bool random_order = false;
+    uint64_t seed = 0x243f6a8885a308d3ull;
+    if (const char* env = std::getenv("CUFLASH_EMULATOR_SCHEDULE"); env && *env && std::strcmp(env, "fixed") != 0) {
+        char* end = nullptr;
+        if (std::strcmp(env, "random") == 0) {
+            random_order = true;
+        } else if (std::strncmp(env, "random:", 7) == 0 && env[7] && (seed = std::strtoull(env + 7, &end, 0), !*end)) {
+            random_order = true;
+        } else {
+            return std::string("CUFLASH_EMULATOR_SCHEDULE=") + env + " is not understood (fixed, random or random:<seed>)";
+        }
+    }
+
+    std::vector<void*> users(nthreads);
+    for (unsigned t = 0; t < nthreads; ++t) users[t] = &ctxs[t];
+    FiberScheduler sched(nthreads, [](void* u) { tctx = static_cast<ThreadCtx*>(u); }, users.data());
+    std::string error;
+    auto describe = [](const void* u, SigText& t) {  // for a stack overflow report
+        const ThreadCtx& c = *static_cast<const ThreadCtx*>(u);
+        t.put(", block ("); t.put_u(c.blockIdx.x); t.put(","); t.put_u(c.blockIdx.y); t.put(","); t.put_u(c.blockIdx.z);
+        t.put("), thread ("); t.put_u(c.threadIdx.x); t.put(","); t.put_u(c.threadIdx.y); t.put(","); t.put_u(c.threadIdx.z);
+        t.put(")");
+    };
+    if (!sched.allocate(stack_kb * 1024, name, describe, error)) return error;
+    AltSignalStack alt_stack;  // so that a stack overflow can still be reported
+    blk.fibers = &sched;
+
+    struct Job {
+        RunThread* run;
+        std::vector<ThreadCtx>* ctxs;
+        unsigned long long block;
+    } job{&run_thread, &ctxs, 0};
+    auto body = [](void* p, unsigned t) noexcept {
+        Job& j = *static_cast<Job*>(p);
+        (*j.run)((*j.ctxs)[t], j.block);
+    };
+    {
+        Watchdog watchdog(name);
+        for (unsigned long long b = 0; b < nblocks && !blk.aborted; ++b) {
+            begin_block(b);
+            if (random_order) sched.set_random_order(true, seed ^ (b * 0xd1342543de82ef95ull));
+            job.block = b;
+            sched.start(body, &job);
+            while (sched.unfinished()) {
+                if (sched.round()) continue;
+                // Every unfinished fiber waits in a barrier, which Block reports as
+                // a deadlock when it happens; should it ever miss one, end the
+                // block with that message (which wakes them) rather than hang.
+                if (!blk.aborted) blk.abort_locked(blk.deadlock_message());
+                if (!sched.round()) {
+                    std::fprintf(stderr, "cuflash.emulator: internal error: the fibers of kernel %s are stuck\n", name);
+                    std::abort();
+                }
+            }
+        }
+    }
+    tctx = nullptr;
+    blk.fibers = nullptr;
+    return "";
+}
+#endif
+
+// flags: bit 0 = the inter-block write check.  Returns 0, 1 (launch error) or 2 (inter-block race).
+enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u };
+inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
+                  const unsigned* block, unsigned long long shmem, unsigned long long* stats,
+                  char* err, size_t errlen, unsigned flags) {
+    const unsigned nthreads = block[0] * block[1] * block[2];
+    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
+    Block blk(nthreads, name);
+    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block.
+    const size_t dyn_bytes = shmem ? shmem : 16;
+    std::unique_ptr<unsigned char, void (*)(unsigned char*)> dyn(
+        static_cast<unsigned char*>(::operator new(dyn_bytes, std::align_val_t(128))),
+        [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); });
+    std::vector<ThreadCtx> ctxs(nthreads);
+    for (unsigned t = 0; t < nthreads; ++t) {
+        ThreadCtx& c = ctxs[t];
+        c.blockDim = dim3(block[0], block[1], block[2]);
+        c.gridDim = dim3(grid[0], grid[1], grid[2]);
+        c.threadIdx = uint3{t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
+        c.tid = t; c.lane = t % 32; c.warp = t / 32;
+        c.blk = &blk;
+        c.dyn_smem = dyn.get();
+        c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
+    }
+    // Before block b (every thread is between blocks).
+    auto begin_block = [&](unsigned long long) {
+        blk.reset();
+        std::memset(dyn.get(), 0xff, dyn_bytes);
+    };
+    // One CUDA thread's part of block b.  The catch blocks only record the
+    // error: the fiber engine must not switch inside one.
+    auto run_thread = [&](ThreadCtx& c, unsigned long long b) {
+        c.block_lin = b;
+        c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
+                           unsigned(b / (1ull * grid[0] * grid[1]))};
+        c.xphase = 0; c.bar_phase = 0;
+        c.cp_open.clear(); c.cp_groups.clear();
+        try {
+            entry(args);
+        } catch (const KernelAbort&) {
+        } catch (const std::exception& e) {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(blk.mu);
+            blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
+        } catch (...) {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(blk.mu);
+            blk.abort_locked("unknown C++ exception in device code");
+        }
+        blk.thread_exit(c.warp);
+    };
+    const std::string start_error = run_blocks(name, nthreads, nblocks, blk, ctxs, begin_block, run_thread);
     if (!start_error.empty()) {
         std::snprintf(err, errlen, "%s", start_error.c_str());
         return 1;
