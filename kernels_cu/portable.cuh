@@ -12,7 +12,9 @@
 //     counts for cuflash.emulator.last_launch_stats();
 //   - tensor-core building blocks with the PTX ISA fragment layouts:
 //     mma_m16n8k16_f16 / _bf16 (f32 accumulate), ldmatrix_x1/x2/x4 (+_trans),
-//     cp_async_16 / cp_async_commit / cp_async_wait<N>.
+//     cp_async_16 / cp_async_commit / cp_async_wait<N>;
+//   - float32 on tensor cores (last section): cvt_rna_tf32, split_tf32 (3xTF32 operands),
+//     mma_m16n8k8_tf32 and mma_m16n8k8_3xtf32.
 //     sm_80+: inline PTX.  Older GPUs (sm_75): the mma is computed in software
 //     from warp shuffles with the same fragment layout and cp.async is a plain
 //     synchronous copy, so kernels need no #if of their own.  Emulator: warp-
@@ -375,5 +377,108 @@ __device__ __forceinline__ void cp_async_wait() {
     ::cuflash_emu::cp_async_wait(N);
 #elif CUFLASH_ARCH >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ============================================================= TF32: float32 on tensor cores
+// (the float32 forward/backward kernels; nothing above depends on this section)
+//
+// tf32 (PTX ISA, "Alternate floating-point data formats"): the exponent range of .f32 with
+// >= 10 mantissa bits, kept in a .b32 register; its internal layout is implementation
+// defined and PTX provides cvt.rna.tf32.f32 to produce it.  The kernels therefore never hand
+// a raw float to mma: every operand goes through cvt_rna_tf32 (round to nearest, ties away
+// from zero, to 10 mantissa bits; on sm_80/sm_90 the result is the float with its low 13
+// bits cleared).  What mma does with an operand whose low 13 bits are not zero is not
+// specified by PTX; NVIDIA's CUTLASS feeds raw floats as "round toward zero" tf32 (its
+// NumericConverter<tfloat32_t, float, round_toward_zero> is x & 0xffffe000), i.e. relies on
+// the tensor core reading only the top 19 bits.  The emulator models exactly that (low 13
+// bits ignored), the software mma below does the same, and tests/test_emulator_tf32.py
+// checks both against NumPy.
+//
+// 3xTF32 (the "big + small" split): x = hi + lo with hi = tf32(x), lo = tf32(x - hi)
+// (x - hi is exact in float).  a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b; the dropped
+// lo_a*lo_b and the rounding of lo leave a relative error near 2^-21 per product, float32
+// accumulation keeps the sums at float32 accuracy.
+//
+// mma.m16n8k8 with .tf32 operands (PTX ISA, "Matrix Fragments for mma.m16n8k8"), lane L,
+// g = L/4, t = L%4: A (16x8, row) a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4);
+// B (8x8, col) b0 = (k = t, n = g), b1 = (k = t+4, n = g); C/D as for m16n8k16:
+// c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1).
+
+// cvt.rna.tf32.f32: the tf32 value of x as its float bit pattern (low 13 bits zero).
+__device__ __forceinline__ uint32_t cvt_rna_tf32(float x) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+#else
+    // round half away from zero on the magnitude bits; NaN stays NaN (the add could
+    // carry a NaN's payload into the sign), inf stays inf, the largest floats round to inf
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return u | 0x00400000u;
+    return (u + 0x1000u) & 0xffffe000u;
+#endif
+}
+__device__ __forceinline__ float tf32_to_float(uint32_t r) { return __uint_as_float(r); }
+
+// x = hi + lo (3xTF32 operands); lo is the tf32 of the exact remainder x - hi.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    hi = cvt_rna_tf32(x);
+    lo = cvt_rna_tf32(x - __uint_as_float(hi));
+}
+
+// Software m16n8k8.tf32 for GPUs without it (sm_75): 32 shuffles, the operands read as the
+// tensor core reads them (top 19 bits), products exact in float, summed in k order.
+__device__ __forceinline__ void cuflash_mma_m16n8k8_tf32_sw(float (&d)[4], const uint32_t (&a)[4],
+                                                           const uint32_t (&b)[2], const float (&c)[4]) {
+    const unsigned lane = cuflash_lane_id();
+    const int g = lane >> 2, t = lane & 3;
+    float acc[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // column k of A / row k of B: lanes with t == k % 4, register k / 4
+        const int src_t = k & 3, hi = k >> 2;
+        const uint32_t a_g = __shfl_sync(0xffffffffu, a[2 * hi], 4 * g + src_t);       // A(g, k)
+        const uint32_t a_g8 = __shfl_sync(0xffffffffu, a[2 * hi + 1], 4 * g + src_t);  // A(g+8, k)
+        const uint32_t b_0 = __shfl_sync(0xffffffffu, b[hi], 8 * t + src_t);           // B(k, 2t)
+        const uint32_t b_1 = __shfl_sync(0xffffffffu, b[hi], 8 * t + 4 + src_t);       // B(k, 2t+1)
+        const float x0 = __uint_as_float(a_g & 0xffffe000u), x1 = __uint_as_float(a_g8 & 0xffffe000u);
+        const float y0 = __uint_as_float(b_0 & 0xffffe000u), y1 = __uint_as_float(b_1 & 0xffffe000u);
+        acc[0] += x0 * y0;
+        acc[1] += x0 * y1;
+        acc[2] += x1 * y0;
+        acc[3] += x1 * y1;
+    }
+    d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+}
+
+// d = a * b + c, one m16n8k8 with tf32 operands and float32 accumulation.
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k8_tf32(d, a, b, c, nullptr, nullptr);
+#elif !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    cuflash_mma_m16n8k8_tf32_sw(d, a, b, c);
+#endif
+}
+
+// The three products of 3xTF32, d = ((c + lo_a*hi_b) + hi_a*lo_b) + hi_a*hi_b (the small
+// terms first, the order CUTLASS uses too): three mma instructions on the GPU.  The emulator computes the same three
+// accumulations in one warp exchange (one emulated collective instead of three; the result
+// is that of the three emulated instructions in sequence).
+__device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&d)[4], const uint32_t (&a_hi)[4],
+                                                   const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[2],
+                                                   const uint32_t (&b_lo)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k8_tf32(d, a_hi, b_hi, c, a_lo, b_lo);
+#else
+    mma_m16n8k8_tf32(d, a_lo, b_hi, c);
+    mma_m16n8k8_tf32(d, a_hi, b_lo, d);
+    mma_m16n8k8_tf32(d, a_hi, b_hi, d);
 #endif
 }
