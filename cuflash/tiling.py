@@ -35,7 +35,8 @@ import numpy as np
 __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
-    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES",
+    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
+    "TC_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
 ]
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
@@ -355,79 +356,155 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
 
 
 # --------------------------------------------------------------------------
-# flash_fwd_tc (kernels_cu/flash_fwd_tc.cu): float16/bfloat16 on tensor cores
+# flash_fwd_tc / flash_fwd_tf32 (kernels_cu/flash_fwd_tc.cu): the forward on tensor cores
 # --------------------------------------------------------------------------
-# Layout (input dtype, 2 bytes): Qs (block_q, d+8), Ks 2 x (block_kv, d+8),
-# Vs 2 x (block_kv, dv+8) -- K/V double buffered for cp.async; the +8 pads
-# (16 bytes) spread the 8 rows of one ldmatrix over the banks.  Each warp owns
-# 16 query rows: block_q = 16 * warps, threads = 2 * block_q.
+# float16/bfloat16 run flash_fwd_tc (mma.m16n8k16), float32 flash_fwd_tf32 (3xTF32
+# mma.m16n8k8).  Each warp owns 32 query rows (two m16 tiles: every K/V fragment read from
+# shared memory feeds two MMAs) when d, dv <= 128 and its accumulators fit the register
+# budget, else 16 (more warps for the same block_q): threads = 32 * block_q / rows_per_warp.
+# Accumulators per thread: rows_per_warp * (block_kv + dv) / 32 (S and O); above
+# TC_MAX_ACC_REGS ptxas spills to local memory (registers are capped at 255), which the H100
+# tile sweep showed as 10-270x slowdowns.  tests/test_tc_plans.py compiles the largest plans
+# the planner accepts and checks that none spills.
+# Layout: Qs (block_q, qs), Ks 2 x (block_kv, ks), Vs 2 x (block_kv, vs) -- K/V in two cp.async
+# stages.  16-bit: qs = ks = d + 8, vs = dv + 8 (16-byte pads: the 8 rows of an ldmatrix hit
+# different banks); float32: qs = ks = d + 16 if d % 32 == 0 else d (a stride of 16 mod 32
+# floats for the 128-bit fragment loads), vs = dv + 4 (4 mod 16 for the 64-bit loads).
 TC_DTYPES = ("float16", "bfloat16")
+TF32_DTYPES = ("float32",)
+TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
+TC_MAX_ACC_REGS = {"flash_fwd_tc": 192, "flash_fwd_tf32": 160}
 
 
-def _tc_shared(bq, bkv, d, dv, acc):
-    return 2 * (bq * (d + 8) + 2 * bkv * (d + 8) + 2 * bkv * (dv + 8))
+def tc_rows_per_warp(kernel, bq, bkv, d, dv):
+    """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
+    if bq >= 32 and max(d, dv) <= 128 and (bkv + dv) <= TC_MAX_ACC_REGS[kernel]:
+        return 32
+    return 16
 
 
-def _tc_layout(bq, bkv, d, dv, acc):
-    return (f"16-bit Qs[{bq}][{d + 8}] + Ks[2][{bkv}][{d + 8}] + "
-            f"Vs[2][{bkv}][{dv + 8}]")
+def tc_acc_regs(kernel, bq, bkv, d, dv):
+    """Accumulator registers per thread (S and O) of a tensor-core forward plan."""
+    return tc_rows_per_warp(kernel, bq, bkv, d, dv) * (bkv + dv) // 32
 
 
-def _tc_check(bq, bkv, d, dv):
-    if d % 16 or dv % 16:
-        return f"the tensor-core kernel needs d and dv multiples of 16, got d={d}, dv={dv}"
-    if dv > 128:
-        return f"the tensor-core kernel keeps O in registers: dv <= 128, got dv={dv}"
-    # registers per thread: S (block_kv / 2 floats) + O (dv / 2 floats)
-    if bkv // 2 + dv // 2 > 96:
-        return (f"block_kv={bkv} with dv={dv} needs {bkv // 2 + dv // 2} accumulator "
-                "registers per thread on tensor cores (limit 96)")
+def _tc_threads(kernel):
+    def threads(bq, bkv, d, dv):
+        return 32 * (bq // tc_rows_per_warp(kernel, bq, bkv, d, dv))
+    return threads
+
+
+def tc_strides(kernel, d, dv):
+    if kernel == "flash_fwd_tf32":
+        return d + (16 if d % 32 == 0 else 0), d + (16 if d % 32 == 0 else 0), dv + 4, 4
+    return d + 8, d + 8, dv + 8, 2
+
+
+def _tc_shared(kernel):
+    def shared(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        return esz * (bq * qs + 2 * bkv * ks + 2 * bkv * vs)
+    return shared
+
+
+def _tc_layout(kernel):
+    def layout(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        t = "float" if esz == 4 else "16-bit"
+        return f"{t} Qs[{bq}][{qs}] + Ks[2][{bkv}][{ks}] + Vs[2][{bkv}][{vs}]"
+    return layout
+
+
+def _tc_check(kernel):
+    def check(bq, bkv, d, dv):
+        if d % 16 or dv % 16:
+            return f"{kernel} needs d and dv multiples of 16, got d={d}, dv={dv}"
+        if max(d, dv) > 256:
+            return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
+        n = tc_acc_regs(kernel, bq, bkv, d, dv)
+        if n > TC_MAX_ACC_REGS[kernel]:
+            return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
+                    f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[kernel]}: "
+                    "more would spill to local memory)")
+        return None
+    return check
+
+
+def _tc_preferences(kernel):
+    def prefs(d, dv, acc):
+        dm = max(d, dv)
+        if kernel == "flash_fwd_tf32":
+            if dm <= 64:
+                return [(128, 32), (64, 32), (32, 32), (16, 16)]
+            if dm <= 128:
+                return [(128, 16), (64, 32), (64, 16), (32, 16), (16, 16)]
+            return [(64, 16), (32, 16), (16, 16)]
+        if dm <= 64:
+            return [(128, 128), (128, 64), (64, 64), (32, 32), (16, 16)]
+        if dm <= 128:
+            return [(128, 64), (128, 32), (64, 32), (32, 32), (16, 16)]
+        return [(64, 32), (64, 16), (32, 16), (16, 16)]
+    return prefs
+
+
+for _k in TC_KERNELS:
+    register(KernelTiling(
+        name=_k,
+        block_q_choices=(16, 32, 64, 128),
+        block_kv_choices=(16, 32, 64, 128),
+        shared_bytes=_tc_shared(_k),
+        threads=_tc_threads(_k),
+        preferences=_tc_preferences(_k),
+        layout=_tc_layout(_k),
+        check=_tc_check(_k),
+    ))
+
+
+def tc_kernel_for(dtype):
+    """The tensor-core forward kernel of a dtype name, or None (float64)."""
+    name = _dtype_name(dtype)
+    if name in TC_DTYPES:
+        return "flash_fwd_tc"
+    if name in TF32_DTYPES:
+        return "flash_fwd_tf32"
     return None
-
-
-def _tc_preferences(d, dv, acc):
-    if max(d, dv) <= 64:
-        return [(64, 64), (64, 32), (32, 32), (16, 16)]
-    return [(64, 32), (32, 32), (16, 16)]
-
-
-register(KernelTiling(
-    name="flash_fwd_tc",
-    block_q_choices=(16, 32, 64, 128),
-    block_kv_choices=(16, 32, 64, 128),
-    shared_bytes=_tc_shared,
-    threads=lambda bq, bkv, d, dv: 2 * bq,
-    preferences=_tc_preferences,
-    layout=_tc_layout,
-    check=_tc_check,
-))
 
 
 def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                    limit_source="unlimited", kernel=None):
-    """The forward's plan: which kernel (flash_fwd_tc or flash_fwd) with which tiles.
+    """The forward's plan: which kernel (tensor cores or the SIMT flash_fwd) with which tiles.
 
-    float16/bfloat16 run on tensor cores (flash_fwd_tc) when the head dims and
-    any explicit tile sizes are ones that kernel supports and its tiles fit the
-    limit; everything else runs the SIMT kernel flash_fwd, which takes every
-    dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
-    are honoured by whichever kernel runs, or refused by flash_fwd's rules.
-    ``kernel`` forces one of the two (tests use it to cover both).
+    float16/bfloat16 run on tensor cores (flash_fwd_tc), float32 as 3xTF32 on tensor cores
+    (flash_fwd_tf32, float32 accuracy), when the head dims and any explicit tile sizes are
+    ones that kernel supports and its tiles fit the limit; everything else (float64, head
+    dims that are not multiples of 16, tiles it lacks) runs the SIMT kernel flash_fwd, which
+    takes every dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
+    are honoured by whichever kernel runs, or refused by flash_fwd's rules.  ``kernel``
+    forces one kernel ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32"; tests use it).
     """
+    tc_name = tc_kernel_for(dtype)
+    tc_refusal = None
     if kernel is None:
-        tc = kernel_tiling("flash_fwd_tc")
-        if (_dtype_name(dtype) in TC_DTYPES
-                and (block_q is None or block_q in tc.block_q_choices)
-                and (block_kv is None or block_kv in tc.block_kv_choices)
-                and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
-            try:
-                return plan("flash_fwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
-                            limit_source=limit_source)
-            except ValueError:
-                pass  # does not fit this device: the SIMT kernel may
+        if tc_name is not None:
+            tc = kernel_tiling(tc_name)
+            if ((block_q is None or block_q in tc.block_q_choices)
+                    and (block_kv is None or block_kv in tc.block_kv_choices)
+                    and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
+                try:
+                    return plan(tc_name, d, dv, dtype, block_q, block_kv, limit=limit,
+                                limit_source=limit_source)
+                except ValueError as e:
+                    tc_refusal = e  # does not fit this device: the SIMT kernel may
         kernel = "flash_fwd"
-    if kernel == "flash_fwd_tc" and _dtype_name(dtype) not in TC_DTYPES:
-        raise ValueError(f"flash_fwd_tc runs {TC_DTYPES} only, got {_dtype_name(dtype)}")
+        if tc_refusal is not None:
+            try:
+                return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit,
+                            limit_source=limit_source)
+            except ValueError as e:
+                raise ValueError(f"{e} [tensor cores: {tc_refusal}]") from None
+    if kernel in TC_KERNELS and kernel != tc_name:
+        want = TC_DTYPES if kernel == "flash_fwd_tc" else TF32_DTYPES
+        raise ValueError(f"{kernel} runs {want} only, got {_dtype_name(dtype)}")
     return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
 
 

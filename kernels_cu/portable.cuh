@@ -395,11 +395,17 @@ __device__ __forceinline__ void cp_async_wait() {
 // bits ignored), the software mma below does the same, and tests/test_emulator_tf32.py
 // checks both against NumPy.
 //
-// 3xTF32 (the "big + small" split): x = hi + lo with hi = tf32(x), lo = tf32(x - hi)
-// (x - hi is exact in float).  a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b; the dropped
-// lo_a*lo_b and the rounding of lo leave a relative error near 2^-21 per product, float32
-// accumulation keeps the sums at float32 accuracy.
-//
+// 3xTF32 (the "big + small" split): x = hi + lo, a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b.
+// split_tf32 takes hi = x with its low 13 bits cleared (round toward zero: one LOP3, the
+// big part CUTLASS uses) and lo = the remainder x - hi (exact in float, |lo| < 2^-10 |x|)
+// rounded to nearest (ties away) by the integer add-and-mask that cvt.rna.tf32.f32 itself
+// compiles to on sm_80/sm_90 -- both are tf32 bit patterns as cvt produces them.  Four
+// instructions (LOP3, FADD, IADD3, LOP3) instead of two cvt.rna (~9 with their NaN checks).
+// hi + lo equals x to ~2^-21 relative (the dropped lo_a*lo_b term is < 2^-20); in a dot
+// product these errors are below float32's own accumulation error (tests/test_emulator_tf32
+// and the float32 forward tests hold the float64 oracle's 1e-5).  A NaN x keeps a NaN hi
+// (its top mantissa bits are set), an infinite x an infinite hi, so non-finite inputs still
+// reach the product even though lo of them is garbage.
 // mma.m16n8k8 with .tf32 operands (PTX ISA, "Matrix Fragments for mma.m16n8k8"), lane L,
 // g = L/4, t = L%4: A (16x8, row) a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4);
 // B (8x8, col) b0 = (k = t, n = g), b1 = (k = t+4, n = g); C/D as for m16n8k16:
@@ -421,10 +427,10 @@ __device__ __forceinline__ uint32_t cvt_rna_tf32(float x) {
 }
 __device__ __forceinline__ float tf32_to_float(uint32_t r) { return __uint_as_float(r); }
 
-// x = hi + lo (3xTF32 operands); lo is the tf32 of the exact remainder x - hi.
+// x = hi + lo (3xTF32 operands): hi truncated, lo the remainder rounded (see above).
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-    hi = cvt_rna_tf32(x);
-    lo = cvt_rna_tf32(x - __uint_as_float(hi));
+    hi = __float_as_uint(x) & 0xffffe000u;
+    lo = (__float_as_uint(x - __uint_as_float(hi)) + 0x1000u) & 0xffffe000u;
 }
 
 // Software m16n8k8.tf32 for GPUs without it (sm_75): 32 shuffles, the operands read as the
@@ -480,5 +486,23 @@ __device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&d)[4], const uint32_t
     mma_m16n8k8_tf32(d, a_lo, b_hi, c);
     mma_m16n8k8_tf32(d, a_hi, b_lo, d);
     mma_m16n8k8_tf32(d, a_hi, b_hi, d);
+#endif
+}
+
+// ============================================================= cp.async with zero fill
+// (the tensor-core forward kernels; nothing above depends on this section)
+// cp_async_16_zfill: as cp_async_16 when `valid`, else the 16 shared-memory bytes become
+// zero (PTX cp.async with src-size 0: no global read) -- tile rows past the end of a
+// sequence are zero-filled without a branch around the copy.  `gmem` must be a valid
+// address either way (callers pass the tile's base).  Before sm_80: a plain copy or store.
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
+#if defined(CUFLASH_EMULATOR)
+    ::cuflash_emu::cp_async_16(smem, valid ? gmem : nullptr);
+#elif CUFLASH_ARCH >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
 #endif
 }

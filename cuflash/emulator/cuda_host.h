@@ -441,11 +441,12 @@ inline void ldmatrix(uint32_t* r, const void* row) {
 
 // cp.async: the copy is recorded at issue and lands only when a wait covers
 // its group, so reading shared memory before the wait sees the old contents.
+// src == nullptr: a zero fill (cp.async with src-size 0), no global read.
 inline void cp_async_16(void* dst, const void* src) {
     ThreadCtx& c = *tctx;
     if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
         device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
-    c.bytes_read += 16;
+    if (src) c.bytes_read += 16;
     c.cp_open.push_back(CpCopy{dst, src});
 }
 inline void cp_async_commit() {
@@ -456,7 +457,10 @@ inline void cp_async_commit() {
 inline void cp_async_wait(int n) {  // all but the n most recent committed groups complete
     ThreadCtx& c = *tctx;
     while ((int)c.cp_groups.size() > n) {
-        for (const CpCopy& cp : c.cp_groups.front()) std::memcpy(cp.dst, cp.src, 16);
+        for (const CpCopy& cp : c.cp_groups.front()) {
+            if (cp.src) std::memcpy(cp.dst, cp.src, 16);
+            else std::memset(cp.dst, 0, 16);
+        }
         c.cp_groups.erase(c.cp_groups.begin());
     }
 }
