@@ -79,7 +79,7 @@ def _build(runtime, spec, q, k, v, kernel=None):
         lse_sb=l_sb, lse_sh=l_sh, scale=scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
         group=spec.group, causal=int(spec.causal is not None),
         causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
-        n_tiles=n_tiles)
+        n_tiles=n_tiles, tf32_hi_mask=-0x2000)  # 0xffffe000 as an int
     needs_align = name in tiling.TC_KERNELS  # cp.async copies 16 bytes
     emulator = runtime.name == "emulator"
     rt_name = runtime.name

@@ -104,6 +104,7 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
 }
 
 
@@ -362,6 +363,10 @@ def compile_variants():
         add("flash_fwd_tf32", "float32", d)
     add("flash_fwd_tf32", "float32", 256)
     add("flash_fwd_tf32", "float32", 32, dv=96, bq=16, bkv=16)
+    # flash_bwd_tf32.cu: the default plans at d = 64 and 128, and dv != d
+    for d in (64, 128):
+        add("flash_bwd_tf32", "float32", d)
+    add("flash_bwd_tf32", "float32", 32, dv=96)
     # online_softmax.cu: one per dtype
     out["online_softmax.cu"] = [build_options({define: None}) for define in _DTYPE_DEFINES.values()]
     # flash_bwd.cu (SIMT backward): float32 over the head dims of the test grid, two head

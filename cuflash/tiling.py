@@ -373,12 +373,15 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
 TC_DTYPES = ("float16", "bfloat16")
 TF32_DTYPES = ("float32",)
 TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
-TC_MAX_ACC_REGS = {"flash_fwd_tc": 192, "flash_fwd_tf32": 160}
+# Accumulator budgets (registers per thread for S and O): with 32 rows per warp, and with 16.
+# The 3xTF32 kernel keeps hi and lo fragments besides, so it gets less for 32 rows.
+TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 160}
+TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
 
 
 def tc_rows_per_warp(kernel, bq, bkv, d, dv):
     """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
-    if bq >= 32 and max(d, dv) <= 128 and (bkv + dv) <= TC_MAX_ACC_REGS[kernel]:
+    if bq >= 32 and max(d, dv) <= 128 and (bkv + dv) <= TC_MAX_ACC_REGS_32_ROWS[kernel]:
         return 32
     return 16
 
@@ -686,3 +689,85 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
         read += bh * (Nq * ((d + dv) * isz + 2 * acc) + kv_rows * (d + dv) * isz)
         written += bh * Nq * d * isz
     return read, written
+
+
+# ==========================================================================
+# flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward's dK/dV/dQ kernel on
+# tensor cores (3xTF32), in place of flash_bwd_dkdv on the atomic-dQ path
+# ==========================================================================
+# Each warp owns 16 keys: block_kv = 16 * warps, threads = 2 * block_kv.  Layout (float):
+# Ks (block_kv, ks), Vs (block_kv, vs), Qs 2 x (block_q, qs), dOs 2 x (block_q, os),
+# lse2 2 x block_q, D 2 x block_q, dS^T (block_kv, ts); strides: ks = qs = os = 20 mod 32 (tiles
+# read as rows g and as rows 2t), vs = 16 mod 32, ts = 4 mod 32 (flash_bwd_tf32.cu says why).
+# Registers per thread: dK and dV of 16 keys ((d + dv) / 2) and S^T, dP^T of block_q queries
+# (block_q); BWD_TF32_MAX_ACC_REGS caps their sum (spill-free, tests/test_tc_plans.py).
+BWD_TF32_MAX_ACC_REGS = 144
+
+
+def _pad32(n, r):
+    return n + ((r - n % 32) % 32 + 32) % 32
+
+
+def bwd_tf32_strides(bq, d, dv):
+    """(ks, vs, qs, os, ts): the row strides (floats) of flash_bwd_tf32's shared tiles."""
+    return _pad32(d, 20), _pad32(dv, 16), _pad32(d, 20), _pad32(dv, 20), _pad32(bq, 4)
+
+
+def _bwd_tf32_shared(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return 4 * (bkv * ks + bkv * vs + 2 * bq * qs + 2 * bq * os_ + 4 * bq + bkv * ts)
+
+
+def _bwd_tf32_layout(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return (f"float Ks[{bkv}][{ks}] + Vs[{bkv}][{vs}] + Qs[2][{bq}][{qs}] + dOs[2][{bq}][{os_}] "
+            f"+ lse2[2][{bq}] + D[2][{bq}] + dST[{bkv}][{ts}]")
+
+
+def _bwd_tf32_check(bq, bkv, d, dv):
+    if d % 32 or dv % 32 or max(d, dv) > 128:
+        return f"flash_bwd_tf32 needs d, dv multiples of 32 up to 128, got d={d}, dv={dv}"
+    n = (d + dv) // 2 + bq
+    if n > BWD_TF32_MAX_ACC_REGS:
+        return (f"block_q={bq} with d={d}, dv={dv} needs {n} accumulator registers per thread in "
+                f"flash_bwd_tf32 (limit {BWD_TF32_MAX_ACC_REGS}: more would spill)")
+    return None
+
+
+def _bwd_tf32_preferences(d, dv, acc):
+    if max(d, dv) <= 64:
+        return [(64, 64), (32, 64), (64, 32), (32, 32), (16, 32)]
+    return [(32, 64), (16, 64), (32, 32), (16, 32)]
+
+
+register(KernelTiling(
+    name="flash_bwd_tf32",
+    block_q_choices=(16, 32, 64),
+    block_kv_choices=(32, 64, 128),
+    shared_bytes=_bwd_tf32_shared,
+    threads=lambda bq, bkv, d, dv: 2 * bkv,
+    preferences=_bwd_tf32_preferences,
+    layout=_bwd_tf32_layout,
+    check=_bwd_tf32_check,
+))
+
+
+def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                  limit_source="unlimited"):
+    """flash_bwd_tf32's plan for a float32 backward, or None where it does not apply.
+
+    None for other dtypes, head dims it lacks, explicit tiles outside its choices or tiles that
+    do not fit: the SIMT kernels of flash_bwd.cu run those.
+    """
+    if _dtype_name(dtype) not in TF32_DTYPES:
+        return None
+    t = kernel_tiling("flash_bwd_tf32")
+    if ((block_q is not None and block_q not in t.block_q_choices)
+            or (block_kv is not None and block_kv not in t.block_kv_choices)
+            or t.check(block_q or 16, block_kv or 32, d, dv) is not None):
+        return None
+    try:
+        return plan("flash_bwd_tf32", d, dv, dtype, block_q, block_kv, limit=limit,
+                    limit_source=limit_source)
+    except ValueError:
+        return None

@@ -101,7 +101,8 @@ constexpr int kVS = kDv + 8;
 // the reference max of a row moves only when P would exceed 2^kLazy (see the softmax step)
 constexpr float kLazy = 8.0f;
 // float16/bfloat16: Q's A fragments stay in registers when they, S and O fit comfortably
-constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 160;
+// (measured: at 160 accumulator and Q registers ptxas already spills)
+constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
 
 // For instruction counting only: compile just the path of a steady-state interior K/V tile
 // (no mask, no partial tile, no move of the reference max).  Results are then wrong.
@@ -229,10 +230,23 @@ struct TileCopy {
 
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
+// split_tf32 of portable.cuh, in three instructions (LOP3, FADD, IADD3):
+// - hi = x & 0xffffe000 with the mask passed in at run time (FwdParams::tf32_hi_mask): with a
+//   constant mask ptxas notices that HMMA.TF32 ignores the low 13 bits anyway and feeds the
+//   raw floats as hi -- which then must be moved into each fragment's four consecutive
+//   registers, often twice (measured: ~300 extra MOVs per tile at d = 64); an opaque mask
+//   lets the LOP3 write hi straight into the fragment registers;
+// - lo = the bits of x - hi plus half a tf32 unit, not masked: the tensor core reads the top
+//   19 bits (the same fact ptxas uses above; the emulator reads operands that way too), so
+//   it sees x - hi rounded to nearest, ties away -- what split_tf32's final mask produces.
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
+    hi = __float_as_uint(x) & hi_mask;
+    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
+}
 // One 128-bit load of 4 consecutive d-columns, split into the operands of two k8 MMAs:
 // columns 4t, 4t+1 (first) and 4t+2, 4t+3 (second) as k = t and t + 4.
 __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* Qw, const float* Kt,
-                                          int g, int t) {
+                                          int g, int t, uint32_t hm) {
 #pragma unroll
     for (int kb = 0; kb < kD / 16; ++kb) {
         uint32_t ah[kMT][2][4], al[kMT][2][4];  // [m tile][k8 step][register]
@@ -243,10 +257,10 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
             lds4(q8, Qw + (mt * 16 + g + 8) * kQS + kb * 16 + 4 * t);
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
-                split_tf32(q0[2 * st], ah[mt][st][0], al[mt][st][0]);
-                split_tf32(q8[2 * st], ah[mt][st][1], al[mt][st][1]);
-                split_tf32(q0[2 * st + 1], ah[mt][st][2], al[mt][st][2]);
-                split_tf32(q8[2 * st + 1], ah[mt][st][3], al[mt][st][3]);
+                split(q0[2 * st], ah[mt][st][0], al[mt][st][0], hm);
+                split(q8[2 * st], ah[mt][st][1], al[mt][st][1], hm);
+                split(q0[2 * st + 1], ah[mt][st][2], al[mt][st][2], hm);
+                split(q8[2 * st + 1], ah[mt][st][3], al[mt][st][3], hm);
             }
         }
 #pragma unroll
@@ -256,8 +270,8 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 uint32_t bh[2], bl[2];
-                split_tf32(kv[2 * st], bh[0], bl[0]);
-                split_tf32(kv[2 * st + 1], bh[1], bl[1]);
+                split(kv[2 * st], bh[0], bl[0], hm);
+                split(kv[2 * st + 1], bh[1], bl[1], hm);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
                     mma_m16n8k8_3xtf32(s[mt][nt], ah[mt][st], al[mt][st], bh, bl, s[mt][nt]);
@@ -295,16 +309,16 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const QFrag& 
 // ------------------------------------------------------------- O += P V_j
 #if CUFLASH_TF32
 __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float (&p)[kMT][kNT][4],
-                                           const float* Vt, int g, int t) {
+                                           const float* Vt, int g, int t, uint32_t hm) {
 #pragma unroll
     for (int kc = 0; kc < kNT; ++kc) {  // 8 keys: the n8 tile kc of P
         uint32_t ah[kMT][4], al[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {  // (g, 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1) as k = t, t+4
-            split_tf32(p[mt][kc][0], ah[mt][0], al[mt][0]);
-            split_tf32(p[mt][kc][2], ah[mt][1], al[mt][1]);
-            split_tf32(p[mt][kc][1], ah[mt][2], al[mt][2]);
-            split_tf32(p[mt][kc][3], ah[mt][3], al[mt][3]);
+            split(p[mt][kc][0], ah[mt][0], al[mt][0], hm);
+            split(p[mt][kc][2], ah[mt][1], al[mt][1], hm);
+            split(p[mt][kc][1], ah[mt][2], al[mt][2], hm);
+            split(p[mt][kc][3], ah[mt][3], al[mt][3], hm);
         }
 #pragma unroll
         for (int c = 0; c < kDv / 16; ++c) {  // 16 columns of V: an "even" and an "odd" n8 tile
@@ -314,8 +328,8 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 #pragma unroll
             for (int par = 0; par < 2; ++par) {
                 uint32_t bh[2], bl[2];
-                split_tf32(v0[par], bh[0], bl[0]);
-                split_tf32(v1[par], bh[1], bl[1]);
+                split(v0[par], bh[0], bl[0], hm);
+                split(v1[par], bh[1], bl[1], hm);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
                     mma_m16n8k8_3xtf32(o[mt][2 * c + par], ah[mt], al[mt], bh, bl, o[mt][2 * c + par]);
@@ -352,7 +366,10 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 #endif
 
 // ------------------------------------------------------------- the kernel
-extern "C" __global__ void __launch_bounds__(kThreads) CUFLASH_FWD_TC_KERNEL(
+// __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
+// specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
+// planner's register budget assumes up to 255.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
     elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
@@ -369,6 +386,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) CUFLASH_FWD_TC_KERNEL(
     // as -scale with -Q), so the row max of the raw logits is the max of the scaled ones
     const float c = (float)(p.scale * 1.4426950408889634);
     const float lazy = kLazy / c;  // the reference max moves when exceeded by more (c = 0: never)
+#if CUFLASH_TF32
+    const uint32_t hi_mask = (uint32_t)p.tf32_hi_mask;  // 0xffffe000, opaque to ptxas (see split)
+#endif
     // blockIdx.x -> (tile, head, batch) as cuflash_fold_decode, in 32-bit arithmetic: a grid
     // has < 2^31 blocks, and 64-bit division is a called subroutine (registers saved around
     // the call show up as spills)
@@ -446,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) CUFLASH_FWD_TC_KERNEL(
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
 #if CUFLASH_TF32
-        compute_s(s, Qw, Kt, g, t);
+        compute_s(s, Qw, Kt, g, t, hi_mask);
 #else
         if (kQInRegs) {
             if (j == 0) {
@@ -541,7 +561,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) CUFLASH_FWD_TC_KERNEL(
 
         // -- O += P V_j
 #if CUFLASH_TF32
-        compute_pv(o, s, Vt, g, t);
+        compute_pv(o, s, Vt, g, t, hi_mask);
 #else
         compute_pv(o, s, Vt, lane);
 #endif

@@ -35,7 +35,7 @@ struct FwdParams {
     int causal;            // 0: no mask; else query i sees key j iff j <= i + causal_offset
     int causal_offset;     // Nk - Nq (bottom_right) or 0 (top_left)
     int n_tiles;           // query tiles per head: ceil(Nq / block_q)
-    int pad0;
+    int tf32_hi_mask;      // 0xffffe000 (flash_fwd_tf32: the 3xTF32 hi mask, at run time on purpose)
 };
 
 // Backward kernels (flash_bwd*).  q/k/v/do/o by element strides as above; lse, D, dq, dk,
@@ -61,6 +61,7 @@ struct BwdParams {
     int n_q_tiles;         // ceil(Nq / Br): flash_bwd_dq's query tiles (grid folding)
     int n_kv_tiles;        // ceil(Nk / Bc): flash_bwd_dkdv's key/value tiles
     int n_pre_tiles;       // ceil(Nq / pre_rows): flash_bwd_preprocess's row chunks
+    int tf32_hi_mask;      // 0xffffe000 (flash_bwd_tf32: the 3xTF32 hi mask, at run time on purpose)
 };
 
 // blockIdx.x -> (tile, head, batch) for a grid of n_tiles * heads * batch blocks.
