@@ -24,6 +24,7 @@ __all__ = [
     "standard_attention", "standard_attention_backward",
     "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization",
+    "attention_with_kvcache", "varlen_attention", "varlen_attention_backward",
 ]
 
 _INPUTS_DOC = """q : ndarray, shape (..., Nq, d)
@@ -208,7 +209,7 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, backen
 
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False, backend=None):
+                    return_lse=False, num_splits=None, backend=None):
     """FlashAttention forward: exact attention without any (Nq, Nk) array.
 
     Query tiles ``Qi`` of ``block_q`` (Br) rows stay put while key/value tiles
@@ -233,6 +234,15 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
         budget and the sizes that fit -- never silently changed.
     return_lse : bool
         Also return the row log-sum-exp, which the backward needs.
+    num_splits : int, optional
+        Split-KV (flash-decoding): the keys are cut into ``num_splits`` ranges
+        of whole key/value tiles, each computed by its own thread blocks into a
+        partial output (float32; double for float64) and its lse, merged exactly by a combine
+        kernel.  It pays when (query tiles x heads x batch) cannot fill the
+        GPU, as in decoding (Nq = 1).  None: the backend decides (on a GPU from
+        the number of SMs, :func:`cuflash.tiling.num_splits_heuristic`; on the
+        CPU one split); 1: never split; an int forces that many (the result is
+        the same to rounding).
     backend : {{None, "numpy", "cuda", "emulator"}}
         None picks from the array type.
 
@@ -273,7 +283,7 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     """
     return get_backend(backend, q, k, v, names="q k v").tiled_attention(
         q, k, v, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv,
-        return_lse=return_lse)
+        return_lse=return_lse, num_splits=num_splits)
 
 
 def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
@@ -321,7 +331,7 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, backend=None):
+                    heads=1, num_splits=1, backend=None):
     """Memory and HBM-traffic model of standard vs tiled attention.
 
     Parameters
@@ -339,6 +349,10 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         Br and Bc; None uses the backend's defaults.
     batch, heads : int
         Independent problems: everything scales by ``batch * heads``.
+    num_splits : int
+        Model a split-KV forward with this many key splits (see
+        :func:`tiled_attention`): adds ``split_workspace_bytes`` (the float32
+        partials) and the traffic of the split kernels and their combine.
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
         the current device; "emulator" those of a nominal sm_80.
@@ -361,7 +375,8 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         ``sram_limit_bytes`` and where that limit comes from.
     """
     return get_backend("numpy" if backend is None else backend).memory_analysis(
-        N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads)
+        N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads,
+        num_splits=num_splits)
 
 
 def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
@@ -388,6 +403,143 @@ def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
         max(block_size, d)), independent of N (no (Nq, Nk) array ever exists).
     """
     return get_backend(backend, q, k, v, names="q k v").verify_no_full_materialization(q, k, v, block_size)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
+                           block_table=None, scale=None, causal=False, num_splits=None,
+                           return_lse=False, check_inputs=True, backend=None):
+    """Attention of new queries against a KV cache, contiguous or paged (decoding).
+
+    Each sequence ``b`` has ``cache_seqlens[b]`` valid keys in the cache.  When
+    ``k_new``/``v_new`` are given, they are first written into the cache at
+    positions ``cache_seqlens[b] ... cache_seqlens[b] + Nnew - 1`` -- the one
+    in-place write of cuflash: the caches are modified, nothing else
+    (``cache_seqlens`` is not updated; add Nnew yourself).  Then the queries of
+    sequence b attend over its ``cache_seqlens[b] + Nnew`` keys.
+
+    Parameters
+    ----------
+    q : ndarray, shape (B, H, Nq, d)
+    k_cache : ndarray, shape (B, Hk, capacity, d), or (num_pages, Hk, page_size, d) when paged
+    v_cache : ndarray, shape (B, Hk, capacity, dv), or (num_pages, Hk, page_size, dv)
+        One float dtype with q; Hk divides H (grouped-query attention: query
+        head h reads kv head ``h // (H // Hk)``).
+    cache_seqlens : ndarray of int32, shape (B,)
+        Valid keys per sequence before this call.
+    k_new, v_new : ndarray, shape (B, Hk, Nnew, d) / (B, Hk, Nnew, dv), optional
+        Keys and values appended to the cache (both or neither).
+    block_table : ndarray of int32, shape (B, max_pages), optional
+        A paged cache: logical page p of sequence b is physical page
+        ``block_table[b, p]``; any ``page_size >= 1``.
+    scale : float, optional
+        None means ``1/sqrt(d)``.
+    causal : bool or {"bottom_right", "top_left"}
+        Bottom-right relative to each sequence's own length L = cache_seqlens[b]
+        + Nnew: query i sees key j iff ``j <= i + L - Nq``.
+    num_splits : int, optional
+        Split-KV as in :func:`tiled_attention` (None: chosen per call).
+    return_lse : bool
+        Also return the log-sum-exp, shape (B, H, Nq).
+    check_inputs : bool
+        Read ``cache_seqlens`` and ``block_table`` on the host to check them
+        (on a GPU one small device-to-host copy and a synchronisation per
+        call); False skips that, for decode loops.  The kernels never read or
+        write out of bounds either way (they clamp); unchecked bad values give
+        wrong results, not crashes.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    o : ndarray, shape (B, H, Nq, dv)
+    lse : ndarray, shape (B, H, Nq) (with ``return_lse``)
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad shapes or dtypes (int32 required for the index arrays); with
+        ``check_inputs``: negative lengths, a length plus Nnew beyond the
+        capacity, block-table entries outside the pages.  Nothing is written
+        when an error is raised.
+    """
+    return get_backend(backend, q, k_cache, v_cache, k_new, v_new,
+                       names="q k_cache v_cache k_new v_new").attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
+        block_table=block_table, scale=scale, causal=causal, num_splits=num_splits,
+        return_lse=return_lse, check_inputs=check_inputs)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
+                     check_inputs=True, backend=None):
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; each is its own attention
+    problem (causal per sequence).  No padding is materialised and the work is
+    proportional to the sum of the sequences' lengths.
+
+    Parameters
+    ----------
+    q : ndarray, shape (total_q, H, d)
+    k : ndarray, shape (total_k, Hk, d)
+    v : ndarray, shape (total_k, Hk, dv)
+        Hk divides H (grouped-query attention).
+    cu_seqlens_q, cu_seqlens_k : ndarray of int32, shape (B + 1,)
+        Prefix sums of the lengths: start at 0, never decrease, end at
+        total_q / total_k.
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence (sizes the GPU grid); None reads the lengths on
+        the host.  A value smaller than a sequence is an error.
+    scale, causal
+        As in :func:`tiled_attention`; causal is per sequence (bottom-right:
+        query i sees key j iff ``j <= i + len_k - len_q``).
+    return_lse : bool
+        Also return the log-sum-exp, shape (total_q, H).
+    check_inputs : bool
+        Check the cu_seqlens values on the host (a device-to-host copy on a
+        GPU); False skips it when max_seqlen_q/k are given.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    o : ndarray, shape (total_q, H, dv)
+    lse : ndarray, shape (total_q, H), float32 (float64 for float64 inputs)
+    """
+    return get_backend(backend, q, k, v, names="q k v").varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, return_lse=return_lse,
+        check_inputs=check_inputs)
+
+
+def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
+                              deterministic=False, check_inputs=True, backend=None):
+    """Gradients of :func:`varlen_attention` (dq, dk, dv in the packed layouts).
+
+    Parameters
+    ----------
+    do : ndarray, shape (total_q, H, dv)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
+        As in the forward.
+    o : ndarray, shape (total_q, H, dv)
+    lse : ndarray, shape (total_q, H)
+        The forward's output and log-sum-exp.
+    deterministic : bool
+        Bitwise-repeatable gradients (see :func:`tiled_attention_backward`).
+    check_inputs : bool
+        As in the forward.
+    backend : {None, "numpy", "cuda", "emulator"}
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shapes and dtype of q, k, v.  Sequences with no keys get zero gradients.
+    """
+    return get_backend(backend, do, q, k, v, o, lse,
+                       names="do q k v o lse").varlen_attention_backward(
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, deterministic=deterministic,
+        check_inputs=check_inputs)
 
 
 for _fn in (standard_attention, tiled_attention):

@@ -27,7 +27,6 @@ All methods run in one process, one after the other, under the same
 conditions; the machine's load average is printed before and after because
 the CPU may be shared.
 """
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,8 @@ import time
 import tracemalloc
 
 import numpy as np
+
+from ._cliargs import Parser, int_list, nonneg_int, positive_int
 
 METHODS = ("naive numpy", "cuflash standard", "cuflash tiled", "torch sdpa")
 
@@ -80,7 +81,7 @@ def _torch_available():
         import torch  # noqa: F401
         return True, ""
     except ImportError as e:
-        return False, str(e)
+        return False, f"{e} (pip install torch)"
 
 
 # ---------------------------------------------------------------------------
@@ -201,33 +202,51 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def save_plot(rows, mem_rows, path):
-    """Time and memory against N (log-log); returns the path or the reason it was not made."""
+def save_plot(rows, mem_rows, path, title=""):
+    """Time and memory against N (log-log); returns (absolute path, "") or (None, why).
+
+    A memory point that was extrapolated rather than measured at its size (the
+    standard method's long-sequence point, measured at one head and scaled by
+    the head count) is drawn hollow and named so in the legend.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None, "matplotlib not installed (pip install matplotlib)"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        return None, ("matplotlib not installed (pip install \".[bench]\" from a checkout, "
+                      "or pip install matplotlib)")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
     for m in METHODS:
         pts = [(r["N"], r["ms"]) for r in rows if r["method"] == m]
         if pts:
             ax1.plot(*zip(*pts), marker="o", label=m)
-        mem = [(r["N"], r["peak_bytes"] / 2**20) for r in rows + mem_rows
-               if r["method"] == m and r.get("peak_bytes")]
+        mem = sorted((r["N"], r["peak_bytes"] / 2**20) for r in rows + mem_rows
+                     if r["method"] == m and r.get("peak_bytes") and not r.get("extrapolated"))
+        line = None
         if mem:
-            ax2.plot(*zip(*sorted(mem)), marker="o", label=m)
-    for ax, title, unit in ((ax1, "forward time (median)", "ms"),
-                            (ax2, "peak memory of one call", "MiB")):
+            (line,) = ax2.plot(*zip(*mem), marker="o", label=m)
+        extra = sorted((r["N"], r["peak_bytes"] / 2**20) for r in mem_rows
+                       if r["method"] == m and r.get("peak_bytes") and r.get("extrapolated"))
+        if extra:
+            color = line.get_color() if line is not None else None
+            how = "; ".join(sorted({str(r["extrapolated"]) for r in mem_rows
+                                    if r["method"] == m and r.get("extrapolated")}))
+            ax2.plot(*zip(*extra), linestyle="none", marker="o", markerfacecolor="none",
+                     markersize=8, color=color, label=f"{m}, extrapolated ({how})")
+    for ax, sub, unit in ((ax1, "forward time (median)", "ms"),
+                          (ax2, "peak memory of one call", "MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(unit)
-        ax.set_title(title)
+        ax.set_title(sub)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
+    path = os.path.abspath(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path, ""
@@ -237,25 +256,36 @@ def save_plot(rows, mem_rows, path):
 # main
 # ---------------------------------------------------------------------------
 def build_parser(prog=None, add_help=True):
-    """The benchmark's options (shared by ``python -m cuflash bench`` and bench/bench_cpu.py)."""
-    p = argparse.ArgumentParser(
-        prog=prog, add_help=add_help, description="CPU benchmark of the cuflash NumPy backend against naive NumPy "
-        "and torch SDPA: median time, GFLOP/s (flash-attn convention) and peak memory.")
-    p.add_argument("--sizes", default="1024,2048,4096",
-                   help="comma-separated sequence lengths to time (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1, help="batch B (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=8, help="heads H (default: %(default)s)")
-    p.add_argument("--dim", type=int, default=64, help="head dim d (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per point (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: %(default)s)")
+    """The benchmark's options (shared by ``python -m cuflash bench`` and bench/bench_cpu.py).
+
+    Values the benchmark cannot use (``--sizes 0``, ``--reps 0``, ``--block-q 0``)
+    are argparse errors: one line, exit status 2.
+    """
+    p = Parser(
+        prog=prog, add_help=add_help, description="CPU benchmark of the cuflash NumPy backend "
+        "against naive NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention) and "
+        "peak memory. The plot needs matplotlib and the comparison torch: "
+        "pip install \".[bench]\" torch")
+    p.add_argument("--sizes", default=[1024, 2048, 4096], type=int_list,
+                   help="comma-separated sequence lengths to time (default: 1024,2048,4096)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch B (default: %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=8, help="heads H (default: %(default)s)")
+    p.add_argument("--dim", type=positive_int, default=64, help="head dim d (default: %(default)s)")
+    p.add_argument("--reps", type=positive_int, default=5,
+                   help="timed runs per point (default: %(default)s)")
+    p.add_argument("--warmup", type=nonneg_int, default=1,
+                   help="untimed runs first (default: %(default)s)")
     p.add_argument("--causal", action="store_true", help="causal attention (naive NumPy is left out)")
-    p.add_argument("--block-q", type=int, default=None, help="cuflash tiled block_q (default: auto)")
-    p.add_argument("--block-kv", type=int, default=None, help="cuflash tiled block_kv (default: auto)")
-    p.add_argument("--mem-n", type=int, default=16384,
+    p.add_argument("--block-q", type=positive_int, default=None,
+                   help="cuflash tiled block_q (default: auto)")
+    p.add_argument("--block-kv", type=positive_int, default=None,
+                   help="cuflash tiled block_kv (default: auto)")
+    p.add_argument("--mem-n", type=nonneg_int, default=16384,
                    help="long sequence for the memory-only row (0 to skip; default: %(default)s)")
     p.add_argument("--no-torch", action="store_true", help="leave torch SDPA out")
     p.add_argument("--plot", default="bench_cpu.png",
-                   help="where to save the plot (default: %(default)s; '' for none)")
+                   help="where to save the plot (default: %(default)s; '' for none; "
+                   "needs matplotlib)")
     p.add_argument("--json", default="", help="also write the results as JSON here")
     return p
 
@@ -267,7 +297,7 @@ def _log(msg):
 def run(args):
     """Run the benchmark described by parsed ``args``; returns the results dict."""
     B, H, d = args.batch, args.heads, args.dim
-    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = list(args.sizes)
     torch_ok, torch_why = (False, "--no-torch") if args.no_torch else _torch_available()
     info = machine_info()
     threads = info.get("nproc", 1)
@@ -353,7 +383,10 @@ def run(args):
             {"N": N, "method": "cuflash tiled", "peak_bytes": tiled_peak, "seconds": tiled_s,
              "extra_bytes": tiled_peak - out_bytes},
             {"N": N, "method": "cuflash standard", "peak_bytes": std_peak1 * B * H,
-             "measured_heads": 1, "extra_bytes": (std_peak1 - N * d * 4) * B * H},
+             "measured_heads": 1,
+             # not measured at B x H heads: scaled from one (memory is linear in the heads)
+             "extrapolated": f"measured at 1 head, x{B * H}" if B * H != 1 else "",
+             "extra_bytes": (std_peak1 - N * d * 4) * B * H},
         ]
         mem_summary = {
             "N": N, "tiled_peak_bytes": tiled_peak, "tiled_extra_bytes": tiled_peak - out_bytes,
@@ -415,18 +448,26 @@ def report(res, plot_path=""):
               + ", ".join(f"N={r['N']}: {r['ratio_sdpa']:.2f}x" for r in sd))
     print(f"\n(benchmark wall time {res['wall_s']:.0f} s)")
     if plot_path:
-        path, why = save_plot(res["rows"], res["mem_rows"], plot_path)
+        title = (f"cuflash CPU benchmark: B={c['B']} H={c['H']} d={c['d']} {c['dtype']}"
+                 f"{' causal' if c['causal'] else ''}")
+        path, why = save_plot(res["rows"], res["mem_rows"], plot_path, title)
         print(f"plot: {path}" if path else f"plot not saved: {why}")
 
 
-def main(argv=None, prog=None):
-    args = build_parser(prog).parse_args(argv)
+def run_and_report(args):
+    """Run with parsed ``args``, print the report, write the JSON; the exit status."""
     res = run(args)
     report(res, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
+        print(f"json: {os.path.abspath(args.json)}")
     return 0
+
+
+def main(argv=None, prog=None):
+    """``bench/bench_cpu.py`` / ``python -m cuflash bench``: parse ``argv`` and run."""
+    return run_and_report(build_parser(prog).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ API_NAMES = (
     "tiled_attention_backward",
     "memory_analysis",
     "verify_no_full_materialization",
+    "attention_with_kvcache",
+    "varlen_attention",
+    "varlen_attention_backward",
 )
 
 

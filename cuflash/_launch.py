@@ -43,6 +43,7 @@ __all__ = [
     "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output",
     "output_hook", "track_allocations", "observe_launches", "launch", "params_dtype",
     "make_params", "fold_grid", "cached_call", "MAX_GRID_X", "data_ptr", "aligned16",
+    "kv_heads_for_kernel",
 ]
 
 # CUDA's limit on gridDim.x (y and z: 65535, which is why batch/heads are folded into x)
@@ -287,6 +288,24 @@ def flatten_lead(runtime, x, lead, grouped=False):
         sh = 0 if head_size == 1 else es[-3]
         sb = _collapse(lead[:-1], [0 if n == 1 else s for n, s in zip(lead[:-1], es[:-3])])
     return x, (int(sb), int(sh), int(sr))
+
+
+def kv_heads_for_kernel(spec):
+    """(Hk, group) the kernels use: kv heads per batch entry and query heads per kv head.
+
+    Grouped-query calls use the spec's group.  When k/v have a single head (or
+    no heads axis) and q has H > 1 heads (MQA, or plain broadcasting over the
+    heads axis), the kernels treat it as one group of H heads as well, so dK/dV
+    are summed over the heads inside the dkdv block instead of on the host.
+    """
+    B, H = problem_dims(spec.lead)
+    if spec.group > 1:
+        return H // spec.group, spec.group
+    # kv_lead is right-aligned with lead: its last axis (if any) is the heads axis
+    kv_heads = spec.kv_lead[-1] if spec.kv_lead else 1
+    if spec.lead and kv_heads == 1 and H > 1:
+        return 1, H
+    return H, 1
 
 
 def contiguous_strides(lead, tail):

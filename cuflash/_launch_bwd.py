@@ -34,8 +34,8 @@ a grouped-query (or MQA: one kv head) group are summed inside the dkdv block.
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (aligned16, alloc_output, cached_call, flatten_lead, fold_grid, launch,
-                      make_params, pointer_arg, problem_dims)
+from ._launch import (aligned16, alloc_output, cached_call, flatten_lead, fold_grid,
+                      kv_heads_for_kernel, launch, make_params, pointer_arg, problem_dims)
 from ._validate import check_backward_inputs
 from .reference import sum_to_shape
 
@@ -46,24 +46,6 @@ _FILE = "flash_bwd.cu"
 # flash_bwd_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
 # emulator (which starts the block's threads for every block) only a few.
 _CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
-
-
-def kv_heads_for_kernel(spec):
-    """(Hk, group) the kernels use: kv heads per batch entry and query heads per kv head.
-
-    Grouped-query calls use the spec's group.  When k/v have a single head (or
-    no heads axis) and q has H > 1 heads (MQA, or plain broadcasting over the
-    heads axis), the kernels treat it as one group of H heads as well, so dK/dV
-    are summed over the heads inside the dkdv block instead of on the host.
-    """
-    B, H = problem_dims(spec.lead)
-    if spec.group > 1:
-        return H // spec.group, spec.group
-    # kv_lead is right-aligned with lead: its last axis (if any) is the heads axis
-    kv_heads = spec.kv_lead[-1] if spec.kv_lead else 1
-    if spec.lead and kv_heads == 1 and H > 1:
-        return 1, H
-    return H, 1
 
 
 def _acc_dtype(dtype):
@@ -157,8 +139,7 @@ def _build(runtime, spec, do, q, k, v, o, deterministic, allow_tf32=True):
         scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),
-        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
-        tf32_hi_mask=-0x2000)  # 0xffffe000 as an int (flash_bwd_tf32)
+        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre)
 
     defines = kernels.plan_defines(plan)
     last = ("flash_bwd_dq_convert", 0) if atomic else ("flash_bwd_dq", dq_plan.shared_bytes)
@@ -260,3 +241,44 @@ def tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_
 def flash_bwd(runtime, do, q, k, v, o, lse, spec, deterministic=False):
     """The backward for an already validated call (tests call it with a race-checked runtime)."""
     return _build(runtime, spec, do, q, k, v, o, bool(deterministic))(do, q, k, v, o, lse)
+
+
+def varlen_attention_backward(runtime, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, scale, causal, deterministic,
+                              check_inputs):
+    """``cuflash.varlen_attention_backward`` on the kernels: one backward per sequence.
+
+    Each sequence runs the dense backward kernels on (H, n, d) views of the
+    packed arrays (row stride H * d: no copy, no padding), so the work is the
+    sum of the sequences' own and every dtype/head dim the dense backward
+    takes is served.  The sequence boundaries are read on the host (one small
+    device-to-host copy per call, whatever ``check_inputs`` says); a native
+    varlen backward kernel (one launch for all sequences) is future work.
+    """
+    from ._validate_serving import check_varlen_backward, check_varlen_inputs
+    spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
+                               check_inputs=True)
+    check_varlen_backward(do, q, k, v, o, lse, spec)
+    xp = runtime.xp
+    dq = xp.zeros(q.shape, spec.dtype)
+    dk = xp.zeros(k.shape, spec.dtype)
+    dv = xp.zeros(v.shape, spec.dtype)
+    acc = _acc_dtype(spec.dtype)
+    lse = lse if lse.dtype == acc else lse.astype(acc)
+    for b in range(spec.B):
+        q0, q1 = int(spec.cu_q[b]), int(spec.cu_q[b + 1])
+        k0, k1 = int(spec.cu_k[b]), int(spec.cu_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue  # no query rows, or no keys: the gradients stay 0
+
+        def view(a, lo, hi):
+            return a[lo:hi].swapaxes(0, 1)
+        g = tiled_attention_backward(runtime, view(do, q0, q1), view(q, q0, q1),
+                                     view(k, k0, k1), view(v, k0, k1), view(o, q0, q1),
+                                     lse[q0:q1].swapaxes(0, 1), spec.scale,
+                                     spec.causal or False, None, None, deterministic)
+        dq[q0:q1] = g[0].swapaxes(0, 1)
+        dk[k0:k1] = g[1].swapaxes(0, 1)
+        dv[k0:k1] = g[2].swapaxes(0, 1)
+    return dq, dk, dv

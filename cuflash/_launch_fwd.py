@@ -16,9 +16,10 @@ import numpy as np
 
 from . import kernels, tiling
 from ._launch import (aligned16, alloc_output, cached_call, contiguous_strides, flatten_lead,
-                      fold_grid, launch, make_params, pointer_arg, problem_dims, record_copy,
-                      track_allocations)
+                      fold_grid, kv_heads_for_kernel, launch, make_params, pointer_arg,
+                      problem_dims, record_copy, track_allocations)
 from ._validate import check_attention_inputs, check_positive_int
+from ._validate_serving import check_num_splits
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
            "kernels_needed"]
@@ -79,7 +80,7 @@ def _build(runtime, spec, q, k, v, kernel=None):
         lse_sb=l_sb, lse_sh=l_sh, scale=scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
         group=spec.group, causal=int(spec.causal is not None),
         causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
-        n_tiles=n_tiles, tf32_hi_mask=-0x2000)  # 0xffffe000 as an int
+        n_tiles=n_tiles, **dense_serving_fields(spec, B * H))
     needs_align = name in tiling.TC_KERNELS  # cp.async copies 16 bytes
     emulator = runtime.name == "emulator"
     rt_name = runtime.name
@@ -103,6 +104,14 @@ def _build(runtime, spec, q, k, v, kernel=None):
         launch(rt_name, fn, name, grid, block, (q, k, v, o, lse, params), smem)
         return o, lse
     return run
+
+
+def dense_serving_fields(spec, problems):
+    """The FwdParams fields of the serving problems (fwd_problem.cuh), neutral for a dense call."""
+    return dict(lse_sr=1, n_out_rows=problems * spec.Nq, n_splits=1, split_tiles=1,
+                q_period=max(spec.Nq, 1), causal_br=int(spec.causal == "bottom_right"),
+                total_q=0, total_k=0, seqlens_add=0, kv_capacity=spec.Nk, varlen=0,
+                kv_cache=0, page_size=0, num_pages=0, max_pages=0)
 
 
 def _misaligned(runtime, spec, q, k, v, kernel):
@@ -135,20 +144,43 @@ def _cached(runtime, spec, q, k, v, kernel=None):
     return cached_call(runtime, key, lambda: _build(runtime, spec, q, k, v, kernel))
 
 
-def tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse):
+def tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse,
+                    num_splits=None):
     """The flash attention forward on the kernels: ``o`` or ``(o, lse)``.
 
     Validation, planning and compilation happen on the first call of a kind;
     see the module docstring.  Arguments as :func:`cuflash.tiled_attention`.
+    Split-KV calls go to the serving kernel (:mod:`cuflash._launch_serving`):
+    ``num_splits`` > 1, or None when every head's queries fit one tile (decode
+    and short queries, where the keys are the only parallelism left) and
+    :func:`cuflash.tiling.num_splits_heuristic` finds the GPU underfilled.
     """
-    key = _key(q, k, v, scale, causal, block_q, block_kv)
+    key = _key(q, k, v, scale, causal, block_q, block_kv, ("splits", num_splits))
 
     def build():
         spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                       block_kv=block_kv)
+        splits = _splits_for(runtime, spec, check_num_splits(num_splits))
+        if splits > 1:
+            from . import _launch_serving
+            return lambda q, k, v: _launch_serving.tiled_attention_split(runtime, q, k, v, spec,
+                                                                         splits)
         return _build(runtime, spec, q, k, v)
     o, lse = cached_call(runtime, key, build)(q, k, v)
     return (o, lse) if return_lse else o
+
+
+def _splits_for(runtime, spec, num_splits):
+    """The split count of a dense call: as asked, or (None) the heuristic for one-tile queries."""
+    if num_splits is not None:
+        return num_splits
+    B, H = problem_dims(spec.lead)
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    if spec.Nq > plan.block_q or spec.Nk == 0 or B * H == 0:
+        return 1
+    Hk, group = kv_heads_for_kernel(spec)  # the serving kernel packs a GQA/MQA group's rows
+    blocks = B * Hk * -(-(group * spec.Nq) // plan.block_q)
+    return tiling.num_splits_heuristic(blocks, -(-spec.Nk // plan.block_kv), runtime.num_sms)
 
 
 def flash_fwd(runtime, q, k, v, spec, kernel=None):
@@ -174,7 +206,7 @@ def _dtype_label(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads):
+def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, num_splits=1):
     """memory_analysis for the kernels: the reference's model with the kernel's tiles.
 
     The tiles and ``sram_bytes_per_block`` are those the forward launches with
@@ -192,9 +224,15 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads):
     d_ = check_positive_int(d, "d")
     bq = check_positive_int(block_q, "block_q")
     bkv = check_positive_int(block_kv, "block_kv")
-    plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv)
+    splits = check_num_splits(num_splits) or 1
+    if splits > 1:  # split-KV runs the serving kernel, with its tiles
+        from ._launch_serving import serving_plan
+        plan = serving_plan(runtime, d_, d_, _dtype_label(dtype), N, bq, bkv)
+    else:
+        plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv)
     out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
-                                    block_kv=plan.block_kv, batch=batch, heads=heads)
+                                    block_kv=plan.block_kv, batch=batch, heads=heads,
+                                    num_splits=splits)
     BH = out["batch"] * out["heads"]
     out.pop("cpu_tile_bytes_per_worker", None)  # the reference's CPU figure: not this path
     out.update({

@@ -4,14 +4,17 @@
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``).  ``compile``
-fills the kernel cache ahead of time (:func:`cuflash.precompile`).
+``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``), ``bench --gpu``
+the GPU one (``cuflash/_bench_gpu.py``), ``compile`` fills the kernel cache
+ahead of time (:func:`cuflash.precompile`).  Bad option values are one-line
+argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
-import argparse
 import sys
 import time
 
 import numpy as np
+
+from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
 
 
 def _default_backend():
@@ -169,7 +172,7 @@ def demo(args):
 
 def build_parser():
     from ._bench_cpu import build_parser as bench_parser
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m cuflash",
         description="cuflash: exact FlashAttention - demo of the algorithm and benchmarks.")
     sub = p.add_subparsers(dest="command", metavar="{demo,bench,compile}")
@@ -182,48 +185,63 @@ def build_parser():
     d.add_argument("--backend", choices=("numpy", "cuda", "emulator"), default=None,
                    help="backend for part 2 (default: cuda when a GPU and CuPy are present, "
                    "else numpy)")
-    d.add_argument("--n", type=int, default=None,
+    d.add_argument("--n", type=positive_int, default=None,
                    help="sequence length for part 2 (default 2048; 128 on the emulator)")
-    d.add_argument("--batch", type=int, default=1, help="batch (default: %(default)s)")
-    d.add_argument("--heads", type=int, default=8, help="heads (default: %(default)s)")
-    d.add_argument("--dim", type=int, default=64, help="head dim (default: %(default)s)")
+    d.add_argument("--batch", type=positive_int, default=1, help="batch (default: %(default)s)")
+    d.add_argument("--heads", type=positive_int, default=8, help="heads (default: %(default)s)")
+    d.add_argument("--dim", type=positive_int, default=64, help="head dim (default: %(default)s)")
     d.add_argument("--causal", choices=("bottom_right", "top_left"), default=None,
                    help="causal mask for part 2 (default: none)")
-    d.add_argument("--block-q", type=int, default=None, help="tiled block_q (default: auto)")
-    d.add_argument("--block-kv", type=int, default=None, help="tiled block_kv (default: auto)")
-    d.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    d.add_argument("--block-q", type=positive_int, default=None,
+                   help="tiled block_q (default: auto)")
+    d.add_argument("--block-kv", type=positive_int, default=None,
+                   help="tiled block_kv (default: auto)")
+    d.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     d.add_argument("--no-walkthrough", action="store_true", help="skip part 1")
-    sub.add_parser("bench", parents=[bench_parser(add_help=False)],
-                   help="CPU benchmark: naive NumPy, cuflash standard/tiled, torch SDPA",
-                   description="CPU benchmark of the cuflash NumPy backend against naive "
-                   "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
-                   "peak memory, and a plot against N.")
+    d.set_defaults(option_error=d.error)  # for option checks after parsing
+    b = sub.add_parser("bench", parents=[bench_parser(add_help=False)],
+                       help="CPU benchmark (naive NumPy, cuflash standard/tiled, torch SDPA); "
+                       "--gpu: the GPU benchmark",
+                       description="CPU benchmark of the cuflash NumPy backend against naive "
+                       "NumPy and torch SDPA: median time, GFLOP/s (flash-attn convention), "
+                       "peak memory, and a plot against N (pip install \".[bench]\" torch). "
+                       "With --gpu: the GPU benchmark instead, whose options "
+                       "'python -m cuflash bench --gpu --help' lists.")
+    # handled in main() before parsing: everything after `bench --gpu` is the GPU bench's
+    b.add_argument("--gpu", action="store_true",
+                   help="run the GPU benchmark (cuflash/_bench_gpu.py) with the options that "
+                   "follow; 'bench --gpu --help' lists them")
     _add_compile_parser(sub)
     return p
+
+
+def _check_demo_tiles(args, backend):
+    """Refuse tile sizes the backend's planner refuses, as an option error (not a traceback)."""
+    if args.block_q is None and args.block_kv is None:
+        return
+    import cuflash
+    N = args.n if args.n is not None else (128 if backend == "emulator" else 2048)
+    try:
+        cuflash.memory_analysis(N, args.dim, "float32", block_q=args.block_q,
+                                block_kv=args.block_kv, batch=args.batch, heads=args.heads,
+                                backend=None if backend == "numpy" else backend)
+    except ValueError as e:
+        args.option_error(f"--block-q/--block-kv: {e}")
+
+
+def _gpu_bench_argv(argv):
+    """The arguments after ``bench`` when ``--gpu`` is among them (less ``--gpu``), else None."""
+    if "bench" not in argv:
+        return None
+    rest = argv[argv.index("bench") + 1:]
+    if "--gpu" not in rest:
+        return None
+    return [a for a in rest if a != "--gpu"]
 
 
 # --------------------------------------------------------------------------
 # compile: fill the kernel cache ahead of time
 # --------------------------------------------------------------------------
-def _csv(kind, choices=None):
-    """An argparse type: comma-separated values of ``kind``, each in ``choices`` if given."""
-    def parse(text):
-        out = []
-        for item in text.split(","):
-            item = item.strip()
-            try:
-                val = kind(item)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{item!r} is not a {kind.__name__}") from None
-            if choices is not None and val not in choices:
-                raise argparse.ArgumentTypeError(f"{item!r}: choose from {', '.join(choices)}")
-            if kind is int and val <= 0:
-                raise argparse.ArgumentTypeError(f"{item!r}: must be a positive int")
-            out.append(val)
-        return tuple(out)
-    return parse
-
-
 def _add_compile_parser(sub):
     from ._validate import SUPPORTED_DTYPES
     c = sub.add_parser(
@@ -234,9 +252,9 @@ def _add_compile_parser(sub):
         "clusters). On a GPU the cache is CuPy's ($CUPY_CACHE_DIR, default "
         "~/.cupy/kernel_cache); on the emulator $CUFLASH_CACHE_DIR/emulator (default "
         "~/.cache/cuflash/emulator).")
-    c.add_argument("--dtypes", type=_csv(str, SUPPORTED_DTYPES), default=("float16", "bfloat16"),
+    c.add_argument("--dtypes", type=choice_list(SUPPORTED_DTYPES), default=["float16", "bfloat16"],
                    help="comma-separated dtypes (default: float16,bfloat16)")
-    c.add_argument("--head-dims", type=_csv(int), default=(64, 128),
+    c.add_argument("--head-dims", type=int_list, default=[64, 128],
                    help="comma-separated head dims (default: 64,128)")
     c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
                    help="default: cuda (a GPU and CuPy must be present)")
@@ -264,19 +282,22 @@ def compile_kernels(args):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gpu_argv = _gpu_bench_argv(argv)
+    if gpu_argv is not None:
+        from ._bench_gpu import main as bench_gpu_main
+        return bench_gpu_main(gpu_argv, prog="python -m cuflash bench --gpu")
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "demo":
+        backend = args.backend or _default_backend()
+        from . import available_backends
+        if available_backends().get(backend, (False, ""))[0]:
+            _check_demo_tiles(args, backend)
         return demo(args)
     if args.command == "bench":
-        from ._bench_cpu import report, run
-        res = run(args)
-        report(res, args.plot)
-        if args.json:
-            import json
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1, default=str)
-        return 0
+        from ._bench_cpu import run_and_report
+        return run_and_report(args)
     if args.command == "compile":
         return compile_kernels(args)
     p.print_help()

@@ -16,7 +16,8 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 """
 import numpy as np
 
-from . import _launch_bwd, _launch_fwd, _launch_softmax, _precompile, kernels
+from . import (_launch_bwd, _launch_fwd, _launch_serving, _launch_softmax, _precompile,
+               kernels)
 from ._validate import check_attention_inputs, check_backward_inputs
 from .reference import sum_to_shape
 
@@ -24,6 +25,7 @@ __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
     "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization", "precompile", "runtime",
+    "attention_with_kvcache", "varlen_attention", "varlen_attention_backward",
 ]
 
 _RUNTIMES = {}
@@ -171,10 +173,37 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
 
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False):
+                    return_lse=False, num_splits=None):
     """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
     return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
-                                       return_lse)
+                                       return_lse, num_splits)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
+                           block_table=None, scale=None, causal=False, num_splits=None,
+                           return_lse=False, check_inputs=True):
+    """The serving kernels (cuflash._launch_serving). See Also ``cuflash.attention_with_kvcache``."""
+    return _launch_serving.attention_with_kvcache(
+        runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
+        num_splits, return_lse, check_inputs)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
+                     check_inputs=True):
+    """The serving kernels (cuflash._launch_serving). See Also ``cuflash.varlen_attention``."""
+    return _launch_serving.varlen_attention(runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, scale, causal,
+                                            return_lse, check_inputs)
+
+
+def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
+                              deterministic=False, check_inputs=True):
+    """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
+    return _launch_bwd.varlen_attention_backward(
+        runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        scale, causal, deterministic, check_inputs)
 
 
 def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
@@ -185,14 +214,14 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1):
+                    heads=1, num_splits=1):
     """The model with flash_fwd's tiles against this device's shared-memory limit.
 
     See Also ``cuflash.memory_analysis``; the extra keys are described in
     ``cuflash._launch_fwd.memory_analysis``.
     """
     return _launch_fwd.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
-                                       heads)
+                                       heads, num_splits)
 
 
 def verify_no_full_materialization(q, k, v, block_size):

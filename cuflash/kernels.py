@@ -35,7 +35,7 @@ from . import tiling
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
     "get_function", "get_functions", "compile_variants", "plan_defines", "KERNEL_SOURCES",
-    "CallCache",
+    "CallCache", "SpillError", "check_compiled",
 ]
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +104,10 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
+    "flash_fwd_serving": "flash_fwd.cu",
+    "flash_fwd_combine": "flash_fwd.cu",
+    "flash_kv_append": "flash_fwd.cu",
     "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
 }
 
@@ -166,6 +170,9 @@ class Runtime:
     race_check : bool
         Emulator only: compile the kernels with ThreadSanitizer and raise
         ``cuflash.emulator.RaceError`` on a race.
+    num_sms : int
+        Streaming multiprocessors (split-KV fills them; a nominal count on the
+        emulator).
     tensor_cores : bool
         Whether the forward may pick a tensor-core kernel by default (flash_fwd_tc
         for float16/bfloat16, flash_fwd_tf32 for float32): sm_80 and newer.  Before
@@ -174,8 +181,9 @@ class Runtime:
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None, tensor_cores=True, synchronize=None):
+                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108):
         self.name = name
+        self.num_sms = num_sms
         self.calls = CallCache()
         self._synchronize = synchronize
         self.tensor_cores = tensor_cores
@@ -246,10 +254,12 @@ def get_runtime(backend, *, race_check=False, arch=None):
         dev = cupy.cuda.Device()
         return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
                        tensor_cores=int(dev.compute_capability) >= 80,
-                       synchronize=lambda: cupy.cuda.get_current_stream().synchronize())
+                       synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
+                       num_sms=tiling.device_sm_count("cuda")[0])
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
                    race_check=race_check, device_key=("emulator", bool(race_check), arch),
-                   tensor_cores=arch is None or int(arch.split("_")[1]) >= 80)
+                   tensor_cores=arch is None or int(arch.split("_")[1]) >= 80,
+                   num_sms=tiling.device_sm_count("emulator", arch)[0])
 
 
 _CACHE = {}
@@ -275,6 +285,40 @@ def _raise_smem(fn, shared_bytes):
     return fn
 
 
+class SpillError(RuntimeError):
+    """A compiled kernel uses local memory (register spills): it would run far slower."""
+
+
+_CHECKED = set()
+
+
+def check_compiled(runtime, fn, kernel_name, options):
+    """Second line of defence against plans that spill: the compiled kernel's own attributes.
+
+    The planner (:mod:`cuflash.tiling`) refuses plans that spill, calibrated
+    by NVRTC compiles of every accepted plan's edge cases; on a GPU each
+    compiled specialisation is still checked once here: CuPy reports its
+    local-memory bytes per thread (``local_size_bytes``, register spills and
+    stack-resident arrays), which none of cuflash's kernels is designed to
+    use.  Raises :class:`SpillError` naming the kernel and its defines.  The
+    emulator compiles for the host and has no such attribute: nothing to check.
+    """
+    if runtime.name != "cuda":
+        return
+    key = (runtime.device_key, kernel_name, options)
+    if key in _CHECKED:
+        return
+    local = int(getattr(fn, "local_size_bytes", 0) or 0)
+    if local > 0:
+        defines = " ".join(o for o in options if o.startswith("-D"))
+        raise SpillError(
+            f"kernel {kernel_name} [{defines}] compiled to {local} bytes of local memory per "
+            f"thread ({getattr(fn, 'num_regs', '?')} registers): register spills, which make it "
+            "many times slower. The tile planner should have refused this plan; please report "
+            "it, and pass other block_q/block_kv meanwhile")
+    _CHECKED.add(key)
+
+
 def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     """The compiled kernel ``kernel_name`` of ``filename`` specialised by ``defines``.
 
@@ -283,8 +327,10 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     ``max_dynamic_shared_size_bytes`` is raised to it (CuPy, and the emulator,
     which mirrors the attribute; plans there are checked against a nominal limit).
     """
-    mod = _module(runtime, filename, build_options(defines))
-    return _raise_smem(mod.get_function(kernel_name), shared_bytes)
+    options = build_options(defines)
+    fn = _raise_smem(_module(runtime, filename, options).get_function(kernel_name), shared_bytes)
+    check_compiled(runtime, fn, kernel_name, options)
+    return fn
 
 
 # NVRTC (through CuPy) and the host compiler release the GIL while they compile, so the
@@ -318,8 +364,12 @@ def get_functions(runtime, requests):
         workers = min(len(todo), _COMPILE_THREADS)
         with concurrent.futures.ThreadPoolExecutor(workers) as ex:
             list(ex.map(build, todo.values()))
-    return [_raise_smem(_module(runtime, filename, options).get_function(name), shared)
-            for filename, name, options, shared in keyed]
+    out = []
+    for filename, name, options, shared in keyed:
+        fn = _raise_smem(_module(runtime, filename, options).get_function(name), shared)
+        check_compiled(runtime, fn, name, options)
+        out.append(fn)
+    return out
 
 
 def compile_variants():
@@ -351,6 +401,11 @@ def compile_variants():
         add("flash_fwd", "float32", d)
     add("flash_fwd", "float32", 64, bq=8, bkv=8)        # smallest tiles
     add("flash_fwd", "float32", 128, bq=128, bkv=64)    # largest pair within the register rule
+    # the serving module of flash_fwd.cu (split-KV, KV cache, varlen, combine, append)
+    for dt, d in (("float16", 128), ("bfloat16", 64), ("float32", 64), ("float64", 32)):
+        p = tiling.plan("flash_fwd", d, d, dt, 8, None, limit=sm80)
+        opts = build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None))
+        out.setdefault("flash_fwd.cu", []).append(opts)
     # flash_fwd_tc.cu: the default plans of float16/bfloat16 (flash_fwd_tc) and float32
     # (flash_fwd_tf32) at the head dims of the test grid, and the extremes: one warp (16
     # rows), d = 256 (16 rows per warp), dv != d

@@ -27,6 +27,7 @@ The backward kernels (KERNELS-BWD) register their own ``KernelTiling`` entries
 in the marked section at the bottom with :func:`register`; everything else
 (planning, limits, messages) is shared.
 """
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple
 
@@ -37,6 +38,7 @@ __all__ = [
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
     "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
     "TC_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
+    "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
 ]
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
@@ -173,6 +175,52 @@ def device_smem_limit(backend, arch=None):
                              f"{sorted(EMULATOR_ARCHES)}")
         return EMULATOR_ARCHES[arch], f"nominal {arch} opt-in limit (emulator)"
     raise ValueError(f"no shared-memory limit for backend {backend!r} (use 'cuda' or 'emulator')")
+
+
+# SMs of the GPUs the emulator stands in for (split-KV sizes its grids to fill them)
+EMULATOR_SMS = {"sm_75": 40, "sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}
+
+
+def device_sm_count(backend, arch=None):
+    """(streaming multiprocessors, description) of the current device or a nominal arch."""
+    if backend == "cuda":
+        import cupy
+        rt = cupy.cuda.runtime
+        attr = getattr(rt, "cudaDevAttrMultiProcessorCount", 16)  # CUDA's enum value
+        dev = cupy.cuda.Device()
+        return int(rt.deviceGetAttribute(attr, dev.id)), f"device {dev.id} MultiProcessorCount"
+    arch = arch or EMULATOR_DEFAULT_ARCH
+    return EMULATOR_SMS[arch], f"nominal {arch} (emulator)"
+
+
+def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
+    """How many key splits a forward launch of ``blocks`` thread blocks should use (split-KV).
+
+    Splitting multiplies the blocks by the split count at the price of a
+    combine pass, so it pays only when the blocks cannot fill the GPU.  With at
+    least 80% of a wave of blocks (one per SM), no split.  Otherwise each
+    candidate count s gets the efficiency of its last wave,
+    ``(blocks * s / n_sms) / ceil(blocks * s / n_sms)``; counts that do not
+    change the tiles per split (``ceil(n_kv_tiles / s)``) are skipped, as they
+    would only add empty splits; the smallest s within 85% of the best
+    efficiency wins (fewer splits: less combine work and less float32 traffic).
+    The idea is FlashAttention-2's ``num_splits_heuristic``; the thresholds
+    here are its published ones, to be re-tuned on a GPU.
+    """
+    if blocks <= 0 or n_kv_tiles <= 1 or blocks >= 0.8 * n_sms:
+        return 1
+    top = min(max_splits, n_sms, n_kv_tiles)
+    effs = {}
+    prev_per = None
+    for s in range(1, top + 1):
+        per = -(-n_kv_tiles // s)
+        if per == prev_per:
+            continue
+        prev_per = per
+        waves = blocks * s / n_sms
+        effs[s] = waves / math.ceil(waves)
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
 
 
 def _fits(t, bq, bkv, d, dv, acc, limit):
@@ -771,3 +819,46 @@ def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                     limit_source=limit_source)
     except ValueError:
         return None
+# --------------------------------------------------------------------------
+# the serving forward (flash_fwd.cu, -DCUFLASH_FWD_SERVING): split-KV traffic
+# --------------------------------------------------------------------------
+def flash_fwd_split_traffic(problems, rows, q_period, Nk, d, dv, dtype, block_q, block_kv,
+                            causal, num_splits):
+    """Exact global bytes (read, written) of a split-KV forward on dense K/V: both kernels.
+
+    ``problems`` thread-block problems (batch x heads, or batch x kv heads when a
+    GQA group's rows are packed) of ``rows`` query rows each (row r is query
+    position ``r % q_period``).  ``flash_fwd_serving``: every (query tile,
+    split) block reads its Q tile and the K/V rows of its share of the tiles
+    the tile can see (``ceil(n_kv / num_splits)`` tiles per split; a split with
+    none still writes its rows), and writes partial outputs and lse in the
+    compute type (float32; double for float64); ``flash_fwd_combine`` reads every partial once and writes o and lse.
+    This is what the emulator's byte counters report (tests hold it so).
+    """
+    isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
+    lse_sz = accumulator_bytes(dtype)
+    n_kv_all = -(-Nk // block_kv) if Nk else 0
+    per = max(1, -(-n_kv_all // num_splits)) if n_kv_all else 1
+    offset = 0 if causal in (None, "top_left") else Nk - q_period
+    read = written = 0
+    for t in range(-(-rows // block_q) if rows else 0):
+        q0 = t * block_q
+        r = min(block_q, rows - q0)
+        kv_end = Nk
+        if causal is not None:
+            first = q0 % q_period
+            i_max = q_period - 1 if (r >= q_period or first + r > q_period) else first + r - 1
+            kv_end = min(max(i_max + offset + 1, 0), Nk)
+        n_kv = -(-kv_end // block_kv)
+        for s in range(num_splits):
+            lo = min(s * per, n_kv)
+            hi = min(lo + per, n_kv) if num_splits > 1 else n_kv
+            keys = max(0, min(hi * block_kv, Nk) - lo * block_kv) if hi > lo else 0
+            read += r * d * isz + keys * (d + dv) * isz
+            written += (r * dv + r) * lse_sz if num_splits > 1 else r * dv * isz + r * lse_sz
+    read, written = problems * read, problems * written
+    if num_splits > 1:
+        R = problems * rows
+        read += num_splits * R * (dv + 1) * lse_sz
+        written += R * (dv * isz + lse_sz)
+    return read, written

@@ -106,8 +106,8 @@ __device__ __forceinline__ void sts2(float* p, float a, float b) {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
 #endif
 }
-// The 3xTF32 split of flash_fwd_tc.cu (three instructions; the hi mask 0xffffe000 arrives at
-// run time, BwdParams::tf32_hi_mask, so that ptxas writes hi straight into fragment registers;
+// The 3xTF32 split of flash_fwd_tc.cu (three instructions; the hi mask 0xffffe000 is computed
+// from a run-time value, so that ptxas writes hi straight into fragment registers;
 // lo is left unmasked: the tensor core reads its top 19 bits, i.e. x - hi rounded to nearest).
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
     hi = __float_as_uint(x) & hi_mask;
@@ -238,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
     const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
     const float scale = (float)p.scale;
     const float c = (float)(p.scale * 1.4426950408889634);  // scale * log2(e)
-    const uint32_t hm = (uint32_t)p.tf32_hi_mask;
+    const uint32_t hm = 0xffffe000u | (uint32_t)(Nq < 0);  // run-time value (Nq >= 0): see split
     // blockIdx.x -> (KV tile, kv head, batch) in 32-bit arithmetic (no division subroutine)
     const unsigned bid = blockIdx.x, bhk = bid / (unsigned)p.n_kv_tiles;
     const int kv_tile = (int)(bid - bhk * (unsigned)p.n_kv_tiles);

@@ -20,10 +20,15 @@
 // over consecutive threads (coalesced).
 //
 // Masking: causal "bottom_right" (key j visible to query i iff j <= i + Nk - Nq) and
-// "top_left" (iff j <= i) are the runtime argument causal_offset (Nk - Nq or 0) with
-// causal != 0.  KV tiles entirely above the boundary are never loaded: the loop stops
-// at the last tile the Q tile's last row can see.  A row that sees no key keeps
+// "top_left" (iff j <= i): the causal offset of fwd_problem.cuh (per sequence for varlen
+// and KV-cache calls).  KV tiles entirely above the boundary are never loaded: the loop
+// stops at the last tile the Q tile's last row can see.  A row that sees no key keeps
 // m = -inf, l = 0 and gets o = 0, lse = -inf (never NaN).
+//
+// Two kernels: flash_fwd (dense batches) and, compiled with -DCUFLASH_FWD_SERVING,
+// flash_fwd_serving (variable-length batches, KV caches contiguous or paged, split-KV with
+// partials in the compute type merged by flash_fwd_combine, packed grouped-query rows): the same body,
+// the problem's geometry from fwd_problem.cuh.
 //
 // Grouped-query attention: query head h reads key/value head h / group (index
 // arithmetic only, no copies).  Broadcast leading dims arrive as stride 0.  Every tensor
@@ -39,8 +44,7 @@
 // Limits: d, dv <= 256; block_q a multiple of 8, block_kv a multiple of 4 (tiling.py
 // lists the supported values); float16/bfloat16 are loaded as such and computed in
 // float32, float32 in float32, float64 in double.
-#include "dtype.cuh"
-#include "params.cuh"
+#include "fwd_problem.cuh"
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -62,10 +66,14 @@ static_assert(kBr % 8 == 0 && kBr >= 8, "block_q must be a multiple of 8");
 static_assert(kBc % 4 == 0 && kBc >= 4, "block_kv must be a multiple of 4");
 static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256");
 
-extern "C" __global__ void flash_fwd(
-    const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
-{
+// The forward for one block's problem (fwd_problem.cuh).  SPLIT: write the partial
+// output and lse of this block's KV-tile range instead of o and lse.
+template <bool SPLIT>
+__device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
+                                               const elem_t* __restrict__ K,
+                                               const elem_t* __restrict__ V,
+                                               elem_t* __restrict__ O, acc_t* __restrict__ LSE,
+                                               const FwdParams& p, const FwdServing& sv) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* Qs = smem;                       // (kBr, kD + 1)   Q_i, resident
     acc_t* Ks = Qs + kBr * kQStride;        // (kBc, kD + 1)   K_j, streamed
@@ -76,39 +84,21 @@ extern "C" __global__ void flash_fwd(
     const int lane = tid & 31;
     const int row = (tid >> 5) * 8 + (lane >> 2);  // this quad's query row in the tile
     const int t = lane & 3;                        // lane within the quad
-    const FwdParams& p = *P;
-    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, causal_offset = p.causal_offset;
     const acc_t scale = (acc_t)p.scale;
-    const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
-    const int q0 = fi.tile * kBr;
-    const int h = fi.h, b = fi.b;
-    const int hk = h / p.group;                    // grouped-query: kv head of query head h
-    const long long q_sr = p.q_sr, k_sr = p.k_sr, v_sr = p.v_sr, o_sr = p.o_sr;
-
-    const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh;
-    const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
-    const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
-    elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
-    acc_t* LSEb = LSE + b * p.lse_sb + h * p.lse_sh;
-
-    const int rows_q = min(kBr, Nq - q0);
-    // Keys [0, kv_end) are visible to at least one row of this tile; tiles past it are
-    // never loaded (causal skipping).
-    int kv_end = Nk;
-    if (causal) {
-        long long last = (long long)(q0 + rows_q - 1) + causal_offset + 1;
-        kv_end = (int)(last < 0 ? 0 : (last > Nk ? Nk : last));
-    }
-    const int n_tiles = (kv_end + kBc - 1) / kBc;
-    // This row's own bound: keys < row_end are visible (>= Nk means all of them).
+    const FwdProblem f = cuflash_fwd_problem(p, sv, Q, K, V, O, LSE, kBr, kBc);
+    const int q0 = f.q0, Nk = f.nk;
+    if (q0 >= f.rows) return;  // varlen: a tile past this sequence's rows (whole block)
+    const int rows_q = min(kBr, f.rows - q0);
+    const long long q_sr = p.q_sr, o_sr = p.o_sr;
+    // This row's own bound: keys < row_end are visible (tiles past every row's bound are
+    // never loaded: f.tile_hi).
     const int i = q0 + row;
-    long long row_end_ll = causal ? (long long)i + causal_offset + 1 : (long long)Nk;
-    const int row_end = (int)(row_end_ll < 0 ? 0 : (row_end_ll > Nk ? Nk : row_end_ll));
+    const int row_end = f.row_end(i);
 
-    // -- load Q_i (rows past Nq are zero; they are computed but never stored)
+    // -- load Q_i (rows past the problem's are zero; they are computed but never stored)
     for (int idx = tid; idx < kBr * kD; idx += kThreads) {
         const int r = idx / kD, c = idx - (idx / kD) * kD;
-        Qs[r * kQStride + c] = r < rows_q ? to_acc(gload(Qb + (q0 + r) * q_sr + c)) : acc_t(0);
+        Qs[r * kQStride + c] = r < rows_q ? to_acc(gload(f.Qb + (q0 + r) * q_sr + c)) : acc_t(0);
     }
 
     acc_t m_i = -INFINITY;   // running max of this row
@@ -117,17 +107,17 @@ extern "C" __global__ void flash_fwd(
 #pragma unroll
     for (int u = 0; u < kOutPerLane; ++u) acc[u] = 0;
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = f.tile_lo; j < f.tile_hi; ++j) {
         const int k0 = j * kBc;
         const int rows_k = min(kBc, Nk - k0);
         // -- load K_j, V_j (rows past Nk are zero so that 0 * V never meets NaN)
         for (int idx = tid; idx < kBc * kD; idx += kThreads) {
             const int r = idx / kD, c = idx - (idx / kD) * kD;
-            Ks[r * kKStride + c] = r < rows_k ? to_acc(gload(Kb + (k0 + r) * k_sr + c)) : acc_t(0);
+            Ks[r * kKStride + c] = r < rows_k ? to_acc(gload(f.k_row(K, p, k0 + r) + c)) : acc_t(0);
         }
         for (int idx = tid; idx < kBc * kDv; idx += kThreads) {
             const int r = idx / kDv, c = idx - (idx / kDv) * kDv;
-            Vs[r * kDv + c] = r < rows_k ? to_acc(gload(Vb + (k0 + r) * v_sr + c)) : acc_t(0);
+            Vs[r * kDv + c] = r < rows_k ? to_acc(gload(f.v_row(V, p, k0 + r) + c)) : acc_t(0);
         }
         // Ks/Vs (and on the first tile Qs) are complete before any thread reads them.
         __syncthreads();
@@ -159,9 +149,9 @@ extern "C" __global__ void flash_fwd(
         acc_t rowsum = 0;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
-            const acc_t p = acc_exp(s[c] - m_use);
-            rowsum += p;
-            Ps[row * kPStride + t + 4 * c] = p;
+            const acc_t pe = acc_exp(s[c] - m_use);
+            rowsum += pe;
+            Ps[row * kPStride + t + 4 * c] = pe;
         }
         rowsum += __shfl_xor_sync(0xffffffffu, rowsum, 1);
         rowsum += __shfl_xor_sync(0xffffffffu, rowsum, 2);
@@ -174,11 +164,11 @@ extern "C" __global__ void flash_fwd(
 #pragma unroll
         for (int u = 0; u < kOutPerLane; ++u) acc[u] *= alpha;
         for (int c = 0; c < kBc; ++c) {
-            const acc_t p = Ps[row * kPStride + c];
+            const acc_t pe = Ps[row * kPStride + c];
 #pragma unroll
             for (int u = 0; u < kOutPerLane; ++u) {
                 const int e = t + 4 * u;
-                if (e < kDv) acc[u] += p * Vs[c * kDv + e];
+                if (e < kDv) acc[u] += pe * Vs[c * kDv + e];
             }
         }
         // Every thread has finished reading Ks/Vs/Ps before the next tile overwrites them.
@@ -189,14 +179,145 @@ extern "C" __global__ void flash_fwd(
     if (row < rows_q) {
         const bool empty = l_i == acc_t(0);
         const acc_t inv = empty ? acc_t(0) : acc_t(1) / l_i;
-        elem_t* orow = Ob + i * o_sr;
+        const acc_t lse = empty ? acc_t(-INFINITY) : m_i + acc_log(l_i);
+        if (SPLIT) {
+            // this split's share, in the compute type (float32; double for float64), at the
+            // row's lse element index
+            const long long rho = f.lse0 + (long long)i * p.lse_sr;
+            acc_t* orow = sv.part + ((long long)f.split * p.n_out_rows + rho) * kDv;
 #pragma unroll
-        for (int u = 0; u < kOutPerLane; ++u) {
-            const int e = t + 4 * u;
-            if (e < kDv) {
-                gstore(orow + e, from_acc(acc[u] * inv));
+            for (int u = 0; u < kOutPerLane; ++u) {
+                const int e = t + 4 * u;
+                if (e < kDv) gstore(orow + e, acc[u] * inv);
             }
+            acc_t* lse_part = sv.part + (long long)p.n_splits * p.n_out_rows * kDv;
+            if (t == 0) gstore(lse_part + f.split * p.n_out_rows + rho, lse);
+        } else {
+            elem_t* orow = f.Ob + i * o_sr;
+#pragma unroll
+            for (int u = 0; u < kOutPerLane; ++u) {
+                const int e = t + 4 * u;
+                if (e < kDv) gstore(orow + e, from_acc(acc[u] * inv));
+            }
+            if (t == 0) gstore(f.LSEb + (long long)i * p.lse_sr, lse);
         }
-        if (t == 0) gstore(LSEb + i, empty ? acc_t(-INFINITY) : m_i + acc_log(l_i));
     }
 }
+
+#ifndef CUFLASH_FWD_SERVING
+// Dense batches (the plain call of tiled_attention): six arguments.
+extern "C" __global__ void flash_fwd(
+    const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
+{
+    const FwdServing none = {nullptr, nullptr, nullptr, nullptr, nullptr};
+    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none);
+}
+#else
+// Serving problems (fwd_problem.cuh): varlen, KV cache (contiguous or paged), split-KV,
+// packed grouped-query rows.  Compiled as its own module (-DCUFLASH_FWD_SERVING) so the
+// dense call keeps its short argument list and compile time.
+extern "C" __global__ void flash_fwd_serving(
+    const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+    const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
+    acc_t* __restrict__ part)
+{
+    const FwdServing sv = {cu_q, cu_k, seqlens_k, block_table, part};
+    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv);
+    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv);
+}
+
+// Split-KV, last step: merge the n_splits partial outputs of every output row exactly,
+//     lse = log(sum_s exp(lse_s)),  o = sum_s exp(lse_s - lse) o_s
+// (splits that saw no key have lse_s = -inf and weigh 0; a row no split saw gets o = 0,
+// lse = -inf).  One warp per row: the lanes take the splits s = lane, lane + 32, ..., keep a
+// running (max, sum) pair each, merge the pairs with shuffles, and leave the normalised
+// weights in shared memory (n_splits floats per warp); then they take the columns lane,
+// lane + 32, ... (coalesced).  Global traffic: each partial lse and output element read
+// once, o and lse written once.  Rows are the lse elements of the call, whose o rows are
+// contiguous in the same order (the launcher guarantees it).  Grid-stride over rows.
+// Dynamic shared memory: (blockDim.x / 32) * n_splits values of the compute type.
+extern "C" __global__ void flash_fwd_combine(const acc_t* __restrict__ part,
+                                             elem_t* __restrict__ O, acc_t* __restrict__ LSE,
+                                             const FwdParams* __restrict__ P) {
+    CUFLASH_DYNAMIC_SHARED(acc_t, smem);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long rows = P->n_out_rows;
+    const int S = P->n_splits;
+    acc_t* w = smem + warp * S;                      // (S,) this warp's weights
+    const acc_t* lse_part = part + (long long)S * rows * kDv;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    const acc_t ninf = -INFINITY;
+    for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + warp; r < rows; r += warps) {
+        acc_t m = ninf, l = 0;                       // this lane's splits: max and sum
+        for (int s = lane; s < S; s += 32) {
+            const acc_t x = gload(lse_part + s * rows + r);
+            w[s] = x;
+            if (x > m) { l = l * acc_exp(m - x) + acc_t(1); m = x; }
+            else if (x > ninf) l += acc_exp(x - m);
+        }
+        for (int o = 16; o > 0; o >>= 1) {           // merge the lanes' (max, sum) pairs
+            const acc_t m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const acc_t l2 = __shfl_xor_sync(0xffffffffu, l, o);
+            const acc_t mm = acc_max(m, m2);
+            l = (m > ninf ? l * acc_exp(m - mm) : acc_t(0)) + (m2 > ninf ? l2 * acc_exp(m2 - mm) : acc_t(0));
+            m = mm;
+        }
+        const bool empty = !(l > acc_t(0));
+        for (int s = lane; s < S; s += 32) w[s] = empty ? acc_t(0) : acc_exp(w[s] - m) / l;
+        __syncwarp();                                // the weights are visible to the warp
+        for (int c = lane; c < kDv; c += 32) {
+            acc_t acc = 0;
+            for (int s = 0; s < S; ++s) acc += w[s] * gload(part + (s * rows + r) * kDv + c);
+            gstore(O + r * kDv + c, from_acc(acc));
+        }
+        if (lane == 0) gstore(LSE + r, empty ? ninf : m + acc_log(l));
+        __syncwarp();                                // w read by every lane before reuse
+    }
+}
+
+// KV cache, first step: k_new/v_new written into the cache at the positions after each
+// sequence's cached keys (the one in-place write of cuflash).  One thread per element of
+// k_new then v_new (grid-stride); the position is clamped into the sequence's capacity and
+// the block-table entry into the pages, so bad inputs cannot write out of bounds.
+extern "C" __global__ void flash_kv_append(const elem_t* __restrict__ k_new,
+                                           const elem_t* __restrict__ v_new,
+                                           elem_t* __restrict__ k_cache,
+                                           elem_t* __restrict__ v_cache,
+                                           const int* __restrict__ seqlens_k,
+                                           const int* __restrict__ block_table,
+                                           const KVAppendParams* __restrict__ P) {
+    const KVAppendParams& a = *P;
+    const long long nk = (long long)a.B * a.Hk * a.Nnew;
+    const long long total = nk * (kD + kDv);
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const bool is_v = e >= nk * kD;
+        const int width = is_v ? kDv : kD;
+        const long long e2 = is_v ? e - nk * kD : e;
+        const int c = (int)(e2 % width);
+        const long long rowi = e2 / width;           // (b, hk, n) of the new key
+        const int n = (int)(rowi % a.Nnew);
+        const int hk = (int)((rowi / a.Nnew) % a.Hk);
+        const int b = (int)(rowi / ((long long)a.Nnew * a.Hk));
+        const int pos = cuflash_clamp((long long)seqlens_k[b], 0, a.kv_capacity - a.Nnew) + n;
+        long long base, row;
+        if (a.page_size > 0) {
+            const int pg = cuflash_clamp(block_table[(long long)b * a.max_pages + pos / a.page_size],
+                                         0, a.num_pages - 1);
+            base = pg; row = pos % a.page_size;
+        } else {
+            base = b; row = pos;
+        }
+        if (is_v) {
+            const elem_t x = gload(v_new + b * a.vn_sb + hk * a.vn_sh + n * a.vn_sr + c);
+            gstore(v_cache + base * a.vc_sb + hk * a.vc_sh + row * a.vc_sr + c, x);
+        } else {
+            const elem_t x = gload(k_new + b * a.kn_sb + hk * a.kn_sh + n * a.kn_sr + c);
+            gstore(k_cache + base * a.kc_sb + hk * a.kc_sh + row * a.kc_sr + c, x);
+        }
+    }
+}
+#endif

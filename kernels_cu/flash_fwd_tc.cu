@@ -231,8 +231,7 @@ struct TileCopy {
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
 // split_tf32 of portable.cuh, in three instructions (LOP3, FADD, IADD3):
-// - hi = x & 0xffffe000 with the mask passed in at run time (FwdParams::tf32_hi_mask): with a
-//   constant mask ptxas notices that HMMA.TF32 ignores the low 13 bits anyway and feeds the
+// - hi = x & 0xffffe000 with the mask computed from a run-time value: with a constant mask ptxas notices that HMMA.TF32 ignores the low 13 bits anyway and feeds the
 //   raw floats as hi -- which then must be moved into each fragment's four consecutive
 //   registers, often twice (measured: ~300 extra MOVs per tile at d = 64); an opaque mask
 //   lets the LOP3 write hi straight into the fragment registers;
@@ -387,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const float c = (float)(p.scale * 1.4426950408889634);
     const float lazy = kLazy / c;  // the reference max moves when exceeded by more (c = 0: never)
 #if CUFLASH_TF32
-    const uint32_t hi_mask = (uint32_t)p.tf32_hi_mask;  // 0xffffe000, opaque to ptxas (see split)
+    // 0xffffe000 from a run-time value (Nq >= 0 always), so that ptxas cannot fold it (see split)
+    const uint32_t hi_mask = 0xffffe000u | (uint32_t)(Nq < 0);
 #endif
     // blockIdx.x -> (tile, head, batch) as cuflash_fold_decode, in 32-bit arithmetic: a grid
     // has < 2^31 blocks, and 64-bit division is a called subroutine (registers saved around

@@ -35,7 +35,36 @@ struct FwdParams {
     int causal;            // 0: no mask; else query i sees key j iff j <= i + causal_offset
     int causal_offset;     // Nk - Nq (bottom_right) or 0 (top_left)
     int n_tiles;           // query tiles per head: ceil(Nq / block_q)
-    int tf32_hi_mask;      // 0xffffe000 (flash_fwd_tf32: the 3xTF32 hi mask, at run time on purpose)
+    // -- serving problems (fwd_problem.cuh; zero/neutral in a dense call) --
+    long long lse_sr;      // lse element stride of a row (1 dense; H for packed varlen lse)
+    long long n_out_rows;  // lse elements of the call: rows of the split partial arrays
+    int n_splits;          // split-KV: blocks per (tile, head, batch); 1 = no split
+    int split_tiles;       // KV tiles per split
+    int q_period;          // query positions per head (packed GQA rows: row r is query r % q_period)
+    int causal_br;         // 1: the causal offset is (keys - query positions) of each sequence
+    int total_q, total_k;  // packed rows of q and k (varlen: cu_seqlens are clamped to them)
+    int seqlens_add;       // KV cache: keys appended this call (added to seqlens_k[b])
+    int kv_capacity;       // KV cache: keys a sequence can hold (seqlens are clamped to it)
+    int varlen;            // 1: rows of sequence b are cu_q[b]..cu_q[b+1] (packed q, k, o, lse)
+    int kv_cache;          // 1: sequence b has seqlens_k[b] + seqlens_add keys
+    int page_size;         // paged cache: rows per page (0: contiguous)
+    int num_pages;         // paged cache: pages in the cache (block-table entries are clamped)
+    int max_pages;         // paged cache: block-table columns
+    int pad0;
+};
+
+// flash_kv_append: k_new/v_new (B, Hk, Nnew, d/dv) written into the cache at positions
+// seqlens_k[b] .. seqlens_k[b] + Nnew - 1 (contiguous, or through the block table).
+struct KVAppendParams {
+    long long kn_sb, kn_sh, kn_sr;   // k_new strides (elements)
+    long long vn_sb, vn_sh, vn_sr;   // v_new strides
+    long long kc_sb, kc_sh, kc_sr;   // k cache: batch (contiguous) or page (paged), head, row
+    long long vc_sb, vc_sh, vc_sr;   // v cache
+    int B, Hk, Nnew;
+    int kv_capacity;                 // keys a sequence can hold (positions are clamped to it)
+    int page_size;                   // 0: contiguous
+    int num_pages, max_pages;
+    int pad0;
 };
 
 // Backward kernels (flash_bwd*).  q/k/v/do/o by element strides as above; lse, D, dq, dk,
@@ -61,7 +90,6 @@ struct BwdParams {
     int n_q_tiles;         // ceil(Nq / Br): flash_bwd_dq's query tiles (grid folding)
     int n_kv_tiles;        // ceil(Nk / Bc): flash_bwd_dkdv's key/value tiles
     int n_pre_tiles;       // ceil(Nq / pre_rows): flash_bwd_preprocess's row chunks
-    int tf32_hi_mask;      // 0xffffe000 (flash_bwd_tf32: the 3xTF32 hi mask, at run time on purpose)
 };
 
 // blockIdx.x -> (tile, head, batch) for a grid of n_tiles * heads * batch blocks.

@@ -178,8 +178,9 @@ __device__ __forceinline__ uint32_t pack_bfloat162(float lo, float hi) { return 
 #define CUFLASH_DYNAMIC_SHARED(type, name) \
     type* name = reinterpret_cast<type*>(::cuflash_emu::tctx->dyn_smem)
 #else
-#define CUFLASH_DYNAMIC_SHARED(type, name)                                   \
-    extern __shared__ __align__(16) unsigned char cuflash_dynamic_smem_[];   \
+// declared once at file scope: kernels of one module (and templates) share the name
+extern __shared__ __align__(16) unsigned char cuflash_dynamic_smem_[];
+#define CUFLASH_DYNAMIC_SHARED(type, name) \
     type* name = reinterpret_cast<type*>(cuflash_dynamic_smem_)
 #endif
 

@@ -35,7 +35,8 @@ def test_api_names_are_the_documented_functions():
     assert set(_dispatch.API_NAMES) == {
         "precompile", "online_softmax", "online_softmax_2d", "standard_attention",
         "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
-        "memory_analysis", "verify_no_full_materialization"}
+        "memory_analysis", "verify_no_full_materialization", "attention_with_kvcache",
+        "varlen_attention", "varlen_attention_backward"}
     for name in _dispatch.API_NAMES:
         assert callable(getattr(cuflash, name)), name
         assert name in cuflash.__all__

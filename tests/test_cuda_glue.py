@@ -209,6 +209,9 @@ class RawKernel:
         self._fn = fn
         self.kernel_name = name
         self._fn.max_dynamic_shared_size_bytes = STATIC_DEFAULT
+        # cupy.RawKernel's compiled attributes; the tests set local_size_bytes to fake a spill
+        self.num_regs = 64
+        self.local_size_bytes = FAKE_STATE.get("local_size_bytes", 0)
 
     @property
     def max_dynamic_shared_size_bytes(self):
@@ -306,10 +309,14 @@ class Device:
 FAKE_STATE = {"cc": "80"}
 
 
+ATTR_SMS = 16                 # cudaDevAttrMultiProcessorCount
+FAKE_SMS = 108                # an A100
+
+
 def _device_get_attribute(attrib, device):
-    if attrib != ATTR_OPTIN or device != 0:
+    if attrib not in (ATTR_OPTIN, ATTR_SMS) or device != 0:
         raise RuntimeError(f"fake cupy: attribute {attrib} of device {device} not modelled")
-    return OPTIN_BYTES
+    return OPTIN_BYTES if attrib == ATTR_OPTIN else FAKE_SMS
 
 
 def make_fake_cupy():
@@ -333,6 +340,7 @@ def make_fake_cupy():
                         "major": int(FAKE_STATE["cc"][:-1]), "minor": int(FAKE_STATE["cc"][-1])})
     runtime.deviceGetAttribute = _counted("runtime.deviceGetAttribute", _device_get_attribute)
     runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin = ATTR_OPTIN
+    runtime.cudaDevAttrMultiProcessorCount = ATTR_SMS
     runtime.CUDARuntimeError = RuntimeError
     driver = types.ModuleType("cupy.cuda.driver")
     driver.CUDADriverError = CUDADriverError
@@ -646,3 +654,60 @@ def test_misaligned_view_still_right(fake_cupy, rng):
             o = cuflash.tiled_attention(qd, kd, vd)
         assert [w for w, _ in ledger].count("aligned copy") == 1, ledger
         oracle.check_forward(o, qd.get(), kd.get(), vd.get())
+
+
+# --------------------------------------------------------------------------
+# the serving calls' glue (split-KV, KV cache, varlen) on the fake CuPy
+# --------------------------------------------------------------------------
+def test_serving_calls(fake_cupy, rng, poison):
+    cp = fake_cupy
+    # split-KV decode with GQA packing
+    q, k, v = oracle.qkv(rng, (1, 4, 1, 32), (1, 2, 70, 32), dtype="float32")
+    o, lse = cuflash.tiled_attention(*dev(cp, q, k, v), num_splits=3, return_lse=True)
+    assert_fake_cupy(o, lse)
+    oracle.check_forward(o, q, k, v, lse=lse)
+    # paged KV cache with an append: the cache (a fake cupy array) is written in place
+    kc = oracle.randn(rng, (5, 2, 8, 32), "float32")
+    vc = oracle.randn(rng, (5, 2, 8, 32), "float32")
+    table = np.array([[3, 0], [4, 1]], np.int32)
+    lens = np.array([5, 9], np.int32)
+    qd = oracle.randn(rng, (2, 4, 2, 32), "float32")
+    kn = oracle.randn(rng, (2, 2, 2, 32), "float32")
+    kcd, vcd = dev(cp, kc, vc)
+    o = cuflash.attention_with_kvcache(cp.asarray(qd), kcd, vcd, cache_seqlens=cp.asarray(lens),
+                                       k_new=cp.asarray(kn), v_new=cp.asarray(kn),
+                                       block_table=cp.asarray(table), causal=True)
+    ref = cuflash.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, k_new=kn, v_new=kn,
+                                         block_table=table, causal=True)
+    assert_fake_cupy(o)
+    np.testing.assert_allclose(o.get(), ref, atol=2e-6, rtol=0)
+    np.testing.assert_array_equal(kcd.get(), kc)       # the reference appended the same rows
+    # varlen forward and backward
+    cu = np.array([0, 3, 10], np.int32)
+    qv, kv_ = oracle.randn(rng, (10, 4, 16), "float32"), oracle.randn(rng, (10, 2, 16), "float32")
+    args = dev(cp, qv, kv_, kv_, cu, cu)
+    o, lse = cuflash.varlen_attention(*args, causal=True, return_lse=True)
+    ro, rl = cuflash.varlen_attention(qv, kv_, kv_, cu, cu, causal=True, return_lse=True)
+    np.testing.assert_allclose(o.get(), ro, atol=2e-6, rtol=0)
+    do = oracle.randn(rng, ro.shape, "float32")
+    g = cuflash.varlen_attention_backward(cp.asarray(do), args[0], args[1], args[2], o, lse,
+                                          args[3], args[4], causal=True)
+    rg = cuflash.varlen_attention_backward(do, qv, kv_, kv_, ro, rl, cu, cu, causal=True)
+    assert_fake_cupy(*g)
+    for a, b in zip(g, rg):
+        np.testing.assert_allclose(a.get(), b, atol=5e-6, rtol=0)
+
+
+def test_spilling_kernel_is_refused(fake_cupy, rng):
+    """The second line of defence: a compiled kernel with local memory is an error, once checked."""
+    FAKE_STATE["local_size_bytes"] = 96
+    _drop_cuda_caches()
+    kernels._CHECKED.clear()
+    try:
+        q, k, v = oracle.qkv(rng, (20, 16), (24, 16), dtype="float32")
+        with pytest.raises(kernels.SpillError, match="96 bytes of local memory"):
+            cuflash.tiled_attention(*dev(fake_cupy, q, k, v))
+    finally:
+        FAKE_STATE.pop("local_size_bytes")
+        _drop_cuda_caches()
+        kernels._CHECKED.clear()

@@ -30,7 +30,8 @@ The package is split by family (each module holds one concern, all re-exported
 here, so ``cuflash.reference.tiled_attention`` is the public name):
 ``softmax`` (online softmax), ``standard`` (the textbook algorithm),
 ``flash_forward`` and ``flash_backward`` (the tiled algorithm), ``memory``
-(the memory/traffic model and the instrumented forward) and ``_common``
+(the memory/traffic model and the instrumented forward), ``serving``
+(split-KV, the KV cache and variable-length batches) and ``_common``
 (threads, BLAS control and shared helpers).
 """
 import numpy as np
@@ -40,6 +41,7 @@ from ._common import _blas, blas_controllable, default_blocks, sum_to_shape  # n
 from .flash_backward import tiled_attention_backward
 from .flash_forward import tiled_attention
 from .memory import memory_analysis, tiled_forward_hbm_bytes, verify_no_full_materialization
+from .serving import attention_with_kvcache, varlen_attention, varlen_attention_backward
 from .softmax import online_softmax, online_softmax_2d
 from .standard import standard_attention, standard_attention_backward
 
@@ -48,6 +50,7 @@ __all__ = [
     "standard_attention_backward", "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization", "is_available",
     "default_blocks", "tiled_forward_hbm_bytes", "sum_to_shape", "precompile",
+    "attention_with_kvcache", "varlen_attention", "varlen_attention_backward",
 ]
 
 

@@ -5,6 +5,7 @@ import math
 import numpy as np
 
 from .._validate import check_attention_inputs
+from .._validate_serving import check_num_splits
 from ._common import (_canonical, _causal_offset, _compute_dtype, _kv_range, _no_track,
                       _num_workers, _run_tasks, _tile_mask, blas_controllable, default_blocks)
 
@@ -45,8 +46,14 @@ _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 
 
-def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="whole"):
+def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="whole",
+                   kv_tiles=None, out_dtype=None):
     """FlashAttention-2 forward over all leading dims at once: returns (o, lse).
+
+    ``kv_tiles=(j0, j1)`` visits only the key/value tiles j0 <= j < j1 (one
+    split of split-KV: o and lse are then those of that key range alone, to be
+    merged by :func:`cuflash.reference.serving.combine_splits`); ``out_dtype``
+    is o's dtype (default the input dtype; splits keep the compute dtype).
 
     One task per query tile Qi (FA2's outer loop; the tasks run on the thread
     pool); inside, the key/value tiles Kj, Vj stream past with the online
@@ -81,7 +88,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
     q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
     ct = _compute_dtype(spec.dtype)
     Nq, Nk, d, dv = spec.Nq, spec.Nk, spec.d, spec.dv
-    o = np.empty(spec.out_shape, spec.dtype)
+    o = np.empty(spec.out_shape, spec.dtype if out_dtype is None else out_dtype)
     lse = np.empty(spec.lse_shape, spec.lse_dtype)
     o_c = o.reshape(lead_c + (Nq, dv))
     lse_c = lse.reshape(lead_c + (Nq,))
@@ -127,7 +134,10 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
             track(Qa, m_i, acc, S, PV, Kbuf, Vbuf)
             all_seen = False
             _, j_hi = _kv_range(r0, r1, Nk, Bc, offset)
-            for j in range(j_hi):
+            j_lo = 0
+            if kv_tiles is not None:
+                j_lo, j_hi = kv_tiles[0], min(j_hi, kv_tiles[1])
+            for j in range(j_lo, j_hi):
                 c0, c1 = j * Bc, min(Nk, (j + 1) * Bc)
                 bc = c1 - c0
                 if Kaug is not None:
@@ -144,7 +154,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                     track(hidden)
                     Sj[..., hidden] = -np.inf
                 l_acc = acc[..., dv]
-                if j > 0:
+                if j > j_lo:
                     # -- fast path: exp straight away; the row sums tell whether it was safe
                     np.exp2(Sj, out=Sj)                                    # P~
                     np.matmul(Sj, Vj, out=PV)                              # [P~ Vj, rowsum P~]
@@ -191,7 +201,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
 
 
 def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False):
+                    return_lse=False, num_splits=None):
     """FlashAttention forward: exact attention without any (Nq, Nk) array.
 
     Query tiles ``Qi`` of ``block_q`` (Br) rows, key/value tiles ``Kj``, ``Vj``
@@ -223,6 +233,10 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
         explicit sizes are used as given.
     return_lse : bool
         Also return the row log-sum-exp (what the backward needs).
+    num_splits : int, optional
+        Split the keys into this many ranges of whole tiles and merge the
+        partial results exactly (split-KV); None or 1: no split (a CPU gains
+        nothing from it; the arithmetic is here so the kernels can be held to it).
 
     Returns
     -------
@@ -240,7 +254,17 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     """
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                   block_kv=block_kv)
+    num_splits = check_num_splits(num_splits)
     workers = _workers_for(spec, 4.0 * spec.batch * spec.Nq * spec.Nk * spec.d)
     Br, Bc = _resolve_blocks(spec, spec.block_q, spec.block_kv, workers)
-    o, lse = _flash_forward(spec, q, k, v, Br, Bc, workers)
+    if num_splits is None or num_splits == 1:
+        # the CPU gains nothing from splitting the keys: None means one split here
+        o, lse = _flash_forward(spec, q, k, v, Br, Bc, workers)
+    else:
+        from .serving import combine_splits, split_ranges
+        ct = _compute_dtype(spec.dtype)
+        parts = [_flash_forward(spec, q, k, v, Br, Bc, workers, kv_tiles=r, out_dtype=ct)
+                 for r in split_ranges(-(-spec.Nk // Bc) if spec.Nk else 0, num_splits)]
+        o, lse = combine_splits(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]),
+                                spec.dtype)
     return (o, lse) if return_lse else o

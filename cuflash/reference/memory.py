@@ -1,6 +1,7 @@
 """The memory and HBM-traffic model, and the instrumented forward that records its largest array.
 """
 from .._validate import check_attention_inputs, check_positive_int
+from .._validate_serving import check_num_splits
 from ._common import _Tracker, _dtype_from_name, _kv_range, default_blocks
 from .flash_forward import _flash_forward
 
@@ -34,7 +35,7 @@ def tiled_forward_hbm_bytes(Nq, Nk, d, dv, itemsize, block_q, block_kv, causal=N
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1):
+                    heads=1, num_splits=1):
     """The memory and HBM-traffic model (parameters and keys: ``cuflash.memory_analysis``).
 
     The NumPy backend has no thread blocks: ``sram_bytes_per_block`` is None
@@ -43,7 +44,14 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     the accumulation type (float32; float64 for float64) -- which lives in the
     CPU's caches.  The kernel backends fill ``sram_bytes_per_block`` with
     their shared memory (``cuflash._launch_fwd.memory_analysis``).
+
+    ``num_splits`` > 1 models a split-KV forward: each split's partial outputs
+    and lse in the compute type (``split_workspace_bytes``) and the traffic of
+    :func:`cuflash.tiling.flash_fwd_split_traffic` (Q read once per split,
+    the partials written, then read once by the combine).
     """
+    from .. import tiling
+    num_splits = check_num_splits(num_splits) or 1
     N = check_positive_int(N, "N") if N != 0 else 0
     d = check_positive_int(d, "d")
     Nk = N if Nk is None else (check_positive_int(Nk, "Nk") if Nk != 0 else 0)
@@ -68,8 +76,13 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
                  + 2 * Br * acc_it)
     std_read = BH * (N * d + Nk * d + Nk * d) * it + 2 * S_bytes
     std_written = BH * N * d * it + 2 * S_bytes
-    t_read, t_written = tiled_forward_hbm_bytes(N, Nk, d, d, it, Br, Bc, None, BH, acc_it)
-    tiled_extra = stats + tile
+    if num_splits == 1:
+        t_read, t_written = tiled_forward_hbm_bytes(N, Nk, d, d, it, Br, Bc, None, BH, acc_it)
+    else:
+        t_read, t_written = tiling.flash_fwd_split_traffic(BH, N, max(N, 1), Nk, d, d, dt.name,
+                                                           Br, Bc, None, num_splits)
+    split_ws = num_splits * BH * N * (d + 1) * acc_it if num_splits > 1 else 0
+    tiled_extra = stats + tile + split_ws
     return {
         "N": N, "Nk": Nk, "d": d, "dtype": dt.name, "itemsize": it, "batch": batch,
         "heads": heads, "block_q": Br, "block_kv": Bc,
@@ -77,6 +90,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         "standard_S_bytes": S_bytes, "standard_P_bytes": S_bytes,
         "tiled_extra_bytes": tiled_extra,
         "tiled_stats_bytes": stats, "tiled_tile_bytes": tile,
+        "num_splits": num_splits, "split_workspace_bytes": split_ws,
         "sram_bytes_per_block": None,
         "cpu_tile_bytes_per_worker": cpu_tiles,
         "standard_hbm_read_bytes": std_read, "standard_hbm_written_bytes": std_written,

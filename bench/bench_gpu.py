@@ -1,0 +1,24 @@
+#!/usr/bin/env python3
+"""GPU benchmark of cuflash against torch SDPA (flash, cudnn, efficient, math): correctness
+check against float64 first, then CUDA-event timing of FlashAttention-2's benchmark grid,
+decode shapes and host time per call; a table, JSON and a plot of TFLOP/s against N.
+
+The benchmark itself lives in the package (``cuflash/_bench_gpu.py``) so that
+an installed cuflash runs it as ``python -m cuflash bench --gpu``; this script
+is the same thing from a checkout:
+
+    python bench/bench_gpu.py                                  # needs CuPy and a GPU
+    python bench/bench_gpu.py --dims 128 --causal no --modes fwd,fwdbwd --json gpu.json
+    python bench/bench_gpu.py --backend emulator               # tiny sizes, on the CPU
+    python bench/bench_gpu.py --help
+"""
+import os
+import sys
+
+# run from a checkout without installing: the repository root holds cuflash/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+from cuflash._bench_gpu import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(prog="bench/bench_gpu.py"))

@@ -1,0 +1,462 @@
+"""The GPU benchmark: cuflash against torch SDPA's backends, the method of docs/gpu-baseline.md.
+
+Run it as ``python -m cuflash bench --gpu`` (installed package) or
+``python bench/bench_gpu.py`` (checkout); ``--help`` lists the options.
+
+What it does, in order:
+
+1. **Grid of FlashAttention-2's benchmark**: for each dtype, head dim ``d``,
+   causal or not and sequence length ``N``: batch ``B = tokens // N``, heads
+   ``H = hidden // d`` (16384 tokens, hidden 2048 by default), modes ``fwd``
+   (the forward call), ``bwd`` (only the backward call; the forward it needs
+   runs once outside the timing) and ``fwdbwd`` (both).
+2. **Decode shapes**: ``Nq = 1`` against ``Nk`` keys, MHA at batch 1 and 8 and
+   GQA (32 query heads on 8 key/value heads), forward only.
+3. **Host time per call** of a tiny problem, 200 calls without synchronising.
+
+Methods: cuflash tiled (the FlashAttention kernels), cuflash standard (plain
+CuPy; the NumPy reference on the emulator), and when torch can run them
+``scaled_dot_product_attention`` with each backend forced by
+``torch.nn.attention.sdpa_kernel`` (flash = FlashAttention-2, cudnn,
+efficient, math).  All read the same inputs: torch views the CuPy arrays
+through DLPack.  Before a method is timed on a kind of problem it must pass a
+correctness check on a smaller problem of that kind
+(``cuflash/_bench_gpu_check.py``); a method that fails, or cannot run a case,
+shows ``n/a`` or ``failed check`` with the reason once in a footnote.
+
+Timing (``cuflash/_bench_gpu_methods.py``): the first call of every case is
+timed alone (it includes any first-use compile); after warm-up, ``n`` calls
+per repeat so that one repeat takes about ``--target-ms``, CUDA events around
+each repeat, the median of ``--reps`` repeats.  When one input set is small
+enough to sit in the device's L2 cache, the calls cycle through several sets.
+TFLOP/s in the flash-attn convention (``docs/testing.md``).
+
+``--backend emulator`` runs the same code on the CPU with the emulated
+kernels (tiny sizes, ``time.perf_counter``): that is how the tests check the
+table, JSON and plot without a GPU.
+"""
+import os
+import sys
+import tempfile
+import time
+
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, judge
+from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, first_call,
+                                 input_sets_needed, make_methods, make_set, measure, reason_of,
+                                 record_warnings, to_host64)
+from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
+
+__all__ = ["main", "build_parser", "run", "flops"]
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+MODES = ("fwd", "bwd", "fwdbwd")
+MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+# Defaults per backend; the emulator's are tiny (an emulated launch takes 0.05-0.1 s).
+DEFAULTS = {
+    "cuda": dict(dims=[64, 128], seqlens=[512, 1024, 2048, 4096, 8192, 16384], tokens=16384,
+                 hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 16384, 65536],
+                 decode_dim=128, host_calls=200, check_n=257),
+    # warm-up 0 on the emulator: the (untimed) first call is its warm-up
+    "emulator": dict(dims=[16, 32], seqlens=[32, 64], tokens=64, hidden=32, reps=2, warmup=0,
+                     decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33),
+}
+# decode configurations (B, H, Hk): MHA at batch 1 and 8, GQA with 4 query heads per kv head
+DECODE = {"cuda": ((1, 32, 32), (8, 32, 32), (8, 32, 8)),
+          "emulator": ((1, 4, 4), (2, 4, 4), (2, 4, 2))}
+# the host-time problem (B, H, Hk, Nq, Nk, d)
+HOST_SHAPE = {"cuda": (1, 1, 1, 128, 128, 64), "emulator": (1, 1, 1, 32, 32, 16)}
+MIN_REPS_CUDA = 5
+
+
+def flops(B, H, Nq, Nk, d, causal, mode):
+    """FLOPs of one call, flash-attn convention: forward ``4 B H Nq Nk d`` (halved when causal
+    with ``Nq == Nk``), backward 2.5x, forward + backward 3.5x that."""
+    f = 4.0 * B * H * Nq * Nk * d
+    if causal and Nq == Nk:
+        f /= 2
+    return f * MODE_FACTOR[mode]
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------
+def build_parser(prog=None):
+    """The benchmark's options; backend-dependent defaults are filled in by ``finish_args``."""
+    def dflt(key):
+        c, e = DEFAULTS["cuda"][key], DEFAULTS["emulator"][key]
+        show = (lambda v: ",".join(map(str, v))) if isinstance(c, list) else str
+        return f"default {show(c)}; emulator {show(e)}"
+    p = Parser(prog=prog, description=(
+        "GPU benchmark of cuflash (tiled and standard attention) against torch SDPA with each "
+        "backend forced (flash, cudnn, efficient, math): correctness check against float64 "
+        "first, then median time (CUDA events), TFLOP/s (flash-attn convention), first-call "
+        "(compile) time, decode shapes and host time per call; a table, JSON and a plot. "
+        "Needs CuPy and a GPU (pip install \".[cuda12,bench]\" or \".[cuda13,bench]\", plus "
+        "torch with CUDA for SDPA). --backend emulator runs tiny sizes on the CPU with the "
+        "emulated kernels (defaults dims 16,32, seqlens 32,64, tokens 64, hidden 32, reps 2, "
+        "warmup 0, decode-nk 32,128, host-calls 3; about 30 s of CPU time)."))
+    p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda",
+                   help="where cuflash runs (default: %(default)s)")
+    p.add_argument("--dtypes", type=choice_list(DTYPES), default=["float16"],
+                   help=f"comma-separated, of {','.join(DTYPES)} (default float16)")
+    p.add_argument("--dims", type=int_list, help=f"head dims d ({dflt('dims')})")
+    p.add_argument("--seqlens", type=int_list, help=f"sequence lengths N ({dflt('seqlens')})")
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
+                   help="causal cases (top-left mask, PyTorch's is_causal; default: %(default)s)")
+    p.add_argument("--modes", type=choice_list(MODES), default=list(MODES),
+                   help="comma-separated, of fwd,bwd,fwdbwd (default: all)")
+    p.add_argument("--tokens", type=positive_int,
+                   help=f"batch x N, as in FlashAttention-2's benchmark ({dflt('tokens')})")
+    p.add_argument("--hidden", type=positive_int,
+                   help=f"heads x d, as in FlashAttention-2's benchmark ({dflt('hidden')})")
+    p.add_argument("--reps", type=positive_int,
+                   help=f"timed repeats, the median is reported (at least {MIN_REPS_CUDA} on "
+                   f"cuda; {dflt('reps')})")
+    p.add_argument("--warmup", type=nonneg_int,
+                   help="warm-up calls after the first call (which is timed alone); the last "
+                   f"sizes a repeat ({dflt('warmup')})")
+    p.add_argument("--target-ms", type=float, default=50.0,
+                   help="calls per repeat chosen so a repeat takes about this long "
+                   "(default: %(default)s)")
+    p.add_argument("--decode-nk", type=lambda s: int_list(s, allow_empty=True),
+                   help=f"key lengths of the decode section, '' to skip it ({dflt('decode_nk')})")
+    p.add_argument("--decode-dim", type=positive_int,
+                   help=f"head dim of the decode section ({dflt('decode_dim')})")
+    p.add_argument("--host-calls", type=nonneg_int,
+                   help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
+    p.add_argument("--check-n", type=positive_int,
+                   help=f"sequence length of the correctness checks ({dflt('check_n')})")
+    p.add_argument("--l2-bytes", type=nonneg_int, default=None,
+                   help="L2 size that decides input rotation (default: the device's; none on "
+                   "the emulator; 0: never rotate)")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="compile into an empty temporary kernel cache, so first calls include "
+                   "the compile even when CuPy's disk cache holds the kernels")
+    p.add_argument("--no-torch", action="store_true", help="leave the SDPA methods out")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--json", default="", help="write every number here as JSON")
+    p.add_argument("--plot", default="bench_gpu.png",
+                   help="PNG of TFLOP/s against N (default: %(default)s; '' for none; needs "
+                   "matplotlib)")
+    return p
+
+
+def finish_args(parser, args):
+    """Fill the backend's defaults and refuse combinations the benchmark cannot run."""
+    for key, value in DEFAULTS[args.backend].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.backend == "cuda" and args.reps < MIN_REPS_CUDA:
+        parser.error(f"argument --reps: {args.reps} is below {MIN_REPS_CUDA} (the GPU timing is "
+                     f"a median of at least {MIN_REPS_CUDA} repeats)")
+    if not args.target_ms > 0:
+        parser.error(f"argument --target-ms: {args.target_ms} is not positive")
+    for d in args.dims:
+        if args.hidden % d:
+            parser.error(f"argument --hidden: {args.hidden} is not a multiple of head dim {d}")
+    for N in args.seqlens:
+        if N > args.tokens:
+            parser.error(f"argument --seqlens: N={N} exceeds --tokens {args.tokens} "
+                         "(tokens = batch x N)")
+    if "bfloat16" in args.dtypes:
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            parser.error("argument --dtypes: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    args.causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    return args
+
+
+# ---------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------
+class Bench:
+    """One run: the device, torch, the methods, the correctness verdicts and the results."""
+
+    def __init__(self, args, log=_log):
+        self.args, self.log = args, log
+        self.device = CudaDevice() if args.backend == "cuda" else HostDevice()
+        if args.l2_bytes is not None:
+            self.device.l2_bytes = args.l2_bytes or None
+        self.torch = Torch(self.device, disabled=args.no_torch)
+        self.methods = make_methods(args.backend, self.torch)
+        self.verdicts = {}
+        self.checks, self.cases = [], []
+
+    # -- correctness -----------------------------------------------------------
+    def verdict(self, dtype, d, causal, group, decode, grad):
+        """{method: check record} for a kind of problem; the check runs on first request."""
+        kind = (dtype, d, causal, group, decode, grad)
+        if kind not in self.verdicts:
+            self.verdicts[kind] = self._check(*kind)
+        return self.verdicts[kind]
+
+    def _check(self, dtype, d, causal, group, decode, grad):
+        a = self.args
+        Hk = 2
+        shape = (2, Hk * group, Hk, 1 if decode else a.check_n, a.check_n, d)
+        what = (f"{dtype} d={d} {'causal' if causal else 'non-causal'}"
+                f"{' GQA' if group > 1 else ''}{' decode' if decode else ''}"
+                f"{' with gradients' if grad else ''}")
+        self.log(f"check {what} at B,H,Hk,Nq,Nk,d={shape} against float64")
+        x, host = make_set(self.device, self.torch, shape, dtype, causal, a.seed + 7, host=True)
+        do = host[3] if grad else None
+        ref = attention(*host[:3], causal, do)
+        base = attention(*host[:3], causal, do, low=dtype) if dtype in LOW_PRECISION else None
+        out = {}
+        for m in self.methods:
+            rec = {"kind": {"dtype": dtype, "d": d, "causal": causal, "group": group,
+                            "decode": decode, "grad": grad},
+                   "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
+                   "method": m.name, "status": "n/a"}
+            why = m.unavailable(x, self.device, grad)
+            caught = []
+            try:
+                if why:
+                    raise LookupError(why)
+                with record_warnings() as caught, m.context():
+                    t_f, state = first_call(self.device, lambda: m.forward(x, grad))
+                    outs = {"o": m.output(state)}
+                    rec["first_fwd_ms"] = t_f * 1e3
+                    if grad:
+                        t_b, grads = first_call(self.device, lambda: m.backward(x, state))
+                        outs.update(zip(GRAD_NAMES, grads))
+                        rec["first_bwd_ms"] = t_b * 1e3
+                ok, rec["errors"] = judge({k: to_host64(self.device, v) for k, v in outs.items()},
+                                          ref, base, dtype)
+                rec["status"] = "passed" if ok else "failed"
+                if not ok:
+                    rec["reason"] = "correctness check failed (" + "; ".join(
+                        f"{k}: {_err_text(e)}" for k, e in rec["errors"].items()
+                        if not e["passed"]) + f") on {what}"
+            except LookupError:
+                rec["reason"] = why
+            except Exception as e:  # the library's refusal or failure, reported, not hidden
+                rec["reason"] = reason_of(e, caught)
+            self.log(f"  {m.name}: {rec['status']}" + (f" ({rec['reason']})"
+                                                        if rec.get("reason") else ""))
+            self.checks.append(rec)
+            out[m.name] = rec
+            state = outs = None
+        self.device.release()
+        return out
+
+    # -- timing ----------------------------------------------------------------
+    def run_shape(self, section, dtype, shape, causal, modes):
+        """Time every method in every mode on one problem shape; appends to ``self.cases``."""
+        a = self.args
+        B, H, Hk, Nq, Nk, d = shape
+        self.device.release()
+        x0 = make_set(self.device, self.torch, shape, dtype, causal, a.seed)
+        nsets = input_sets_needed(x0.nbytes + x0.q.nbytes, self.device.l2_bytes)
+        sets = [x0] + [make_set(self.device, self.torch, shape, dtype, causal, a.seed + i)
+                       for i in range(1, nsets)]
+        for mode in modes:
+            grad = mode != "fwd"
+            verdicts = self.verdict(dtype, d, causal, H // Hk, Nq == 1 and Nk > 1, grad)
+            case = {"section": section, "dtype": dtype, "d": d, "causal": causal, "mode": mode,
+                    "B": B, "H": H, "Hk": Hk, "Nq": Nq, "Nk": Nk,
+                    "flops": flops(B, H, Nq, Nk, d, causal, mode), "input_sets": nsets,
+                    "input_set_bytes": x0.nbytes, "methods": {}}
+            label = (f"{section} {dtype} d={d} {'causal' if causal else 'non-causal'} {mode} "
+                     f"B={B} H={H}{f'/{Hk}' if Hk != H else ''} Nq={Nq} Nk={Nk}")
+            for m in self.methods:
+                e = self._time_method(m, mode, sets, verdicts[m.name])
+                e["tflops"] = case["flops"] / (e["ms"] * 1e-3) / 1e12 if "ms" in e else None
+                case["methods"][m.name] = e
+                self.log(f"{label}: {m.name}: " + (
+                    f"{e['ms']:.4g} ms, {e['tflops']:.4g} TFLOP/s (first call "
+                    f"{e['first_call_ms']:.4g} ms, {e['calls_per_rep']} calls x {a.reps})"
+                    if e["status"] == "ok" else f"{e['status']}: {e['reason']}"))
+            _ratios(case)
+            self.cases.append(case)
+        sets = x0 = None
+        self.device.release()
+
+    def _time_method(self, m, mode, sets, verdict):
+        a = self.args
+        if verdict["status"] != "passed":
+            return {"status": "failed check" if verdict["status"] == "failed" else "n/a",
+                    "reason": verdict.get("reason", "")}
+        grad = mode != "fwd"
+        why = m.unavailable(sets[0], self.device, grad)
+        if why:
+            return {"status": "n/a", "reason": why}
+        caught, states = [], {}
+        try:
+            with record_warnings() as caught, m.context():
+                if mode == "fwd":
+                    def call(x):
+                        return m.forward(x, False)
+                elif mode == "bwd":  # the forward runs once per input set, outside the timing
+                    states = {id(x): m.forward(x, True) for x in sets}
+
+                    def call(x):
+                        return m.backward(x, states[id(x)], retain=True)
+                else:
+                    def call(x):
+                        return m.backward(x, m.forward(x, True))
+                r = measure(self.device, call, sets, a.warmup, a.reps, a.target_ms / 1e3)
+        except Exception as e:  # out of memory, an unsupported case: say so in the table
+            states = None
+            self.device.release()
+            return {"status": "n/a", "reason": reason_of(e, caught)}
+        r["status"] = "ok"
+        return r
+
+    # -- host time -------------------------------------------------------------
+    def host_time(self, dtype):
+        """Microseconds per call of a tiny problem, no synchronisation inside the loop."""
+        a = self.args
+        shape = HOST_SHAPE[a.backend]
+        B, H, Hk, Nq, Nk, d = shape
+        x = make_set(self.device, self.torch, shape, dtype, False, a.seed)
+        tiled = CuflashTiled(a.backend)
+        sdpa = Sdpa("sdpa (torch's choice)", None, self.torch)
+        tasks = [(tiled, "fwd"), (tiled, "bwd")] + (
+            [(sdpa, "fwd"), (sdpa, "bwd")] if not a.no_torch else [])
+        out = []
+        for m, mode in tasks:
+            e = {"method": m.name, "mode": mode, "dtype": dtype,
+                 "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
+                 "calls": a.host_calls}
+            why = m.unavailable(x, self.device, mode == "bwd")
+            caught = []
+            try:
+                if why:
+                    raise LookupError(why)
+                with record_warnings() as caught, m.context():
+                    if mode == "fwd":
+                        def call():
+                            return m.forward(x, False)
+                    else:
+                        state = m.forward(x, True)
+
+                        def call():
+                            return m.backward(x, state, retain=True)
+                    for _ in range(min(5, a.host_calls)):
+                        call()
+                    self.device.sync()
+                    t0 = time.perf_counter()
+                    for _ in range(a.host_calls):
+                        call()
+                    t = time.perf_counter() - t0
+                    self.device.sync()
+                e.update(status="ok", us_per_call=t / a.host_calls * 1e6)
+            except LookupError:
+                e.update(status="n/a", reason=why)
+            except Exception as exc:
+                e.update(status="n/a", reason=reason_of(exc, caught))
+            self.log(f"host time {m.name} {mode}: " + (f"{e['us_per_call']:.1f} us per call"
+                                                       if e["status"] == "ok" else e["reason"]))
+            out.append(e)
+        return out
+
+
+def _err_text(e):
+    if "why" in e and "max_abs_err" not in e:
+        return e["why"]
+    return (f"max|err| {e['max_abs_err']:.3g} > bound {e['bound']:.3g}" if "baseline_max_abs_err"
+            in e else f"rel_err {e['rel_err']:.3g} > {e['bound']:.3g}")
+
+
+def _ratios(case):
+    """cuflash tiled's time over the fastest other method's and over SDPA flash's."""
+    ms = {n: e["ms"] for n, e in case["methods"].items() if e["status"] == "ok"}
+    tiled = ms.pop("cuflash tiled", None)
+    case["fastest_other"] = min(ms, key=ms.get) if ms else None
+    case["ratio_fastest_other"] = (tiled / ms[case["fastest_other"]]
+                                   if tiled is not None and ms else None)
+    case["ratio_sdpa_flash"] = (tiled / ms["sdpa flash"]
+                                if tiled is not None and "sdpa flash" in ms else None)
+
+
+def _footnotes(res):
+    """Number each distinct reason once (with the methods it applies to); cells cite it."""
+    notes, index = [], {}
+    for case in res["cases"]:
+        for name, e in case["methods"].items():
+            if e["status"] != "ok":
+                reason = e.get("reason", "")
+                if reason not in index:
+                    index[reason] = len(notes) + 1
+                    notes.append({"n": index[reason], "methods": [], "reason": reason})
+                note = notes[index[reason] - 1]
+                if name not in note["methods"]:
+                    note["methods"].append(name)
+                e["note"] = index[reason]
+    res["footnotes"] = notes
+
+
+def run(args, log=_log):
+    """Run the benchmark for parsed and finished ``args``; the results dict (JSON-ready)."""
+    from . import _bench_gpu_report as report
+    t0 = time.perf_counter()
+    bench = Bench(args, log)
+    a, dev = args, bench.device
+    res = {"config": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
+           "device": dev.info(), "versions": report.versions(bench.torch),
+           "timer": dev.timer, "l2_bytes_for_rotation": dev.l2_bytes,
+           "torch": "ok" if bench.torch.ok else bench.torch.why,
+           "methods": [m.name for m in bench.methods]}
+    for dtype in a.dtypes:
+        for d in a.dims:
+            H = a.hidden // d
+            for causal in a.causals:
+                for N in a.seqlens:
+                    B = max(1, a.tokens // N)
+                    bench.run_shape("grid", dtype, (B, H, H, N, N, d), causal, a.modes)
+    for dtype in a.dtypes:
+        for B, H, Hk in DECODE[a.backend]:
+            for Nk in a.decode_nk:
+                bench.run_shape("decode", dtype, (B, H, Hk, 1, Nk, a.decode_dim), False, ["fwd"])
+    res["host_time"] = bench.host_time(a.dtypes[0]) if a.host_calls else []
+    res["checks"], res["cases"] = bench.checks, bench.cases
+    _footnotes(res)
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def main(argv=None, prog=None):
+    """``bench/bench_gpu.py`` / ``python -m cuflash bench --gpu``; the exit status.
+
+    0: ran; 1: a cuflash method failed its correctness check, or cuflash tiled
+    could run no case; 2: bad options, or the backend cannot run here (one
+    line on stderr).
+    """
+    parser = build_parser(prog)
+    args = finish_args(parser, parser.parse_args(argv))
+    if args.cold_cache:
+        # set before CuPy or the emulator compiles anything: both read it at compile time
+        tmp = tempfile.mkdtemp(prefix="cuflash-cold-cache-")
+        os.environ["CUPY_CACHE_DIR"] = os.path.join(tmp, "cupy")
+        os.environ["CUFLASH_CACHE_DIR"] = tmp
+    from . import available_backends
+    ok, why = available_backends().get(args.backend, (False, "unknown backend"))
+    if not ok:
+        print(f"{parser.prog}: cannot run --backend {args.backend}: "
+              f"{' '.join(str(why).split())}", file=sys.stderr)
+        return 2
+    from . import _bench_gpu_report as report
+    res = run(args)
+    report.print_report(res)
+    if args.json:
+        print(f"json: {report.write_json(res, args.json)}")
+    if args.plot:
+        path, why = report.save_plot(res, args.plot)
+        print(f"plot: {path}" if path else f"plot not saved: {why}")
+    failed = [c for c in res["checks"] if c["status"] == "failed"
+              and c["method"].startswith("cuflash")]
+    tiled_ran = any(c["methods"]["cuflash tiled"]["status"] == "ok" for c in res["cases"])
+    if res["cases"] and not tiled_ran:
+        print("cuflash tiled ran in no case: see the footnotes", file=sys.stderr)
+    return 1 if failed or (res["cases"] and not tiled_ran) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

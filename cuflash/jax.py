@@ -1,0 +1,274 @@
+"""cuflash inside JAX: differentiable exact attention (``jax.custom_vjp``).
+
+``cuflash.jax.attention`` is a ``jax.custom_vjp`` function: the forward is
+``cuflash.tiled_attention(..., return_lse=True)`` and keeps ``(q, k, v, o,
+lse)`` as the residuals (P is never stored), the backward is
+``cuflash.tiled_attention_backward`` from them.
+
+Where it runs
+-------------
+* **Traced calls** (under ``jax.jit``, ``jax.grad`` of a jitted function,
+  ``jax.vmap``, ...) go through ``jax.pure_callback`` to the NumPy backend.
+  On the CPU this is the supported path: it composes with ``jit``, ``grad``
+  and ``vmap`` (``vmap_method="broadcast_all"``: unbatched inputs are
+  broadcast, i.e. copied, to the batch).  JAX hands the callback host arrays;
+  ``bnhd`` inputs are swapped views there, no copy.
+* **Eager calls on one CUDA GPU** (concrete arrays, not traced; this includes
+  ``jax.grad`` and ``jax.vjp`` without ``jit``, whose custom-VJP rules see
+  concrete arrays) go through DLPack to CuPy and the ``"cuda"`` backend:
+  no host round trip, buffers shared both ways, except bfloat16, which crosses
+  as int16 bits (``lax.bitcast_convert_type``, one device copy each way:
+  CuPy reads no DLPack bfloat16).  Synchronisation is DLPack's stream
+  handshake (each side waits on the other's stream).  Needs CuPy
+  (``pip install ".[cuda12]"``); without it eager GPU calls fall back to the host.
+
+Not supported
+-------------
+* **The GPU under ``jit``**: running the CUDA kernels inside a compiled XLA
+  program needs an XLA custom call (``jax.ffi``) registered for them, which
+  cuflash does not provide.  A jitted call on a GPU still computes the right
+  result, but through ``pure_callback`` on the host: q, k, v (and do, o, lse)
+  are copied to the host, the NumPy backend runs there, the results are
+  copied back.  A ``RuntimeWarning`` says so when such a call is traced.
+* Forward-mode AD (``jax.jvp``/``jacfwd``): ``custom_vjp`` functions have
+  none; higher-order derivatives: the backward is not itself differentiable.
+* float64 needs ``jax.config.update("jax_enable_x64", True)``, as always in JAX.
+
+``jax`` here is the real JAX (absolute imports), not this module.
+"""
+import functools
+import warnings
+from typing import NamedTuple, Optional, Union
+
+import numpy as np
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as e:  # jax absent (or blocked in sys.modules)
+    raise ImportError("cuflash.jax needs JAX, which cannot be imported here "
+                      f"({e}); install it with `pip install jax` or "
+                      "`pip install \".[jax]\"` from a cuflash checkout") from e
+
+import cuflash
+
+from ._interop import (bfloat16_dtype, check_layout, from_bhnd, is_bfloat16, layout_error,
+                       to_bhnd)
+from ._validate import check_attention_inputs
+
+__all__ = ["attention"]
+
+
+class _Options(NamedTuple):
+    """The static (non-differentiable, hashable) arguments of one call."""
+    scale: Optional[float]
+    causal: Union[bool, str]
+    layout: str
+    deterministic: bool
+
+
+def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic=False):
+    """Exact attention ``softmax(scale * q k^T [masked]) v``, differentiable in q, k, v.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (B, H, Nq, d) ("bhnd") or (B, Nq, H, d) ("bnhd")
+    k : jax.Array, shape (B, Hk, Nk, d) or (B, Nk, Hk, d)
+    v : jax.Array, shape (B, Hk, Nk, dv) or (B, Nk, Hk, dv)
+        One dtype (float16, bfloat16, float32, float64 with x64 enabled).
+        Leading dims may be any number and broadcast as in cuflash; ``Hk``
+        dividing ``H`` is grouped-query attention (query head h reads kv head
+        ``h // (H // Hk)``).
+    scale : float, optional
+        Logit scale (a Python number: it is static); None means ``1/sqrt(d)``.
+    causal : bool or {"bottom_right", "top_left"}
+        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
+        (flash-attn); ``"top_left"``: iff ``j <= i``.  A row that sees no key
+        gives 0 and zero gradients.
+    layout : {"bhnd", "bnhd"}
+        Axis order of q, k, v, of the output and of the gradients.
+    deterministic : bool
+        Bitwise repeatable gradients on the GPU (the NumPy backend always is).
+
+    Returns
+    -------
+    o : jax.Array, shape (B, H, Nq, dv) or (B, Nq, H, dv), dtype of q
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``cuflash.tiled_attention`` (unsupported dtypes, shapes that do not
+        fit, unknown causal), plus ValueError for an unknown layout.  Raised
+        when the call is traced, before anything runs.
+
+    Notes
+    -----
+    Where the computation runs, what is copied and what is not supported
+    (the GPU under ``jit``): see the module docstring.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+            raise TypeError(f"{name} must be a jax.Array, got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+    check_layout(layout, q=q, k=k, v=v)
+    opts = _Options(scale, causal, layout, bool(deterministic))
+    _spec(opts, q, k, v)  # validate now: errors come before anything is traced or run
+    return _attention(opts, q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(opts, q, k, v):
+    return _forward(opts, q, k, v)[0]
+
+
+def _attention_fwd(opts, q, k, v):
+    o, lse = _forward(opts, q, k, v)
+    # lse is a residual: the backward recomputes P from it instead of redoing the forward
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(opts, residuals, do):
+    q, k, v, o, lse = residuals
+    return tuple(_backward(opts, do, q, k, v, o, lse))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------
+# dispatch: eager GPU arrays to CuPy, everything else through pure_callback
+# ---------------------------------------------------------------------------
+def _forward(opts, q, k, v):
+    """(o, lse): o in the caller's layout, lse of shape lead + (Nq,)."""
+    device = _eager_gpu_device(q, k, v)
+    if device is not None:
+        return _on_cupy(device, functools.partial(_run_forward, opts, "cuda"), q, k, v)
+    spec = _spec(opts, q, k, v)
+    o_shape = _caller_shape(spec.out_shape, opts.layout)
+    result = (jax.ShapeDtypeStruct(o_shape, q.dtype),
+              jax.ShapeDtypeStruct(spec.lse_shape, spec.lse_dtype))
+    _warn_if_host_round_trip(q)
+    return jax.pure_callback(_on_host(_run_forward, opts), result, q, k, v,
+                             vmap_method="broadcast_all")
+
+
+def _backward(opts, do, q, k, v, o, lse):
+    """(dq, dk, dv) in the shapes and layout of q, k, v."""
+    device = _eager_gpu_device(do, q, k, v, o, lse)
+    if device is not None:
+        return _on_cupy(device, functools.partial(_run_backward, opts, "cuda"),
+                        do, q, k, v, o, lse)
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    _warn_if_host_round_trip(q)
+    return jax.pure_callback(_on_host(_run_backward, opts), result,
+                             do, q, k, v, o, lse, vmap_method="broadcast_all")
+
+
+def _on_host(fn, opts):
+    """The pure_callback body: ``fn`` on NumPy views of the host buffers JAX passes."""
+    def callback(*arrays):
+        # np.asarray of a CPU jax.Array shares its buffer (no copy)
+        return fn(opts, "numpy", *(np.asarray(a) for a in arrays))
+    return callback
+
+
+def _run_forward(opts, backend, q, k, v):
+    """The forward on NumPy or CuPy arrays in the caller's layout."""
+    bhnd = [to_bhnd(x, opts.layout) for x in (q, k, v)]
+    o, lse = cuflash.tiled_attention(*bhnd, scale=opts.scale, causal=opts.causal,
+                                     return_lse=True, backend=backend)
+    return from_bhnd(o, opts.layout), lse
+
+
+def _run_backward(opts, backend, do, q, k, v, o, lse):
+    """The backward on NumPy or CuPy arrays in the caller's layout."""
+    arrays = [to_bhnd(x, opts.layout) for x in (do, q, k, v, o)]
+    grads = cuflash.tiled_attention_backward(*arrays, lse, scale=opts.scale,
+                                             causal=opts.causal,
+                                             deterministic=opts.deterministic,
+                                             backend=backend)
+    return tuple(from_bhnd(g, opts.layout) for g in grads)
+
+
+def _spec(opts, q, k, v):
+    """cuflash's validation of the call, from shapes and dtypes only (tracers are fine)."""
+    shapes = [jax.ShapeDtypeStruct(to_bhnd(_Shape(x.shape), opts.layout).shape, x.dtype)
+              for x in (q, k, v)]
+    try:
+        return check_attention_inputs(*shapes, scale=opts.scale, causal=opts.causal)
+    except ValueError as e:
+        raise layout_error(e, opts.layout) from e
+
+
+class _Shape:
+    """Just a shape, with the ``swapaxes`` that :func:`to_bhnd` applies."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def swapaxes(self, a, b):
+        s = list(self.shape)
+        s[a], s[b] = s[b], s[a]
+        return _Shape(s)
+
+
+def _caller_shape(bhnd_shape, layout):
+    return to_bhnd(_Shape(bhnd_shape), layout).shape
+
+
+_WARNED = set()
+
+
+def _warn_if_host_round_trip(x):
+    """Warn once per platform when a traced call will run on the host of a GPU/TPU."""
+    platform = jax.default_backend()
+    if platform != "cpu" and platform not in _WARNED:
+        _WARNED.add(platform)
+        warnings.warn(
+            f"cuflash.jax: a traced call (jit/vmap) on the {platform!r} backend runs through "
+            "jax.pure_callback on the host with the NumPy backend (inputs and results are "
+            "copied between device and host); the CUDA kernels under jit would need an XLA "
+            "custom call, which cuflash does not provide. Call cuflash.jax.attention eagerly "
+            "(outside jit) to run it on the GPU.", RuntimeWarning, stacklevel=4)
+
+
+# ---------------------------------------------------------------------------
+# the eager GPU path: DLPack between JAX and CuPy
+# ---------------------------------------------------------------------------
+def _eager_gpu_device(*arrays):
+    """The one CUDA device of concrete (untraced) arrays, or None to use pure_callback."""
+    if any(isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array) for a in arrays):
+        return None
+    devices = {d for a in arrays for d in a.devices()}
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    return device if device.platform == "gpu" and _cuda_backend_available() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_backend_available():
+    from . import cuda_backend  # imports CuPy only now, on a GPU
+    return cuda_backend.is_available()[0]
+
+
+def _on_cupy(device, fn, *arrays):
+    """``fn`` on CuPy views of ``arrays``; its results back as JAX arrays (no host copy)."""
+    import cupy
+    with cupy.cuda.Device(getattr(device, "local_hardware_id", device.id)):
+        outs = fn(*(_jax_to_cupy(a) for a in arrays))
+        return tuple(_cupy_to_jax(x) for x in outs)
+
+
+def _jax_to_cupy(a):
+    import cupy
+    if is_bfloat16(a.dtype):
+        return cupy.from_dlpack(jax.lax.bitcast_convert_type(a, jnp.int16)).view(
+            bfloat16_dtype())
+    return cupy.from_dlpack(a)
+
+
+def _cupy_to_jax(x):
+    if is_bfloat16(x.dtype):
+        return jax.lax.bitcast_convert_type(jnp.from_dlpack(x.view(np.int16)), jnp.bfloat16)
+    return jnp.from_dlpack(x)

@@ -1,0 +1,176 @@
+"""Inference shapes in NumPy: split-KV, a KV cache (contiguous or paged), variable-length batches.
+
+* Split-KV (flash-decoding): the keys of a call are cut into ``num_splits``
+  contiguous ranges of whole key/value tiles; each range gives a partial
+  output and its log-sum-exp, and :func:`combine_splits` merges them exactly:
+  ``lse = log(sum_s exp(lse_s))``, ``o = sum_s exp(lse_s - lse) o_s``.  The GPU
+  does this to give idle SMs work when (query tiles x heads x batch) cannot
+  fill the device; here it is the same arithmetic, so tests can hold the
+  kernels' split results to it.
+* ``attention_with_kvcache``: appends ``k_new``/``v_new`` to each sequence's
+  cache (the one documented in-place write) and attends over each sequence's
+  own ``cache_seqlens[b] + Nnew`` keys, read through ``block_table`` when the
+  cache is paged.
+* ``varlen_attention`` / ``varlen_attention_backward``: packed sequences
+  ``cu_seqlens[b]:cu_seqlens[b+1]``, one attention problem per sequence, no
+  padding materialised: the work is the sum of the sequences' own.
+
+The reference loops over sequences in Python (one vectorised flash call each);
+the kernels do all sequences in one launch.
+"""
+import numpy as np
+
+from .._validate_serving import (check_kvcache_inputs, check_varlen_backward,
+                                 check_varlen_inputs, to_host)
+from ._common import _compute_dtype
+from .flash_backward import tiled_attention_backward
+from .flash_forward import tiled_attention
+
+__all__ = ["combine_splits", "split_ranges", "attention_with_kvcache", "varlen_attention",
+           "varlen_attention_backward", "kv_append_positions"]
+
+
+def split_ranges(n_tiles, num_splits):
+    """The key/value tile ranges ``[(j0, j1), ...]`` of ``num_splits`` splits of ``n_tiles`` tiles.
+
+    Each split gets ``ceil(n_tiles / num_splits)`` consecutive tiles (the last
+    ones may get fewer or none): the kernels split the same way.
+    """
+    per = -(-n_tiles // num_splits) if n_tiles else 0
+    return [(min(s * per, n_tiles), min((s + 1) * per, n_tiles)) for s in range(num_splits)]
+
+
+def combine_splits(o_parts, lse_parts, out_dtype):
+    """Merge split partial results exactly.
+
+    Parameters
+    ----------
+    o_parts : ndarray, shape (S, ..., Nq, dv)
+        Each split's output, normalised over its own keys (0 where it saw none).
+    lse_parts : ndarray, shape (S, ..., Nq)
+        Each split's log-sum-exp (-inf where it saw no key).
+    out_dtype : dtype
+        The dtype of the merged output.
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv), out_dtype
+    lse : ndarray, shape (..., Nq), dtype of lse_parts
+        A row no split saw gives o = 0 and lse = -inf.
+    """
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = lse_parts.max(axis=0)
+        m_safe = np.where(np.isfinite(m), m, 0)
+        w = np.exp(lse_parts - m_safe)                      # exp(-inf) = 0 for empty splits
+        total = w.sum(axis=0)
+        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1)), -np.inf)
+        o = (w[..., None] * o_parts).sum(axis=0) / np.where(total > 0, total, 1)[..., None]
+    return o.astype(out_dtype), lse.astype(lse_parts.dtype)
+
+
+# --------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------
+def kv_append_positions(spec, seqlens, b):
+    """(page or batch index, row) in the cache of new key n = 0..Nnew-1 of sequence b."""
+    pos = int(seqlens[b]) + np.arange(spec.Nnew)
+    return pos // spec.page_size, pos % spec.page_size
+
+
+def _sequence_kv(cache, spec, table, b, length):
+    """Sequence b's first ``length`` cached rows as (Hk, length, dim): a view, or the pages joined."""
+    if not spec.paged:
+        return cache[b, :, :length]
+    n_pages = -(-length // spec.page_size)
+    if n_pages == 0:
+        return np.empty((cache.shape[1], 0, cache.shape[3]), cache.dtype)
+    pages = [cache[int(table[b, j])] for j in range(n_pages)]           # (Hk, page_size, dim)
+    return np.concatenate(pages, axis=1)[:, :length]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
+                           block_table=None, scale=None, causal=False, num_splits=None,
+                           return_lse=False, check_inputs=True):
+    """The NumPy reference of ``cuflash.attention_with_kvcache`` (documented there).
+
+    Appends ``k_new``/``v_new`` into the cache, then one flash forward per
+    sequence over its ``cache_seqlens[b] + Nnew`` keys (paged caches: the
+    sequence's pages joined in ``block_table`` order).
+    """
+    spec = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                scale=scale, causal=causal, num_splits=num_splits,
+                                check_inputs=check_inputs)
+    seqlens = to_host(cache_seqlens).astype(np.int64)
+    table = None if block_table is None else to_host(block_table)
+    if spec.Nnew:
+        for b in range(spec.B):
+            where, rows = kv_append_positions(spec, seqlens, b)
+            for n in range(spec.Nnew):
+                page = int(table[b, where[n]]) if spec.paged else b
+                k_cache[page, :, rows[n]] = k_new[b, :, n]
+                v_cache[page, :, rows[n]] = v_new[b, :, n]
+    o = np.empty((spec.B, spec.H, spec.Nq, spec.dv), spec.dtype)
+    lse = np.empty((spec.B, spec.H, spec.Nq), spec.lse_dtype)
+    for b in range(spec.B):
+        length = int(seqlens[b]) + spec.Nnew
+        kb = _sequence_kv(k_cache, spec, table, b, length)
+        vb = _sequence_kv(v_cache, spec, table, b, length)
+        o[b], lse[b] = tiled_attention(q[b], kb, vb, scale=spec.scale, causal=spec.causal or False,
+                                       num_splits=num_splits, return_lse=True)
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------
+# variable-length batches
+# --------------------------------------------------------------------------
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
+                     check_inputs=True):
+    """The NumPy reference of ``cuflash.varlen_attention`` (documented there).
+
+    One flash forward per sequence on (H, n, d) views of the packed arrays:
+    nothing is padded, and the work is that of the sequences themselves.
+    """
+    spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
+                               check_inputs=True)  # the reference reads the lengths anyway
+    o = np.empty((spec.total_q, spec.H, spec.dv), spec.dtype)
+    lse = np.empty((spec.total_q, spec.H), spec.lse_dtype)
+    for b in range(spec.B):
+        q0, q1 = int(spec.cu_q[b]), int(spec.cu_q[b + 1])
+        k0, k1 = int(spec.cu_k[b]), int(spec.cu_k[b + 1])
+        if q1 == q0:
+            continue
+        ob, lb = tiled_attention(q[q0:q1].swapaxes(0, 1), k[k0:k1].swapaxes(0, 1),
+                                 v[k0:k1].swapaxes(0, 1), scale=spec.scale,
+                                 causal=spec.causal or False, return_lse=True)
+        o[q0:q1] = ob.swapaxes(0, 1)
+        lse[q0:q1] = lb.swapaxes(0, 1)
+    return (o, lse) if return_lse else o
+
+
+def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
+                              deterministic=False, check_inputs=True):
+    """The NumPy reference of ``cuflash.varlen_attention_backward`` (documented there)."""
+    spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
+                               check_inputs=True)
+    check_varlen_backward(do, q, k, v, o, lse, spec)
+    dq = np.zeros(q.shape, spec.dtype)
+    dk = np.zeros(k.shape, spec.dtype)
+    dv = np.zeros(v.shape, spec.dtype)
+    lse_c = lse.astype(_compute_dtype(spec.dtype), copy=False)
+    for b in range(spec.B):
+        q0, q1 = int(spec.cu_q[b]), int(spec.cu_q[b + 1])
+        k0, k1 = int(spec.cu_k[b]), int(spec.cu_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue       # no query rows, or no keys: the gradients stay 0
+        t = lambda a, lo, hi: a[lo:hi].swapaxes(0, 1)  # noqa: E731  (H, n, dim) view
+        g = tiled_attention_backward(t(do, q0, q1), t(q, q0, q1), t(k, k0, k1), t(v, k0, k1),
+                                     t(o, q0, q1), lse_c[q0:q1].swapaxes(0, 1),
+                                     scale=spec.scale, causal=spec.causal or False)
+        dq[q0:q1] = g[0].swapaxes(0, 1)
+        dk[k0:k1] = g[1].swapaxes(0, 1)
+        dv[k0:k1] = g[2].swapaxes(0, 1)
+    return dq, dk, dv
