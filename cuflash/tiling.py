@@ -412,8 +412,8 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
 # budget, else 16 (more warps for the same block_q): threads = 32 * block_q / rows_per_warp.
 # Accumulators per thread: rows_per_warp * (block_kv + dv) / 32 (S and O); above
 # TC_MAX_ACC_REGS ptxas spills to local memory (registers are capped at 255), which the H100
-# tile sweep showed as 10-270x slowdowns.  tests/test_tc_plans.py compiles the largest plans
-# the planner accepts and checks that none spills.
+# tile sweep showed as 10-270x slowdowns.  bench/tc_plan_sweep.py compiles every plan the
+# planner accepts and checks that none spills; tests/test_tc_plans.py the largest ones.
 # Layout: Qs (block_q, qs), Ks 2 x (block_kv, ks), Vs 2 x (block_kv, vs) -- K/V in two cp.async
 # stages.  16-bit: qs = ks = d + 8, vs = dv + 8 (16-byte pads: the 8 rows of an ldmatrix hit
 # different banks); float32: qs = ks = d + 16 if d % 32 == 0 else d (a stride of 16 mod 32
@@ -422,14 +422,18 @@ TC_DTYPES = ("float16", "bfloat16")
 TF32_DTYPES = ("float32",)
 TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
 # Accumulator budgets (registers per thread for S and O): with 32 rows per warp, and with 16.
-# The 3xTF32 kernel keeps hi and lo fragments besides, so it gets less for 32 rows.
-TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 160}
+# 32 rows take at most 64 keys per tile (S of 32 x 128 spilled even at d = 16); the 3xTF32
+# kernel keeps hi and lo fragments besides, so it gets less (measured with NVRTC 13 for
+# sm_80 over every plan: bench/tc_plan_sweep.py).
+TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
 TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
 
 
 def tc_rows_per_warp(kernel, bq, bkv, d, dv):
     """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
-    if bq >= 32 and max(d, dv) <= 128 and (bkv + dv) <= TC_MAX_ACC_REGS_32_ROWS[kernel]:
+    if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[kernel]
+            and bkv + dv <= TC_MAX_ACC_REGS_32_ROWS[kernel]):
         return 32
     return 16
 
@@ -482,18 +486,20 @@ def _tc_check(kernel):
 
 
 def _tc_preferences(kernel):
+    # best first: 4 warps of 32 rows where the budget allows it (every K/V fragment feeds two
+    # MMAs), the longest K/V tile those 32 rows can hold; above d = 128, 4 warps of 16 rows
     def prefs(d, dv, acc):
         dm = max(d, dv)
         if kernel == "flash_fwd_tf32":
-            if dm <= 64:
-                return [(128, 32), (64, 32), (32, 32), (16, 16)]
+            if dm <= 96:
+                return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
             if dm <= 128:
-                return [(128, 16), (64, 32), (64, 16), (32, 16), (16, 16)]
+                return [(128, 16), (64, 16), (32, 16), (16, 16)]
             return [(64, 16), (32, 16), (16, 16)]
-        if dm <= 64:
-            return [(128, 128), (128, 64), (64, 64), (32, 32), (16, 16)]
+        if dm <= 96:
+            return [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32), (16, 16)]
         if dm <= 128:
-            return [(128, 64), (128, 32), (64, 32), (32, 32), (16, 16)]
+            return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
         return [(64, 32), (64, 16), (32, 16), (16, 16)]
     return prefs
 
