@@ -60,7 +60,7 @@ _DTYPES = {"CUFLASH_DTYPE_F16": "float16", "CUFLASH_DTYPE_BF16": "bfloat16",
            "CUFLASH_DTYPE_F32": "float32", "CUFLASH_DTYPE_F64": "float64"}
 # launch sizes of the test kernels (tests/kernels/*.cu), as their tests launch them
 _TEST_LAUNCH = {"matmul_mma": (64, 0), "cp_async_pipeline": (16, 512), "block_sum": (128, 0),
-                "block_sum_racy": (128, 0), "warp_ops": (32, 0)}
+                "block_sum_racy": (128, 0), "warp_ops": (32, 0), "matmul_tf32": (32, 0), "tf32_round": (128, 0)}
 
 
 def occupancy(arch, threads, registers, shared_bytes):

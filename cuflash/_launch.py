@@ -328,9 +328,9 @@ def aligned16(x, strides):
     """True when 16-byte copies (cp.async) of rows of ``x`` read aligned addresses.
 
     Needs a 16-byte aligned first element and row/head/batch element strides
-    that are multiples of 8 (16 bytes of a 16-bit type).
+    that are whole multiples of 16 bytes (8 elements of a 16-bit type, 4 of float32).
     """
-    return data_ptr(x) % 16 == 0 and all(s % 8 == 0 for s in strides)
+    return data_ptr(x) % 16 == 0 and all((s * x.itemsize) % 16 == 0 for s in strides)
 
 
 # --------------------------------------------------------------------------

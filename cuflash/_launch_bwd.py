@@ -27,6 +27,10 @@ Everything else runs the SIMT kernels of ``kernels_cu/flash_bwd.cu``:
    dtype is float64 (there is no double ``gatomic_add``), or float32 atomics
    from ``flash_bwd_dkdv`` followed by ``flash_bwd_dq_convert`` otherwise.
 
+float32 on sm_80+ with deterministic=False runs ``flash_bwd_tf32``
+(``kernels_cu/flash_bwd_tf32.cu``, 3xTF32 tensor cores) in place of
+``flash_bwd_dkdv``; preprocess and the dQ conversion stay the SIMT ones.
+
 As in the forward, the first call of a kind validates, plans, compiles (all
 modules of the call concurrently: :func:`cuflash.kernels.get_functions`) and
 packs one ``BwdParams`` block; an identical later call allocates its outputs
@@ -90,6 +94,14 @@ def _tc_requests(plan):
             (_TC_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
 
 
+def _tf32_plan(runtime, spec):
+    """flash_bwd_tf32's plan for this call (float32 on sm_80+), or None: flash_bwd_dkdv runs."""
+    if not runtime.tensor_cores:
+        return None
+    return tiling.plan_bwd_tf32(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv,
+                                limit=runtime.smem_limit, limit_source=runtime.smem_source)
+
+
 def kernels_needed(runtime, d, dv, dtype):
     """``(filename, kernel, defines, shared_bytes)`` of a default-tile backward (for precompile)."""
     main = plan_backward(runtime, d, dv, dtype)
@@ -97,10 +109,17 @@ def kernels_needed(runtime, d, dv, dtype):
         return _tc_requests(main)
     plan, dq_plan, pre_plan = _plans(runtime, d, dv, dtype)
     defines = kernels.plan_defines(plan)
-    return [(_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
-            (_FILE, "flash_bwd_dkdv", defines, plan.shared_bytes),
-            (_FILE, "flash_bwd_dq", defines, dq_plan.shared_bytes),
-            (_FILE, "flash_bwd_dq_convert", defines, 0)]
+    out = [(_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
+           (_FILE, "flash_bwd_dkdv", defines, plan.shared_bytes),
+           (_FILE, "flash_bwd_dq", defines, dq_plan.shared_bytes),
+           (_FILE, "flash_bwd_dq_convert", defines, 0)]
+    tf32 = (tiling.plan_bwd_tf32(d, dv, dtype, limit=runtime.smem_limit,
+                                 limit_source=runtime.smem_source)
+            if runtime.tensor_cores else None)
+    if tf32 is not None:  # float32's default (atomic dQ) path
+        out.append(("flash_bwd_tf32.cu", "flash_bwd_tf32", kernels.plan_defines(tf32),
+                    tf32.shared_bytes))
+    return out
 
 
 def _outputs(spec, q, k, v, Hk):
@@ -261,8 +280,9 @@ def _misaligned(runtime, spec, ins, lse, deterministic, kernel):
     return run(do, q, k, v, o, lse)
 
 
-def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
-    """The SIMT backward (flash_bwd.cu): every dtype and head dim."""
+def _build_simt(runtime, spec, do, q, k, v, o, deterministic, allow_tf32=True):
+    """The SIMT backward (flash_bwd.cu): every dtype and head dim; float32 on sm_80+ on the
+    atomic path with flash_bwd_tf32 (flash_bwd_tf32.cu) in place of flash_bwd_dkdv."""
     xp = runtime.xp
     dtype, acc = spec.dtype, _acc_dtype(spec.dtype)
     Nq, Nk, d, dv = spec.Nq, spec.Nk, spec.d, spec.dv
@@ -289,6 +309,11 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
     groups_of = (False, grouped, grouped, False, False)
 
     atomic = not deterministic and dtype != np.float64
+    # float32 on the atomic path: flash_bwd_tf32.cu (3xTF32 tensor cores) replaces flash_bwd_dkdv
+    # (cp.async reads 16-byte rows: element strides of q, k, v, do must be multiples of 4)
+    tf32 = _tf32_plan(runtime, spec) if atomic and allow_tf32 else None
+    if tf32 is not None and any(st % 4 for st in qs + ks + vs + dos):
+        tf32 = None
     n_rows = B * H * Nq
     ws_size = n_rows * (1 + d) if atomic else n_rows  # D, then the float32 dQ accumulator
     pre_rows = pre_plan.block_q
@@ -296,7 +321,7 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
         pre_rows = -(-Nq // pre_rows) * pre_rows
     n_pre = -(-Nq // pre_rows)
     n_q_tiles = -(-Nq // dq_plan.block_q)
-    n_kv_tiles = -(-Nk // plan.block_kv)
+    n_kv_tiles = -(-Nk // (tf32 or plan).block_kv)
     params = make_params(
         runtime, "BwdParams",
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
@@ -310,15 +335,17 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
 
     defines = kernels.plan_defines(plan)
     last = ("flash_bwd_dq_convert", 0) if atomic else ("flash_bwd_dq", dq_plan.shared_bytes)
+    dkdv_kernel = (("flash_bwd_tf32.cu", "flash_bwd_tf32", kernels.plan_defines(tf32), tf32)
+                   if tf32 else (_FILE, "flash_bwd_dkdv", defines, plan))
     pre, dkdv, fin = kernels.get_functions(runtime, [
         (_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
-        (_FILE, "flash_bwd_dkdv", defines, plan.shared_bytes),
+        dkdv_kernel[:3] + (dkdv_kernel[3].shared_bytes,),
         (_FILE, last[0], defines, last[1])])
     what = f"the backward (Nq={Nq}, Nk={Nk})"
     pre_launch = (pre, "flash_bwd_preprocess", fold_grid(n_pre, H, B, what),
                   (pre_plan.threads,), pre_plan.shared_bytes)
-    dkdv_launch = (dkdv, "flash_bwd_dkdv", fold_grid(n_kv_tiles, Hk, B, what),
-                   (plan.threads,), plan.shared_bytes)
+    dkdv_launch = (dkdv, dkdv_kernel[1], fold_grid(n_kv_tiles, Hk, B, what),
+                   (dkdv_kernel[3].threads,), dkdv_kernel[3].shared_bytes)
     if atomic:
         blocks = max(1, min(-(-n_rows * d // tiling.BWD_THREADS),
                             _CONVERT_BLOCKS.get(runtime.name, 4)))
@@ -328,6 +355,7 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
                       (dq_plan.threads,), dq_plan.shared_bytes)
     rt_name = runtime.name
     emulator = rt_name == "emulator"
+    fallback = []
 
     sum_back = _sum_back(xp, acc, dtype, want, summed)
 
@@ -339,6 +367,12 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
         if emulator:
             ins = [pointer_arg(runtime, x) for x in ins]
         q_, k_, v_, o_, do_ = ins
+        if tf32 is not None and not all(aligned16(x, st) for x, st in
+                                        ((q_, qs), (k_, ks), (v_, vs), (do_, dos))):
+            # a view starting off a 16-byte boundary: the SIMT kernels, prepared once
+            if not fallback:
+                fallback.append(_build_simt(runtime, spec, do, q, k, v, o, deterministic, False))
+            return fallback[0](do, q, k, v, o, lse)
         if lse.dtype != acc or not lse.flags.c_contiguous:
             lse = xp.ascontiguousarray(lse, dtype=acc)  # (B, H, Nq) in the accumulator type
         dq = alloc_output(xp, alloc_shape["dq"], dtype, "dq")

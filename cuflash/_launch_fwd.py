@@ -1,5 +1,9 @@
 """Launching the forward kernels (``flash_fwd.cu``, ``flash_fwd_tc.cu``) for "cuda" and "emulator".
 
+``flash_fwd_tc.cu`` holds two kernels: ``flash_fwd_tc`` (float16/bfloat16) and
+``flash_fwd_tf32`` (float32 as 3xTF32); the planner picks them on sm_80+ and the
+SIMT ``flash_fwd`` otherwise (float64, sm_75, head dims they lack).
+
 :func:`tiled_attention` is the public forward of both kernel backends: on the
 first call of a kind it validates, plans (which kernel, which tiles:
 :func:`cuflash.tiling.plan_flash_fwd`), compiles and packs a ``FwdParams``
@@ -25,11 +29,27 @@ def _build(runtime, spec, q, k, v, kernel=None):
     """The prepared forward for this call's shapes and strides: ``run(q, k, v) -> (o, lse)``.
 
     ``kernel`` None lets the planner choose (tensor cores for float16/bfloat16
-    where supported); tests force "flash_fwd" or "flash_fwd_tc".
+    where supported: flash_fwd_tc for float16/bfloat16, flash_fwd_tf32 for float32);
+    tests force "flash_fwd", "flash_fwd_tc" or "flash_fwd_tf32".
     """
     xp = runtime.xp
     plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
     out_shape, lse_shape = spec.out_shape, spec.lse_shape
+    scale, q_transform = spec.scale, None
+    if plan.kernel in tiling.TC_KERNELS and (scale < 0 or scale == 0):
+        # the tensor-core kernels fold scale * log2(e) into the exponent and take the row max
+        # of the raw logits: that needs scale > 0.  softmax(s * q.k) = softmax(-s * (-q).k)
+        # exactly; scale 0 makes every logit 0 * (q.k), as does q * 0 with scale 1.
+        if scale < 0:
+            scale = -scale
+            def q_transform(x):
+                return xp.ascontiguousarray(xp.negative(x))
+        else:
+            scale = 1.0
+            def q_transform(x):
+                return xp.ascontiguousarray(x * 0)
+        q = q_transform(q)
+        record_copy("scaled copy", q)
     dtype, lse_dtype = spec.dtype, spec.lse_dtype
     B, H = problem_dims(spec.lead)
     if spec.Nq == 0 or B * H == 0:
@@ -57,15 +77,18 @@ def _build(runtime, spec, q, k, v, kernel=None):
         runtime, "FwdParams",
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], o_sb=o_sb, o_sh=o_sh, o_sr=spec.dv,
-        lse_sb=l_sb, lse_sh=l_sh, scale=spec.scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
+        lse_sb=l_sb, lse_sh=l_sh, scale=scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
         group=spec.group, causal=int(spec.causal is not None),
         causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
         n_tiles=n_tiles, **dense_serving_fields(spec, B * H))
-    needs_align = name == "flash_fwd_tc"  # cp.async copies 16 bytes
+    needs_align = name in tiling.TC_KERNELS  # cp.async copies 16 bytes
     emulator = runtime.name == "emulator"
     rt_name = runtime.name
 
     def run(q, k, v):
+        q_in = q
+        if q_transform is not None:
+            q = q_transform(q)
         if copy_q:
             q = flatten_lead(runtime, q, lead)[0]
         if copy_k:
@@ -73,7 +96,7 @@ def _build(runtime, spec, q, k, v, kernel=None):
         if copy_v:
             v = flatten_lead(runtime, v, lead, grouped)[0]
         if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
-            return _misaligned(runtime, spec, q, k, v, kernel)
+            return _misaligned(runtime, spec, q_in, k, v, kernel)
         if emulator:
             q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         o = alloc_output(xp, out_shape, dtype, "o")
@@ -130,7 +153,9 @@ def tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_l
     Split-KV calls go to the serving kernel (:mod:`cuflash._launch_serving`):
     ``num_splits`` > 1, or None when every head's queries fit one tile (decode
     and short queries, where the keys are the only parallelism left) and
-    :func:`cuflash.tiling.num_splits_heuristic` finds the GPU underfilled.
+    :func:`cuflash.tiling.num_splits_heuristic` finds the GPU underfilled --
+    but where the dense plan is a tensor-core kernel, only when a kv head has at
+    most ``tiling.SPLIT_MAX_ROWS_OVER_TC`` query rows (the split kernel is SIMT).
     """
     key = _key(q, k, v, scale, causal, block_q, block_kv, ("splits", num_splits))
 
@@ -156,6 +181,8 @@ def _splits_for(runtime, spec, num_splits):
     if spec.Nq > plan.block_q or spec.Nk == 0 or B * H == 0:
         return 1
     Hk, group = kv_heads_for_kernel(spec)  # the serving kernel packs a GQA/MQA group's rows
+    if plan.kernel in tiling.TC_KERNELS and group * spec.Nq > tiling.SPLIT_MAX_ROWS_OVER_TC:
+        return 1
     blocks = B * Hk * -(-(group * spec.Nq) // plan.block_q)
     return tiling.num_splits_heuristic(blocks, -(-spec.Nk // plan.block_kv), runtime.num_sms)
 
@@ -247,8 +274,9 @@ def verify_no_full_materialization(runtime, q, k, v, block_size):
         o, _ = _build(runtime, spec, q, k, v)(q, k, v)  # uncached: every copy is seen
     plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
     bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
-    if plan.kernel == "flash_fwd_tc":  # shared-memory tiles (K/V double buffered)
-        sizes = [bq * (d + 8), 2 * bkv * (d + 8), 2 * bkv * (dv + 8)]
+    if plan.kernel in tiling.TC_KERNELS:  # shared-memory tiles (K/V in two stages)
+        qs, ks, vs, _ = tiling.tc_strides(plan.kernel, d, dv)
+        sizes = [bq * qs, 2 * bkv * ks, 2 * bkv * vs]
     else:
         sizes = [bq * (d + 1), bkv * (d + 1), bkv * dv, bq * (bkv + 1)]
     for what, shape in ledger:

@@ -97,7 +97,8 @@ def build_options(defines):
 # kernel name -> the kernels_cu file that defines it
 KERNEL_SOURCES = {
     "flash_fwd": "flash_fwd.cu",
-    "flash_fwd_tc": "flash_fwd_tc.cu",
+    "flash_fwd_tc": "flash_fwd_tc.cu",     # float16/bfloat16
+    "flash_fwd_tf32": "flash_fwd_tc.cu",   # float32 (3xTF32): the same file with -DCUFLASH_DTYPE_F32
     "online_softmax_rows": "online_softmax.cu",
     "flash_bwd_preprocess": "flash_bwd.cu",
     "flash_bwd_dkdv": "flash_bwd.cu",
@@ -110,6 +111,7 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_preprocess": "flash_bwd_tc.cu",
     "flash_bwd_tc": "flash_bwd_tc.cu",
     "flash_bwd_tc_dq_convert": "flash_bwd_tc.cu",
+    "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
 }
 
 
@@ -178,10 +180,10 @@ class Runtime:
         Streaming multiprocessors (split-KV fills them; a nominal count on the
         emulator).
     tensor_cores : bool
-        Whether the forward may pick the mma.m16n8k16 kernel by default: sm_80
-        and newer.  Before sm_80 portable.cuh emulates that mma with 32 shuffles,
-        which is correct but slower than the SIMT kernel, so only an explicit
-        ``kernel="flash_fwd_tc"`` runs it there.
+        Whether the forward may pick a tensor-core kernel by default (flash_fwd_tc
+        for float16/bfloat16, flash_fwd_tf32 for float32): sm_80 and newer.  Before
+        sm_80 portable.cuh emulates the mma with 32 shuffles, which is correct but
+        slower than the SIMT kernel, so only an explicit ``kernel=`` runs them there.
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
@@ -410,11 +412,22 @@ def compile_variants():
         p = tiling.plan("flash_fwd", d, d, dt, 8, None, limit=sm80)
         opts = build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None))
         out.setdefault("flash_fwd.cu", []).append(opts)
-    # flash_fwd_tc.cu: float16/bfloat16 on tensor cores
+    # flash_fwd_tc.cu: the default plans of float16/bfloat16 (flash_fwd_tc) and float32
+    # (flash_fwd_tf32) at the head dims of the test grid, and the extremes: one warp (16
+    # rows), d = 256 (16 rows per warp), dv != d
     for dt in tiling.TC_DTYPES:
-        for d in (16, 64, 128):
+        for d in (64, 128):
             add("flash_fwd_tc", dt, d)
-    add("flash_fwd_tc", "float16", 96, dv=32, bq=16, bkv=128)
+    add("flash_fwd_tc", "float16", 256)
+    add("flash_fwd_tc", "bfloat16", 96, dv=32, bq=16, bkv=32)
+    for d in (64, 128):
+        add("flash_fwd_tf32", "float32", d)
+    add("flash_fwd_tf32", "float32", 256)
+    add("flash_fwd_tf32", "float32", 32, dv=96, bq=16, bkv=16)
+    # flash_bwd_tf32.cu: the default plans at d = 64 and 128, and dv != d
+    for d in (64, 128):
+        add("flash_bwd_tf32", "float32", d)
+    add("flash_bwd_tf32", "float32", 32, dv=96)
     # online_softmax.cu: one per dtype
     out["online_softmax.cu"] = [build_options({define: None}) for define in _DTYPE_DEFINES.values()]
     # flash_bwd.cu (SIMT backward): float32 over the head dims of the test grid, two head

@@ -36,8 +36,9 @@ import numpy as np
 __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
-    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES",
-    "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS",
+    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
+    "TC_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
+    "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
 ]
 
@@ -197,6 +198,16 @@ def device_sm_count(backend, arch=None):
     return EMULATOR_SMS[arch], f"nominal {arch} (emulator)"
 
 
+# Automatic split-KV (num_splits=None) goes to the SIMT serving kernel.  Where the dense
+# plan would run a tensor-core kernel, it is taken only for at most this many query rows
+# per kv head (decode: GQA group x new tokens): one m16 tile of rows, where a 64-128-row
+# tensor-core tile does mostly padding.  Above it the tensor cores' per-FLOP advantage
+# (on the H100 the SIMT forward ran float32 at 12.9 TFLOP/s, flash_fwd_tc float16 at
+# 166-172, d=128: docs/gpu-baseline.md) is assumed to beat the split's extra parallelism -- not yet
+# measured against the split kernel; num_splits=k forces a split at any row count.
+SPLIT_MAX_ROWS_OVER_TC = 16
+
+
 def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
     """How many key splits a forward launch of ``blocks`` thread blocks should use (split-KV).
 
@@ -229,6 +240,38 @@ def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
 
 def _fits(t, bq, bkv, d, dv, acc, limit):
     return t.check(bq, bkv, d, dv) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
+
+
+# Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
+# leaves fewer resident warps than that idles schedulers outright, and nothing hides its
+# memory latency.  The H100 tile sweep (docs/gpu-baseline.md) measured such a plan: float32
+# d=128 with block_q=16, block_kv=128 (64 threads, 148 KB: one block, 2 warps per SM) ran
+# 9x slower than the default.  Defaults skip these plans while any other fits; explicit
+# tiles that fall below it are refused where a plan above it exists (float64 at d=256 has
+# none: its plans stay allowed).
+MIN_RESIDENT_WARPS = 4
+MAX_BLOCKS_PER_SM = 16  # the smallest hardware limit of the supported GPUs (sm_75/86/89)
+SMEM_RESERVED_PER_BLOCK = 1024  # CUDA reserves 1 KB of each SM's shared memory per block
+
+
+def resident_warps(threads, shared_bytes, limit):
+    """Warps of one kernel that shared memory lets reside on an SM, or None (no limit known).
+
+    An SM holds the per-block opt-in ``limit`` plus the 1 KB the runtime reserves per block
+    (A100: 163 KB + 1 KB of 164 KB; H100: 227 + 1 of 228), so ``(limit + 1 KB) // (shared +
+    1 KB)`` blocks fit, at most :data:`MAX_BLOCKS_PER_SM`.  Registers can only lower this;
+    they are known after compilation (the kernel report and ``kernels.check_compiled``).
+    """
+    if limit is None or limit < 0 or limit == float("inf"):
+        return None
+    blocks = min(MAX_BLOCKS_PER_SM,
+                 (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK))
+    return blocks * -(-threads // 32)
+
+
+def _occupancy_ok(t, bq, bkv, d, dv, acc, limit):
+    w = resident_warps(t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc), limit)
+    return w is None or w >= MIN_RESIDENT_WARPS
 
 
 def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
@@ -287,13 +330,18 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
         pairs = [(a, b) for a, b in prefs
                  if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)]
         chosen = "default" if block_q is None and block_kv is None else "mixed"
-    for bq, bkv in pairs:
-        if _fits(t, bq, bkv, d, dv, acc, lim):
-            return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
-                            acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
-                            shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
-                            limit=int(limit) if limit is not None else -1,
-                            limit_source=limit_source, chosen=chosen)
+    fitting = [ab for ab in pairs if _fits(t, *ab, d, dv, acc, lim)]
+    # occupancy floor first: defaults take a plan below it only when no other fits
+    fitting.sort(key=lambda ab: not _occupancy_ok(t, *ab, d, dv, acc, limit))
+    if fitting and not _occupancy_ok(t, *fitting[0], d, dv, acc, limit) and chosen != "default":
+        _refuse_low_occupancy(t, kernel, fitting[0], d, dv, acc, dtname, limit, lim_text)
+    if fitting:
+        bq, bkv = fitting[0]
+        return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
+                        acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
+                        shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
+                        limit=int(limit) if limit is not None else -1,
+                        limit_source=limit_source, chosen=chosen)
     # nothing fits: say why, with the budget and what would fit
     bq, bkv = pairs[0]
     why = t.check(bq, bkv, d, dv)
@@ -307,6 +355,23 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: "
                      f"{reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
                      f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
+
+
+def _refuse_low_occupancy(t, kernel, pair, d, dv, acc, dtname, limit, lim_text):
+    """Raise for explicit tiles below the occupancy floor where another pair is above it."""
+    good = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+            if _fits(t, a, b, d, dv, acc, limit if limit is not None else float('inf')) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    if not good:
+        return  # every plan of this head dim is below the floor: allowed
+    bq, bkv = pair
+    threads, shared = t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc)
+    w = resident_warps(threads, shared, limit)
+    raise ValueError(
+        f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: {threads} threads "
+        f"and {shared} B of shared memory per block leave {w} resident warp(s) per SM (shared "
+        f"memory {lim_text}); below {MIN_RESIDENT_WARPS} the SM's warp schedulers idle and such "
+        f"plans ran up to 9x slower than the default on an H100. (block_q, block_kv) pairs with "
+        f">= {MIN_RESIDENT_WARPS} warps per SM: " + ", ".join(f"({a}, {b})" for a, b in good))
 
 
 def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(16, 32, 64, 96, 128, 256),
@@ -408,80 +473,199 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
 
 
 # --------------------------------------------------------------------------
-# flash_fwd_tc (kernels_cu/flash_fwd_tc.cu): float16/bfloat16 on tensor cores
+# flash_fwd_tc / flash_fwd_tf32 (kernels_cu/flash_fwd_tc.cu): the forward on tensor cores
 # --------------------------------------------------------------------------
-# Layout (input dtype, 2 bytes): Qs (block_q, d+8), Ks 2 x (block_kv, d+8),
-# Vs 2 x (block_kv, dv+8) -- K/V double buffered for cp.async; the +8 pads
-# (16 bytes) spread the 8 rows of one ldmatrix over the banks.  Each warp owns
-# 16 query rows: block_q = 16 * warps, threads = 2 * block_q.
+# float16/bfloat16 run flash_fwd_tc (mma.m16n8k16), float32 flash_fwd_tf32 (3xTF32
+# mma.m16n8k8).  Each warp owns 32 query rows (two m16 tiles: every K/V fragment read from
+# shared memory feeds two MMAs) when d, dv <= 128 and its accumulators fit the register
+# budget, else 16 (more warps for the same block_q): threads = 32 * block_q / rows_per_warp.
+# Accumulators per thread: rows_per_warp * (block_kv + dv) / 32 (S and O); above
+# TC_MAX_ACC_REGS ptxas spills to local memory (registers are capped at 255), which the H100
+# tile sweep showed as 10-270x slowdowns.  bench/plan_sweep.py compiles every plan the
+# planner accepts and checks that none spills; tests/test_tc_plans.py the largest ones.
+# Layout: Qs (block_q, qs), Ks 2 x (block_kv, ks), Vs 2 x (block_kv, vs) -- K/V in two cp.async
+# stages.  16-bit: qs = ks = d + 8, vs = dv + 8 (16-byte pads: the 8 rows of an ldmatrix hit
+# different banks); float32: qs = ks = d + 16 if d % 32 == 0 else d (a stride of 16 mod 32
+# floats for the 128-bit fragment loads), vs = dv + 4 (4 mod 16 for the 64-bit loads).
 TC_DTYPES = ("float16", "bfloat16")
+TF32_DTYPES = ("float32",)
+TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
+# Accumulator budgets (registers per thread for S and O): with 32 rows per warp, and with 16.
+# 32 rows take at most 64 keys per tile (S of 32 x 128 spilled even at d = 16); the 3xTF32
+# kernel keeps hi and lo fragments besides, so it gets less (measured with NVRTC 13 for
+# sm_80 over every plan: bench/plan_sweep.py).
+TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
 
 
-def _tc_shared(bq, bkv, d, dv, acc):
-    return 2 * (bq * (d + 8) + 2 * bkv * (d + 8) + 2 * bkv * (dv + 8))
+def tc_rows_per_warp(kernel, bq, bkv, d, dv):
+    """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
+    if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[kernel]
+            and bkv + dv <= TC_MAX_ACC_REGS_32_ROWS[kernel]):
+        return 32
+    return 16
 
 
-def _tc_layout(bq, bkv, d, dv, acc):
-    return (f"16-bit Qs[{bq}][{d + 8}] + Ks[2][{bkv}][{d + 8}] + "
-            f"Vs[2][{bkv}][{dv + 8}]")
+def tc_acc_regs(kernel, bq, bkv, d, dv):
+    """Accumulator registers per thread (S and O) of a tensor-core forward plan."""
+    return tc_rows_per_warp(kernel, bq, bkv, d, dv) * (bkv + dv) // 32
 
 
-def _tc_check(bq, bkv, d, dv):
-    if d % 16 or dv % 16:
-        return f"the tensor-core kernel needs d and dv multiples of 16, got d={d}, dv={dv}"
-    if dv > 128:
-        return f"the tensor-core kernel keeps O in registers: dv <= 128, got dv={dv}"
-    # registers per thread: S (block_kv / 2 floats) + O (dv / 2 floats)
-    if bkv // 2 + dv // 2 > 96:
-        return (f"block_kv={bkv} with dv={dv} needs {bkv // 2 + dv // 2} accumulator "
-                "registers per thread on tensor cores (limit 96)")
+def _tc_threads(kernel):
+    def threads(bq, bkv, d, dv):
+        return 32 * (bq // tc_rows_per_warp(kernel, bq, bkv, d, dv))
+    return threads
+
+
+def tc_strides(kernel, d, dv):
+    if kernel == "flash_fwd_tf32":
+        return d + (16 if d % 32 == 0 else 0), d + (16 if d % 32 == 0 else 0), dv + 4, 4
+    return d + 8, d + 8, dv + 8, 2
+
+
+def _tc_shared(kernel):
+    def shared(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        return esz * (bq * qs + 2 * bkv * ks + 2 * bkv * vs)
+    return shared
+
+
+def _tc_layout(kernel):
+    def layout(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        t = "float" if esz == 4 else "16-bit"
+        return f"{t} Qs[{bq}][{qs}] + Ks[2][{bkv}][{ks}] + Vs[2][{bkv}][{vs}]"
+    return layout
+
+
+def _tc_check(kernel):
+    def check(bq, bkv, d, dv):
+        if d % 16 or dv % 16:
+            return f"{kernel} needs d and dv multiples of 16, got d={d}, dv={dv}"
+        if max(d, dv) > 256:
+            return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
+        n = tc_acc_regs(kernel, bq, bkv, d, dv)
+        if n > TC_MAX_ACC_REGS[kernel]:
+            return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
+                    f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[kernel]}: "
+                    "more would spill to local memory)")
+        return None
+    return check
+
+
+def _tc_preferences(kernel):
+    # best first: 4 warps of 32 rows where the budget allows it (every K/V fragment feeds two
+    # MMAs), the longest K/V tile those 32 rows can hold; above d = 128, 4 warps of 16 rows
+    def prefs(d, dv, acc):
+        dm = max(d, dv)
+        if kernel == "flash_fwd_tf32":
+            if dm <= 96:
+                return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
+            if dm <= 128:
+                return [(128, 16), (64, 16), (32, 16), (16, 16)]
+            return [(64, 16), (32, 16), (16, 16)]
+        if dm <= 96:
+            return [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32), (16, 16)]
+        if dm <= 128:
+            return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
+        return [(64, 32), (64, 16), (32, 16), (16, 16)]
+    return prefs
+
+
+for _k in TC_KERNELS:
+    register(KernelTiling(
+        name=_k,
+        block_q_choices=(16, 32, 64, 128),
+        block_kv_choices=(16, 32, 64, 128),
+        shared_bytes=_tc_shared(_k),
+        threads=_tc_threads(_k),
+        preferences=_tc_preferences(_k),
+        layout=_tc_layout(_k),
+        check=_tc_check(_k),
+    ))
+
+
+def tc_kernel_for(dtype):
+    """The tensor-core forward kernel of a dtype name, or None (float64)."""
+    name = _dtype_name(dtype)
+    if name in TC_DTYPES:
+        return "flash_fwd_tc"
+    if name in TF32_DTYPES:
+        return "flash_fwd_tf32"
     return None
-
-
-def _tc_preferences(d, dv, acc):
-    if max(d, dv) <= 64:
-        return [(64, 64), (64, 32), (32, 32), (16, 16)]
-    return [(64, 32), (32, 32), (16, 16)]
-
-
-register(KernelTiling(
-    name="flash_fwd_tc",
-    block_q_choices=(16, 32, 64, 128),
-    block_kv_choices=(16, 32, 64, 128),
-    shared_bytes=_tc_shared,
-    threads=lambda bq, bkv, d, dv: 2 * bq,
-    preferences=_tc_preferences,
-    layout=_tc_layout,
-    check=_tc_check,
-))
 
 
 def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                    limit_source="unlimited", kernel=None):
-    """The forward's plan: which kernel (flash_fwd_tc or flash_fwd) with which tiles.
+    """The forward's plan: which kernel (tensor cores or the SIMT flash_fwd) with which tiles.
 
-    float16/bfloat16 run on tensor cores (flash_fwd_tc) when the head dims and
-    any explicit tile sizes are ones that kernel supports and its tiles fit the
-    limit; everything else runs the SIMT kernel flash_fwd, which takes every
-    dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
-    are honoured by whichever kernel runs, or refused by flash_fwd's rules.
-    ``kernel`` forces one of the two (tests use it to cover both).
+    float16/bfloat16 run on tensor cores (flash_fwd_tc), float32 as 3xTF32 on tensor cores
+    (flash_fwd_tf32, float32 accuracy), when the head dims and any explicit tile sizes are
+    ones that kernel supports and its tiles fit the limit; everything else (float64, head
+    dims that are not multiples of 16, tiles it lacks) runs the SIMT kernel flash_fwd, which
+    takes every dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
+    are honoured by whichever kernel runs, or refused by flash_fwd's rules.  ``kernel``
+    forces one kernel ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32"; tests use it).
     """
+    tc_name = tc_kernel_for(dtype)
     if kernel is None:
-        tc = kernel_tiling("flash_fwd_tc")
-        if (_dtype_name(dtype) in TC_DTYPES
-                and (block_q is None or block_q in tc.block_q_choices)
-                and (block_kv is None or block_kv in tc.block_kv_choices)
-                and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
-            try:
-                return plan("flash_fwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
-                            limit_source=limit_source)
-            except ValueError:
-                pass  # does not fit this device: the SIMT kernel may
+        if tc_name is not None:
+            tc = kernel_tiling(tc_name)
+            if ((block_q is None or block_q in tc.block_q_choices)
+                    and (block_kv is None or block_kv in tc.block_kv_choices)
+                    and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
+                try:
+                    return plan(tc_name, d, dv, dtype, block_q, block_kv, limit=limit,
+                                limit_source=limit_source)
+                except ValueError as e:
+                    _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
+                                             limit_source, str(e))
+            else:
+                _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
+                                         limit_source, None)
         kernel = "flash_fwd"
-    if kernel == "flash_fwd_tc" and _dtype_name(dtype) not in TC_DTYPES:
-        raise ValueError(f"flash_fwd_tc runs {TC_DTYPES} only, got {_dtype_name(dtype)}")
+    if kernel in TC_KERNELS and kernel != tc_name:
+        want = TC_DTYPES if kernel == "flash_fwd_tc" else TF32_DTYPES
+        raise ValueError(f"{kernel} runs {want} only, got {_dtype_name(dtype)}")
     return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
+
+
+def _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit, limit_source, why):
+    """Explicit tiles the tensor-core kernel does not take, for head dims it does: refused.
+
+    Without this they would run on the SIMT kernel -- the "tile sweep" cliff of the H100
+    baseline (float16 d=128, block_kv=128: 58-385 ms against the default's 3.3 ms).  Returns
+    (the SIMT kernel may run) when the tiles are not explicit or the tensor-core kernel
+    lacks these head dims at every tile size.
+    """
+    if block_q is None and block_kv is None:
+        return
+    t = kernel_tiling(tc_name)
+    acc = accumulator_bytes(dtype)
+    lim = float("inf") if limit is None else int(limit)
+    good = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+            if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)
+            and _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    every = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+             if _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    if not every:
+        return  # no tensor-core plan at these head dims: the SIMT kernel is the only one
+    if why is not None:  # plan()'s refusal: its reason, without the kernel and pair lists
+        why = why.split(": ", 1)[-1].split(". Supported")[0].split(". (block_q")[0]
+    else:
+        bq, bkv = block_q or 16, block_kv or 16
+        why = (t.check(bq, bkv, d, dv) or
+               f"supported block_q: {list(t.block_q_choices)}, block_kv: "
+               f"{list(t.block_kv_choices)}")
+    asked = ", ".join(f"{n}={v}" for n, v in (("block_q", block_q), ("block_kv", block_kv))
+                      if v is not None)
+    raise ValueError(
+        f"{asked} with d={d}, dv={dv}, {_dtype_name(dtype)}: the tensor-core kernel {tc_name} "
+        f"does not take these tiles ({why}), and running them on the SIMT kernel instead would "
+        f"be several times slower, so they are refused. (block_q, block_kv) pairs "
+        f"{tc_name} takes here: " + ", ".join(f"({a}, {b})" for a, b in (good or every))
+        + f" (shared memory {lim if limit is not None else 'no limit'} B, {limit_source})")
 
 
 # --------------------------------------------------------------------------
@@ -664,6 +848,86 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
     return read, written
 
 
+# ==========================================================================
+# flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward's dK/dV/dQ kernel on
+# tensor cores (3xTF32), in place of flash_bwd_dkdv on the atomic-dQ path
+# ==========================================================================
+# Each warp owns 16 keys: block_kv = 16 * warps, threads = 2 * block_kv.  Layout (float):
+# Ks (block_kv, ks), Vs (block_kv, vs), Qs 2 x (block_q, qs), dOs 2 x (block_q, os),
+# lse2 2 x block_q, D 2 x block_q, dS^T (block_kv, ts); strides: ks = qs = os = 20 mod 32 (tiles
+# read as rows g and as rows 2t), vs = 16 mod 32, ts = 4 mod 32 (flash_bwd_tf32.cu says why).
+# Registers per thread: dK and dV of 16 keys ((d + dv) / 2) and S^T, dP^T of block_q queries
+# (block_q); BWD_TF32_MAX_ACC_REGS caps their sum (spill-free, tests/test_tc_plans.py).
+BWD_TF32_MAX_ACC_REGS = 144
+
+
+def _pad32(n, r):
+    return n + ((r - n % 32) % 32 + 32) % 32
+
+
+def bwd_tf32_strides(bq, d, dv):
+    """(ks, vs, qs, os, ts): the row strides (floats) of flash_bwd_tf32's shared tiles."""
+    return _pad32(d, 20), _pad32(dv, 16), _pad32(d, 20), _pad32(dv, 20), _pad32(bq, 4)
+
+
+def _bwd_tf32_shared(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return 4 * (bkv * ks + bkv * vs + 2 * bq * qs + 2 * bq * os_ + 4 * bq + bkv * ts)
+
+
+def _bwd_tf32_layout(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return (f"float Ks[{bkv}][{ks}] + Vs[{bkv}][{vs}] + Qs[2][{bq}][{qs}] + dOs[2][{bq}][{os_}] "
+            f"+ lse2[2][{bq}] + D[2][{bq}] + dST[{bkv}][{ts}]")
+
+
+def _bwd_tf32_check(bq, bkv, d, dv):
+    if d % 32 or dv % 32 or max(d, dv) > 128:
+        return f"flash_bwd_tf32 needs d, dv multiples of 32 up to 128, got d={d}, dv={dv}"
+    n = (d + dv) // 2 + bq
+    if n > BWD_TF32_MAX_ACC_REGS:
+        return (f"block_q={bq} with d={d}, dv={dv} needs {n} accumulator registers per thread in "
+                f"flash_bwd_tf32 (limit {BWD_TF32_MAX_ACC_REGS}: more would spill)")
+    return None
+
+
+def _bwd_tf32_preferences(d, dv, acc):
+    if max(d, dv) <= 64:
+        return [(64, 64), (32, 64), (64, 32), (32, 32), (16, 32)]
+    return [(32, 64), (16, 64), (32, 32), (16, 32)]
+
+
+register(KernelTiling(
+    name="flash_bwd_tf32",
+    block_q_choices=(16, 32, 64),
+    block_kv_choices=(32, 64, 128),
+    shared_bytes=_bwd_tf32_shared,
+    threads=lambda bq, bkv, d, dv: 2 * bkv,
+    preferences=_bwd_tf32_preferences,
+    layout=_bwd_tf32_layout,
+    check=_bwd_tf32_check,
+))
+
+
+def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                  limit_source="unlimited"):
+    """flash_bwd_tf32's plan for a float32 backward, or None where it does not apply.
+
+    None for other dtypes, head dims it lacks, explicit tiles outside its choices or tiles that
+    do not fit: the SIMT kernels of flash_bwd.cu run those.
+    """
+    if _dtype_name(dtype) not in TF32_DTYPES:
+        return None
+    t = kernel_tiling("flash_bwd_tf32")
+    if ((block_q is not None and block_q not in t.block_q_choices)
+            or (block_kv is not None and block_kv not in t.block_kv_choices)
+            or t.check(block_q or 16, block_kv or 32, d, dv) is not None):
+        return None
+    try:
+        return plan("flash_bwd_tf32", d, dv, dtype, block_q, block_kv, limit=limit,
+                    limit_source=limit_source)
+    except ValueError:
+        return None
 # --------------------------------------------------------------------------
 # the serving forward (flash_fwd.cu, -DCUFLASH_FWD_SERVING): split-KV traffic
 # --------------------------------------------------------------------------
@@ -749,6 +1013,14 @@ def _bwd_tc_budget(passes):
     return BWD_TC_ARRAY_BUDGET if passes == 1 else BWD_TC_ARRAY_BUDGET_TWO_PASSES
 
 
+# (block_q, block_kv, d, dv) of flash_bwd_tc that ptxas (NVRTC 13.0) compiles with spills
+# for sm_90 although the register-array model above accepts them: 255 registers and 8-16 B
+# of spill traffic in the two-pass layout, where the neighbouring head dims with as many
+# array floats (d = 192 at 64 x 64, d = 224 at 32 x 32 / 32 x 128) do not spill.  Found by
+# bench/plan_sweep.py (issue 12); refused so that no accepted plan spills.
+BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 64, 224, 224)})
+
+
 def bwd_tc_layout(bq, bkv, d, dv):
     """``(warps, keys per warp // 16, passes, query split)`` of flash_bwd_tc, or a str saying why not.
 
@@ -763,6 +1035,9 @@ def bwd_tc_layout(bq, bkv, d, dv):
         return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
     if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
         return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
+    if (bq, bkv, d, dv) in BWD_TC_PTXAS_SPILLS:
+        return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills this plan on "
+                "sm_90 (bench/plan_sweep.py) although its register arrays fit the budget")
     if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
         return bkv // 32, 2, 1, 1
     if bkv >= 32 and bq % 32 == 0 and _bwd_tc_arrays(bq, d, dv, 2, 1, 2) <= _bwd_tc_budget(1):
@@ -865,15 +1140,19 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     name = _dtype_name(dtype)
     if kernel is None:
         tc = kernel_tiling("flash_bwd_tc")
-        if (tensor_cores and name in TC_DTYPES
-                and (block_q is None or block_q in tc.block_q_choices)
-                and (block_kv is None or block_kv in tc.block_kv_choices)
-                and d % 16 == 0 and dv % 16 == 0):
-            try:
-                return plan("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
-                            limit_source=limit_source)
-            except ValueError:
-                pass  # does not fit this device: the SIMT kernels may
+        if tensor_cores and name in TC_DTYPES:
+            if ((block_q is None or block_q in tc.block_q_choices)
+                    and (block_kv is None or block_kv in tc.block_kv_choices)
+                    and d % 16 == 0 and dv % 16 == 0):
+                try:
+                    return plan("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
+                                limit_source=limit_source)
+                except ValueError as e:
+                    _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv,
+                                             limit, limit_source, str(e))
+            elif d % 16 == 0 and dv % 16 == 0:
+                _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit,
+                                         limit_source, None)
         kernel = "flash_bwd_dkdv"
     if kernel == "flash_bwd_tc" and name not in TC_DTYPES:
         raise ValueError(f"flash_bwd_tc runs {TC_DTYPES} only, got {name}")

@@ -1,264 +1,613 @@
-// flash_fwd_tc: the FlashAttention-2 forward of flash_fwd.cu on tensor cores, for float16 and
-// bfloat16.  Same result contract: O = softmax(scale * Q K^T [causal mask]) V and
-// lse = m + log(l) per query row, with rows that see no key giving o = 0, lse = -inf.
+// flash_fwd_tc.cu: the FlashAttention-2 forward of flash_fwd.cu on tensor cores.
+//   float16 / bfloat16 -> kernel flash_fwd_tc:   mma.m16n8k16, float32 accumulators;
+//   float32            -> kernel flash_fwd_tf32: mma.m16n8k8 with tf32 operands, each float32
+//                         operand split into hi + lo and three products (3xTF32,
+//                         portable.cuh), float32 accumulators: float32 accuracy.
+// Result contract as flash_fwd: O = softmax(scale * Q K^T [causal mask]) V and
+// lse = m + log(l) per query row; rows that see no key give o = 0, lse = -inf.
 //
-// Algorithm (FlashAttention-2, Dao 2023, forward with tiling): one thread block per (Q tile, query head, batch);
-// Q_i resident in shared memory, K_j/V_j streamed through two shared-memory buffers with
-// cp.async (tile j + 1 is in flight while tile j is computed); online softmax with running
-// m_i, l_i per row; causal tiles above the boundary never loaded (loop bound).
+// Algorithm (FlashAttention-2, Dao 2023): one thread block per (Q tile, query head, batch)
+// (folded grid, params.cuh; with a causal mask the tiles of a head run heaviest first).  Q_i
+// is loaded once; K_j/V_j stream through two shared-memory stages with cp.async, tile j + 1
+// in flight while tile j is computed, one __syncthreads per tile.  Online softmax with a
+// reference max m and sum l of each row in registers, exp2 with the softmax scale folded into
+// one FMA: p = 2^(s * c - m * c), c = scale * log2(e) (scale > 0: the launcher turns scale <= 0
+// into -Q or 0 * Q with a positive scale).  m follows the row max lazily: it moves, and O and
+// l are rescaled, only when a tile's max would make p exceed 2^8 (warp-uniform test), so most
+// tiles skip the rescale.  Causal tiles past the diagonal are never loaded; masks are applied
+// only to the tiles that cross the diagonal or the end of the keys (a tile-uniform branch).
 //
-// Warp layout (as in flash-attn 2): each warp owns 16 query rows and computes
-//   S (16 x block_kv) = Q_w K_j^T   with mma.m16n8k16 (A = Q from ldmatrix.x4,
-//                                    B = K rows from ldmatrix.x4: K row-major is B "col")
-//   P = exp(S - m_new)              in the mma accumulator layout: lane (g = L/4, t = L%4)
-//                                    holds rows g and g + 8, columns 2t, 2t + 1 of every
-//                                    8-column tile, so the row max / row sum need only
-//                                    two shuffles (xor 1, xor 2) within the quad
-//   O += P V_j                      P's accumulators repacked in registers as the A operand
-//                                    (rounded to the input dtype, as in flash-attn), B = V
-//                                    from ldmatrix.x4.trans (V row-major is B row-major)
-// Fragment layouts: docs/emulator.md ("Tensor-core instructions") and portable.cuh.
-// Shared-memory rows are padded by 8 elements (16 bytes) so the 8 row addresses of one
-// ldmatrix fall into different bank groups.
+// Warp layout (as flash-attn 2): kWarps warps, each owning kMT * 16 query rows (kMT = 2
+// for head dims <= 128: every K/V fragment read from shared memory feeds two MMAs; 1 above,
+// where 32 rows of O would not fit in registers).  Per warp and K/V tile:
+//   S (kMT*16 x Bc) = Q_w K_j^T   B operand = rows of K (row-major K is B "col")
+//   P = 2^(S*c - m*c)             in the accumulator layout: lane (g = L/4, t = L%4) holds
+//                                 rows g, g + 8 of each m16 tile and columns 2t, 2t + 1 of
+//                                 each n8 tile, so a row max/sum needs two shuffles
+//                                 (xor 1, xor 2); the row sum l stays a per-lane partial
+//                                 sum until the end
+//   O += P V_j                    P's accumulators become the A operand in registers
+// float16/bfloat16: Q fragments by ldmatrix (kept in registers across K/V tiles when they fit,
+// kQInRegs), K by ldmatrix, V by ldmatrix.trans; P rounded to the input dtype (as flash-attn).
+// float32: fragments by 128/64-bit shared loads in a permuted k order (the sum over k does not
+// depend on it, only A and B must agree):
+//   S:  lane (g, t) reads Q[g][16b + 4t .. 4t+3] and K[n][16b + 4t .. 4t+3] (one LDS.128 each)
+//       and uses columns 4t, 4t+1 as k = t, t+4 of the first k8 MMA, 4t+2, 4t+3 of the second;
+//   PV: the k8 step is one n8 tile of S, whose accumulators hold keys 2t, 2t+1: they are used
+//       as k = t, t+4 (no shuffles), with V rows 2t, 2t+1; each lane reads V[2t][16c + 2g ..
+//       2g+1] (LDS.64) and uses column 2g for an "even" and 2g+1 for an "odd" n8 tile of O,
+//       so O's accumulators hold columns 16c + 4t .. 4t+3 of their rows (one 16-byte store).
+// Each operand is split (split_tf32) right after its load; P is split from the float
+// exponentials, so the row sum l and P V agree to float32 accuracy.
 //
-// Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
-// CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV.  Launch: grid
-// (ceil(Nq / block_q) * H * B) (folded, params.cuh), block 2 * block_q threads (block_q / 16
-// warps), dynamic shared memory from cuflash.tiling ("flash_fwd_tc").  The arguments are
-// those of flash_fwd (pointers and a FwdParams block).
+// Shared memory (element strides chosen so that the fragment loads are free of bank
+// conflicts): 16-bit: rows padded by 8 elements (16 bytes: the 8 rows of an ldmatrix hit
+// different banks); float32: Q, K rows of kD + (16 if kD % 32 == 0) floats (stride = 16 mod
+// 32: the 8 lanes of a 128-bit access cover all banks), V rows of kDv + 4 floats (stride =
+// 4 mod 16: the 16 lanes of a 64-bit access cover all banks).
+//   Qs (kBr, kQS)  |  Ks 2 x (kBc, kKS)  |  Vs 2 x (kBc, kVS)       (cuflash.tiling has the bytes)
 //
-// Limits: d and dv multiples of 16 (mma k and n steps), dv <= 128 (register budget);
-// block_q and block_kv multiples of 16.  cp.async moves 16 bytes: the launcher guarantees
-// 16-byte aligned base pointers and element strides that are multiples of 8 (else it
-// copies the input).  On GPUs before sm_80 portable.cuh computes the same mma in software
-// and cp.async is a synchronous copy.  float32/float64 use flash_fwd.cu.
-#if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
-#error "flash_fwd_tc supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16 only"
+// Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32, CUFLASH_HEAD_DIM (d),
+// CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV, CUFLASH_THREADS (32 * warps).
+// Launch: grid ceil(Nq / block_q) * H * B (folded), CUFLASH_THREADS threads, dynamic shared
+// memory from cuflash.tiling ("flash_fwd_tc" / "flash_fwd_tf32").  Arguments as flash_fwd.
+//
+// Limits: d, dv multiples of 16, <= 256; block_q = warps * 16 * kMT, block_kv a multiple of
+// 16; register arrays grow with block_kv and dv (cuflash.tiling refuses the tiles that would
+// spill).  cp.async moves 16 bytes: the launcher guarantees 16-byte aligned base pointers and
+// element strides that are multiples of 16 bytes (else it copies the input).  Before sm_80
+// portable.cuh computes the mma in software and cp.async is a synchronous copy (correct,
+// slow: the planner picks the SIMT flash_fwd there).  float64 uses flash_fwd.cu.
+#if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16) && !defined(CUFLASH_DTYPE_F32)
+#error "flash_fwd_tc.cu supports CUFLASH_DTYPE_F16, CUFLASH_DTYPE_BF16 and CUFLASH_DTYPE_F32"
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
 
-#if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
-    !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
-#error "define CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q and CUFLASH_BLOCK_KV"
+#if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
+    !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
+#error "define CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV and CUFLASH_THREADS"
+#endif
+
+#if defined(CUFLASH_DTYPE_F32)
+#define CUFLASH_TF32 1
+#define CUFLASH_FWD_TC_KERNEL flash_fwd_tf32
+#else
+#define CUFLASH_TF32 0
+#define CUFLASH_FWD_TC_KERNEL flash_fwd_tc
 #endif
 
 constexpr int kD = CUFLASH_HEAD_DIM;
 constexpr int kDv = CUFLASH_HEAD_DIM_V;
 constexpr int kBr = CUFLASH_BLOCK_Q;
 constexpr int kBc = CUFLASH_BLOCK_KV;
-constexpr int kWarps = kBr / 16;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kQS = kD + 8;     // padded row strides (elements)
+constexpr int kThreads = CUFLASH_THREADS;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsW = kBr / kWarps;  // query rows per warp
+constexpr int kMT = kRowsW / 16;      // m16 tiles per warp
+constexpr int kNT = kBc / 8;          // n8 tiles of S
+constexpr int kOT = kDv / 8;          // n8 tiles of O
+constexpr int kElem = (int)sizeof(elem_t);
+constexpr int kChunk = 16 / kElem;    // elements per 16-byte cp.async
+#if CUFLASH_TF32
+constexpr int kQS = kD + (kD % 32 == 0 ? 16 : 0);
+constexpr int kKS = kQS;
+constexpr int kVS = kDv + 4;
+#else
+constexpr int kQS = kD + 8;
 constexpr int kKS = kD + 8;
 constexpr int kVS = kDv + 8;
-constexpr int kNT = kBc / 8;    // 8-column tiles of S per warp
-constexpr int kOT = kDv / 8;    // 8-column tiles of O per warp
+#endif
+// the reference max of a row moves only when P would exceed 2^kLazy (see the softmax step)
+constexpr float kLazy = 8.0f;
+// float16/bfloat16: Q's A fragments stay in registers when they, S and O fit comfortably
+// (measured: at 160 accumulator and Q registers ptxas already spills)
+constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
 
-static_assert(kBr % 16 == 0 && kBc % 16 == 0, "block_q and block_kv must be multiples of 16");
-static_assert(kD % 16 == 0 && kDv % 16 == 0, "d and dv must be multiples of 16");
-static_assert(kD <= 256 && kDv <= 128, "d <= 256, dv <= 128");
+// For instruction counting only: compile just the path of a steady-state interior K/V tile
+// (no mask, no partial tile, no move of the reference max).  Results are then wrong.
+#ifndef CUFLASH_FWD_INTERIOR_ONLY
+#define CUFLASH_FWD_INTERIOR_ONLY 0
+#endif
 
+static_assert(kThreads % 32 == 0 && kBr % kWarps == 0 && kRowsW % 16 == 0 && (kMT == 1 || kMT == 2),
+              "block_q must be (threads / 32) * 16 or * 32");
+static_assert(kBc % 16 == 0, "block_kv must be a multiple of 16");
+static_assert(kD % 16 == 0 && kDv % 16 == 0 && kD <= 256 && kDv <= 256, "d, dv: multiples of 16, <= 256");
 
-// Start copying a (kRows, kCols) tile from global memory (row stride gs elements) into shared
-// memory (row stride kSS) with 16-byte cp.async; rows >= rows are zero-filled with plain
-// stores.  Visible to other threads after cp_async_wait and __syncthreads.
+// ------------------------------------------------------------- small helpers
+// 2^x: ex2.approx on the GPU (relative error ~2^-22, subnormal results flushed to 0: p is
+// relative to the row max, so those p are below float32's resolution of l anyway).
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef CUFLASH_EMULATOR
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// max that propagates NaN (as NumPy's max): one max.NaN (FMNMX.NAN) from sm_80 on.
+__device__ __forceinline__ float nan_max(float a, float b) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return acc_max(a, b);
+#endif
+}
+
+// Shared-memory vector loads (LDS.128 / LDS.64) and 32/128-bit global stores; memcpy on the
+// host, where reinterpreting a float array as float4 breaks the aliasing rules.
+__device__ __forceinline__ void lds4(float (&r)[4], const float* p) {
+#ifdef CUFLASH_EMULATOR
+    std::memcpy(r, p, 16);
+#else
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+#endif
+}
+__device__ __forceinline__ void lds2(float (&r)[2], const float* p) {
+#ifdef CUFLASH_EMULATOR
+    std::memcpy(r, p, 8);
+#else
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    r[0] = v.x; r[1] = v.y;
+#endif
+}
+__device__ __forceinline__ void gstore4(float* p, float a, float b, float c, float d) {
+    gstore(reinterpret_cast<float4*>(p), make_float4(a, b, c, d));
+}
+template <class T>
+__device__ __forceinline__ void gstore_pair(T* p, float a, float b) {  // two 16-bit elements
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::tctx->bytes_written += 4;
+    const uint32_t v = pack2<T>(a, b);
+    std::memcpy(p, &v, 4);
+#else
+    *reinterpret_cast<uint32_t*>(p) = pack2<T>(a, b);
+#endif
+}
+
+// cp.async of a (kRows, kCols) tile in 16-byte chunks: chunk idx = tid + i * kThreads is row
+// idx / kCpr, column (idx % kCpr) * kChunk.  A thread's chunks sit at fixed offsets from its
+// first one (compile-time row and column steps), so the per-thread offsets are computed once
+// and each tile only adds its base address.
 template <int kRows, int kCols, int kSS>
-__device__ inline void load_tile_async(elem_t* s, const elem_t* g, long long gs, int rows,
-                                       int tid) {
-    constexpr int kChunks = kCols / 8;
-    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
-        const int r = idx / kChunks, c = (idx - (idx / kChunks) * kChunks) * 8;
-        if (r < rows) {
-            cp_async_16(s + r * kSS + c, g + r * gs + c);
-        } else {
+struct TileCopy {
+    static constexpr int kCpr = kCols / kChunk;  // chunks per row
+    static constexpr int kTotal = kRows * kCpr;
+    static constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
+    static constexpr bool kExact = kTotal % kThreads == 0;  // every thread copies kIters chunks
+    // Unrolled with compile-time offsets when a row's chunks divide the threads (power-of-two
+    // head dims) and a thread has few chunks; else a rolled loop that computes each chunk's
+    // row and column (odd head dims, one or two warps with long tiles: an unrolled copy there
+    // keeps dozens of addresses live and spills).
+    static constexpr bool kUnrolled = kThreads % kCpr == 0 && kIters <= 8;
+    static constexpr int kRowStep = kThreads / kCpr;  // rows between a thread's chunks (unrolled)
+    int tid, row;    // the thread, its first row
+    int soff;        // its first chunk's shared-memory offset (elements)
+    long long goff;  // its first chunk's global offset (elements)
+    long long gs;    // global row stride
+    __device__ __forceinline__ TileCopy(int tid_, long long gs_) : tid(tid_), gs(gs_) {
+        row = tid / kCpr;
+        const int col = (tid % kCpr) * kChunk;
+        soff = row * kSS + col;
+        goff = row * gs + col;
+    }
+    // Start copying the tile at g (global) into s (shared), all kRows rows (kFull) or rows
+    // [0, rows) with the rest zero-filled (K/V rows past Nk must not hold NaN: P = 0 times
+    // NaN is NaN).  Visible to other threads after cp_async_wait and __syncthreads.
+    template <bool kFull>
+    __device__ __forceinline__ void issue(elem_t* s, const elem_t* g, int rows) const {
+        if (kUnrolled) {
+            const elem_t* src = g + goff;
+            const long long step = kRowStep * gs;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) s[r * kSS + c + e] = elem_t(0.0f);
+            for (int i = 0; i < kIters; ++i) {
+                if (kExact || row + i * kRowStep < kRows) {
+                    const bool valid = kFull || row + i * kRowStep < rows;
+                    cp_async_16_zfill(s + soff + i * kRowStep * kSS, valid ? src : g, valid);
+                }
+                src += step;
+            }
+        } else {
+#pragma unroll 1
+            for (int idx = tid; idx < kTotal; idx += kThreads) {
+                const int r = idx / kCpr, c = (idx - r * kCpr) * kChunk;
+                const bool valid = kFull || r < rows;
+                cp_async_16_zfill(s + r * kSS + c, valid ? g + r * gs + c : g, valid);
+            }
+        }
+    }
+    __device__ __forceinline__ void issue(elem_t* s, const elem_t* g, int rows) const {
+        if (CUFLASH_FWD_INTERIOR_ONLY || rows >= kRows) issue<true>(s, g, rows);
+        else issue<false>(s, g, rows);
+    }
+};
+
+// ------------------------------------------------------------- S = Q_w K_j^T
+#if CUFLASH_TF32
+// split_tf32 of portable.cuh, in three instructions (LOP3, FADD, IADD3):
+// - hi = x & 0xffffe000 with the mask computed from a run-time value: with a constant mask ptxas notices that HMMA.TF32 ignores the low 13 bits anyway and feeds the
+//   raw floats as hi -- which then must be moved into each fragment's four consecutive
+//   registers, often twice (measured: ~300 extra MOVs per tile at d = 64); an opaque mask
+//   lets the LOP3 write hi straight into the fragment registers;
+// - lo = the bits of x - hi plus half a tf32 unit, not masked: the tensor core reads the top
+//   19 bits (the same fact ptxas uses above; the emulator reads operands that way too), so
+//   it sees x - hi rounded to nearest, ties away -- what split_tf32's final mask produces.
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
+    hi = __float_as_uint(x) & hi_mask;
+    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
+}
+// One 128-bit load of 4 consecutive d-columns, split into the operands of two k8 MMAs:
+// columns 4t, 4t+1 (first) and 4t+2, 4t+3 (second) as k = t and t + 4.
+__device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* Qw, const float* Kt,
+                                          int g, int t, uint32_t hm) {
+#pragma unroll
+    for (int kb = 0; kb < kD / 16; ++kb) {
+        uint32_t ah[kMT][2][4], al[kMT][2][4];  // [m tile][k8 step][register]
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            float q0[4], q8[4];  // rows g and g + 8 of the m tile
+            lds4(q0, Qw + (mt * 16 + g) * kQS + kb * 16 + 4 * t);
+            lds4(q8, Qw + (mt * 16 + g + 8) * kQS + kb * 16 + 4 * t);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                split(q0[2 * st], ah[mt][st][0], al[mt][st][0], hm);
+                split(q8[2 * st], ah[mt][st][1], al[mt][st][1], hm);
+                split(q0[2 * st + 1], ah[mt][st][2], al[mt][st][2], hm);
+                split(q8[2 * st + 1], ah[mt][st][3], al[mt][st][3], hm);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            float kv[4];
+            lds4(kv, Kt + (nt * 8 + g) * kKS + kb * 16 + 4 * t);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                uint32_t bh[2], bl[2];
+                split(kv[2 * st], bh[0], bl[0], hm);
+                split(kv[2 * st + 1], bh[1], bl[1], hm);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+                    mma_m16n8k8_3xtf32(s[mt][nt], ah[mt][st], al[mt][st], bh, bl, s[mt][nt]);
+            }
         }
     }
 }
+#else
+__device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], const elem_t* Qw, int mt, int kk, int lane) {
+    ldmatrix_x4(a, Qw + (mt * 16 + (lane & 15)) * kQS + kk * 16 + (lane >> 4) * 8);
+}
+template <class QFrag>
+__device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const QFrag& qfrag, const elem_t* Kt,
+                                          int lane) {
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) qfrag(a[mt], mt, kk);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {  // two n8 tiles per ldmatrix.x4
+            uint32_t bb[4];
+            ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * kKS + kk * 16 + ((lane >> 3) & 1) * 8);
+            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_m16n8k16<elem_t>(s[mt][2 * np], a[mt], b0, s[mt][2 * np]);
+                mma_m16n8k16<elem_t>(s[mt][2 * np + 1], a[mt], b1, s[mt][2 * np + 1]);
+            }
+        }
+    }
+}
+#endif
 
-extern "C" __global__ void flash_fwd_tc(
+// ------------------------------------------------------------- O += P V_j
+#if CUFLASH_TF32
+__device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float (&p)[kMT][kNT][4],
+                                           const float* Vt, int g, int t, uint32_t hm) {
+#pragma unroll
+    for (int kc = 0; kc < kNT; ++kc) {  // 8 keys: the n8 tile kc of P
+        uint32_t ah[kMT][4], al[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {  // (g, 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1) as k = t, t+4
+            split(p[mt][kc][0], ah[mt][0], al[mt][0], hm);
+            split(p[mt][kc][2], ah[mt][1], al[mt][1], hm);
+            split(p[mt][kc][1], ah[mt][2], al[mt][2], hm);
+            split(p[mt][kc][3], ah[mt][3], al[mt][3], hm);
+        }
+#pragma unroll
+        for (int c = 0; c < kDv / 16; ++c) {  // 16 columns of V: an "even" and an "odd" n8 tile
+            float v0[2], v1[2];  // keys 2t and 2t + 1, columns 16c + 2g, 16c + 2g + 1
+            lds2(v0, Vt + (kc * 8 + 2 * t) * kVS + c * 16 + 2 * g);
+            lds2(v1, Vt + (kc * 8 + 2 * t + 1) * kVS + c * 16 + 2 * g);
+#pragma unroll
+            for (int par = 0; par < 2; ++par) {
+                uint32_t bh[2], bl[2];
+                split(v0[par], bh[0], bl[0], hm);
+                split(v1[par], bh[1], bl[1], hm);
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+                    mma_m16n8k8_3xtf32(o[mt][2 * c + par], ah[mt], al[mt], bh, bl, o[mt][2 * c + par]);
+            }
+        }
+    }
+}
+#else
+// Two floats rounded to the input dtype and packed (lower index in the low half).  bfloat16 on
+// sm_80+: one cvt.rn.bf16x2.f32 -- portable.cuh's conversion rounds in integer arithmetic (as
+// sm_75 needs), ~8 instructions per element, which made the bfloat16 loop 40% longer.
+__device__ __forceinline__ uint32_t pack_p(float lo, float hi) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800 && defined(CUFLASH_DTYPE_BF16)
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pack2<elem_t>(lo, hi);
+#endif
+}
+__device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float (&p)[kMT][kNT][4],
+                                           const elem_t* Vt, int lane) {
+#pragma unroll
+    for (int kc = 0; kc < kBc / 16; ++kc) {  // P's n8 tiles 2kc, 2kc + 1 form the A operand
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {  // rounded to the input dtype (as flash-attn)
+            a[mt][0] = pack_p(p[mt][2 * kc][0], p[mt][2 * kc][1]);
+            a[mt][1] = pack_p(p[mt][2 * kc][2], p[mt][2 * kc][3]);
+            a[mt][2] = pack_p(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
+            a[mt][3] = pack_p(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < kOT / 2; ++np) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kVS + np * 16 + (lane >> 4) * 8);
+            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_m16n8k16<elem_t>(o[mt][2 * np], a[mt], b0, o[mt][2 * np]);
+                mma_m16n8k16<elem_t>(o[mt][2 * np + 1], a[mt], b1, o[mt][2 * np + 1]);
+            }
+        }
+    }
+}
+#endif
+
+// ------------------------------------------------------------- the kernel
+// __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
+// specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
+// planner's register budget assumes up to 255.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
+    elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
     CUFLASH_DYNAMIC_SHARED(elem_t, smem);
-    elem_t* Qs = smem;                  // (kBr, kD + 8)          Q_i, resident
-    elem_t* Ks = Qs + kBr * kQS;        // 2 x (kBc, kD + 8)      K_j, double buffered
-    elem_t* Vs = Ks + 2 * kBc * kKS;    // 2 x (kBc, kDv + 8)     V_j, double buffered
+    elem_t* Qs = smem;                // (kBr, kQS)       Q_i
+    elem_t* Ks = Qs + kBr * kQS;      // 2 x (kBc, kKS)   K_j, two stages
+    elem_t* Vs = Ks + 2 * kBc * kKS;  // 2 x (kBc, kVS)   V_j, two stages
 
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const FwdParams& p = *P;
-    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, causal_offset = p.causal_offset;
-    const acc_t scale = (acc_t)p.scale;
-    const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
-    const int q0 = fi.tile * kBr;
-    const int h = fi.h, b = fi.b;
-    const int hk = h / p.group;
-    const long long q_sr = p.q_sr, k_sr = p.k_sr, v_sr = p.v_sr, o_sr = p.o_sr;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, off = p.causal_offset;
+    // scale * log2(e), rounded once; the launcher passes scale >= 0 (a negative scale arrives
+    // as -scale with -Q), so the row max of the raw logits is the max of the scaled ones
+    const float c = (float)(p.scale * 1.4426950408889634);
+    const float lazy = kLazy / c;  // the reference max moves when exceeded by more (c = 0: never)
+#if CUFLASH_TF32
+    // 0xffffe000 from a run-time value (Nq >= 0 always), so that ptxas cannot fold it (see split)
+    const uint32_t hi_mask = 0xffffe000u | (uint32_t)(Nq < 0);
+#endif
+    // blockIdx.x -> (tile, head, batch) as cuflash_fold_decode, in 32-bit arithmetic: a grid
+    // has < 2^31 blocks, and 64-bit division is a called subroutine (registers saved around
+    // the call show up as spills)
+    const unsigned bid = blockIdx.x, bh = bid / (unsigned)p.n_tiles;
+    const FoldedIndex fi = {(int)(bid - bh * (unsigned)p.n_tiles), (int)(bh % (unsigned)p.H), (int)(bh / (unsigned)p.H)};
+    // causal: the last Q tiles see the most keys; run them first (the tile index is the
+    // fastest axis of the folded grid, so the blocks of a head start heaviest first)
+    const int tile = causal ? p.n_tiles - 1 - fi.tile : fi.tile;
+    const int q0 = tile * kBr;
+    const int h = fi.h, b = fi.b, hk = h / p.group;
+    const long long q_sr = p.q_sr, k_sr = p.k_sr, v_sr = p.v_sr;
 
-    const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh;
+    const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh + q0 * q_sr;
     const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
     const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
-    elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
-    acc_t* LSEb = LSE + b * p.lse_sb + h * p.lse_sh;
 
     const int rows_q = min(kBr, Nq - q0);
     int kv_end = Nk;  // keys [0, kv_end) are visible to some row of the tile
     if (causal) {
-        long long last = (long long)(q0 + rows_q - 1) + causal_offset + 1;
+        const long long last = (long long)(q0 + rows_q - 1) + off + 1;
         kv_end = (int)(last < 0 ? 0 : (last > Nk ? Nk : last));
     }
-    const int n_tiles = (kv_end + kBc - 1) / kBc;
-    // this lane's two rows (g and g + 8 of the warp's 16) and their visible-key bounds
-    int row_end[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const long long i = q0 + warp * 16 + g + 8 * rr;
-        long long e = causal ? i + causal_offset + 1 : (long long)Nk;
-        row_end[rr] = (int)(e < 0 ? 0 : (e > Nk ? Nk : e));
-    }
+    const int n_kv = (kv_end + kBc - 1) / kBc;
+    // tiles ending at or before mask_from need no mask: the block's first row sees all their
+    // keys (causal), and they end before Nk
+    const int mask_from = causal ? (int)max(0ll, min((long long)Nk, (long long)q0 + off + 1)) : Nk;
+    const int row0 = warp * kRowsW;  // the warp's first row in the tile
 
-    // -- start loading Q_i and the first K/V tile (one cp.async group)
-    load_tile_async<kBr, kD, kQS>(Qs, Qb + q0 * q_sr, q_sr, rows_q, tid);
-    if (n_tiles > 0) {
-        const int rows_k = min(kBc, Nk);
-        load_tile_async<kBc, kD, kKS>(Ks, Kb, k_sr, rows_k, tid);
-        load_tile_async<kBc, kDv, kVS>(Vs, Vb, v_sr, rows_k, tid);
+    // -- Q_i and the first K/V tile: one cp.async group
+    const TileCopy<kBc, kD, kKS> kcopy(tid, k_sr);
+    const TileCopy<kBc, kDv, kVS> vcopy(tid, v_sr);
+    TileCopy<kBr, kD, kQS>(tid, q_sr).issue(Qs, Qb, rows_q);
+    if (n_kv > 0) {
+        kcopy.issue(Ks, Kb, min(kBc, Nk));
+        vcopy.issue(Vs, Vb, min(kBc, Nk));
     }
     cp_async_commit();
 
-    acc_t m_i[2] = {-INFINITY, -INFINITY};
-    acc_t l_i[2] = {0, 0};
-    acc_t o[kOT][4];
+    // per row: the reference max m (raw logits) and mc = m * c (0 while m = -inf), and the
+    // lane's partial row sum l (the quad's four are added at the end)
+    float m_i[kMT][2], mc_i[kMT][2], l_i[kMT][2];
+    float o[kMT][kOT][4];
 #pragma unroll
-    for (int nt = 0; nt < kOT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
+    for (int mt = 0; mt < kMT; ++mt) {
+        m_i[mt][0] = m_i[mt][1] = -INFINITY;
+        mc_i[mt][0] = mc_i[mt][1] = 0.0f;
+        l_i[mt][0] = l_i[mt][1] = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kOT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+    }
+    const elem_t* Qw = Qs + row0 * kQS;
+#if !CUFLASH_TF32
+    uint32_t qreg[kQInRegs ? kMT : 1][kQInRegs ? kD / 16 : 1][4];
+#endif
 
-    for (int j = 0; j < n_tiles; ++j) {
-        const int buf = j & 1;
-        const int k0 = j * kBc;
-        // -- prefetch tile j + 1 into the other buffer while tile j is computed
-        if (j + 1 < n_tiles) {
+    for (int j = 0; j < n_kv; ++j) {
+        const int stage = j & 1, k0 = j * kBc;
+        cp_async_wait<0>();  // this thread's copies of tile j (and, first, Q_i) have landed
+        // Everyone's copies of tile j are visible, and every warp is done with tile j - 1,
+        // whose stage the prefetch below overwrites.
+        __syncthreads();
+        if (j + 1 < n_kv) {
             const int k1 = k0 + kBc;
-            const int rows_k = min(kBc, Nk - k1);
-            load_tile_async<kBc, kD, kKS>(Ks + (buf ^ 1) * kBc * kKS, Kb + k1 * k_sr, k_sr,
-                                          rows_k, tid);
-            load_tile_async<kBc, kDv, kVS>(Vs + (buf ^ 1) * kBc * kVS, Vb + k1 * v_sr, v_sr,
-                                           rows_k, tid);
-            cp_async_commit();
-            cp_async_wait<1>();  // everything but the prefetch has landed (Q_i, tile j)
+            TileCopy<kBc, kD, kKS>(tid, k_sr).issue(Ks + (stage ^ 1) * kBc * kKS, Kb + k1 * k_sr, min(kBc, Nk - k1));
+            TileCopy<kBc, kDv, kVS>(tid, v_sr).issue(Vs + (stage ^ 1) * kBc * kVS, Vb + k1 * v_sr, min(kBc, Nk - k1));
+        }
+        cp_async_commit();  // (possibly empty) group of tile j + 1
+        const elem_t* Kt = Ks + stage * kBc * kKS;
+        const elem_t* Vt = Vs + stage * kBc * kVS;
+
+        // -- S = Q_w K_j^T (raw logits)
+        float s[kMT][kNT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+#if CUFLASH_TF32
+        compute_s(s, Qw, Kt, g, t, hi_mask);
+#else
+        if (kQInRegs) {
+            if (j == 0) {
+#pragma unroll
+                for (int mt = 0; mt < (kQInRegs ? kMT : 0); ++mt)
+#pragma unroll
+                    for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(qreg[mt][kk], Qw, mt, kk, lane);
+            }
+            compute_s(s, [&](uint32_t (&a)[4], int mt, int kk) {
+                a[0] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][0];
+                a[1] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][1];
+                a[2] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][2];
+                a[3] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][3];
+            }, Kt, lane);
         } else {
-            cp_async_wait<0>();
+            compute_s(s, [&](uint32_t (&a)[4], int mt, int kk) { load_q_frag(a, Qw, mt, kk, lane); }, Kt, lane);
         }
-        // Tile j (and on the first pass Q_i) written by every thread's copies and zero
-        // fills is visible to all warps before any ldmatrix reads it.
-        __syncthreads();
-        const elem_t* Kt = Ks + buf * kBc * kKS;
-        const elem_t* Vt = Vs + buf * kBc * kVS;
+#endif
 
-        // -- S = Q_w K_j^T (16 x kBc per warp) on tensor cores
-        acc_t s[kNT][4];
+        // -- masks, only on tiles that cross the causal diagonal or the end of the keys
+        if (!CUFLASH_FWD_INTERIOR_ONLY && k0 + kBc > mask_from) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0;
+            for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < kD; kk += 16) {
-            uint32_t a[4];
-            ldmatrix_x4(a, Qs + (warp * 16 + (lane & 15)) * kQS + kk + (lane >> 4) * 8);
+                for (int rr = 0; rr < 2; ++rr) {
+                    // this lane's row sees keys [0, end); as an offset into the tile
+                    const long long i = q0 + row0 + mt * 16 + g + 8 * rr;
+                    const long long e = causal ? i + off + 1 : (long long)Nk;
+                    const int end = (int)(e < 0 ? 0 : (e > Nk ? Nk : e)) - k0 - 2 * t;
 #pragma unroll
-            for (int nt = 0; nt < kNT; nt += 2) {
-                uint32_t bb[4];
-                ldmatrix_x4(bb, Kt + (nt * 8 + (lane & 7) + (lane >> 4) * 8) * kKS + kk +
-                                    ((lane >> 3) & 1) * 8);
-                const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
-                mma_m16n8k16<elem_t>(s[nt], a, b0, s[nt]);
-                mma_m16n8k16<elem_t>(s[nt + 1], a, b1, s[nt + 1]);
-            }
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e1 = 0; e1 < 2; ++e1)
+                            if (nt * 8 + e1 >= end) s[mt][nt][2 * rr + e1] = -INFINITY;
+                }
         }
 
-        // -- scale, mask, online softmax update for rows g (rr = 0) and g + 8 (rr = 1)
-        acc_t mx[2] = {-INFINITY, -INFINITY};
+        // -- online softmax against a lazily moved reference max: P = 2^(S c - mc) with mc = m c
+        // for the row's reference m (raw logits).  m moves up to the row max -- rescaling the
+        // row's O and l by alpha = 2^(mc_old - mc_new) -- only when the tile's max exceeds it
+        // by more than kLazy / c, i.e. when some P would exceed 2^kLazy; the decision is
+        // warp-uniform (__any_sync), so tiles in which no row of the warp crosses that margin
+        // skip the rescale (a multiply per O accumulator).  O, l and lse all use the same
+        // reference, so the result does not depend on when it moved; P <= 2^kLazy = 256 is
+        // far inside float16/bfloat16 range and loses no relative precision.
+        float mx[kMT][2];
+        bool move = false;
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + nt * 8 + 2 * t + (e & 1);
-                s[nt][e] = key < row_end[e >> 1] ? s[nt][e] * scale : acc_t(-INFINITY);
-                mx[e >> 1] = acc_max(mx[e >> 1], s[nt][e]);
+            for (int rr = 0; rr < 2; ++rr) {
+                float x = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) x = nan_max(x, nan_max(s[mt][nt][2 * rr], s[mt][nt][2 * rr + 1]));
+                x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+                x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                mx[mt][rr] = x;
+                move |= x > m_i[mt][rr] + lazy;  // NaN: no move; P and l become NaN anyway
+            }
+        const bool any_move = __any_sync(0xffffffffu, move);
+        if (CUFLASH_FWD_INTERIOR_ONLY && any_move) __trap();  // counting: keep the test, drop the rescale
+        if (!CUFLASH_FWD_INTERIOR_ONLY && any_move) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                float alpha[2];
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const float m_new = nan_max(m_i[mt][rr], mx[mt][rr]);
+                    // no visible key yet: reference 0, so masked logits give 2^-inf = 0, not NaN
+                    const float mc_new = m_new == -INFINITY ? 0.0f : m_new * c;
+                    alpha[rr] = fast_exp2(mc_i[mt][rr] - mc_new);
+                    m_i[mt][rr] = m_new;
+                    mc_i[mt][rr] = mc_new;
+                    l_i[mt][rr] *= alpha[rr];
+                }
+#pragma unroll
+                for (int nt = 0; nt < kOT; ++nt) {
+                    o[mt][nt][0] *= alpha[0]; o[mt][nt][1] *= alpha[0];
+                    o[mt][nt][2] *= alpha[1]; o[mt][nt][3] *= alpha[1];
+                }
             }
         }
-        acc_t alpha[2], m_use[2], rowsum[2] = {0, 0};
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], c, -mc_i[mt][e >> 1]));
+                    l_i[mt][e >> 1] += s[mt][nt][e];
+                }
+
+        // -- O += P V_j
+#if CUFLASH_TF32
+        compute_pv(o, s, Vt, g, t, hi_mask);
+#else
+        compute_pv(o, s, Vt, lane);
+#endif
+    }
+    cp_async_wait<0>();  // no copy outlives the block (only Q_i is pending when n_kv == 0)
+
+    // -- O_i = O / l, lse = ln 2 * (mc + log2(l)); rows that saw no key: 0 and -inf
+    elem_t* Ob = O + b * P->o_sb + h * P->o_sh;
+    float* LSEb = LSE + b * P->lse_sb + h * P->lse_sh;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-            mx[rr] = acc_max(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-            mx[rr] = acc_max(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-            const acc_t m_new = acc_max(m_i[rr], mx[rr]);
-            // no visible key yet: shift by 0 so exp gives 0, not NaN
-            m_use[rr] = m_new == acc_t(-INFINITY) ? acc_t(0) : m_new;
-            alpha[rr] = expf(m_i[rr] - m_use[rr]);
-            m_i[rr] = m_new;
-        }
+            float l = l_i[mt][rr];  // the quad's partial sums -> the row sum
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = row0 + mt * 16 + g + 8 * rr;
+            if (row < rows_q) {
+                const int i = q0 + row;
+                const bool empty = l == 0.0f;
+                const float inv = empty ? 0.0f : __fdividef(1.0f, l);  // MUFU.RCP: no division subroutine
+                elem_t* orow = Ob + i * P->o_sr;
+#if CUFLASH_TF32
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
+                for (int cc = 0; cc < kDv / 16; ++cc)  // columns 16cc + 4t .. 4t+3 (see compute_pv)
+                    gstore4(orow + cc * 16 + 4 * t, o[mt][2 * cc][2 * rr] * inv, o[mt][2 * cc + 1][2 * rr] * inv,
+                            o[mt][2 * cc][2 * rr + 1] * inv, o[mt][2 * cc + 1][2 * rr + 1] * inv);
+#else
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = expf(s[nt][e] - m_use[e >> 1]);
-                rowsum[e >> 1] += s[nt][e];
+                for (int nt = 0; nt < kOT; ++nt)
+                    gstore_pair(orow + nt * 8 + 2 * t, o[mt][nt][2 * rr] * inv, o[mt][nt][2 * rr + 1] * inv);
+#endif
+                // lse = ln(sum 2^(S c)) = ln 2 * (mc + log2(l))
+                if (t == 0) gstore(LSEb + i, empty ? -INFINITY : (mc_i[mt][rr] + log2f(l)) * 0.6931471805599453f);
             }
         }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            rowsum[rr] += __shfl_xor_sync(0xffffffffu, rowsum[rr], 1);
-            rowsum[rr] += __shfl_xor_sync(0xffffffffu, rowsum[rr], 2);
-            l_i[rr] = alpha[rr] * l_i[rr] + rowsum[rr];
-        }
-#pragma unroll
-        for (int nt = 0; nt < kOT; ++nt) {
-            o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
-            o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
-        }
-
-        // -- O += P V_j: P's accumulators of 8-column tiles 2kc, 2kc + 1 are the A operand
-#pragma unroll
-        for (int kc = 0; kc < kBc / 16; ++kc) {
-            uint32_t a[4];
-            a[0] = pack2<elem_t>(s[2 * kc][0], s[2 * kc][1]);
-            a[1] = pack2<elem_t>(s[2 * kc][2], s[2 * kc][3]);
-            a[2] = pack2<elem_t>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-            a[3] = pack2<elem_t>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-            for (int nt = 0; nt < kOT; nt += 2) {
-                uint32_t bb[4];
-                ldmatrix_x4_trans(bb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kVS +
-                                          nt * 8 + (lane >> 4) * 8);
-                const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
-                mma_m16n8k16<elem_t>(o[nt], a, b0, o[nt]);
-                mma_m16n8k16<elem_t>(o[nt + 1], a, b1, o[nt + 1]);
-            }
-        }
-        // Every warp has finished reading buffer buf before iteration j + 1 prefetches
-        // tile j + 2 into it.
-        __syncthreads();
-    }
-    cp_async_wait<0>();  // no copy outlives the block (only Q_i is pending when n_tiles == 0)
-
-    // -- O_i = acc / l_i, lse_i = m_i + log(l_i); rows that saw no key: 0 and -inf
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int row = warp * 16 + g + 8 * rr;
-        if (row < rows_q) {
-            const int i = q0 + row;
-            const bool empty = l_i[rr] == acc_t(0);
-            const acc_t inv = empty ? acc_t(0) : acc_t(1) / l_i[rr];
-            elem_t* orow = Ob + i * o_sr;
-#pragma unroll
-            for (int nt = 0; nt < kOT; ++nt) {
-                gstore(orow + nt * 8 + 2 * t, elem_t(o[nt][2 * rr] * inv));
-                gstore(orow + nt * 8 + 2 * t + 1, elem_t(o[nt][2 * rr + 1] * inv));
-            }
-            if (t == 0) gstore(LSEb + i, empty ? acc_t(-INFINITY) : m_i[rr] + logf(l_i[rr]));
-        }
-    }
 }

@@ -12,7 +12,9 @@
 //     counts for cuflash.emulator.last_launch_stats();
 //   - tensor-core building blocks with the PTX ISA fragment layouts:
 //     mma_m16n8k16_f16 / _bf16 (f32 accumulate), ldmatrix_x1/x2/x4 (+_trans),
-//     cp_async_16 / cp_async_commit / cp_async_wait<N>.
+//     cp_async_16 / cp_async_commit / cp_async_wait<N>;
+//   - float32 on tensor cores (last section): cvt_rna_tf32, split_tf32 (3xTF32 operands),
+//     mma_m16n8k8_tf32 and mma_m16n8k8_3xtf32.
 //     sm_80+: inline PTX.  Older GPUs (sm_75): the mma is computed in software
 //     from warp shuffles with the same fragment layout and cp.async is a plain
 //     synchronous copy, so kernels need no #if of their own.  Emulator: warp-
@@ -484,5 +486,132 @@ __device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c,
     asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(p), "f"(b) : "memory");
     asm volatile("red.global.add.f32 [%0+8], %1;" ::"l"(p), "f"(c) : "memory");
     asm volatile("red.global.add.f32 [%0+12], %1;" ::"l"(p), "f"(d) : "memory");
+#endif
+}
+
+// ============================================================= TF32: float32 on tensor cores
+// (the float32 forward/backward kernels; nothing above depends on this section)
+//
+// tf32 (PTX ISA, "Alternate floating-point data formats"): the exponent range of .f32 with
+// >= 10 mantissa bits, kept in a .b32 register; its internal layout is implementation
+// defined and PTX provides cvt.rna.tf32.f32 to produce it.  The kernels therefore never hand
+// a raw float to mma: every operand goes through cvt_rna_tf32 (round to nearest, ties away
+// from zero, to 10 mantissa bits; on sm_80/sm_90 the result is the float with its low 13
+// bits cleared).  What mma does with an operand whose low 13 bits are not zero is not
+// specified by PTX; NVIDIA's CUTLASS feeds raw floats as "round toward zero" tf32 (its
+// NumericConverter<tfloat32_t, float, round_toward_zero> is x & 0xffffe000), i.e. relies on
+// the tensor core reading only the top 19 bits.  The emulator models exactly that (low 13
+// bits ignored), the software mma below does the same, and tests/test_emulator_tf32.py
+// checks both against NumPy.
+//
+// 3xTF32 (the "big + small" split): x = hi + lo, a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b.
+// split_tf32 takes hi = x with its low 13 bits cleared (round toward zero: one LOP3, the
+// big part CUTLASS uses) and lo = the remainder x - hi (exact in float, |lo| < 2^-10 |x|)
+// rounded to nearest (ties away) by the integer add-and-mask that cvt.rna.tf32.f32 itself
+// compiles to on sm_80/sm_90 -- both are tf32 bit patterns as cvt produces them.  Four
+// instructions (LOP3, FADD, IADD3, LOP3) instead of two cvt.rna (~9 with their NaN checks).
+// hi + lo equals x to ~2^-21 relative (the dropped lo_a*lo_b term is < 2^-20); in a dot
+// product these errors are below float32's own accumulation error (tests/test_emulator_tf32
+// and the float32 forward tests hold the float64 oracle's 1e-5).  A NaN x keeps a NaN hi
+// (its top mantissa bits are set), an infinite x an infinite hi, so non-finite inputs still
+// reach the product even though lo of them is garbage.
+// mma.m16n8k8 with .tf32 operands (PTX ISA, "Matrix Fragments for mma.m16n8k8"), lane L,
+// g = L/4, t = L%4: A (16x8, row) a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4);
+// B (8x8, col) b0 = (k = t, n = g), b1 = (k = t+4, n = g); C/D as for m16n8k16:
+// c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1).
+
+// cvt.rna.tf32.f32: the tf32 value of x as its float bit pattern (low 13 bits zero).
+__device__ __forceinline__ uint32_t cvt_rna_tf32(float x) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+#else
+    // round half away from zero on the magnitude bits; NaN stays NaN (the add could
+    // carry a NaN's payload into the sign), inf stays inf, the largest floats round to inf
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return u | 0x00400000u;
+    return (u + 0x1000u) & 0xffffe000u;
+#endif
+}
+__device__ __forceinline__ float tf32_to_float(uint32_t r) { return __uint_as_float(r); }
+
+// x = hi + lo (3xTF32 operands): hi truncated, lo the remainder rounded (see above).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    hi = __float_as_uint(x) & 0xffffe000u;
+    lo = (__float_as_uint(x - __uint_as_float(hi)) + 0x1000u) & 0xffffe000u;
+}
+
+// Software m16n8k8.tf32 for GPUs without it (sm_75): 32 shuffles, the operands read as the
+// tensor core reads them (top 19 bits), products exact in float, summed in k order.
+__device__ __forceinline__ void cuflash_mma_m16n8k8_tf32_sw(float (&d)[4], const uint32_t (&a)[4],
+                                                           const uint32_t (&b)[2], const float (&c)[4]) {
+    const unsigned lane = cuflash_lane_id();
+    const int g = lane >> 2, t = lane & 3;
+    float acc[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // column k of A / row k of B: lanes with t == k % 4, register k / 4
+        const int src_t = k & 3, hi = k >> 2;
+        const uint32_t a_g = __shfl_sync(0xffffffffu, a[2 * hi], 4 * g + src_t);       // A(g, k)
+        const uint32_t a_g8 = __shfl_sync(0xffffffffu, a[2 * hi + 1], 4 * g + src_t);  // A(g+8, k)
+        const uint32_t b_0 = __shfl_sync(0xffffffffu, b[hi], 8 * t + src_t);           // B(k, 2t)
+        const uint32_t b_1 = __shfl_sync(0xffffffffu, b[hi], 8 * t + 4 + src_t);       // B(k, 2t+1)
+        const float x0 = __uint_as_float(a_g & 0xffffe000u), x1 = __uint_as_float(a_g8 & 0xffffe000u);
+        const float y0 = __uint_as_float(b_0 & 0xffffe000u), y1 = __uint_as_float(b_1 & 0xffffe000u);
+        acc[0] += x0 * y0;
+        acc[1] += x0 * y1;
+        acc[2] += x1 * y0;
+        acc[3] += x1 * y1;
+    }
+    d[0] = acc[0]; d[1] = acc[1]; d[2] = acc[2]; d[3] = acc[3];
+}
+
+// d = a * b + c, one m16n8k8 with tf32 operands and float32 accumulation.
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k8_tf32(d, a, b, c, nullptr, nullptr);
+#elif !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    cuflash_mma_m16n8k8_tf32_sw(d, a, b, c);
+#endif
+}
+
+// The three products of 3xTF32, d = ((c + lo_a*hi_b) + hi_a*lo_b) + hi_a*hi_b (the small
+// terms first, the order CUTLASS uses too): three mma instructions on the GPU.  The emulator computes the same three
+// accumulations in one warp exchange (one emulated collective instead of three; the result
+// is that of the three emulated instructions in sequence).
+__device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&d)[4], const uint32_t (&a_hi)[4],
+                                                   const uint32_t (&a_lo)[4], const uint32_t (&b_hi)[2],
+                                                   const uint32_t (&b_lo)[2], const float (&c)[4]) {
+#if defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+    ::cuflash_emu::mma_m16n8k8_tf32(d, a_hi, b_hi, c, a_lo, b_lo);
+#else
+    mma_m16n8k8_tf32(d, a_lo, b_hi, c);
+    mma_m16n8k8_tf32(d, a_hi, b_lo, d);
+    mma_m16n8k8_tf32(d, a_hi, b_hi, d);
+#endif
+}
+
+// ============================================================= cp.async with zero fill
+// (the tensor-core forward kernels; nothing above depends on this section)
+// cp_async_16_zfill: as cp_async_16 when `valid`, else the 16 shared-memory bytes become
+// zero (PTX cp.async with src-size 0: no global read) -- tile rows past the end of a
+// sequence are zero-filled without a branch around the copy.  `gmem` must be a valid
+// address either way (callers pass the tile's base).  Before sm_80: a plain copy or store.
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
+#if defined(CUFLASH_EMULATOR)
+    ::cuflash_emu::cp_async_16(smem, valid ? gmem : nullptr);
+#elif CUFLASH_ARCH >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = valid ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
 #endif
 }

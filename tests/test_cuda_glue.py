@@ -435,7 +435,7 @@ def test_is_available_and_runtime():
 # forward
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,causal,q_shape,k_shape", [
-    ("float32", True, (2, 4, 37, 32), (2, 2, 45, 32)),   # GQA (group 2), bottom-right causal
+    ("float32", True, (2, 4, 37, 32), (2, 2, 45, 32)),   # 3xTF32 kernel on sm_80; GQA, bottom-right
     ("float16", False, (3, 29, 64), (3, 51, 64)),        # tensor-core kernel on sm_80
     ("float64", "top_left", (50, 16), (61, 16)),          # plain 2-D
 ])
@@ -446,7 +446,8 @@ def test_forward(fake_cupy, rng, poison, dtype, causal, q_shape, k_shape):
     qd, kd, vd = dev(cp, q, k, v)
     LAUNCHES.clear()
     o, lse = cuflash.tiled_attention(qd, kd, vd, causal=causal, return_lse=True)  # backend=None
-    assert LAUNCHES and LAUNCHES[0][0] == ("flash_fwd_tc" if dtype == "float16" else "flash_fwd")
+    want = {"float16": "flash_fwd_tc", "float32": "flash_fwd_tf32"}.get(dtype, "flash_fwd")
+    assert LAUNCHES and LAUNCHES[0][0] == want
     assert_fake_cupy(o, lse)
     assert o.dtype == np.dtype(dtype) and o.shape == q_shape[:-1] + (k_shape[-1],)
     oracle.check_forward(o, q, k, v, causal=causal, lse=lse)
@@ -594,7 +595,7 @@ def _calls_of(fn):
 
 @pytest.mark.parametrize("dtype,q_shape,k_shape,causal", [
     ("float16", (1, 4, 40, 64), (1, 2, 52, 64), True),     # tensor-core forward, GQA
-    ("float32", (2, 3, 33, 32), (2, 3, 33, 32), False),    # SIMT forward
+    ("float32", (2, 3, 33, 32), (2, 3, 33, 32), False),    # 3xTF32 forward
 ])
 def test_repeated_call_host_work(fake_cupy, rng, dtype, q_shape, k_shape, causal):
     """A second identical call: outputs allocated and kernels launched, nothing else.
@@ -613,7 +614,7 @@ def test_repeated_call_host_work(fake_cupy, rng, dtype, q_shape, k_shape, causal
     (o, lse), first = _calls_of(fwd)
     assert "stream.synchronize" in first  # the parameter block's one upload
     (o2, lse2), again = _calls_of(fwd)
-    kernel = "flash_fwd_tc" if dtype == "float16" else "flash_fwd"
+    kernel = "flash_fwd_tc" if dtype == "float16" else "flash_fwd_tf32"
     assert again == ["runtime.getDevice", "empty", "empty", f"launch {kernel}"], again
     assert np.array_equal(o2.get(), o.get()) and np.array_equal(lse2.get(), lse.get())
     oracle.check_forward(o2, q, k, v, causal=causal, lse=lse2)
@@ -624,7 +625,7 @@ def test_repeated_call_host_work(fake_cupy, rng, dtype, q_shape, k_shape, causal
     grads2, again = _calls_of(bwd)
     names = (("flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert")
              if dtype == "float16" else
-             ("flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq_convert"))
+             ("flash_bwd_preprocess", "flash_bwd_tf32", "flash_bwd_dq_convert"))  # 3xTF32 dK/dV
     assert again == ["runtime.getDevice", "empty", "empty", "empty", "empty",
                      *(f"launch {n}" for n in names)], again
     oracle.check_backward(grads2, do.get(), q, k, v, causal=causal)

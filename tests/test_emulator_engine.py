@@ -227,11 +227,11 @@ def test_correct_kernels_do_not_depend_on_the_order(engine_mods, monkeypatch, sc
     basics.get_function("reverse_early_exit")(3, 128, (np.arange(300, dtype=np.float32), y, np.int32(300)))
     want = np.concatenate([np.arange(300, dtype=np.float32)[b * 128:(b + 1) * 128][::-1] for b in range(3)])
     np.testing.assert_array_equal(y, want)
-    out = np.full(3 * 4, -1, np.int32)
+    out = np.full(2 * 3 * 4, -1, np.int32)  # each of the 2 blocks writes its own 3 x 4 slice
     basics.get_function("sync_reductions")(2, 37, (out, np.int32(4)))
     t = np.arange(37)
-    np.testing.assert_array_equal(out.reshape(4, 3), [[int((t % (r + 2) == 0).sum()), 1, int(r == 0)]
-                                                      for r in range(4)])
+    want = [[int((t % (r + 2) == 0).sum()), 1, int(r == 0)] for r in range(4)]
+    np.testing.assert_array_equal(out.reshape(2, 4, 3), [want, want])
 
 
 @pytest.mark.parametrize("engine", ["threads"])

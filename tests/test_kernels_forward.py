@@ -54,10 +54,15 @@ FWD_CASES = [
     ("float64", (2, 40, 256), (2, 33, 256), "bottom_right", None, None, "c"),
     ("bfloat16", (1, 2, 17, 256), (1, 2, 200, 256), False, None, None, "c"),
     # explicit tiles; broadcast leading dims (2, 1) x (3,) -> (2, 3)
-    ("float32", (2, 1, 37, 16), (3, 50, 16), "top_left", 16, 8, "c"),
-    ("float32", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided"),
+    # (SIMT tiles: float64; float16/32 refuse tiles their tensor-core kernels lack)
+    ("float64", (2, 1, 37, 16), (3, 50, 16), "top_left", 16, 8, "c"),
+    ("float64", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided"),
     ("float64", (2, 1, 2), (2, 1, 2), False, None, None, "c"),  # d=2, Nq = Nk = 1
     ("float32", (33, 64), (47, 64), "bottom_right", None, None, "c"),  # plain 2-D
+    # float32 on tensor cores (3xTF32) at the other head dims
+    ("float32", (1, 2, 130, 128), (1, 2, 129, 128), "top_left", None, None, "c"),
+    ("float32", (2, 1, 33, 256), (2, 1, 70, 256), "bottom_right", None, None, "c"),
+    ("float32", (3, 1, 32), (3, 147, 32), False, None, None, "c"),                    # Nq = 1
 ]
 
 
@@ -181,17 +186,47 @@ def test_forward_kernel_choice():
     def kernel(d, dv, dtype, bq=None, bkv=None):
         return tiling.plan_flash_fwd(d, dv, dtype, bq, bkv, limit=163 * 1024).kernel
     assert kernel(64, 64, "float16") == kernel(128, 128, "bfloat16") == "flash_fwd_tc"
-    assert kernel(64, 64, "float32") == kernel(64, 64, "float64") == "flash_fwd"
-    assert kernel(59, 59, "float16") == "flash_fwd"       # d not a multiple of 16
-    assert kernel(256, 256, "float16") == "flash_fwd"     # dv > 128
-    assert kernel(64, 64, "float16", 8, 8) == "flash_fwd"  # explicit tiles the TC kernel lacks
+    assert kernel(256, 256, "float16") == kernel(96, 32, "bfloat16") == "flash_fwd_tc"
+    assert kernel(64, 64, "float32") == kernel(256, 128, "float32") == "flash_fwd_tf32"  # 3xTF32
+    assert kernel(64, 64, "float64") == "flash_fwd"
+    assert kernel(59, 59, "float16") == kernel(59, 59, "float32") == "flash_fwd"  # d % 16 != 0
+    # tiles the tensor-core kernels lack are refused, not run on the SIMT kernel (issue 12)
+    for dtype, bq, bkv, tc in (("float16", 8, 8, "flash_fwd_tc"), ("float32", 16, 8, "flash_fwd_tf32")):
+        with pytest.raises(ValueError, match=f"tensor-core kernel {tc} does not take"):
+            kernel(64, 64, dtype, bq, bkv)
+    assert kernel(59, 59, "float16", 8, 8) == "flash_fwd"  # d % 16 != 0: SIMT tiles are its own
     assert kernel(64, 64, "float16", 16, 32) == "flash_fwd_tc"
+    with pytest.raises(ValueError, match="flash_fwd_tf32 runs"):
+        tiling.plan_flash_fwd(64, 64, "float16", kernel="flash_fwd_tf32")
 
 
-@pytest.mark.parametrize("kernel", ["flash_fwd", "flash_fwd_tc"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
-    """float16/bfloat16 through each kernel explicitly (the default picks tensor cores)."""
+def test_tc_rows_per_warp_follow_the_register_budget():
+    """32 query rows per warp (two m16 tiles) where S and O fit, else 16 rows and more warps."""
+    def plan(dtype, d, bq, bkv, dv=None):
+        return tiling.plan_flash_fwd(d, d if dv is None else dv, dtype, bq, bkv, limit=227 * 1024)
+    p = plan("float16", 128, 128, 32)
+    assert (p.kernel, p.threads) == ("flash_fwd_tc", 128)       # 4 warps x 32 rows
+    p = plan("float16", 128, 128, 128)                          # S + O of 32 rows would spill:
+    assert (p.kernel, p.threads) == ("flash_fwd_tc", 256)       # 8 warps x 16 rows instead
+    p = plan("float16", 256, 64, 32)
+    assert p.threads == 128                                     # d > 128: 16 rows per warp
+    p = plan("float32", 64, 128, 32)
+    assert (p.kernel, p.threads) == ("flash_fwd_tf32", 128)
+    for kernel in tiling.TC_KERNELS:
+        t = tiling.kernel_tiling(kernel)
+        for d in (16, 64, 96, 128, 192, 256):
+            for bq in t.block_q_choices:
+                for bkv in t.block_kv_choices:
+                    if t.check(bq, bkv, d, d) is None:
+                        assert tiling.tc_acc_regs(kernel, bq, bkv, d, d) <= tiling.TC_MAX_ACC_REGS[kernel]
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float16", "flash_fwd"), ("float16", "flash_fwd_tc"),
+                                          ("bfloat16", "flash_fwd"), ("bfloat16", "flash_fwd_tc"),
+                                          ("float32", "flash_fwd"), ("float32", "flash_fwd_tf32")])
+def test_both_kernels_of_a_dtype(kernel_backend, kernel, dtype, rng):
+    """float16/bfloat16/float32 through each of their kernels explicitly (the default picks
+    tensor cores: flash_fwd_tc, flash_fwd_tf32)."""
     q, k, v = oracle.qkv(rng, (2, 2, 45, 32), (2, 1, 70, 32), dtype=dtype)
     q, k, v = (kernel_backend.asarray(x) for x in (q, k, v))
     spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16,
@@ -206,10 +241,13 @@ def test_low_precision_on_both_kernels(kernel_backend, kernel, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype,d,bq,bkv,kernel", [
-    ("float32", 128, 128, 64, "flash_fwd"),     # largest SIMT tiles (512 threads)
-    ("float32", 64, 8, 8, "flash_fwd"),         # smallest (one warp)
-    ("float16", 64, 128, 128, "flash_fwd_tc"),  # largest tensor-core tiles (8 warps)
-    ("bfloat16", 128, 16, 64, "flash_fwd_tc"),  # one warp, long KV tiles
+    ("float64", 32, 128, 64, "flash_fwd"),         # largest SIMT tiles (512 threads)
+    ("float64", 64, 8, 8, "flash_fwd"),            # smallest (one warp)
+    ("float16", 64, 128, 128, "flash_fwd_tc"),     # largest tensor-core tiles (4 warps x 32 rows)
+    ("bfloat16", 128, 16, 32, "flash_fwd_tc"),     # one warp per block (4 per SM)
+    ("float16", 96, 128, 128, "flash_fwd_tc"),     # 8 warps x 16 rows (32 rows would spill)
+    ("float32", 128, 64, 32, "flash_fwd_tf32"),    # 2 warps x 32 rows
+    ("float32", 256, 64, 16, "flash_fwd_tf32"),    # d = 256: 16 rows per warp
 ])
 def test_extreme_tiles(kernel_backend, dtype, d, bq, bkv, kernel, rng):
     q, k, v = oracle.qkv(rng, (1, 2, 150, d), (1, 2, 131, d), dtype=dtype)
@@ -224,20 +262,55 @@ def test_extreme_tiles(kernel_backend, dtype, d, bq, bkv, kernel, rng):
                          lse=kernel_backend.to_numpy(lse))
 
 
+@pytest.mark.parametrize("dtype,kernel", [("float16", "flash_fwd_tc"), ("float32", "flash_fwd_tf32")])
+def test_tensor_core_scales_and_moving_max(kernel_backend, dtype, kernel, rng):
+    """What the tensor-core kernels' exp2 folding and lazily moved row max must survive:
+    negative and zero scales (the launcher hands them -q or 0 * q with a positive scale),
+    logits that grow along the keys (the reference max moves in every K/V tile), and rows
+    whose logits shrink (it never moves after the first tile)."""
+    Nq, Nk, d = 40, 100, 32
+    q = oracle.randn(rng, (1, 2, Nq, d), dtype)
+    k = oracle.randn(rng, (1, 2, Nk, d), dtype)
+    v = oracle.randn(rng, (1, 2, Nk, d), dtype)
+    grow = np.linspace(0.0, 3.0, Nk).astype(np.float32)[:, None]
+    k[0, 0] = (k[0, 0].astype(np.float32) * 0.2 + grow).astype(dtype)   # logits rise along the keys
+    q[0, 0, : Nq // 2] = np.abs(q[0, 0, : Nq // 2])                      # ... for these rows
+    q[0, 0, Nq // 2:] = -np.abs(q[0, 0, Nq // 2:])                       # ... and fall for these
+    args = [kernel_backend.asarray(x) for x in (q, k, v)]
+    for scale, causal in ((None, "bottom_right"), (2.0, False), (-0.7, "top_left"), (0.0, True)):
+        with poisoned_outputs():
+            o, lse = cuflash.tiled_attention(*args, scale=scale, causal=causal, block_q=32,
+                                             block_kv=16, return_lse=True,
+                                             backend=kernel_backend.name)
+        if kernel_backend.name == "emulator":
+            assert _emulator_stats()["kernel"] == kernel
+        oracle.check_forward(kernel_backend.to_numpy(o), q, k, v, scale, causal,
+                             lse=kernel_backend.to_numpy(lse))
+
+
 def test_tensor_core_kernel_as_sm75(rng):
-    """flash_fwd_tc compiled for sm_75: portable.cuh's software mma and synchronous cp.async."""
+    """flash_fwd_tc / flash_fwd_tf32 compiled for sm_75: portable.cuh's software mma and
+    synchronous cp.async."""
     rt = kernels.get_runtime("emulator", arch="sm_75")
     assert rt.smem_limit == 64 * 1024
     q, k, v = oracle.qkv(rng, (2, 50, 64), (2, 77, 64), dtype="bfloat16")
     spec = _validate.check_attention_inputs(q, k, v, causal=True)
     # before sm_80 the default is the SIMT kernel (software mma is slower there) ...
-    assert rt.plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd"
-    assert kernels.get_runtime("emulator").plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd_tc"
-    # ... but the tensor-core kernel still runs there when asked for
+    assert rt.plan_fwd(64, 64, "bfloat16").kernel == rt.plan_fwd(64, 64, "float32").kernel == "flash_fwd"
+    emu80 = kernels.get_runtime("emulator")
+    assert emu80.plan_fwd(64, 64, "bfloat16").kernel == "flash_fwd_tc"
+    assert emu80.plan_fwd(64, 64, "float32").kernel == "flash_fwd_tf32"
+    # ... but the tensor-core kernels still run there when asked for
     with poisoned_outputs():
         o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
     assert _emulator_stats()["kernel"] == "flash_fwd_tc"
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
+    q, k, v = oracle.qkv(rng, (1, 20, 16), (1, 30, 16), dtype="float32")
+    spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16, block_kv=16)
+    with poisoned_outputs():
+        o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tf32")
+    assert _emulator_stats()["kernel"] == "flash_fwd_tf32"
+    oracle.check_forward(o, q, k, v, None, "bottom_right", lse=lse)
 
 
 def test_tensor_core_kernel_misaligned_view(kernel_backend, rng):
@@ -299,16 +372,16 @@ def test_online_softmax_kernel(kb, dtype, shape, chunk, rng):
 # tiles: explicit sizes honoured, too big refused, the traffic model exact
 # --------------------------------------------------------------------------
 def test_explicit_tiles_honoured(kernel_backend, rng):
-    q = oracle.randn(rng, (2, 37, 16), "float32")
-    k = oracle.randn(rng, (2, 50, 16), "float32")
+    q = oracle.randn(rng, (2, 37, 16), "float64")  # SIMT tiles: float64 (see FWD_CASES)
+    k = oracle.randn(rng, (2, 50, 16), "float64")
     cuflash.tiled_attention(kernel_backend.asarray(q), kernel_backend.asarray(k),
                             kernel_backend.asarray(k), causal="top_left", block_q=16,
                             block_kv=8, backend=kernel_backend.name)
-    ma = cuflash.memory_analysis(37, 16, "float32", Nk=50, block_q=16, block_kv=8, batch=2,
+    ma = cuflash.memory_analysis(37, 16, "float64", Nk=50, block_q=16, block_kv=8, batch=2,
                                  backend=kernel_backend.name)
     assert (ma["block_q"], ma["block_kv"], ma["tiles_chosen"]) == (16, 8, "explicit")
-    plan = tiling.plan("flash_fwd", 16, 16, "float32", 16, 8)
-    assert ma["sram_bytes_per_block"] == plan.shared_bytes == 4 * (16 * 17 + 8 * 17 + 8 * 16 + 16 * 9)
+    plan = tiling.plan("flash_fwd", 16, 16, "float64", 16, 8)
+    assert ma["sram_bytes_per_block"] == plan.shared_bytes == 8 * (16 * 17 + 8 * 17 + 8 * 16 + 16 * 9)
     if kernel_backend.name == "emulator":
         st = _emulator_stats()
         assert st["threads_per_block"] == plan.threads == 64
@@ -343,7 +416,7 @@ TRAFFIC_CASES = [
     ("float32", (2, 3, 150, 64), (2, 3, 150, 64), "bottom_right", None, None),
     ("float32", (2, 6, 77, 64), (2, 2, 200, 64), "top_left", None, None),    # GQA, Nq < Nk
     ("float32", (2, 6, 200, 64), (2, 2, 77, 64), "bottom_right", None, None),  # Nq > Nk
-    ("float16", (3, 113, 32), (3, 203, 32), "bottom_right", None, None),
+    ("float16", (3, 290, 32), (3, 403, 32), "bottom_right", None, None),  # 3 query tiles
 ]
 
 
@@ -405,8 +478,13 @@ def test_default_tiles_fit_every_arch(arch):
             assert p.shared_bytes <= limit and p.chosen == "default"
             assert p.block_q in (8, 16, 32, 64, 128) and p.threads == 4 * p.block_q
             # one size given: honoured, the other chosen
-            p2 = tiling.plan("flash_fwd", d, d, dtype, block_q=8, limit=limit)
-            assert p2.block_q == 8 and p2.shared_bytes <= limit
+            try:
+                p2 = tiling.plan("flash_fwd", d, d, dtype, block_q=8, limit=limit)
+                assert p2.block_q == 8 and p2.shared_bytes <= limit
+            except ValueError as e:  # one warp per block: under the occupancy floor here
+                assert "resident warp(s) per SM" in str(e), e
+                assert tiling.resident_warps(32, tiling.plan("flash_fwd", d, d, dtype, 8, 8).shared_bytes,
+                                             limit) < tiling.MIN_RESIDENT_WARPS
 
 
 def test_explicit_plan_never_changed():
@@ -446,8 +524,11 @@ def test_verify_no_full_materialization(kernel_backend, rng):
         oracle.check_forward(kernel_backend.to_numpy(o), q, k, v)
         sizes.append(mx)
         assert mx < N * N
-    # the tiles (16 x 33 elements) dominate until lse (2 * N) is larger: never N^2
-    assert sizes == [max(16 * 33, 2 * 40), max(16 * 33, 2 * 160)]
+    # float32 runs flash_fwd_tf32: its shared-memory tiles (K in two stages of 16 x 48
+    # elements) dominate until lse (2 * N) is larger: never N^2
+    qs, ks, vs, _ = tiling.tc_strides("flash_fwd_tf32", 32, 32)
+    tile = max(16 * qs, 2 * 16 * ks, 2 * 16 * vs)
+    assert sizes == [max(tile, 2 * 40), max(tile, 2 * 160)]
 
 
 # --------------------------------------------------------------------------
@@ -461,13 +542,17 @@ def test_race_check_flash_fwd(rng):
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
 
-def test_race_check_flash_fwd_tc(rng):
-    """The tensor-core kernel (ldmatrix, mma, cp.async double buffering) under TSan."""
+@pytest.mark.parametrize("dtype,kernel,bq", [("float16", "flash_fwd_tc", 16), ("bfloat16", "flash_fwd_tc", 64),
+                                             ("float32", "flash_fwd_tf32", 64)])
+def test_race_check_tensor_core_forward(rng, dtype, kernel, bq):
+    """The tensor-core kernels (ldmatrix or 128/64-bit fragment loads, mma, cp.async in two
+    stages, one barrier per tile) under TSan: one warp of 16 rows, and 2 warps of 32 rows."""
     rt = kernels.get_runtime("emulator", race_check=True)
-    q, k, v = oracle.qkv(rng, (1, 1, 20, 16), (1, 1, 45, 16), dtype="float16")
-    spec = _validate.check_attention_inputs(q, k, v, causal="top_left", block_q=16,
+    q, k, v = oracle.qkv(rng, (1, 1, 20, 16), (1, 1, 45, 16), dtype=dtype)
+    spec = _validate.check_attention_inputs(q, k, v, causal="top_left", block_q=bq,
                                             block_kv=16)
-    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
+    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel=kernel)
+    assert _emulator_stats()["threads_per_block"] == 32 * max(1, bq // 32)
     oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
 
 

@@ -16,9 +16,10 @@ def test_precompile_emulator_then_calls_compile_nothing(rng):
     res = cuflash.precompile(("float32",), (32,), backend="emulator", progress=seen.append)
     assert res["backend"] == "emulator" and res["seconds"] >= 0 and len(seen) == 2
     files = {m["file"] for m in res["modules"]}
-    assert files == {"flash_fwd.cu", "flash_bwd.cu"}, res
+    # float32 on sm_80: 3xTF32 forward (flash_fwd_tc.cu) and dK/dV (flash_bwd_tf32.cu) + SIMT helpers
+    assert files == {"flash_fwd_tc.cu", "flash_bwd.cu", "flash_bwd_tf32.cu"}, res
     kernels_listed = {k for m in res["modules"] for k in m["kernels"]}
-    assert {"flash_fwd", "flash_bwd_dkdv", "flash_bwd_preprocess"} <= kernels_listed
+    assert {"flash_fwd_tf32", "flash_bwd_tf32", "flash_bwd_dkdv", "flash_bwd_preprocess"} <= kernels_listed
     assert all(any(o.startswith("-DCUFLASH_DTYPE_F32") for o in m["options"])
                for m in res["modules"])
     # a default-tile forward + backward of that dtype and d now finds every module built
@@ -47,7 +48,7 @@ def test_compile_command(tmp_path):
                         "--dtypes", "float32", "--head-dims", "32"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "flash_fwd.cu" in r.stdout and "module(s) ready" in r.stdout
+    assert "flash_fwd_tc.cu" in r.stdout and "module(s) ready" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--dtypes", "int8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -505,11 +505,12 @@ inline void ldmatrix(uint32_t* r, const void* row) {
 
 // cp.async: the copy is recorded at issue and lands only when a wait covers
 // its group, so reading shared memory before the wait sees the old contents.
+// src == nullptr: a zero fill (cp.async with src-size 0), no global read.
 inline void cp_async_16(void* dst, const void* src) {
     ThreadCtx& c = *tctx;
     if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
         device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
-    c.bytes_read += 16;
+    if (src) c.bytes_read += 16;
     c.cp_open.push_back(CpCopy{dst, src});
 }
 inline void cp_async_commit() {
@@ -520,7 +521,10 @@ inline void cp_async_commit() {
 inline void cp_async_wait(int n) {  // all but the n most recent committed groups complete
     ThreadCtx& c = *tctx;
     while ((int)c.cp_groups.size() > n) {
-        for (const CpCopy& cp : c.cp_groups.front()) std::memcpy(cp.dst, cp.src, 16);
+        for (const CpCopy& cp : c.cp_groups.front()) {
+            if (cp.src) std::memcpy(cp.dst, cp.src, 16);
+            else std::memset(cp.dst, 0, 16);
+        }
         c.cp_groups.erase(c.cp_groups.begin());
     }
 }
@@ -587,6 +591,58 @@ inline std::string check_interblock_stores(std::vector<ThreadCtx>& ctxs, const c
         if (far == nullptr || r.addr + r.bytes > far->addr + far->bytes) far = &r;
     }
     return "";
+}
+
+// ---------------------------------------------------------------- TF32 tensor-core emulation
+// mma.m16n8k8 with .tf32 operands (portable.cuh, TF32 section; PTX ISA "Matrix Fragments for
+// mma.m16n8k8"): a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4); b0 = (t, g),
+// b1 = (t+4, g); c as for m16n8k16.  An operand is read as the tensor core reads a .b32
+// holding tf32: its top 19 bits (sign, exponent, 10 mantissa bits); the low 13 bits are
+// ignored (cvt.rna.tf32.f32 leaves them zero; CUTLASS's round-toward-zero tf32 relies on
+// the hardware doing this with raw floats).  Products of two 11-bit significands are exact
+// in float; each product is added to the float accumulator in k order.
+// With a_lo and b_lo (3xTF32), three such mma run in sequence on the same accumulator:
+// d = ((c + lo_a*hi_b) + hi_a*lo_b) + hi_a*hi_b, in one warp exchange.
+struct MmaTf32Lane { uint32_t a[4]; uint32_t b[2]; uint32_t a_lo[4]; uint32_t b_lo[2]; float c[4]; };
+static_assert(sizeof(MmaTf32Lane) <= 64, "one exchange slot per lane");
+
+inline float tf32_operand(uint32_t r) {
+    r &= 0xffffe000u;
+    float f; std::memcpy(&f, &r, 4); return f;
+}
+
+inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, const float* c,
+                             const uint32_t* a_lo, const uint32_t* b_lo) {
+    require_full_warp("mma.m16n8k8.tf32");
+    MmaTf32Lane mine{};
+    std::memcpy(mine.a, a, 16); std::memcpy(mine.b, b, 8); std::memcpy(mine.c, c, 16);
+    if (a_lo) { std::memcpy(mine.a_lo, a_lo, 16); std::memcpy(mine.b_lo, b_lo, 8); }
+    const unsigned char* s = warp_exchange(&mine, sizeof mine, 0xffffffffu, "mma.m16n8k8.tf32");
+    auto lane = [&](int l) -> const MmaTf32Lane& { return *reinterpret_cast<const MmaTf32Lane*>(s + 64 * l); };
+    // A(r, k): lane (r%8)*4 + k%4, register (r/8) + 2*(k/4); B(k, n): lane n*4 + k%4, register k/4
+    auto A = [&](bool lo, int r, int k) {
+        const MmaTf32Lane& x = lane((r % 8) * 4 + k % 4);
+        return tf32_operand((lo ? x.a_lo : x.a)[(r / 8) + 2 * (k / 4)]);
+    };
+    auto B = [&](bool lo, int k, int n) {
+        const MmaTf32Lane& x = lane(n * 4 + k % 4);
+        return tf32_operand((lo ? x.b_lo : x.b)[k / 4]);
+    };
+    const int g = tctx->lane >> 2, t = tctx->lane & 3;
+    // (A lo?, B lo?) of each product, in order
+    static const bool terms3[3][2] = {{true, false}, {false, true}, {false, false}};
+    static const bool terms1[1][2] = {{false, false}};
+    const int nterms = a_lo ? 3 : 1;
+    const bool (*terms)[2] = a_lo ? terms3 : terms1;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float acc = mine.c[i];
+        for (int p = 0; p < nterms; ++p)
+            for (int k = 0; k < 8; ++k) acc += A(terms[p][0], row, k) * B(terms[p][1], k, col);
+        out[i] = acc;
+    }
+    std::memcpy(d, out, 16);
 }
 
 // ---------------------------------------------------------------- launch

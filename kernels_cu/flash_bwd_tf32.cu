@@ -1,0 +1,390 @@
+// flash_bwd_tf32.cu: the FlashAttention-2 backward for float32 on tensor cores (3xTF32).
+//
+// What it computes (cuflash.tiled_attention_backward, the contract of flash_bwd.cu), for every
+// query head with P = softmax(scale * Q K^T [causal mask]) recomputed from the forward's lse:
+//     dV = P^T dO     dP = dO V^T     dS = P * (dP - D)     dK = scale * dS^T Q     dQ = scale * dS K
+// with D = rowsum(dO * O) from flash_bwd_preprocess (flash_bwd.cu), which also zeroes the
+// float32 dQ accumulator; dQ is added into it with float32 atomics and converted by
+// flash_bwd_dq_convert (flash_bwd.cu).  This kernel replaces flash_bwd_dkdv on that path
+// (deterministic=False; the deterministic path keeps the SIMT kernels).
+// Every product is three mma.m16n8k8 with tf32 operands (x = hi + lo, hi*hi + hi*lo + lo*hi,
+// portable.cuh) and float32 accumulation: float32 accuracy.
+//
+// Grid: one block per (KV tile j of Bc keys, kv head, batch), folded (params.cuh).  K_j, V_j
+// stay in shared memory; the block walks the query heads of its GQA group and, for each, the
+// Q tiles that can see K_j, (Q_i, dO_i, lse_i, D_i) in two cp.async stages (tile i + 1 in flight
+// while tile i computes).  Each of the kWarps warps owns 16 keys (Bc = 16 * kWarps).  Per warp
+// and Q tile (Br queries):
+//   S^T  (16 x Br) = K_w Q_i^T       A = K_w rows, B = Q_i rows (128-bit loads, k permuted as in
+//   dP^T (16 x Br) = V_w dO_i^T      flash_fwd_tc.cu's S)
+//   P^T = 2^(S^T c - lse_i log2 e)   c = scale log2 e; rows that see no key come with lse = +inf
+//   dS^T = P^T * (dP^T - D_i)
+//   dV_w += P^T dO_i,  dK_w += dS^T Q_i   the A operands straight from the accumulators: an n8
+//       tile of P^T holds queries 2t, 2t+1 in lane (g, t), used as k = t, t + 4; B = rows 2t,
+//       2t+1 of dO_i / Q_i, one 128-bit load each at columns 32c + 4g .. 4g+3, which feed four
+//       n8 tiles of the product (tile m uses column 32c + 4g + m), so a lane's accumulators hold
+//       columns 32c + 8t + 4e + m (e = 0, 1; m = 0..3) of its rows: two 16-byte stores
+//   dS^T -> shared memory; after a barrier the block computes dQ_i (Br x d) = dS K_j in warp
+//       sub-tiles of 16 x 32 (A = dS from the stored dS^T, B = rows 2t, 2t+1 of K_j) and adds
+//       scale * dQ_i into the accumulator with one float32 atomic per element and block.
+//
+// Shared memory (float; strides chosen for the fragment loads, see tc_stride in cuflash.tiling):
+//   Ks (Bc, kKS)  Vs (Bc, kVS)  Qs 2 x (Br, kQS)  dOs 2 x (Br, kOS)  lse2 2 x Br  D 2 x Br  dSTs (Bc, kTS)
+// K_j, Q_i and dO_i are read both as rows g of an 8-row group (128-bit, needs a stride of 16 mod
+// 32 floats to be conflict-free) and as rows 2t (128-bit, needs 4 mod 16): 20 mod 32 serves
+// the second fully and the first with one 2-way conflict per quarter warp; V_j only as rows g
+// (16 mod 32); dS^T is written as pairs and read as single floats (4 mod 32).
+//
+// Compile-time parameters: CUFLASH_DTYPE_F32, CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv),
+// CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS (2 * Bc).  Arguments and
+// launch as flash_bwd_dkdv (grid ceil(Nk / Bc) * Hk * B), BwdParams with atomic_dq = 1.
+// Limits: d, dv multiples of 32 (a 128-bit B load feeds four n8 tiles), <= 128 (dK, dV in
+// registers); Br a multiple of 16; 16-byte aligned rows (the launcher copies other inputs).
+// Before sm_80 portable.cuh's software mma and synchronous copies run instead.
+#if !defined(CUFLASH_DTYPE_F32)
+#error "flash_bwd_tf32 supports CUFLASH_DTYPE_F32 only"
+#endif
+#include "dtype.cuh"
+#include "params.cuh"
+
+#if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
+    !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
+#error "define CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV and CUFLASH_THREADS"
+#endif
+
+constexpr int kD = CUFLASH_HEAD_DIM;
+constexpr int kDv = CUFLASH_HEAD_DIM_V;
+constexpr int kBr = CUFLASH_BLOCK_Q;
+constexpr int kBc = CUFLASH_BLOCK_KV;
+constexpr int kThreads = CUFLASH_THREADS;
+constexpr int kWarps = kThreads / 32;
+constexpr int kNQ = kBr / 8;  // n8 tiles of S^T (queries)
+// strides (floats): 20 mod 32 for tiles read both ways, 16 mod 32 for V, 4 mod 32 for dS^T
+__host__ __device__ constexpr int pad_to(int n, int r) { return n + ((r - n % 32) % 32 + 32) % 32; }
+constexpr int kKS = pad_to(kD, 20);
+constexpr int kQS = pad_to(kD, 20);
+constexpr int kVS = pad_to(kDv, 16);
+constexpr int kOS = pad_to(kDv, 20);
+constexpr int kTS = pad_to(kBr, 4);
+constexpr int kSubs = (kBr / 16) * (kD / 32);  // 16 x 32 sub-tiles of dQ_i
+
+static_assert(kBc == 16 * kWarps, "each warp owns 16 keys: block_kv = 16 * warps");
+static_assert(kBr % 16 == 0, "block_q must be a multiple of 16");
+static_assert(kD % 32 == 0 && kDv % 32 == 0 && kD <= 128 && kDv <= 128, "d, dv: multiples of 32, <= 128");
+
+// ------------------------------------------------------------- helpers
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef CUFLASH_EMULATOR
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+__device__ __forceinline__ void lds4(float (&r)[4], const float* p) {
+#ifdef CUFLASH_EMULATOR
+    std::memcpy(r, p, 16);
+#else
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+#endif
+}
+__device__ __forceinline__ void lds2(float (&r)[2], const float* p) {
+#ifdef CUFLASH_EMULATOR
+    std::memcpy(r, p, 8);
+#else
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    r[0] = v.x; r[1] = v.y;
+#endif
+}
+__device__ __forceinline__ void sts2(float* p, float a, float b) {
+#ifdef CUFLASH_EMULATOR
+    const float v[2] = {a, b};
+    std::memcpy(p, v, 8);
+#else
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+#endif
+}
+// The 3xTF32 split of flash_fwd_tc.cu (three instructions; the hi mask 0xffffe000 is computed
+// from a run-time value, so that ptxas writes hi straight into fragment registers;
+// lo is left unmasked: the tensor core reads its top 19 bits, i.e. x - hi rounded to nearest).
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
+    hi = __float_as_uint(x) & hi_mask;
+    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
+}
+
+// cp.async of rows [0, rows) of a (kRows, kCols) float tile (global row stride gs) into shared
+// memory (row stride kSS), rows >= rows zero-filled; a rolled loop over the 16-byte chunks.
+template <int kRows, int kCols, int kSS>
+__device__ __forceinline__ void load_tile(float* s, const float* g, long long gs, int rows, int tid) {
+    constexpr int kCpr = kCols / 4;
+#pragma unroll 4
+    for (int idx = tid; idx < kRows * kCpr; idx += kThreads) {
+        const int r = idx / kCpr, c = (idx - r * kCpr) * 4;
+        const bool valid = r < rows;
+        cp_async_16_zfill(s + r * kSS + c, valid ? g + r * gs + c : g, valid);
+    }
+}
+
+// acc (16 x 8*kNQ) += A (16 rows of `As`, row stride kAS, columns [0, kK)) x B^T (kNQ*8 rows of
+// `Bs`, row stride kBS): the S^T / dP^T products.  Per 16 columns: one 128-bit load of each A
+// row (g, g + 8) and each B row, columns 4t, 4t+1 as k = t, t+4 of the first k8 MMA, 4t+2,
+// 4t+3 of the second.
+template <int kK, int kAS, int kBS>
+__device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, const float* Bs, int g, int t,
+                                        uint32_t hm) {
+#pragma unroll
+    for (int kb = 0; kb < kK / 16; ++kb) {
+        uint32_t ah[2][4], al[2][4];
+        float a0[4], a8[4];
+        lds4(a0, As + g * kAS + kb * 16 + 4 * t);
+        lds4(a8, As + (g + 8) * kAS + kb * 16 + 4 * t);
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+            split(a0[2 * st], ah[st][0], al[st][0], hm);
+            split(a8[2 * st], ah[st][1], al[st][1], hm);
+            split(a0[2 * st + 1], ah[st][2], al[st][2], hm);
+            split(a8[2 * st + 1], ah[st][3], al[st][3], hm);
+        }
+#pragma unroll
+        for (int nq = 0; nq < kNQ; ++nq) {
+            float bv[4];
+            lds4(bv, Bs + (nq * 8 + g) * kBS + kb * 16 + 4 * t);
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                uint32_t bh[2], bl[2];
+                split(bv[2 * st], bh[0], bl[0], hm);
+                split(bv[2 * st + 1], bh[1], bl[1], hm);
+                mma_m16n8k8_3xtf32(acc[nq], ah[st], al[st], bh, bl, acc[nq]);
+            }
+        }
+    }
+}
+
+// acc (16 x kN) += X (16 x Br, in the accumulator layout of S^T) x B (Br rows of `Bs`, row
+// stride kBS, columns [0, kN)): dV += P^T dO and dK += dS^T Q.  The n8 tile kc of X gives the
+// A operand of k8 step kc (queries 2t, 2t+1 as k = t, t+4); B = rows kc*8 + 2t, 2t+1, one
+// 128-bit load each per 32 columns, element m feeding n8 tile 4c + m.
+template <int kN, int kBS>
+__device__ __forceinline__ void mma_xb(float (&acc)[kN / 8][4], const float (&x)[kNQ][4], const float* Bs, int g,
+                                       int t, uint32_t hm) {
+#pragma unroll
+    for (int kc = 0; kc < kNQ; ++kc) {
+        uint32_t ah[4], al[4];
+        split(x[kc][0], ah[0], al[0], hm);  // (g, 2t)
+        split(x[kc][2], ah[1], al[1], hm);  // (g + 8, 2t)
+        split(x[kc][1], ah[2], al[2], hm);  // (g, 2t + 1)
+        split(x[kc][3], ah[3], al[3], hm);  // (g + 8, 2t + 1)
+#pragma unroll
+        for (int c = 0; c < kN / 32; ++c) {
+            float b0[4], b1[4];
+            lds4(b0, Bs + (kc * 8 + 2 * t) * kBS + c * 32 + 4 * g);
+            lds4(b1, Bs + (kc * 8 + 2 * t + 1) * kBS + c * 32 + 4 * g);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                uint32_t bh[2], bl[2];
+                split(b0[m], bh[0], bl[0], hm);
+                split(b1[m], bh[1], bl[1], hm);
+                mma_m16n8k8_3xtf32(acc[4 * c + m], ah, al, bh, bl, acc[4 * c + m]);
+            }
+        }
+    }
+}
+
+// Rows r0 + g (+ 8) of a (16 x kN) accumulator tile of mma_xb as float4 stores: lane (g, t)
+// holds columns 32c + 8t + 4e + m in acc[4c + m][2 half + e].
+template <int kN>
+__device__ __forceinline__ void store_xb(float* base, long long row_stride, const float (&acc)[kN / 8][4],
+                                         int g, int t, int rows, float mul) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        if (r < rows) {
+            float* row = base + r * row_stride;
+#pragma unroll
+            for (int c = 0; c < kN / 32; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    gstore(reinterpret_cast<float4*>(row + c * 32 + 8 * t + 4 * e),
+                           make_float4(mul * acc[4 * c][2 * half + e], mul * acc[4 * c + 1][2 * half + e],
+                                       mul * acc[4 * c + 2][2 * half + e], mul * acc[4 * c + 3][2 * half + e]));
+        }
+    }
+}
+
+// ------------------------------------------------------------- the kernel
+// __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
+// specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
+// planner's register budget assumes up to 255.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
+    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+    const float* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ D,
+    float* __restrict__ dK, float* __restrict__ dV, float* __restrict__ dq_accum_ws,
+    const BwdParams* __restrict__ P)
+{
+    CUFLASH_DYNAMIC_SHARED(float, smem);
+    float* Ks = smem;                    // (Bc, kKS)       K_j, resident
+    float* Vs = Ks + kBc * kKS;          // (Bc, kVS)       V_j, resident
+    float* Qs = Vs + kBc * kVS;          // 2 x (Br, kQS)   Q_i, two stages
+    float* dOs = Qs + 2 * kBr * kQS;     // 2 x (Br, kOS)   dO_i, two stages
+    float* lse2s = dOs + 2 * kBr * kOS;  // 2 x Br          lse_i * log2(e) (+inf: row sees no key)
+    float* Dsm = lse2s + 2 * kBr;        // 2 x Br          D_i
+    float* dSTs = Dsm + 2 * kBr;         // (Bc, kTS)       dS^T of the current tile
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
+    const float scale = (float)p.scale;
+    const float c = (float)(p.scale * 1.4426950408889634);  // scale * log2(e)
+    const uint32_t hm = 0xffffe000u | (uint32_t)(Nq < 0);  // run-time value (Nq >= 0): see split
+    // blockIdx.x -> (KV tile, kv head, batch) in 32-bit arithmetic (no division subroutine)
+    const unsigned bid = blockIdx.x, bhk = bid / (unsigned)p.n_kv_tiles;
+    const int kv_tile = (int)(bid - bhk * (unsigned)p.n_kv_tiles);
+    const int hk = (int)(bhk % (unsigned)p.Hk), b = (int)(bhk / (unsigned)p.Hk);
+    const int kv0 = kv_tile * kBc, kv_rows = min(kBc, Nk - kv0);
+    float* dq_accum = dq_accum_ws + p.dq_accum_offset;
+
+    load_tile<kBc, kD, kKS>(Ks, K + b * p.k_sb + hk * p.k_sh + kv0 * p.k_sr, p.k_sr, kv_rows, tid);
+    load_tile<kBc, kDv, kVS>(Vs, V + b * p.v_sb + hk * p.v_sh + kv0 * p.v_sr, p.v_sr, kv_rows, tid);
+    // (one group with the first Q tile below; K_j, V_j are read after its barrier)
+
+    // causal: the first query that sees key kv0 is kv0 - off; earlier Q tiles are skipped
+    int it0 = 0;
+    if (causal) {
+        const long long i_min = (long long)kv0 - off;
+        it0 = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + kBr - 1) / kBr : (int)(i_min / kBr));
+    }
+    const int n_q_tiles = (Nq + kBr - 1) / kBr;
+    const int per_head = n_q_tiles - it0;  // Q tiles per query head of the group
+    const int n_steps = group * per_head;  // (head, Q tile) steps of this block
+
+    // step s -> query head hk * group + s / per_head, Q tile it0 + s % per_head
+    auto issue = [&](int s, int stage) {
+        const int h = hk * group + s / per_head, q0 = (it0 + s % per_head) * kBr;
+        const int rows = min(kBr, Nq - q0);
+        load_tile<kBr, kD, kQS>(Qs + stage * kBr * kQS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, p.q_sr, rows, tid);
+        load_tile<kBr, kDv, kOS>(dOs + stage * kBr * kOS, dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr,
+                                 p.do_sr, rows, tid);
+        const size_t row0 = ((size_t)b * p.H + h) * Nq + q0;
+        for (int r = tid; r < kBr; r += kThreads) {
+            // rows past Nq and rows that see no key (lse = -inf): +inf, so P = 2^-inf = 0
+            const float l = r < rows ? gload(LSE + row0 + r) : -INFINITY;
+            lse2s[stage * kBr + r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+            Dsm[stage * kBr + r] = r < rows ? gload(D + row0 + r) : 0.0f;
+        }
+    };
+
+    float dk[kD / 8][4], dv[kDv / 8][4];  // dK_w, dV_w (16 keys x d, dv), see store_xb
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kDv / 8; ++i) dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.0f;
+    const float* Kw = Ks + warp * 16 * kKS;
+    const float* Vw = Vs + warp * 16 * kVS;
+    const int key0 = kv0 + warp * 16;  // the warp's first key
+
+    if (n_steps > 0) issue(0, 0);
+    cp_async_commit();
+    for (int s = 0; s < n_steps; ++s) {
+        const int stage = s & 1;
+        const int h = hk * group + s / per_head, q0 = (it0 + s % per_head) * kBr;
+        cp_async_wait<0>();
+        // Q_i, dO_i (and at s = 0 K_j, V_j), lse_i, D_i of this stage are visible; every warp
+        // finished step s - 1, so its stage and dS^T may be overwritten.
+        __syncthreads();
+        if (s + 1 < n_steps) issue(s + 1, stage ^ 1);
+        cp_async_commit();
+        const float* Qt = Qs + stage * kBr * kQS;
+        const float* dOt = dOs + stage * kBr * kOS;
+        const float* lse2 = lse2s + stage * kBr;
+        const float* Dt = Dsm + stage * kBr;
+
+        // -- S^T = K_w Q_i^T, dP^T = V_w dO_i^T
+        float st[kNQ][4], dpt[kNQ][4];
+#pragma unroll
+        for (int nq = 0; nq < kNQ; ++nq)
+            st[nq][0] = st[nq][1] = st[nq][2] = st[nq][3] = dpt[nq][0] = dpt[nq][1] = dpt[nq][2] = dpt[nq][3] = 0.0f;
+        mma_abt<kD, kKS, kQS>(st, Kw, Qt, g, t, hm);
+        mma_abt<kDv, kVS, kOS>(dpt, Vw, dOt, g, t, hm);
+
+        // -- P^T = 2^(S^T c - lse2), masked only on tiles that cross the diagonal or the ends;
+        //    dS^T = P^T (dP^T - D)
+        const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);
+#pragma unroll
+        for (int nq = 0; nq < kNQ; ++nq) {
+            float l2[2], dd[2];
+            lds2(l2, lse2 + nq * 8 + 2 * t);
+            lds2(dd, Dt + nq * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = fast_exp2(fmaf(st[nq][e], c, -l2[e & 1]));
+                if (mask) {
+                    const int key = key0 + g + 8 * (e >> 1), q = q0 + nq * 8 + 2 * t + (e & 1);
+                    if (key >= Nk || (causal && key > q + off)) pv = 0.0f;
+                }
+                st[nq][e] = pv;
+                dpt[nq][e] = pv * (dpt[nq][e] - dd[e & 1]);
+            }
+        }
+
+        // -- dV_w += P^T dO_i, dK_w += dS^T Q_i (scale applied at the end)
+        mma_xb<kDv, kOS>(dv, st, dOt, g, t, hm);
+        mma_xb<kD, kQS>(dk, dpt, Qt, g, t, hm);
+
+        // -- dS^T to shared memory for dQ_i = dS K_j
+#pragma unroll
+        for (int nq = 0; nq < kNQ; ++nq) {
+            sts2(dSTs + (warp * 16 + g) * kTS + nq * 8 + 2 * t, dpt[nq][0], dpt[nq][1]);
+            sts2(dSTs + (warp * 16 + g + 8) * kTS + nq * 8 + 2 * t, dpt[nq][2], dpt[nq][3]);
+        }
+        __syncthreads();  // every warp's dS^T rows are in dSTs before any warp reads dS
+
+        // -- dQ_i += scale * dS K_j: warp sub-tiles of 16 queries x 32 columns, one atomic each
+        const int q_rows = min(kBr, Nq - q0);
+        float* dq_tile = dq_accum + (((size_t)b * p.H + h) * Nq + q0) * kD;
+        for (int sub = warp; sub < kSubs; sub += kWarps) {
+            const int r0 = (sub / (kD / 32)) * 16, c0 = (sub % (kD / 32)) * 32;
+            float acc[4][4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+#pragma unroll
+            for (int kc = 0; kc < kBc / 8; ++kc) {  // keys kc*8 + 2t, 2t + 1 as k = t, t + 4
+                const float* d0 = dSTs + (kc * 8 + 2 * t) * kTS + r0 + g;
+                const float* d1 = d0 + kTS;
+                uint32_t ah[4], al[4];
+                split(d0[0], ah[0], al[0], hm);  // dS(r0 + g, key 2t)
+                split(d0[8], ah[1], al[1], hm);  // dS(r0 + g + 8, key 2t)
+                split(d1[0], ah[2], al[2], hm);  // dS(r0 + g, key 2t + 1)
+                split(d1[8], ah[3], al[3], hm);  // dS(r0 + g + 8, key 2t + 1)
+                float b0[4], b1[4];
+                lds4(b0, Ks + (kc * 8 + 2 * t) * kKS + c0 + 4 * g);
+                lds4(b1, Ks + (kc * 8 + 2 * t + 1) * kKS + c0 + 4 * g);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    uint32_t bh[2], bl[2];
+                    split(b0[m], bh[0], bl[0], hm);
+                    split(b1[m], bh[1], bl[1], hm);
+                    mma_m16n8k8_3xtf32(acc[m], ah, al, bh, bl, acc[m]);
+                }
+            }
+            // acc[m][i]: query r0 + g + 8 (i >> 1), column c0 + 8t + 4 (i & 1) + m
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + g + 8 * (i >> 1);
+                if (r < q_rows)
+#pragma unroll
+                    for (int m = 0; m < 4; ++m)
+                        gatomic_add(dq_tile + (size_t)r * kD + c0 + 8 * t + 4 * (i & 1) + m, scale * acc[m][i]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the block (K_j, V_j only, when n_steps == 0)
+
+    // -- dK_j = scale * sum dS^T Q, dV_j (rows past Nk are not written)
+    const size_t row0 = ((size_t)b * p.Hk + hk) * Nk + kv0 + warp * 16;
+    const int rows = kv_rows - warp * 16;
+    store_xb<kD>(dK + row0 * kD, kD, dk, g, t, rows, scale);
+    store_xb<kDv>(dV + row0 * kDv, kDv, dv, g, t, rows, 1.0f);
+}

@@ -1,0 +1,157 @@
+"""flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward on tensor cores.
+
+float32 backward calls with deterministic=False on sm_80+ run it in place of the SIMT
+flash_bwd_dkdv (flash_bwd_preprocess and flash_bwd_dq_convert around it stay).  Checked
+against the float64 oracle by the float32 rule of docs/testing.md (relative error < 1e-5)
+over odd lengths, Nq != Nk both ways, both causal alignments with rows that see no key,
+MHA/GQA/MQA, d in {32, 64, 96, 128} and dv != d; gradients are NaN-poisoned before the
+kernels run; the bytes it moves equal cuflash.tiling.flash_bwd_traffic with its tiles; one
+race check; the fallbacks (deterministic, explicit tiles it lacks, misaligned views, head
+dims it lacks, sm_75) go to the SIMT kernels.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+import cuflash
+import oracle
+from conftest import poisoned_outputs, require_backend
+from cuflash import _launch, _launch_bwd, _validate, kernels, tiling
+
+
+def _fwd(q, k, v, causal):
+    o, lse, _ = oracle.attention(q, k, v, None, causal)
+    return o.astype(q.dtype), lse.astype(np.float32)
+
+
+@contextlib.contextmanager
+def _count_launches():
+    total = {"global_bytes_read": 0, "global_bytes_written": 0, "launches": []}
+    with _launch.observe_launches() as seen:
+        yield total
+    for entry in seen:
+        total["global_bytes_read"] += entry.get("global_bytes_read", 0)
+        total["global_bytes_written"] += entry.get("global_bytes_written", 0)
+        total["launches"].append(entry["kernel"])
+
+
+CASES = [
+    # q shape, k shape, causal -- d = 64 shares the default (64, 64) specialisation
+    ((2, 4, 77, 64), (2, 2, 50, 64), "bottom_right"),   # GQA, Nq > Nk: rows that see no key
+    ((1, 3, 45, 64), (1, 1, 130, 64), "top_left"),      # MQA, Nq < Nk
+    ((1, 2, 97, 64), (1, 2, 97, 64), False),
+    ((3, 33, 32), (3, 47, 32), True),                   # plain 3-D, d = 32
+    ((1, 2, 60, 128), (1, 2, 41, 128), "top_left"),     # d = 128: block_q 16
+    ((1, 1, 29, 96), (1, 1, 70, 96), False),            # d = 96
+]
+
+
+@pytest.mark.parametrize("qs,ks,causal", CASES,
+                         ids=[f"q{'x'.join(map(str, c[0]))}-k{'x'.join(map(str, c[1]))}-{c[2]}"
+                              for c in CASES])
+def test_against_oracle(kernel_backend, qs, ks, causal, rng):
+    q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
+    o, lse = _fwd(q, k, v, causal)
+    do = oracle.randn(rng, o.shape, "float32")
+    args = [kernel_backend.asarray(x) for x in (do, q, k, v, o, lse)]
+    with poisoned_outputs(), _count_launches() as seen:
+        grads = cuflash.tiled_attention_backward(*args, causal=causal, backend=kernel_backend.name)
+    if kernel_backend.name == "emulator":
+        assert seen["launches"] == ["flash_bwd_preprocess", "flash_bwd_tf32", "flash_bwd_dq_convert"]
+    oracle.check_backward([kernel_backend.to_numpy(g) for g in grads], do, q, k, v, None, causal)
+
+
+def test_dv_differs_from_d(kernel_backend, rng):
+    q = oracle.randn(rng, (2, 2, 37, 32), "float32")
+    k = oracle.randn(rng, (2, 2, 53, 32), "float32")
+    v = oracle.randn(rng, (2, 2, 53, 96), "float32")
+    o, lse = _fwd(q, k, v, "bottom_right")
+    do = oracle.randn(rng, o.shape, "float32")
+    with poisoned_outputs(), _count_launches() as seen:
+        grads = cuflash.tiled_attention_backward(*[kernel_backend.asarray(x) for x in (do, q, k, v, o, lse)],
+                                                 causal="bottom_right", backend=kernel_backend.name)
+    if kernel_backend.name == "emulator":
+        assert "flash_bwd_tf32" in seen["launches"]
+    oracle.check_backward([kernel_backend.to_numpy(g) for g in grads], do, q, k, v, None, "bottom_right")
+
+
+def test_plan_and_fallbacks():
+    """Where flash_bwd_tf32 runs and where the SIMT kernels keep the call."""
+    lim = tiling.EMULATOR_ARCHES["sm_80"]
+    p = tiling.plan_bwd_tf32(64, 64, "float32", limit=lim)
+    assert (p.block_q, p.block_kv, p.threads) == (64, 64, 128)
+    p = tiling.plan_bwd_tf32(128, 128, "float32", limit=lim)
+    assert p.block_q == 16  # dK, dV of 128 columns leave room for 16 queries of S^T, dP^T
+    assert tiling.plan_bwd_tf32(64, 64, "float16") is None           # float32 only
+    assert tiling.plan_bwd_tf32(16, 16, "float32") is None           # d % 32
+    assert tiling.plan_bwd_tf32(256, 256, "float32") is None         # d > 128
+    assert tiling.plan_bwd_tf32(64, 64, "float32", block_kv=16) is None  # tiles it lacks
+    t = tiling.kernel_tiling("flash_bwd_tf32")
+    for d in (32, 64, 96, 128):
+        for bq in t.block_q_choices:
+            for bkv in t.block_kv_choices:
+                if t.check(bq, bkv, d, d) is None:
+                    assert (d + d) // 2 + bq <= tiling.BWD_TF32_MAX_ACC_REGS
+    assert tiling.bwd_tf32_strides(64, 64, 64) == (84, 80, 84, 84, 68)
+
+
+@pytest.mark.parametrize("how", ["deterministic", "tiles", "misaligned", "sm_75"])
+def test_fallbacks_run_simt(how, rng):
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", arch="sm_75" if how == "sm_75" else None)
+    q, k, v = oracle.qkv(rng, (1, 2, 30, 32), (1, 2, 41, 32), dtype="float32")
+    if how == "misaligned":  # k starts 4 bytes into its buffer: cp.async cannot read it
+        buf = oracle.randn(rng, (1, 2, 41 * 32 + 1), "float32")
+        k = buf[..., 1:].reshape(1, 2, 41, 32)
+    o, lse = _fwd(q, k, v, True)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True,
+                                           block_kv=16 if how == "tiles" else None)
+    with poisoned_outputs(), _count_launches() as seen:
+        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
+                                      deterministic=how == "deterministic")
+    assert "flash_bwd_tf32" not in seen["launches"]
+    assert ("flash_bwd_dq" in seen["launches"]) == (how == "deterministic")
+    oracle.check_backward(grads, do, q, k, v, None, True)
+
+
+@pytest.mark.parametrize("qs,ks,causal", [
+    ((2, 4, 45, 32), (2, 2, 70, 32), "bottom_right"),
+    ((1, 3, 70, 64), (1, 1, 33, 64), "top_left"),
+    ((1, 2, 40, 64), (1, 2, 70, 64), None),
+])
+def test_traffic_equals_model(qs, ks, causal, rng):
+    """Bytes the three emulated kernels move == cuflash.tiling.flash_bwd_traffic at its tiles."""
+    require_backend("emulator")
+    q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
+    o, lse = _fwd(q, k, v, causal or False)
+    do = oracle.randn(rng, o.shape, "float32")
+    with _count_launches() as total:
+        cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=causal or False,
+                                         backend="emulator")
+    assert total["launches"][1] == "flash_bwd_tf32"
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
+    d = qs[-1]
+    plan = tiling.plan_bwd_tf32(d, d, "float32", limit=tiling.EMULATOR_ARCHES["sm_80"])
+    B, H = _launch.problem_dims(spec.lead)
+    Hk, _ = _launch_bwd.kv_heads_for_kernel(spec)
+    want = tiling.flash_bwd_traffic(B, H, Hk, spec.Nq, spec.Nk, d, d, "float32", plan.block_q,
+                                    plan.block_kv, spec.causal, deterministic=False)
+    assert (total["global_bytes_read"], total["global_bytes_written"]) == want
+
+
+def test_race_check(rng):
+    """flash_bwd_tf32 under ThreadSanitizer: 2 warps, 2 Q tiles per head in two cp.async
+    stages, a GQA group of 2, a causal boundary tile."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 20, 32), (1, 1, 37, 32), dtype="float32")
+    o, lse = _fwd(q, k, v, True)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
+                                           block_kv=32)
+    with _count_launches() as seen:
+        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=False)
+    assert "flash_bwd_tf32" in seen["launches"]
+    oracle.check_backward(grads, do, q, k, v, None, True)
