@@ -13,8 +13,8 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 import os
 import shutil
 
-from . import (_launch_bwd, _launch_fwd, _launch_serving, _launch_softmax, _precompile, kernels,
-               reference)
+from . import (_launch_bwd, _launch_fwd, _launch_masks, _launch_serving, _launch_softmax,
+               _precompile, kernels, reference)
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
@@ -60,25 +60,39 @@ def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
     return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
 
 
-def standard_attention(q, k, v, *, scale=None, causal=False):
+def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                       alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
     """The NumPy reference's standard attention (the baseline users would write is not a kernel).
 
     See Also ``cuflash.reference.standard_attention``.
     """
-    return reference.standard_attention(q, k, v, scale=scale, causal=causal)
+    return reference.standard_attention(q, k, v, scale=scale, causal=causal, bias=bias,
+                                        window=window, alibi_slopes=alibi_slopes,
+                                        softcap=softcap, dropout_p=dropout_p, seed=seed)
 
 
-def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
+                                window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                                seed=None, return_dbias=False):
     """The NumPy reference's stored-P backward (not a kernel).
 
     See Also ``cuflash.reference.standard_attention_backward``.
     """
-    return reference.standard_attention_backward(do, q, k, v, scale=scale, causal=causal)
+    return reference.standard_attention_backward(
+        do, q, k, v, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        return_dbias=return_dbias)
 
 
-def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False, num_splits=None):
+def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
+                    block_kv=None, return_lse=False, num_splits=None):
     """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
+    if _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return _launch_masks.tiled_attention(
+            runtime(), q, k, v, scale, causal, block_q, block_kv, return_lse, bias=bias,
+            window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed)
     return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
                                        return_lse, num_splits)
 
@@ -110,9 +124,16 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
         scale, causal, deterministic, check_inputs)
 
 
-def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
-                             block_kv=None, deterministic=False):
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
+                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                             seed=None, block_q=None, block_kv=None, deterministic=False,
+                             return_dbias=False):
     """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.tiled_attention_backward``."""
+    if return_dbias or _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return _launch_masks.tiled_attention_backward(
+            runtime(), do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic,
+            bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+            dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
     return _launch_bwd.tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
                                                 block_q, block_kv, deterministic)
 

@@ -1,0 +1,380 @@
+"""The logit features of ``mask(scale * Q K^T + bias)``: bias (and dbias), sliding window,
+ALiBi, softcap and reproducible dropout -- on every backend, forward and backward.
+
+Written once over the backend ("numpy", "emulator", and "cuda" when present),
+against the float64 oracle of ``tests/oracle.py``, which builds the full
+biased, masked (Nq, Nk) logits per problem with its own Philox.  Kernel
+outputs are poisoned with NaN before the launch.  Emulated cases share a few
+specialisations (float32 d=32, float64 d=16, float16 d=32, bfloat16 d=16 with
+default tiles) to keep compile time down.
+"""
+import numpy as np
+import pytest
+
+import cuflash
+import oracle
+from conftest import poisoned_outputs
+
+# Random123's known-answer vectors for Philox4x32-10: (counter, key, output)
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def _feat_id(feat):
+    parts = []
+    for key, val in feat.items():
+        if key in ("bias", "alibi_slopes"):
+            parts.append(f"{key}{'x'.join(map(str, val))}")
+        elif key != "seed":
+            parts.append(f"{key}{val}")
+    return "-".join(parts) or "plain"
+
+
+def _materialise(rng, feat, dtype):
+    """Turn the shapes of a case's bias / alibi_slopes into arrays."""
+    out = dict(feat)
+    if "bias" in feat:
+        b = rng.standard_normal(feat["bias"]) * 2.0
+        out["bias"] = b.astype(np.float64 if dtype == "float64" else np.float32)
+    if "alibi_slopes" in feat:
+        out["alibi_slopes"] = (rng.random(feat["alibi_slopes"]) * 0.5).astype(
+            np.float64 if dtype == "float64" else np.float32)
+    if "dropout_p" in feat and "seed" not in feat:
+        out["seed"] = int(rng.integers(0, 2 ** 63))
+    return out
+
+
+def _forward(backend, q, k, v, feat, **kw):
+    a = backend.asarray
+    fa = {n: (a(x) if n in ("bias", "alibi_slopes") else x) for n, x in feat.items()}
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(a(q), a(k), a(v), return_lse=True,
+                                         backend=backend.name, **fa, **kw)
+    return backend.to_numpy(o), backend.to_numpy(lse)
+
+
+def _backward(backend, do, q, k, v, o, lse, feat, **kw):
+    a = backend.asarray
+    fa = {n: (a(x) if n in ("bias", "alibi_slopes") else x) for n, x in feat.items()}
+    with poisoned_outputs():
+        g = cuflash.tiled_attention_backward(a(do), a(q), a(k), a(v), a(o), a(lse),
+                                             backend=backend.name, **fa, **kw)
+    return tuple(backend.to_numpy(x) for x in g)
+
+
+def _lse_dtype(dtype):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+# --------------------------------------------------------------------------
+# Philox and the dropout mask
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("ctr,key,want", PHILOX_KAT)
+def test_philox_known_answers(ctr, key, want):
+    """The reference's and the oracle's Philox4x32-10 both give Random123's answers."""
+    from cuflash.reference.masks import philox4x32_10
+    got = tuple(int(x) for x in philox4x32_10(*ctr, *key))
+    assert got == want, [hex(g) for g in got]
+    got = tuple(int(x) for x in oracle.philox_block(*ctr, *key))
+    assert got == want, [hex(g) for g in got]
+
+
+@pytest.mark.parametrize("shape,p", [((2, 3, 17, 45), 0.3), ((5, 9), 0.5), ((4, 1, 33), 0.1)])
+def test_dropout_mask_matches_oracle(shape, p):
+    seed = 2 ** 40 + 12345
+    keep = cuflash.dropout_mask(shape, p, seed)
+    assert keep.shape == shape and keep.dtype == bool
+    lead = shape[:-2]
+    for idx in np.ndindex(*lead) if lead else [()]:
+        b = int(np.ravel_multi_index(idx[:-1], lead[:-1])) if len(idx) > 1 else 0
+        h = idx[-1] if idx else 0
+        want = oracle.keep_mask(b, h, shape[-2], shape[-1], p, seed)
+        assert np.array_equal(keep[idx], want), idx
+    assert not np.array_equal(keep, cuflash.dropout_mask(shape, p, seed + 1))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.5, 0.9])
+def test_dropout_fraction_is_p(p):
+    """Over a large draw the dropped fraction is within 1% (relative) of p, per head too."""
+    keep = cuflash.dropout_mask((2, 8, 512, 512), p, seed=20261123)
+    frac = 1.0 - keep.mean()
+    assert abs(frac - p) <= 0.01 * p, f"dropped {frac:.5f}, p = {p}"
+    per_head = 1.0 - keep.mean(axis=(-1, -2))
+    assert np.all(np.abs(per_head - p) <= 0.05 * p + 0.005), per_head
+
+
+def test_dropout_mask_read_back_from_every_backend(backend):
+    """With q = 0 (uniform P = 1/Nk) and v = I, o = keep / ((1 - p) Nk): every backend
+    drops exactly the elements of cuflash.dropout_mask for the seed."""
+    B, H, Nq, Nk, p, seed = 2, 3, 19, 40, 0.3, 987654321987
+    q = np.zeros((B, H, Nq, Nk), np.float32)
+    k = np.ones((B, H, Nk, Nk), np.float32)
+    v = np.broadcast_to(np.eye(Nk, dtype=np.float32), (B, H, Nk, Nk)).copy()
+    o, _ = _forward(backend, q, k, v, dict(dropout_p=p, seed=seed))
+    keep = cuflash.dropout_mask((B, H, Nq, Nk), p, seed)
+    np.testing.assert_array_equal(o != 0, keep)
+    np.testing.assert_allclose(o[keep], 1.0 / ((1 - p) * Nk), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# forward against the oracle
+# --------------------------------------------------------------------------
+# (dtype, q shape, k shape, causal, features); bias / alibi_slopes give shapes
+FWD_CASES = [
+    ("float32", (2, 3, 37, 32), (2, 3, 45, 32), False, dict(bias=(2, 3, 37, 45))),
+    # bias broadcast over batch and heads; Nq > Nk bottom_right: rows see no key
+    ("float32", (2, 3, 45, 32), (2, 3, 30, 32), "bottom_right", dict(bias=(45, 30))),
+    ("float32", (3, 2, 29, 32), (3, 2, 61, 32), False, dict(bias=(3, 1, 1, 61))),  # key padding
+    ("float32", (2, 3, 53, 32), (2, 3, 53, 32), False, dict(window=(5, 3))),
+    # bias + window + causal + GQA 6/2, Nq < Nk
+    ("float32", (1, 6, 40, 32), (1, 2, 71, 32), True,
+     dict(window=(8, None), bias=(6, 40, 71))),
+    ("float32", (2, 2, 33, 32), (2, 2, 21, 32), False, dict(window=(0, 0))),  # one key or none
+    ("float32", (2, 4, 41, 32), (2, 4, 41, 32), False,
+     dict(softcap=2.0, alibi_slopes=(4,))),                                   # softcap + ALiBi
+    ("float32", (2, 3, 30, 32), (2, 3, 50, 32), "top_left", dict(alibi_slopes=(2, 3))),
+    ("float32", (2, 3, 47, 32), (2, 3, 47, 32), True, dict(dropout_p=0.2)),  # dropout + causal
+    ("float32", (1, 3, 1, 32), (1, 3, 147, 32), False, dict(window=(20, 0), bias=(147,))),
+    ("float64", (2, 6, 35, 16), (2, 3, 44, 16), "bottom_right",
+     dict(bias=(2, 1, 35, 44), window=(12, 2), alibi_slopes=(6,), softcap=3.0, dropout_p=0.15)),
+    ("float64", (2, 2, 50, 16), (2, 2, 20, 16), "top_left", dict(window=(3, 6), dropout_p=0.4)),
+    ("float16", (2, 2, 37, 32), (2, 2, 45, 32), False, dict(bias=(2, 37, 45), window=(9, 4))),
+    ("float16", (1, 4, 60, 32), (1, 1, 60, 32), True, dict(dropout_p=0.25)),    # MQA
+    ("bfloat16", (2, 2, 30, 16), (2, 2, 43, 16), False,
+     dict(softcap=1.5, alibi_slopes=(2, 2))),
+]
+
+
+def _fwd_id(c):
+    dt, qs, ks, causal, feat = c
+    return f"{dt}-q{'x'.join(map(str, qs))}-k{'x'.join(map(str, ks))}-{causal}-{_feat_id(feat)}"
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=_fwd_id)
+def test_forward_against_oracle(backend, case, rng):
+    dtype, qs, ks, causal, feat = case
+    feat = _materialise(rng, feat, dtype)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    before = [x.copy() for x in (q, k, v)] + [np.array(x, copy=True) for x in feat.values()
+                                              if isinstance(x, np.ndarray)]
+    o, lse = _forward(backend, q, k, v, feat, causal=causal)
+    assert o.dtype == q.dtype and lse.dtype == _lse_dtype(dtype)
+    oracle.check_forward(o, q, k, v, None, causal, lse=lse, **feat)
+    # rows that see no key: exactly 0 and -inf
+    ref_o, ref_lse, _ = oracle.attention(q, k, v, None, causal, **feat)
+    blind = np.isneginf(ref_lse)
+    assert np.all(o.astype(np.float64)[blind] == 0) and np.all(np.isneginf(lse[blind]))
+    after = [q, k, v] + [x for x in feat.values() if isinstance(x, np.ndarray)]
+    for x, x0 in zip(after, before):
+        assert np.array_equal(x, x0), "an input was modified"
+    # the standard algorithm computes the same (and p before dropout)
+    a = backend.asarray
+    fa = {n: (a(x) if isinstance(x, np.ndarray) else x) for n, x in feat.items()}
+    so, sp = cuflash.standard_attention(a(q), a(k), a(v), causal=causal, backend=backend.name,
+                                        **fa)
+    oracle.check_forward(backend.to_numpy(so), q, k, v, None, causal, **feat)
+    if dtype in ("float32", "float64"):
+        oracle.assert_rel_close(backend.to_numpy(sp), oracle.attention(
+            q, k, v, None, causal, **feat)[2], dtype, "p")
+
+
+def test_window_rows_that_see_no_key(backend, rng):
+    """A window right of the keys (Nq > Nk bottom-right) and a band that misses: 0, -inf."""
+    q, k, v = oracle.qkv(rng, (2, 40, 32), (2, 25, 32), dtype="float32")
+    feat = dict(window=(2, 1))
+    o, lse = _forward(backend, q, k, v, feat)
+    # rows i with i + off + 1 < 0: off = -15 -> rows 0..13 see nothing
+    assert np.all(o[:, :14] == 0) and np.all(np.isneginf(lse[:, :14]))
+    assert np.all(np.isfinite(lse[:, 14:]))
+    oracle.check_forward(o, q, k, v, None, False, lse=lse, **feat)
+
+
+def test_minus_inf_bias_masks_keys(backend, rng):
+    """-inf entries of the bias hide keys; a row of all -inf gives 0 and -inf."""
+    q, k, v = oracle.qkv(rng, (2, 20, 32), (2, 33, 32), dtype="float32")
+    bias = np.zeros((20, 33), np.float32)
+    bias[:, 5:9] = -np.inf
+    bias[3] = -np.inf
+    o, lse = _forward(backend, q, k, v, dict(bias=bias))
+    assert np.all(o[:, 3] == 0) and np.all(np.isneginf(lse[:, 3]))
+    oracle.check_forward(o, q, k, v, None, False, lse=lse, bias=bias)
+
+
+# --------------------------------------------------------------------------
+# backward (and dbias) against the oracle
+# --------------------------------------------------------------------------
+BWD_CASES = [
+    ("float32", (2, 3, 37, 32), (2, 3, 45, 32), False, dict(bias=(2, 3, 37, 45)), True),
+    ("float32", (2, 3, 45, 32), (2, 3, 30, 32), "bottom_right", dict(bias=(45, 30)), False),
+    ("float32", (3, 2, 29, 32), (3, 2, 61, 32), False, dict(bias=(3, 1, 1, 61)), True),
+    ("float32", (1, 6, 40, 32), (1, 2, 71, 32), True,
+     dict(window=(8, None), bias=(6, 40, 71)), False),
+    ("float32", (2, 3, 53, 32), (2, 3, 53, 32), False, dict(window=(5, 3)), True),
+    ("float32", (2, 4, 41, 32), (2, 4, 41, 32), False, dict(softcap=2.0, alibi_slopes=(4,)),
+     False),
+    ("float32", (2, 3, 47, 32), (2, 3, 47, 32), True, dict(dropout_p=0.2), False),
+    ("float32", (2, 3, 30, 32), (2, 3, 50, 32), "top_left", dict(alibi_slopes=(2, 3)), True),
+    ("float64", (2, 6, 35, 16), (2, 3, 44, 16), "bottom_right",
+     dict(bias=(2, 1, 35, 44), window=(12, 2), alibi_slopes=(6,), softcap=3.0, dropout_p=0.15),
+     True),
+    ("float64", (2, 2, 50, 16), (2, 2, 20, 16), "top_left", dict(window=(3, 6), dropout_p=0.4),
+     False),
+    ("float16", (2, 2, 37, 32), (2, 2, 45, 32), False, dict(bias=(2, 37, 45), window=(9, 4)),
+     False),
+    ("bfloat16", (2, 2, 30, 16), (2, 2, 43, 16), False, dict(softcap=1.5, alibi_slopes=(2, 2)),
+     True),
+]
+
+
+def _bwd_id(c):
+    return _fwd_id(c[:5]) + ("-det" if c[5] else "-atomic")
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=_bwd_id)
+def test_backward_against_oracle(backend, case, rng):
+    dtype, qs, ks, causal, feat, det = case
+    feat = _materialise(rng, feat, dtype)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    o, lse, _ = oracle.attention(q, k, v, None, causal, **feat)
+    o, lse = o.astype(q.dtype), lse.astype(_lse_dtype(dtype))
+    do = oracle.randn(rng, o.shape, dtype)
+    with_db = "bias" in feat
+    grads = _backward(backend, do, q, k, v, o, lse, feat, causal=causal, deterministic=det,
+                      return_dbias=with_db)
+    assert len(grads) == (4 if with_db else 3)
+    for g, x in zip(grads, (q, k, v) + ((feat["bias"],) if with_db else ())):
+        assert g.shape == x.shape and g.dtype == x.dtype, (g.shape, g.dtype, x.shape, x.dtype)
+    oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
+    # the standard (stored-P) backward agrees too
+    a = backend.asarray
+    fa = {n: (a(x) if isinstance(x, np.ndarray) else x) for n, x in feat.items()}
+    sg = cuflash.standard_attention_backward(a(do), a(q), a(k), a(v), causal=causal,
+                                             return_dbias=with_db, backend=backend.name, **fa)
+    oracle.check_backward(tuple(backend.to_numpy(x) for x in sg), do, q, k, v, None, causal,
+                          **feat)
+
+
+def test_forward_then_backward_with_dropout(backend, rng):
+    """The backward regenerates the forward's dropout mask from (dropout_p, seed)."""
+    q, k, v = oracle.qkv(rng, (2, 2, 33, 32), (2, 2, 39, 32), dtype="float32")
+    feat = dict(dropout_p=0.3, seed=77, bias=rng.standard_normal((33, 39)).astype(np.float32))
+    o, lse = _forward(backend, q, k, v, feat, causal=True)
+    do = oracle.randn(rng, o.shape, "float32")
+    grads = _backward(backend, do, q, k, v, o, lse, feat, causal=True, return_dbias=True)
+    oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+    # another seed is another mask: the gradients differ
+    other = _backward(backend, do, q, k, v, o, lse, dict(feat, seed=78), causal=True)
+    assert not np.allclose(other[0], grads[0])
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 3, 5, 7), (5, 7), (3, 1, 7), (2, 1, 5, 1)])
+def test_dbias_central_differences(backend, rng, bias_shape):
+    """dbias against central differences of the oracle's loss sum(o * do), float64."""
+    q, k, v = oracle.qkv(rng, (2, 3, 5, 16), (2, 3, 7, 16), dtype="float64")
+    bias = rng.standard_normal(bias_shape)
+    feat = dict(bias=bias, window=(3, 1), softcap=2.5, alibi_slopes=np.array([0.1, 0.3, 0.2]))
+    o, lse, _ = oracle.attention(q, k, v, None, False, **feat)
+    do = rng.standard_normal(o.shape)
+    grads = _backward(backend, do, q, k, v, o, lse, feat, return_dbias=True)
+    h = 1e-6
+    num = np.zeros(bias_shape)
+    for idx in np.ndindex(*bias_shape):
+        bp, bm = bias.copy(), bias.copy()
+        bp[idx] += h
+        bm[idx] -= h
+        lp = np.sum(oracle.attention(q, k, v, None, False, **dict(feat, bias=bp))[0] * do)
+        lm = np.sum(oracle.attention(q, k, v, None, False, **dict(feat, bias=bm))[0] * do)
+        num[idx] = (lp - lm) / (2 * h)
+    np.testing.assert_allclose(grads[3], num, rtol=1e-6, atol=1e-8)
+    # and the analytic dq (through the softcap) against central differences of q
+    numq = np.zeros(q.shape)
+    for idx in np.ndindex(*q.shape):
+        qp, qm = q.copy(), q.copy()
+        qp[idx] += h
+        qm[idx] -= h
+        numq[idx] = (np.sum(oracle.attention(qp, k, v, None, False, **feat)[0] * do)
+                     - np.sum(oracle.attention(qm, k, v, None, False, **feat)[0] * do)) / (2 * h)
+    np.testing.assert_allclose(grads[0], numq, rtol=1e-6, atol=1e-8)
+
+
+def test_blind_rows_get_zero_gradients(backend, rng):
+    q, k, v = oracle.qkv(rng, (2, 40, 32), (2, 25, 32), dtype="float32")
+    feat = dict(window=(2, 1), bias=rng.standard_normal((40, 25)).astype(np.float32))
+    o, lse = _forward(backend, q, k, v, feat)
+    do = oracle.randn(rng, o.shape, "float32")
+    dq, dk, dv, db = _backward(backend, do, q, k, v, o, lse, feat, return_dbias=True)
+    assert np.all(dq[:, :14] == 0) and np.all(db[:14] == 0)
+    for g in (dq, dk, dv, db):
+        assert not np.isnan(g).any()
+    oracle.check_backward((dq, dk, dv, db), do, q, k, v, None, False, **feat)
+
+
+# --------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------
+def _qkv():
+    return (np.ones((2, 3, 5, 8)), np.ones((2, 3, 7, 8)), np.ones((2, 3, 7, 8)))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(bias=np.ones((5, 6))), r"bias of shape \(5, 6\).*\(2, 3, 5, 7\)"),
+    (dict(bias=np.ones((4, 5, 7))), r"bias of shape \(4, 5, 7\)"),
+    (dict(window=(1.5, 2)), r"window left side must be an int"),
+    (dict(window=(1, "2")), r"window right side"),
+    (dict(window=3), r"window must be None or a pair"),
+    (dict(window=(True, 2)), r"window left side"),
+    (dict(alibi_slopes=np.ones(4)), r"alibi_slopes must have shape \(H,\) = \(3,\).*\(4,\)"),
+    (dict(alibi_slopes=np.ones((2, 3, 1))), r"alibi_slopes must have shape"),
+    (dict(softcap=0.0), r"softcap must be a positive"),
+    (dict(softcap=-1), r"softcap must be a positive"),
+    (dict(dropout_p=1.0, seed=1), r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p=-0.1, seed=1), r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p=0.1), r"needs a seed"),
+    (dict(dropout_p=0.1, seed=1.5), r"seed must be an int"),
+    (dict(dropout_p=0.1, seed=-1), r"seed must be in"),
+])
+@pytest.mark.parametrize("fn", ["tiled_attention", "standard_attention",
+                                "tiled_attention_backward", "standard_attention_backward"])
+def test_feature_errors(backend, fn, kw, match):
+    q, k, v = _qkv()
+    a = backend.asarray
+    kw = {n: (a(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        if fn == "tiled_attention":
+            cuflash.tiled_attention(a(q), a(k), a(v), backend=backend.name, **kw)
+        elif fn == "standard_attention":
+            cuflash.standard_attention(a(q), a(k), a(v), backend=backend.name, **kw)
+        elif fn == "standard_attention_backward":
+            cuflash.standard_attention_backward(a(q), a(q), a(k), a(v), backend=backend.name,
+                                                **kw)
+        else:
+            lse = np.zeros((2, 3, 5), np.float32)
+            cuflash.tiled_attention_backward(a(q), a(q), a(k), a(v), a(q), a(lse),
+                                             backend=backend.name, **kw)
+
+
+def test_feature_type_errors(backend):
+    q, k, v = _qkv()
+    a = backend.asarray
+    with pytest.raises(TypeError, match="bias"):
+        cuflash.tiled_attention(a(q), a(k), a(v), bias=np.ones((5, 7), np.int32),
+                                backend=backend.name)
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        cuflash.tiled_attention(a(q), a(k), a(v), alibi_slopes=[0.1, 0.2, 0.3],
+                                backend=backend.name)
+    with pytest.raises(ValueError, match="return_dbias=True needs a bias"):
+        lse = a(np.zeros((2, 3, 5), np.float32))
+        cuflash.tiled_attention_backward(a(q), a(q), a(k), a(v), a(q), lse, return_dbias=True,
+                                         backend=backend.name)
+
+
+def test_unbounded_window_is_no_window(backend, rng):
+    q, k, v = oracle.qkv(rng, (2, 20, 32), (2, 31, 32), dtype="float32")
+    o1, l1 = _forward(backend, q, k, v, dict(window=(-1, None)))
+    o2, l2 = _forward(backend, q, k, v, {})
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
