@@ -103,6 +103,10 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    # the logit features (bias, window, ALiBi, softcap, dropout): -DCUFLASH_MASKS
+    "flash_fwd_masked": "flash_fwd.cu",
+    "flash_bwd_dkdv_masked": "flash_bwd.cu",
+    "flash_bwd_dq_masked": "flash_bwd.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
@@ -381,4 +385,11 @@ def compile_variants():
             add("flash_bwd_dkdv", dt, d)
     add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
     add("flash_bwd_dkdv", "float32", 96, dv=32)
+    # the logit features (-DCUFLASH_MASKS: flash_fwd_masked, flash_bwd_*_masked): float16 and
+    # float64 (float vs double paths of masks.cuh and the double dbias atomics)
+    for kernel, fname in (("flash_fwd", "flash_fwd.cu"), ("flash_bwd_dkdv", "flash_bwd.cu")):
+        for dt, d in (("float16", 128), ("float64", 64)):
+            p = tiling.plan(kernel, d, d, dt, limit=sm80)
+            out.setdefault(fname, []).append(
+                build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
     return out
