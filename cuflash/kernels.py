@@ -35,7 +35,7 @@ from . import tiling
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
     "get_function", "get_functions", "compile_variants", "plan_defines", "KERNEL_SOURCES",
-    "CallCache",
+    "CallCache", "SpillError", "check_compiled",
 ]
 
 @functools.lru_cache(maxsize=None)
@@ -287,6 +287,40 @@ def _raise_smem(fn, shared_bytes):
     return fn
 
 
+class SpillError(RuntimeError):
+    """A compiled kernel uses local memory (register spills): it would run far slower."""
+
+
+_CHECKED = set()
+
+
+def check_compiled(runtime, fn, kernel_name, options):
+    """Second line of defence against plans that spill: the compiled kernel's own attributes.
+
+    The planner (:mod:`cuflash.tiling`) refuses plans that spill, calibrated
+    by NVRTC compiles of every accepted plan's edge cases; on a GPU each
+    compiled specialisation is still checked once here: CuPy reports its
+    local-memory bytes per thread (``local_size_bytes``, register spills and
+    stack-resident arrays), which none of cuflash's kernels is designed to
+    use.  Raises :class:`SpillError` naming the kernel and its defines.  The
+    emulator compiles for the host and has no such attribute: nothing to check.
+    """
+    if runtime.name != "cuda":
+        return
+    key = (runtime.device_key, kernel_name, options)
+    if key in _CHECKED:
+        return
+    local = int(getattr(fn, "local_size_bytes", 0) or 0)
+    if local > 0:
+        defines = " ".join(o for o in options if o.startswith("-D"))
+        raise SpillError(
+            f"kernel {kernel_name} [{defines}] compiled to {local} bytes of local memory per "
+            f"thread ({getattr(fn, 'num_regs', '?')} registers): register spills, which make it "
+            "many times slower. The tile planner should have refused this plan; please report "
+            "it, and pass other block_q/block_kv meanwhile")
+    _CHECKED.add(key)
+
+
 def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     """The compiled kernel ``kernel_name`` of ``filename`` specialised by ``defines``.
 
@@ -295,8 +329,10 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     ``max_dynamic_shared_size_bytes`` is raised to it (CuPy, and the emulator,
     which mirrors the attribute; plans there are checked against a nominal limit).
     """
-    mod = _module(runtime, filename, build_options(defines))
-    return _raise_smem(mod.get_function(kernel_name), shared_bytes)
+    options = build_options(defines)
+    fn = _raise_smem(_module(runtime, filename, options).get_function(kernel_name), shared_bytes)
+    check_compiled(runtime, fn, kernel_name, options)
+    return fn
 
 
 # NVRTC (through CuPy) and the host compiler release the GIL while they compile, so the
@@ -330,8 +366,12 @@ def get_functions(runtime, requests):
         workers = min(len(todo), _COMPILE_THREADS)
         with concurrent.futures.ThreadPoolExecutor(workers) as ex:
             list(ex.map(build, todo.values()))
-    return [_raise_smem(_module(runtime, filename, options).get_function(name), shared)
-            for filename, name, options, shared in keyed]
+    out = []
+    for filename, name, options, shared in keyed:
+        fn = _raise_smem(_module(runtime, filename, options).get_function(name), shared)
+        check_compiled(runtime, fn, name, options)
+        out.append(fn)
+    return out
 
 
 def compile_variants():

@@ -209,6 +209,9 @@ class RawKernel:
         self._fn = fn
         self.kernel_name = name
         self._fn.max_dynamic_shared_size_bytes = STATIC_DEFAULT
+        # cupy.RawKernel's compiled attributes; the tests set local_size_bytes to fake a spill
+        self.num_regs = 64
+        self.local_size_bytes = FAKE_STATE.get("local_size_bytes", 0)
 
     @property
     def max_dynamic_shared_size_bytes(self):
@@ -692,3 +695,18 @@ def test_serving_calls(fake_cupy, rng, poison):
     assert_fake_cupy(*g)
     for a, b in zip(g, rg):
         np.testing.assert_allclose(a.get(), b, atol=5e-6, rtol=0)
+
+
+def test_spilling_kernel_is_refused(fake_cupy, rng):
+    """The second line of defence: a compiled kernel with local memory is an error, once checked."""
+    FAKE_STATE["local_size_bytes"] = 96
+    _drop_cuda_caches()
+    kernels._CHECKED.clear()
+    try:
+        q, k, v = oracle.qkv(rng, (20, 16), (24, 16), dtype="float32")
+        with pytest.raises(kernels.SpillError, match="96 bytes of local memory"):
+            cuflash.tiled_attention(*dev(fake_cupy, q, k, v))
+    finally:
+        FAKE_STATE.pop("local_size_bytes")
+        _drop_cuda_caches()
+        kernels._CHECKED.clear()
