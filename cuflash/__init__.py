@@ -408,7 +408,7 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1, backend=None):
+                    heads=1, num_splits=1, bias_shape=None, window=None, backend=None):
     """Memory and HBM-traffic model of standard vs tiled attention.
 
     Parameters
@@ -430,6 +430,18 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         Model a split-KV forward with this many key splits (see
         :func:`tiled_attention`): adds ``split_workspace_bytes`` (the float32
         partials) and the traffic of the split kernels and their combine.
+    bias_shape : tuple of int, optional
+        Model a call with a bias of this shape (broadcastable to
+        ``(batch, heads, N, Nk)``): adds ``bias_bytes`` (the bias in the compute
+        type, at its own shape), ``dbias_bytes`` (the backward's accumulator,
+        O(size of bias)) and ``bias_hbm_read_bytes`` (one element per visible
+        (row, key) and problem, included in ``tiled_hbm_*``).
+    window : (int or None, int or None), optional
+        Model a sliding window (see :func:`tiled_attention`): ``tiled_hbm_*``
+        count only the key/value tiles inside each query tile's band;
+        ``visible_fraction`` is the share of (row, key) pairs inside it.
+        On "cuda"/"emulator" these calls run the SIMT kernel ``flash_fwd_masked``,
+        whose tiles are reported.
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
         the current device; "emulator" those of a nominal sm_80.
@@ -453,7 +465,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     """
     return get_backend("numpy" if backend is None else backend).memory_analysis(
         N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads,
-        num_splits=num_splits)
+        num_splits=num_splits, bias_shape=bias_shape, window=window)
 
 
 def verify_no_full_materialization(q, k, v, block_size, *, backend=None):

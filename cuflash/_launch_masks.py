@@ -40,7 +40,7 @@ from ._validate import check_attention_inputs, check_backward_inputs
 from ._validate_masks import check_masks, mask_key
 
 __all__ = ["wanted", "tiled_attention", "tiled_attention_backward", "mask_fields",
-           "flash_fwd_masked", "flash_bwd_masked"]
+           "flash_fwd_masked", "flash_bwd_masked", "memory_analysis"]
 
 _FWD_FILE, _BWD_FILE = "flash_fwd.cu", "flash_bwd.cu"
 _MASKS = {"CUFLASH_MASKS": None}
@@ -479,3 +479,38 @@ def flash_bwd_masked(runtime, do, q, k, v, o, lse, spec, ms, deterministic=False
     """The masked backward for a validated call (tests call it with a race-checked runtime)."""
     return _build_bwd(runtime, spec, ms, do, q, k, v, o, bool(deterministic))(
         do, q, k, v, o, lse, ms.bias, ms.alibi_slopes, ms.seed)
+
+
+# --------------------------------------------------------------------------
+# memory_analysis with a bias or a window
+# --------------------------------------------------------------------------
+def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, num_splits=1,
+                    bias_shape=None, window=None):
+    """memory_analysis on the kernels; with ``bias_shape``/``window`` the masked forward's.
+
+    Calls with a bias or a window run ``flash_fwd_masked`` (the SIMT kernel,
+    every dtype), so its tiles and shared memory are reported, with the
+    feature keys of :func:`cuflash.reference.masks.memory_features`.
+    """
+    from . import _launch_fwd, reference
+    from ._validate import check_positive_int
+    if bias_shape is None and window is None:
+        return _launch_fwd.memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch,
+                                           heads, num_splits)
+    d_ = check_positive_int(d, "d")
+    label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    plan = runtime.plan("flash_fwd", d_, d_, label, check_positive_int(block_q, "block_q"),
+                        check_positive_int(block_kv, "block_kv"))
+    out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
+                                    block_kv=plan.block_kv, batch=batch, heads=heads,
+                                    num_splits=num_splits, bias_shape=bias_shape, window=window)
+    out.pop("cpu_tile_bytes_per_worker", None)
+    out.update({
+        "backend": runtime.name, "kernel": "flash_fwd_masked", "tiles_chosen": plan.chosen,
+        "threads_per_block": plan.threads, "sram_bytes_per_block": plan.shared_bytes,
+        "sram_layout": tiling.kernel_tiling("flash_fwd").layout(
+            plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
+        "sram_limit_bytes": plan.limit, "sram_limit_source": plan.limit_source,
+        "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,
+    })
+    return out

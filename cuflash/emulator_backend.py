@@ -139,14 +139,14 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1):
+                    heads=1, num_splits=1, bias_shape=None, window=None):
     """The model with flash_fwd's tiles and shared memory (nominal sm_80 limit).
 
     See Also ``cuflash.memory_analysis``; the extra keys are described in
     ``cuflash._launch_fwd.memory_analysis``.
     """
-    return _launch_fwd.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
-                                       heads, num_splits)
+    return _launch_masks.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+                                         heads, num_splits, bias_shape, window)
 
 
 def verify_no_full_materialization(q, k, v, block_size):

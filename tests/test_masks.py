@@ -378,3 +378,162 @@ def test_unbounded_window_is_no_window(backend, rng):
     o2, l2 = _forward(backend, q, k, v, {})
     np.testing.assert_array_equal(o1, o2)
     np.testing.assert_array_equal(l1, l2)
+
+
+# --------------------------------------------------------------------------
+# the kernels: race checks, counted traffic, the window's cost, the repeated-call path
+# --------------------------------------------------------------------------
+def _all_features(rng, H, Nq, Nk, dtype="float32"):
+    ct = np.float64 if dtype == "float64" else np.float32
+    return dict(bias=rng.standard_normal((H, 1, Nk)).astype(ct), window=(9, 3),
+                alibi_slopes=(rng.random(H) * 0.3).astype(ct), softcap=2.0, dropout_p=0.25,
+                seed=4242)
+
+
+def test_race_check_masked_kernels(rng):
+    """flash_fwd_masked and the masked backward (both dQ paths, dbias atomics) under TSan."""
+    from conftest import require_backend
+    from cuflash import _launch_masks, _validate, _validate_masks, kernels
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 1, 37, 16), dtype="float32")
+    feat = _all_features(rng, 2, 20, 37)
+    spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    o, lse = _launch_masks.flash_fwd_masked(rt, q, k, v, spec, ms)   # RaceError on a race
+    oracle.check_forward(o, q, k, v, None, True, lse=lse, **feat)
+    do = oracle.randn(rng, o.shape, "float32")
+    bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
+                                            block_kv=16)
+    bms = _validate_masks.check_masks(bspec, q, return_dbias=True, **feat)
+    for det in (True, False):
+        grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, bspec, bms, det)
+        oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+
+
+def _counted(kernel_backend, fn):
+    from cuflash import _launch
+    with _launch.observe_launches() as seen:
+        out = fn()
+    return out, seen
+
+
+@pytest.mark.parametrize("causal,window,bias,alibi", [
+    (None, (10, 5), None, False),
+    ("bottom_right", (10, None), (77, 130), True),
+    ("top_left", (3, 20), (2, 1, 1, 77), True),
+    (None, (0, 0), (2, 4, 60, 60), False),
+])
+def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, alibi):
+    """The emulator's byte counters equal the model: window-skipped tiles never loaded, the
+    bias read per visible element, dbias stored (full bias) or added (broadcast)."""
+    if kernel_backend.name != "emulator":
+        pytest.skip("byte counters are the emulator's")
+    from cuflash import emulator_backend, tiling
+    B, H, Hk, d = 2, 4, 2, 32
+    Nq, Nk = {(77, 130): (77, 130), (2, 1, 1, 77): (130, 77)}.get(bias, (77, 130))
+    if window == (0, 0):
+        Nq = Nk = 60
+    q, k, v = oracle.qkv(rng, (B, H, Nq, d), (B, Hk, Nk, d), dtype="float32")
+    feat = dict(window=window)
+    if bias is not None:
+        feat["bias"] = rng.standard_normal(bias).astype(np.float32)
+    if alibi:
+        feat["alibi_slopes"] = np.full(H, 0.1, np.float32)
+    (o, lse), seen = _counted(kernel_backend, lambda: _forward(
+        kernel_backend, q, k, v, feat, causal=causal or False))
+    rt = emulator_backend.runtime()
+    plan = rt.plan("flash_fwd", d, d, "float32")
+    want = tiling.flash_fwd_masked_traffic(B, H, Nq, Nk, d, d, "float32", plan.block_q,
+                                           plan.block_kv, causal, window, bias is not None, alibi)
+    assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
+    assert (seen[0]["global_bytes_read"], seen[0]["global_bytes_written"]) == want
+    do = oracle.randn(rng, o.shape, "float32")
+    bp = rt.plan("flash_bwd_dkdv", d, d, "float32")
+    db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
+    for det in (True, False):
+        _, seen = _counted(kernel_backend, lambda: _backward(
+            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
+            deterministic=det, return_dbias=bias is not None))
+        got = (sum(e["global_bytes_read"] for e in seen),
+               sum(e["global_bytes_written"] for e in seen))
+        assert got == tiling.flash_bwd_masked_traffic(
+            B, H, Hk, Nq, Nk, d, d, "float32", bp.block_q, bp.block_kv, causal, window,
+            bias is not None, alibi, db, det), [e["kernel"] for e in seen]
+
+
+def test_window_cost_grows_with_the_window_not_nk():
+    """Modelled K/V traffic of a window of w keys is ~ proportional to w (plus the tiles a
+    query tile's band straddles: about w + block_q + block_kv keys per row), flat in Nk."""
+    from cuflash import tiling
+    def kv_bytes(Nk, w):
+        r, _ = tiling.flash_fwd_masked_traffic(1, 1, Nk, Nk, 64, 64, "float16", 64, 64,
+                                               "bottom_right", (w, 0))
+        return r - Nk * 64 * 2                                  # minus Q
+    for w in (128, 256):
+        per_key = [kv_bytes(Nk, w) / Nk for Nk in (2048, 4096, 8192)]
+        assert max(per_key) / min(per_key) < 1.06, per_key     # flat in Nk
+    assert 1.5 < kv_bytes(8192, 256) / kv_bytes(8192, 128) < 2.0
+    full, _ = tiling.flash_fwd_masked_traffic(1, 1, 8192, 8192, 64, 64, "float16", 64, 64,
+                                              "bottom_right", None)
+    assert kv_bytes(8192, 128) < 0.05 * full
+
+
+def test_backward_window_skips_tiles(kernel_backend, rng):
+    """A narrow window: the backward kernels load few K/V (dq) and Q (dkdv) tiles."""
+    if kernel_backend.name != "emulator":
+        pytest.skip("byte counters are the emulator's")
+    from cuflash import tiling
+    q, k, v = oracle.qkv(rng, (1, 1, 512, 32), (1, 1, 512, 32), dtype="float32")
+    o, lse, _ = oracle.attention(q, k, v, None, True, window=(8, 0))
+    o, lse = o.astype(np.float32), lse.astype(np.float32)
+    do = oracle.randn(rng, o.shape, "float32")
+    got = {}
+    for w in ((8, 0), None):
+        _, seen = _counted(kernel_backend, lambda: _backward(
+            kernel_backend, do, q, k, v, o, lse, dict(window=w), causal=True,
+            deterministic=True))
+        got[w] = sum(e["global_bytes_read"] for e in seen if e["kernel"] != "flash_bwd_preprocess")
+    assert got[(8, 0)] < 0.6 * got[None], got   # 8 tiles of 64: 15 of 36 tile pairs
+
+
+def test_repeated_call_and_new_seeds_reuse_the_plan(kernel_backend, rng):
+    """A repeated feature call is a cache hit; a new seed adds a parameter block, not a plan."""
+    if kernel_backend.name != "emulator":
+        pytest.skip("host-side cache of the emulator runtime")
+    from cuflash import emulator_backend
+    rt = emulator_backend.runtime()
+    q, k, v = oracle.qkv(rng, (1, 2, 24, 32), (1, 2, 24, 32), dtype="float32")
+    bias = rng.standard_normal((24, 24)).astype(np.float32)
+    feat = dict(bias=bias, dropout_p=0.1, seed=1)
+    _forward(kernel_backend, q, k, v, feat)
+    n = len(rt.calls)
+    for seed in (1, 2, 3):
+        o, lse = _forward(kernel_backend, q, k, v, dict(feat, seed=seed))
+        oracle.check_forward(o, q, k, v, None, False, lse=lse, **dict(feat, seed=seed))
+    assert len(rt.calls) == n
+    with pytest.raises(ValueError, match="seed must be"):
+        _forward(kernel_backend, q, k, v, dict(feat, seed=-5))
+
+
+def test_memory_analysis_counts_bias_and_window(backend):
+    """A bias adds O(size of bias) bytes (and dbias the same); a window cuts the traffic."""
+    kw = dict(batch=2, heads=8, backend=backend.name)
+    for shape in ((1024, 1024), (2, 1, 1, 1024), (2, 8, 1024, 1024)):
+        m = cuflash.memory_analysis(1024, 64, "float16", bias_shape=shape, **kw)
+        n = int(np.prod(shape))
+        assert m["bias_bytes"] == m["dbias_bytes"] == 4 * n
+        assert m["bias_hbm_read_bytes"] == 2 * 8 * 1024 * 1024 * 4
+        assert m["tiled_extra_bytes"] == cuflash.memory_analysis(
+            1024, 64, "float16", block_q=m["block_q"], block_kv=m["block_kv"],
+            **kw)["tiled_extra_bytes"]
+    N = 4096
+    w = cuflash.memory_analysis(N, 64, "float16", window=(64, 0), **kw)
+    full = cuflash.memory_analysis(N, 64, "float16", window=(-1, -1), block_q=w["block_q"],
+                                   block_kv=w["block_kv"], **kw)
+    assert w["tiled_hbm_read_bytes"] < 0.3 * full["tiled_hbm_read_bytes"]
+    assert abs(w["visible_fraction"] - (65 * N - 64 * 65 / 2) / N ** 2) < 1e-9
+    assert cuflash.memory_analysis(N, 64, "float16", **kw)["standard_hbm_bytes"] == \
+        w["standard_hbm_bytes"]
+    with pytest.raises(ValueError, match="bias_shape"):
+        cuflash.memory_analysis(1024, 64, bias_shape=(3, 1024, 1024), **kw)

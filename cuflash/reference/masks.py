@@ -20,7 +20,7 @@ import numpy as np
 from .._validate_masks import check_dropout, dropout_threshold, visible_range
 
 __all__ = ["philox4x32_10", "dropout_keep", "dropout_mask", "Features", "kv_tile_bounds",
-           "problem_index"]
+           "problem_index", "memory_features"]
 
 # Philox4x32 constants (Random123): round multipliers and the Weyl key increments
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
@@ -230,3 +230,57 @@ class Features:
         """``P * keep / (1 - p)`` (a new array) for the tile."""
         keep = self.keep(r0, r1, c0, c1) if keep is None else keep
         return self.xp.where(keep, P * self.ct(self.ms.drop_scale), self.ct(0))
+
+
+def memory_features(out, bias_shape=None, window=None):
+    """Add what a bias and a sliding window cost to a ``memory_analysis`` dict (in place).
+
+    * ``bias_bytes``: the bias as the kernels read it (compute type: 4 bytes,
+      8 for float64), at its own (broadcast) shape -- never expanded;
+    * ``dbias_bytes``: the accumulator of a backward with ``return_dbias``
+      (the bias's shape, compute type): O(size of bias);
+    * ``bias_hbm_read_bytes``: the tiled forward reads one bias element per
+      visible (row, key) of every problem (broadcast axes are re-read, from
+      L2 on a GPU); the standard algorithm reads the bias once;
+    * the window: ``tiled_hbm_*`` count only the K/V tiles inside each query
+      tile's band (:func:`cuflash.tiling.flash_fwd_masked_traffic`), so they
+      grow with the window, not with Nk.  The standard algorithm is unchanged.
+    """
+    from .. import tiling
+    from .._validate_masks import check_window
+    N, Nk, d = out["N"], out["Nk"], out["d"]
+    B, H = out["batch"], out["heads"]
+    acc = 8 if out["dtype"] == "float64" else 4
+    window = check_window(window)
+    if out.get("num_splits", 1) > 1:
+        raise ValueError("memory_analysis: bias_shape/window with num_splits > 1: calls with "
+                         "these features do not split the keys")
+    n_bias = 0
+    if bias_shape is not None:
+        bias_shape = tuple(int(s) for s in bias_shape)
+        full = (B, H, N, Nk)
+        try:
+            ok = tuple(np.broadcast_shapes(bias_shape, full)) == full
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"bias_shape {bias_shape} does not broadcast to the logits' shape "
+                             f"(batch, heads, N, Nk) = {full}")
+        n_bias = int(np.prod(bias_shape, dtype=np.int64))
+    lo, hi = tiling.visible_keys(N, Nk, None, window)
+    seen = int(np.maximum(hi - lo, 0).sum())
+    read, written = tiling.flash_fwd_masked_traffic(
+        B, H, N, Nk, d, d, out["dtype"], out["block_q"], out["block_kv"], None, window,
+        bias_shape is not None, False)
+    out.update(bias_shape=bias_shape, window=window, bias_bytes=n_bias * acc,
+               dbias_bytes=n_bias * acc,
+               bias_hbm_read_bytes=B * H * seen * acc if bias_shape is not None else 0,
+               visible_fraction=seen / (N * Nk) if N * Nk else 0.0,
+               tiled_hbm_read_bytes=read, tiled_hbm_written_bytes=written,
+               tiled_hbm_bytes=read + written)
+    if bias_shape is not None:
+        out["standard_hbm_read_bytes"] += n_bias * out["itemsize"]
+        out["standard_hbm_bytes"] += n_bias * out["itemsize"]
+    out["ratio_hbm"] = (out["standard_hbm_bytes"] / out["tiled_hbm_bytes"]
+                        if out["tiled_hbm_bytes"] else float("inf"))
+    return out
