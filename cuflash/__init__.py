@@ -495,8 +495,9 @@ def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, num_splits=None,
-                           return_lse=False, check_inputs=True, backend=None):
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True, backend=None):
     """Attention of new queries against a KV cache, contiguous or paged (decoding).
 
     Each sequence ``b`` has ``cache_seqlens[b]`` valid keys in the cache.  When
@@ -525,6 +526,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     causal : bool or {"bottom_right", "top_left"}
         Bottom-right relative to each sequence's own length L = cache_seqlens[b]
         + Nnew: query i sees key j iff ``j <= i + L - Nq``.
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The logit features of :func:`tiled_attention`, per sequence: the bias
+        broadcasts to ``(B, H, Nq, capacity)`` (key j of sequence b reads
+        ``bias[b, h, i, j]``); the window and ALiBi align at ``L - Nq``;
+        dropout indexes (b, h, i, j) with j the key's position in the sequence.
+        Calls with features do not split the keys.
     num_splits : int, optional
         Split-KV as in :func:`tiled_attention` (None: chosen per call).
     return_lse : bool
@@ -550,16 +557,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         capacity, block-table entries outside the pages.  Nothing is written
         when an error is raised.
     """
-    return get_backend(backend, q, k_cache, v_cache, k_new, v_new,
-                       names="q k_cache v_cache k_new v_new").attention_with_kvcache(
+    return get_backend(backend, q, k_cache, v_cache, k_new, v_new, bias, alibi_slopes,
+                       names="q k_cache v_cache k_new v_new bias alibi_slopes"
+                       ).attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
-        block_table=block_table, scale=scale, causal=causal, num_splits=num_splits,
-        return_lse=return_lse, check_inputs=check_inputs)
+        block_table=block_table, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        num_splits=num_splits, return_lse=return_lse, check_inputs=check_inputs)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
-                     check_inputs=True, backend=None):
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True, backend=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -582,6 +592,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     scale, causal
         As in :func:`tiled_attention`; causal is per sequence (bottom-right:
         query i sees key j iff ``j <= i + len_k - len_q``).
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The logit features of :func:`tiled_attention`, per sequence: the bias
+        broadcasts to ``(B, H, max_seqlen_q, max_seqlen_k)`` (sequence b's
+        logit (h, i, j) reads ``bias[b, h, i, j]``, i and j positions within
+        the sequence); the window and ALiBi align at ``len_k - len_q``;
+        dropout indexes (b, h, i, j) the same way.
     return_lse : bool
         Also return the log-sum-exp, shape (total_q, H).
     check_inputs : bool
@@ -594,15 +610,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     o : ndarray, shape (total_q, H, dv)
     lse : ndarray, shape (total_q, H), float32 (float64 for float64 inputs)
     """
-    return get_backend(backend, q, k, v, names="q k v").varlen_attention(
+    return get_backend(backend, q, k, v, bias, alibi_slopes,
+                       names="q k v bias alibi_slopes").varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, return_lse=return_lse,
-        check_inputs=check_inputs)
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        return_lse=return_lse, check_inputs=check_inputs)
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              deterministic=False, check_inputs=True, backend=None):
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False, backend=None):
     """Gradients of :func:`varlen_attention` (dq, dk, dv in the packed layouts).
 
     Parameters
@@ -610,6 +630,8 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
     do : ndarray, shape (total_q, H, dv)
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
         As in the forward.
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The forward's features.
     o : ndarray, shape (total_q, H, dv)
     lse : ndarray, shape (total_q, H)
         The forward's output and log-sum-exp.
@@ -617,18 +639,23 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
         Bitwise-repeatable gradients (see :func:`tiled_attention_backward`).
     check_inputs : bool
         As in the forward.
+    return_dbias : bool
+        Also return the gradient of ``bias`` (its shape and dtype).
     backend : {None, "numpy", "cuda", "emulator"}
 
     Returns
     -------
     dq, dk, dv : ndarray
         Shapes and dtype of q, k, v.  Sequences with no keys get zero gradients.
+    dbias : ndarray
+        Only with ``return_dbias``.
     """
-    return get_backend(backend, do, q, k, v, o, lse,
-                       names="do q k v o lse").varlen_attention_backward(
+    return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
+                       names="do q k v o lse bias alibi_slopes").varlen_attention_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, deterministic=deterministic,
-        check_inputs=check_inputs)
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        deterministic=deterministic, check_inputs=check_inputs, return_dbias=return_dbias)
 
 
 for _fn in (standard_attention, tiled_attention):

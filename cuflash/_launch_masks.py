@@ -96,7 +96,8 @@ def _operand(runtime, x, lead, trailing, acc, what):
 
 def mask_fields(spec, ms, bias_strides=None, slope_strides=None, seed=None):
     """The ``mask_*`` fields of a parameter block for this call (seed: the dropout key)."""
-    f = dict(mask_offset=spec.Nk - spec.Nq, mask_softcap=ms.softcap or 0.0)
+    f = dict(mask_offset=spec.Nk - spec.Nq, mask_softcap=ms.softcap or 0.0,
+             mask_drop_b0=ms.dropout_batch)
     if bias_strides is not None:
         f.update(mask_has_bias=1, mask_bias_sb=bias_strides[0], mask_bias_sh=bias_strides[1],
                  mask_bias_sr=bias_strides[2], mask_bias_sc=bias_strides[3])
@@ -514,3 +515,92 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
         "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,
     })
     return out
+
+
+# --------------------------------------------------------------------------
+# the serving calls: varlen and KV cache (flash_fwd_serving_masked), varlen backward
+# --------------------------------------------------------------------------
+def feature_key(features):
+    """A hashable description of a serving call's features (seed included), or None."""
+    if not features or not wanted(**features):
+        return None
+    f = dict(features)
+    return (_arr_key(f.pop("bias", None)), _arr_key(f.pop("alibi_slopes", None)),
+            repr(f.get("window")), f.get("softcap").__class__, f.get("softcap"),
+            f.get("dropout_p").__class__, f.get("dropout_p"), f.get("seed").__class__,
+            f.get("seed"))
+
+
+def _no_features(features):
+    return ()
+
+
+def serving_masks(runtime, q, B, H, Nq, Nk, dtype, features, pack=1):
+    """(MaskSpec, mask_* fields, args(features)) of a serving call, or (None, None, ...).
+
+    ``Nq``/``Nk`` are the longest query / key sequence (the bias's extent);
+    ``pack`` the query heads packed into one problem (grouped-query decoding).
+    ``args(features)`` gives the (bias, slopes) kernel arguments of a call.
+    """
+    from ._validate_masks import _Extent, check_serving_masks
+    if not features or not wanted(**features):
+        return None, None, _no_features
+    ms = check_serving_masks(q, B, H, Nq, Nk, **features)
+    if ms is None:
+        return None, None, _no_features
+    acc = _acc_dtype(dtype)
+    extent = _Extent((B, H), Nq, Nk)
+    bs, ss = _strides(runtime, extent, ms, acc)
+    fields = mask_fields(extent, ms, bs, ss)
+    fields["mask_pack"] = pack if pack > 1 else 0
+
+    def args(features):
+        return _feature_args(runtime, extent, ms, acc, features.get("bias"),
+                             features.get("alibi_slopes"))
+    return ms, fields, args
+
+
+def varlen_attention_backward(runtime, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, scale, causal, deterministic,
+                              check_inputs, features, return_dbias=False):
+    """``cuflash.varlen_attention_backward`` with features: the masked dense backward per
+    sequence on (H, n, d) views (as the plain varlen backward), each with its sequence's
+    features (:func:`cuflash._validate_masks.sequence_masks`); dbias is accumulated per
+    sequence into an array of the bias's shape."""
+    from dataclasses import replace
+    from ._validate_masks import check_serving_masks, sequence_masks
+    from ._validate_serving import check_varlen_backward, check_varlen_inputs
+    spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
+                               check_inputs=True)
+    check_varlen_backward(do, q, k, v, o, lse, spec)
+    ms = check_serving_masks(q, spec.B, spec.H, spec.max_q, spec.max_k,
+                             return_dbias=return_dbias, **features)
+    xp = runtime.xp
+    acc = _acc_dtype(spec.dtype)
+    dq = xp.zeros(q.shape, spec.dtype)
+    dk = xp.zeros(k.shape, spec.dtype)
+    dv = xp.zeros(v.shape, spec.dtype)
+    dbias = xp.zeros(ms.bias_shape, acc) if return_dbias else None
+    lse = lse if lse.dtype == acc else lse.astype(acc)
+    for b in range(spec.B):
+        q0, q1 = int(spec.cu_q[b]), int(spec.cu_q[b + 1])
+        k0, k1 = int(spec.cu_k[b]), int(spec.cu_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+
+        def view(a, lo, hi):
+            return a[lo:hi].swapaxes(0, 1)
+        args = (view(do, q0, q1), view(q, q0, q1), view(k, k0, k1), view(v, k0, k1),
+                view(o, q0, q1), lse[q0:q1].swapaxes(0, 1))
+        bspec = check_backward_inputs(*args, scale=spec.scale, causal=spec.causal or False)
+        g = flash_bwd_masked(runtime, *args, bspec, sequence_masks(ms, b, q1 - q0, k1 - k0),
+                             deterministic)
+        dq[q0:q1] = g[0].swapaxes(0, 1)
+        dk[k0:k1] = g[1].swapaxes(0, 1)
+        dv[k0:k1] = g[2].swapaxes(0, 1)
+        if dbias is not None:   # sequence b's share of the (broadcast) bias
+            sequence_masks(replace(ms, bias=dbias), b, q1 - q0, k1 - k0).bias[...] += g[3]
+    if dbias is not None:
+        return dq, dk, dv, dbias.astype(ms.bias.dtype)
+    return dq, dk, dv

@@ -30,7 +30,8 @@ import numpy as np
 from ._validate import check_float_dtype
 
 __all__ = ["MaskSpec", "check_masks", "check_window", "check_softcap", "check_dropout",
-           "dropout_threshold", "mask_key", "visible_range"]
+           "dropout_threshold", "mask_key", "visible_range", "check_serving_masks",
+           "sequence_masks"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +58,9 @@ class MaskSpec:
         ``Nk - Nq``: the alignment of the window and of ALiBi distances.
     return_dbias : bool
         A backward call asks for the bias gradient.
+    dropout_batch : int
+        Added to the batch index of the dropout mask: a per-sequence call of a
+        variable-length batch draws the mask of its sequence b.
     """
     bias: object = None
     bias_shape: Optional[Tuple[int, ...]] = None
@@ -67,6 +71,7 @@ class MaskSpec:
     seed: Optional[int] = None
     offset: int = 0
     return_dbias: bool = False
+    dropout_batch: int = 0
 
     @property
     def has_bias(self):
@@ -275,3 +280,51 @@ def mask_key(ms, with_seed=True):
         return None if a is None else (tuple(a.shape), tuple(a.strides), str(a.dtype))
     return (arr(ms.bias), ms.window, arr(ms.alibi_slopes), ms.softcap, ms.dropout_p,
             ms.seed if with_seed else None, ms.return_dbias)
+
+
+class _Extent:
+    """The (lead, Nq, Nk) that check_masks reads, for the serving calls."""
+
+    def __init__(self, lead, Nq, Nk):
+        self.lead, self.Nq, self.Nk = tuple(lead), int(Nq), int(Nk)
+
+
+def check_serving_masks(q, B, H, Nq, Nk, *, bias=None, window=None, alibi_slopes=None,
+                        softcap=None, dropout_p=0.0, seed=None, return_dbias=False):
+    """The features of a varlen or KV-cache call (one problem per sequence b).
+
+    ``bias`` broadcasts to ``(B, H, Nq, Nk)`` with ``Nq``/``Nk`` the longest
+    query / key sequence (varlen: max_seqlen_q/k; KV cache: Nq and the cache's
+    capacity): sequence b's logit (h, i, j) gets ``bias[b, h, i, j]``.
+    ``alibi_slopes`` is (H,) or (B, H).  The window and ALiBi align each
+    sequence at its own ``len_k - len_q``; dropout indexes (b, h, i, j) with
+    b the sequence and i, j positions within it.  Returns a MaskSpec or None.
+    """
+    return check_masks(_Extent((B, H), Nq, Nk), q, bias=bias, window=window,
+                       alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                       seed=seed, return_dbias=return_dbias)
+
+
+def sequence_masks(ms, b, len_q, len_k):
+    """The MaskSpec of sequence b of a serving call, as a dense (H, len_q, len_k) problem.
+
+    The bias and slopes become views of sequence b (rows / keys cut to the
+    sequence's lengths where the bias is not broadcast along them), the
+    alignment is the sequence's own, and the dropout mask is that of batch b.
+    """
+    from dataclasses import replace
+    bias = slopes = None
+    if ms.bias is not None:
+        x = ms.bias.reshape((1,) * (4 - ms.bias.ndim) + tuple(ms.bias.shape))
+        x = x[b if x.shape[0] > 1 else 0]
+        if x.shape[-2] > 1:
+            x = x[:, :len_q, :]
+        if x.shape[-1] > 1:
+            x = x[:, :, :len_k]
+        bias = x
+    if ms.alibi_slopes is not None:
+        s = ms.alibi_slopes.reshape((1,) * (2 - ms.alibi_slopes.ndim)
+                                    + tuple(ms.alibi_slopes.shape))
+        slopes = s[b if s.shape[0] > 1 else 0]
+    return replace(ms, bias=bias, bias_shape=None if bias is None else tuple(bias.shape),
+                   alibi_slopes=slopes, offset=len_k - len_q, dropout_batch=b)

@@ -98,27 +98,49 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, num_splits=None,
-                           return_lse=False, check_inputs=True):
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True):
     """The serving kernels (cuflash._launch_serving). See Also ``cuflash.attention_with_kvcache``."""
     return _launch_serving.attention_with_kvcache(
         runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
-        num_splits, return_lse, check_inputs)
+        num_splits, return_lse, check_inputs,
+        _features(bias, window, alibi_slopes, softcap, dropout_p, seed))
+
+
+def _features(bias, window, alibi_slopes, softcap, dropout_p, seed):
+    """The logit features of a serving call as keywords, None when it names none."""
+    if not _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return None
+    return dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                dropout_p=dropout_p, seed=seed)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
-                     check_inputs=True):
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True):
     """The serving kernels (cuflash._launch_serving). See Also ``cuflash.varlen_attention``."""
     return _launch_serving.varlen_attention(runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k,
                                             max_seqlen_q, max_seqlen_k, scale, causal,
-                                            return_lse, check_inputs)
+                                            return_lse, check_inputs,
+                                            _features(bias, window, alibi_slopes, softcap,
+                                                      dropout_p, seed))
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              deterministic=False, check_inputs=True):
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False):
     """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
+    features = _features(bias, window, alibi_slopes, softcap, dropout_p, seed)
+    if features is not None or return_dbias:
+        return _launch_masks.varlen_attention_backward(
+            runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, scale, causal, deterministic, check_inputs,
+            dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                 dropout_p=dropout_p, seed=seed), return_dbias)
     return _launch_bwd.varlen_attention_backward(
         runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         scale, causal, deterministic, check_inputs)

@@ -105,6 +105,7 @@ KERNEL_SOURCES = {
     "flash_bwd_dq_convert": "flash_bwd.cu",
     # the logit features (bias, window, ALiBi, softcap, dropout): -DCUFLASH_MASKS
     "flash_fwd_masked": "flash_fwd.cu",
+    "flash_fwd_serving_masked": "flash_fwd.cu",
     "flash_bwd_dkdv_masked": "flash_bwd.cu",
     "flash_bwd_dq_masked": "flash_bwd.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
@@ -432,4 +433,7 @@ def compile_variants():
             p = tiling.plan(kernel, d, d, dt, limit=sm80)
             out.setdefault(fname, []).append(
                 build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
+    p = tiling.plan("flash_fwd", 128, 128, "bfloat16", 8, None, limit=sm80)   # serving + features
+    out["flash_fwd.cu"].append(build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None,
+                                                  CUFLASH_MASKS=None)))
     return out

@@ -303,7 +303,7 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
                     acc_t pd = p;                // P with dropout applied (for dV)
                     if (drop.on) {
                         const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold,
-                                                               b, h, i, j);
+                                                               b + prm.mask_drop_b0, h, i, j);
                         pd = keep ? p * drop.scale : acc_t(0);
                         dp = keep ? dp * drop.scale : acc_t(0);
                     }
@@ -484,7 +484,8 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
                 acc_t th;
                 const acc_t p = acc_exp(mr.logit(scale * s, j, th) - lse_s[r]);
                 if (drop.on)
-                    dp = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, b, h, i, j)
+                    dp = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold,
+                                              b + prm.mask_drop_b0, h, i, j)
                              ? dp * drop.scale : acc_t(0);
                 ds = p * (dp - D_s[r]);
                 if (mr.cap != acc_t(0)) ds *= acc_t(1) - th * th;

@@ -108,8 +108,14 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     // so they never read the bias
     int row_lo = 0, row_end = 0;
     if (row < rows_q) f.row_range(p, i, row_lo, row_end);
-    const MaskRow mrow = cuflash_mask_row(p, Bias, Slopes, f.b, f.h, i % f.q_period, f.mask_off);
+    // the query head and position of the row (packed grouped-query rows: head
+    // kv_head * pack + r / q_period); rows past the problem take the tile's first
+    const int ir = row < rows_q ? i : q0;
+    const int qh = p.mask_pack > 1 ? f.h * p.mask_pack + ir / f.q_period : f.h;
+    const int qpos = ir % f.q_period;
+    const MaskRow mrow = cuflash_mask_row(p, Bias, Slopes, f.b, qh, qpos, f.mask_off);
     const DropoutKey drop = cuflash_dropout_key(p);
+    const int drop_b = f.b + p.mask_drop_b0;
 #else
     const int row_end = f.row_end(i);
 #endif
@@ -179,8 +185,8 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
 #ifdef CUFLASH_MASKS
             // dropout: P~ V uses the kept P~ / (1 - p); rowsum (-> l_i, lse) the undropped
             if (drop.on && pe != acc_t(0)) {
-                const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, f.b, f.h,
-                                                       i % f.q_period, k0 + t + 4 * c);
+                const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, drop_b,
+                                                       qh, qpos, k0 + t + 4 * c);
                 Ps[row * kPStride + t + 4 * c] = keep ? pe * drop.scale : acc_t(0);
                 continue;
             }
@@ -263,17 +269,32 @@ extern "C" __global__ void flash_fwd_masked(
 // Serving problems (fwd_problem.cuh): varlen, KV cache (contiguous or paged), split-KV,
 // packed grouped-query rows.  Compiled as its own module (-DCUFLASH_FWD_SERVING) so the
 // dense call keeps its short argument list and compile time.
-extern "C" __global__ void flash_fwd_serving(
+// With -DCUFLASH_MASKS as well: flash_fwd_serving_masked, which also takes the bias and the
+// ALiBi slopes (indexed by sequence, query head, query position and key position).
+#ifdef CUFLASH_MASKS
+#define CUFLASH_SERVING_KERNEL flash_fwd_serving_masked
+#define CUFLASH_SERVING_MASK_ARGS , const acc_t* __restrict__ Bias, const acc_t* __restrict__ Slopes
+#else
+#define CUFLASH_SERVING_KERNEL flash_fwd_serving
+#define CUFLASH_SERVING_MASK_ARGS
+#define Bias nullptr
+#define Slopes nullptr
+#endif
+extern "C" __global__ void CUFLASH_SERVING_KERNEL(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
     elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P,
     const int* __restrict__ cu_q, const int* __restrict__ cu_k,
     const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
-    acc_t* __restrict__ part)
+    acc_t* __restrict__ part CUFLASH_SERVING_MASK_ARGS)
 {
     const FwdServing sv = {cu_q, cu_k, seqlens_k, block_table, part};
-    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv, nullptr, nullptr);
-    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv, nullptr, nullptr);
+    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
+    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
 }
+#ifndef CUFLASH_MASKS
+#undef Bias
+#undef Slopes
+#endif
 
 // Split-KV, last step: merge the n_splits partial outputs of every output row exactly,
 //     lse = log(sum_s exp(lse_s)),  o = sum_s exp(lse_s - lse) o_s

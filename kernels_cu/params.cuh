@@ -64,6 +64,8 @@ struct FwdParams {
     int mask_window;                         // CUFLASH_WINDOW_LEFT | _RIGHT: the bounded sides
     int mask_window_left, mask_window_right;
     int mask_offset;                         // Nk - Nq: the window's and ALiBi's alignment
+    int mask_drop_b0;                        // added to the batch index of the dropout mask
+    int mask_pack;                           // serving: query heads packed per problem (GQA)
     int mask_pad0;
 };
 
@@ -117,6 +119,8 @@ struct BwdParams {
     int mask_window;                         // CUFLASH_WINDOW_LEFT | _RIGHT: the bounded sides
     int mask_window_left, mask_window_right;
     int mask_offset;                         // Nk - Nq: the window's and ALiBi's alignment
+    int mask_drop_b0;                        // added to the batch index of the dropout mask
+    int mask_pack;                           // serving: query heads packed per problem (GQA)
     long long mask_dbias_sb, mask_dbias_sh, mask_dbias_sr, mask_dbias_sc;  // dbias accumulator
     int mask_dbias;        // 0: no dbias; 1: each element stored once; 2: atomic adds (broadcast)
 };

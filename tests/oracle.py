@@ -200,7 +200,7 @@ def keep_mask(b, h, Nq, Nk, p, seed):
 
 
 def _feature_terms(out_lead, oi, Nq, Nk, bias=None, window=None, alibi_slopes=None,
-                   softcap=None, dropout_p=0.0, seed=None, causal=False):
+                   softcap=None, dropout_p=0.0, seed=None, causal=False, dropout_batch=0):
     """For output problem ``oi``: (additive term, visibility, keep-mask or None)."""
     add = np.zeros((Nq, Nk))
     if bias is not None:
@@ -221,6 +221,7 @@ def _feature_terms(out_lead, oi, Nq, Nk, bias=None, window=None, alibi_slopes=No
     keep = None
     if dropout_p:
         b = int(np.ravel_multi_index(oi[:-1], out_lead[:-1])) if len(oi) > 1 else 0
+        b += dropout_batch          # a sequence of a packed batch: its own index
         h = oi[-1] if oi else 0
         keep = keep_mask(b, h, Nq, Nk, dropout_p, seed)
     return add, vis, keep
@@ -487,3 +488,24 @@ def check_backward(grads, do, q, k, v, scale=None, causal=False, dtype=None, **f
     else:
         for g, r_, n in zip(grads, refs, names):
             assert_rel_close(g, r_, dtype, n)
+
+
+# --------------------------------------------------------------------------
+# variable-length batches: one oracle problem per sequence
+# --------------------------------------------------------------------------
+def sequence_features(feat, b, len_q, len_k):
+    """Sequence b's features: bias[b, :, :len_q, :len_k] and slopes[b] of the broadcast
+    (B, H, max_q, max_k) / (B, H) arrays, its dropout batch index b."""
+    out = dict(feat)
+    if feat.get("bias") is not None:
+        x = np.asarray(feat["bias"])
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+        x = x[b if x.shape[0] > 1 else 0]
+        out["bias"] = x[:, :len_q if x.shape[1] > 1 else 1, :len_k if x.shape[2] > 1 else 1]
+    if feat.get("alibi_slopes") is not None:
+        s = np.asarray(feat["alibi_slopes"])
+        s = s.reshape((1,) * (2 - s.ndim) + s.shape)
+        out["alibi_slopes"] = s[b if s.shape[0] > 1 else 0]
+    if feat.get("dropout_p"):
+        out["dropout_batch"] = b
+    return out

@@ -537,3 +537,130 @@ def test_memory_analysis_counts_bias_and_window(backend):
         w["standard_hbm_bytes"]
     with pytest.raises(ValueError, match="bias_shape"):
         cuflash.memory_analysis(1024, 64, bias_shape=(3, 1024, 1024), **kw)
+
+
+# --------------------------------------------------------------------------
+# the serving calls: varlen (forward and backward) and the KV cache
+# --------------------------------------------------------------------------
+VARLEN_FEATURES = [
+    dict(window=(6, 2), alibi_slopes=(4,)),
+    dict(bias=(3, 4, 40, 50), softcap=2.5, dropout_p=0.2),
+    dict(bias=(1, 1, 50), window=(None, 4), alibi_slopes=(3, 4)),
+]
+
+
+@pytest.mark.parametrize("feat", VARLEN_FEATURES, ids=_feat_id)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_features(backend, rng, feat, causal):
+    """Packed sequences, features per sequence (bias[b, h, i, j] of the padded extent, the
+    window and ALiBi at each sequence's len_k - len_q, dropout of batch b)."""
+    H, Hk, d = 4, 2, 32
+    lq, lk = [17, 0, 40], [31, 9, 50]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    feat = _materialise(rng, feat, "float32")
+    q = oracle.randn(rng, (cu_q[-1], H, d), "float32")
+    k = oracle.randn(rng, (cu_k[-1], Hk, d), "float32")
+    v = oracle.randn(rng, (cu_k[-1], Hk, d), "float32")
+    a = backend.asarray
+    fa = {n: (a(x) if isinstance(x, np.ndarray) else x) for n, x in feat.items()}
+    with poisoned_outputs():
+        o, lse = cuflash.varlen_attention(a(q), a(k), a(v), a(cu_q), a(cu_k), causal=causal,
+                                          return_lse=True, backend=backend.name, **fa)
+    o, lse = backend.to_numpy(o), backend.to_numpy(lse)
+    do = oracle.randn(rng, o.shape, "float32")
+    with_db = "bias" in feat
+    with poisoned_outputs():
+        g = cuflash.varlen_attention_backward(a(do), a(q), a(k), a(v), a(o), a(lse), a(cu_q),
+                                              a(cu_k), causal=causal, return_dbias=with_db,
+                                              backend=backend.name, **fa)
+    g = [backend.to_numpy(x) for x in g]
+    dbias_ref = np.zeros(feat["bias"].shape) if with_db else None
+    for b in range(3):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 == q0:
+            continue
+        fb = oracle.sequence_features(feat, b, q1 - q0, k1 - k0)
+        t = lambda x, lo, hi: x[lo:hi].swapaxes(0, 1)  # noqa: E731
+        qb, kb, vb = t(q, q0, q1), t(k, k0, k1), t(v, k0, k1)
+        oracle.check_forward(t(o, q0, q1), qb, kb, vb, None, causal, lse=t(lse, q0, q1), **fb)
+        grads = (t(g[0], q0, q1), t(g[1], k0, k1), t(g[2], k0, k1))
+        refs = oracle.attention_backward(t(do, q0, q1), qb, kb, vb, None, causal,
+                                         return_dbias=with_db, **fb)
+        for x, r_, n in zip(grads, refs, ("dq", "dk", "dv")):
+            oracle.assert_rel_close(x, r_, "float32", n)
+        if with_db:
+            x = dbias_ref.reshape((1,) * (4 - dbias_ref.ndim) + dbias_ref.shape)
+            x = x[b if x.shape[0] > 1 else 0]
+            x[:, :q1 - q0 if x.shape[1] > 1 else 1, :k1 - k0 if x.shape[2] > 1 else 1] += refs[3]
+    if with_db:
+        oracle.assert_rel_close(g[3], dbias_ref, "float32", "dbias")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("Nq", [1, 5])
+def test_kvcache_features(backend, rng, paged, Nq):
+    """Decoding with a window, ALiBi, softcap and a bias over the cache positions; GQA 8/2
+    (the query heads of a kv head packed into one problem)."""
+    B, H, Hk, d, cap, page = 3, 8, 2, 32, 64, 16
+    lens = np.array([5, 40, 63 - Nq], np.int32)
+    kn = oracle.randn(rng, (B, Hk, Nq, d), "float32")
+    vn = oracle.randn(rng, (B, Hk, Nq, d), "float32")
+    q = oracle.randn(rng, (B, H, Nq, d), "float32")
+    if paged:
+        kc = oracle.randn(rng, (B * cap // page, Hk, page, d), "float32")
+        vc = oracle.randn(rng, (B * cap // page, Hk, page, d), "float32")
+        table = rng.permutation(B * cap // page).reshape(B, cap // page).astype(np.int32)
+    else:
+        kc = oracle.randn(rng, (B, Hk, cap, d), "float32")
+        vc = oracle.randn(rng, (B, Hk, cap, d), "float32")
+        table = None
+    feat = dict(window=(20, None), alibi_slopes=(rng.random(H) * 0.2).astype(np.float32),
+                softcap=3.0, bias=rng.standard_normal((B, 1, Nq, cap)).astype(np.float32))
+    a = backend.asarray
+    kc_b, vc_b = a(kc.copy()), a(vc.copy())
+    fa = {n: (a(x) if isinstance(x, np.ndarray) else x) for n, x in feat.items()}
+    with poisoned_outputs():
+        o, lse = cuflash.attention_with_kvcache(
+            a(q), kc_b, vc_b, cache_seqlens=a(lens), k_new=a(kn), v_new=a(vn),
+            block_table=None if table is None else a(table), causal=True, return_lse=True,
+            backend=backend.name, **fa)
+    o, lse = backend.to_numpy(o), backend.to_numpy(lse)
+    kc2, vc2 = backend.to_numpy(kc_b), backend.to_numpy(vc_b)
+    for b in range(B):
+        L = int(lens[b]) + Nq
+        if paged:
+            kb = np.concatenate([kc2[table[b, p]] for p in range(-(-L // page))], axis=1)[:, :L]
+            vb = np.concatenate([vc2[table[b, p]] for p in range(-(-L // page))], axis=1)[:, :L]
+        else:
+            kb, vb = kc2[b, :, :L], vc2[b, :, :L]
+        np.testing.assert_array_equal(kb[:, L - Nq:], kn[b])
+        fb = oracle.sequence_features(feat, b, Nq, L)
+        oracle.check_forward(o[b], q[b], kb, vb, None, True, lse=lse[b], **fb)
+
+
+def test_race_check_serving_masked(rng):
+    """flash_fwd_serving_masked (paged cache, packed GQA rows, all features) under TSan."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_serving, kernels
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    B, H, Hk, d, page, Nq = 2, 2, 1, 16, 8, 3
+    kc = oracle.randn(rng, (8, Hk, page, d), "float32")
+    vc = oracle.randn(rng, (8, Hk, page, d), "float32")
+    table = rng.permutation(8).reshape(B, 4).astype(np.int32)
+    q = oracle.randn(rng, (B, H, Nq, d), "float32")
+    lens = np.array([7, 25], np.int32)
+    feat = dict(bias=rng.standard_normal((B, H, Nq, 32)).astype(np.float32), window=(9, None),
+                alibi_slopes=np.array([0.1, 0.3], np.float32), softcap=2.0, dropout_p=0.2,
+                seed=11)
+    with _launch.observe_launches() as seen:
+        o, lse = _launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, None, None, table,
+                                                        None, True, None, True, True, feat)
+    assert [e["kernel"] for e in seen] == ["flash_fwd_serving_masked"]
+    for b in range(B):
+        L = int(lens[b])
+        kb = np.concatenate([kc[table[b, p]] for p in range(-(-L // page))], axis=1)[:, :L]
+        vb = np.concatenate([vc[table[b, p]] for p in range(-(-L // page))], axis=1)[:, :L]
+        oracle.check_forward(o[b], q[b], kb, vb, None, True, lse=lse[b],
+                             **oracle.sequence_features(feat, b, Nq, L))

@@ -156,6 +156,7 @@ class Features:
         self.slopes_c = None if slopes is None else self._canonical(slopes, trailing=0)
         if ms.dropout:
             b, h = problem_index(spec.lead, xp)
+            b = b + ms.dropout_batch
             self.b_c, self.h_c = b.reshape(self.lead_c), h.reshape(self.lead_c)
 
     def _canonical(self, a, trailing):
