@@ -664,3 +664,60 @@ def test_race_check_serving_masked(rng):
         vb = np.concatenate([vc[table[b, p]] for p in range(-(-L // page))], axis=1)[:, :L]
         oracle.check_forward(o[b], q[b], kb, vb, None, True, lse=lse[b],
                              **oracle.sequence_features(feat, b, Nq, L))
+
+
+# --------------------------------------------------------------------------
+# the framework wrappers
+# --------------------------------------------------------------------------
+def test_torch_attention_features(rng):
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+    q = torch.tensor(rng.standard_normal((2, 4, 17, 16)), requires_grad=True)
+    k = torch.tensor(rng.standard_normal((2, 2, 23, 16)), requires_grad=True)
+    v = torch.tensor(rng.standard_normal((2, 2, 23, 16)), requires_grad=True)
+    bias = torch.tensor(rng.standard_normal((4, 1, 23)), requires_grad=True)
+    slopes = torch.tensor(rng.random(4))
+    feat = dict(window=(5, 2), softcap=2.0, dropout_p=0.1, seed=3)
+    o = ct.attention(q, k, v, bias=bias, alibi_slopes=slopes, causal=True, **feat)
+    do = torch.tensor(rng.standard_normal(o.shape))
+    o.backward(do)
+    ofeat = dict(feat, bias=bias.detach().numpy(), alibi_slopes=slopes.numpy())
+    n = lambda t: t.detach().numpy()  # noqa: E731
+    oracle.assert_rel_close(n(o), oracle.attention(n(q), n(k), n(v), None, True, **ofeat)[0],
+                            "float64", "o")
+    refs = oracle.attention_backward(n(do), n(q), n(k), n(v), None, True, return_dbias=True,
+                                     **ofeat)
+    for t, r_, name in zip((q, k, v, bias), refs, ("dq", "dk", "dv", "dbias")):
+        oracle.assert_rel_close(t.grad.numpy(), r_, "float64", name)
+    # seed=None draws from torch's generator: torch.manual_seed makes it repeatable
+    torch.manual_seed(5)
+    a = ct.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(5)
+    assert torch.equal(a, ct.attention(q, k, v, dropout_p=0.3))
+
+
+def test_jax_attention_features(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import cuflash.jax as cj
+    q = rng.standard_normal((2, 4, 17, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 23, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 23, 16)).astype(np.float32)
+    bias = rng.standard_normal((4, 1, 23)).astype(np.float32)
+    slopes = rng.random(4).astype(np.float32)
+    do = rng.standard_normal((2, 4, 17, 16)).astype(np.float32)
+    feat = dict(window=(5, 2), softcap=2.0, dropout_p=0.1)
+
+    def loss(q, k, v, b, seed):
+        return jnp.sum(cj.attention(q, k, v, bias=b, alibi_slopes=jnp.asarray(slopes),
+                                    causal=True, seed=seed, **feat) * do)
+    ofeat = dict(feat, bias=bias, alibi_slopes=slopes, seed=7)
+    refs = oracle.attention_backward(do, q, k, v, None, True, return_dbias=True, **ofeat)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    for f in (grad, jax.jit(grad)):      # a traced seed: no retrace per step
+        g = f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(bias),
+              jnp.uint32(7))
+        for x, r_, name in zip(g, refs, ("dq", "dk", "dv", "dbias")):
+            oracle.assert_rel_close(np.asarray(x), r_, "float32", name)
+    with pytest.raises(ValueError, match="needs a seed"):
+        cj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), dropout_p=0.1)
