@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """GPU benchmark of cuflash against torch SDPA (flash, cudnn, efficient, math): correctness
 check against float64 first, then CUDA-event timing of FlashAttention-2's benchmark grid,
-decode shapes and host time per call; a table, JSON and a plot of TFLOP/s against N.
+decode shapes, a KV cache at decode time (contiguous and paged; also against flash-attn and
+vLLM when importable), ragged varlen batches and host time per call; tables, JSON and a plot
+of TFLOP/s against N.
 
 The benchmark itself lives in the package (``cuflash/_bench_gpu.py``) so that
 an installed cuflash runs it as ``python -m cuflash bench --gpu``; this script
@@ -9,6 +11,7 @@ is the same thing from a checkout:
 
     python bench/bench_gpu.py                                  # needs CuPy and a GPU
     python bench/bench_gpu.py --dims 128 --causal no --modes fwd,fwdbwd --json gpu.json
+    python bench/bench_gpu.py --sections kvcache,varlen        # only the serving calls
     python bench/bench_gpu.py --backend emulator               # tiny sizes, on the CPU
     python bench/bench_gpu.py --help
 """

@@ -12,7 +12,10 @@ What it does, in order:
    runs once outside the timing) and ``fwdbwd`` (both).
 2. **Decode shapes**: ``Nq = 1`` against ``Nk`` keys, MHA at batch 1 and 8 and
    GQA (32 query heads on 8 key/value heads), forward only.
-3. **Host time per call** of a tiny problem, 200 calls without synchronising.
+3. **KV-cache decode** and 4. **varlen** batches, the serving calls
+   (``cuflash/_bench_gpu_serving.py``, whose docstring describes them).
+5. **Host time per call** of a tiny problem, 200 calls without synchronising.
+``--sections`` picks among them (default: all).
 
 Methods: cuflash tiled (the FlashAttention kernels), cuflash standard (plain
 CuPy; the NumPy reference on the emulator), and when torch can run them
@@ -49,24 +52,34 @@ from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
 __all__ = ["main", "build_parser", "run", "flops"]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+SECTIONS = ("grid", "decode", "kvcache", "varlen", "host")
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 # Defaults per backend; the emulator's are tiny (an emulated launch takes 0.05-0.1 s).
 DEFAULTS = {
     "cuda": dict(dims=[64, 128], seqlens=[512, 1024, 2048, 4096, 8192, 16384], tokens=16384,
-                 hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 16384, 65536],
-                 decode_dim=128, host_calls=200, check_n=257),
+                 hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 8192, 16384, 65536],
+                 decode_dim=128, host_calls=200, check_n=257, kv_nq=[1, 4],
+                 kv_page_sizes=[16, 256], varlen_mean=[512, 2048], target_ms=50.0),
     # warm-up 0 on the emulator: the (untimed) first call is its warm-up
     "emulator": dict(dims=[16, 32], seqlens=[32, 64], tokens=64, hidden=32, reps=2, warmup=0,
-                     decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33),
+                     decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33, kv_nq=[1, 4],
+                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0),
 }
-# decode configurations (B, H, Hk): MHA at batch 1 and 8, GQA with 4 query heads per kv head
+# decode configurations (B, H, Hk) of the decode and KV-cache sections: MHA at batch 1 and 8,
+# GQA with 4 query heads per kv head (FlashAttention-2 on an H100: 0.36 ms for B1 H32 Nk=65536,
+# 0.10 ms for B8 H32/8 Nk=8192, docs/gpu-baseline.md of the project notes)
 DECODE = {"cuda": ((1, 32, 32), (8, 32, 32), (8, 32, 8)),
           "emulator": ((1, 4, 4), (2, 4, 4), (2, 4, 2))}
 # the host-time problem (B, H, Hk, Nq, Nk, d)
 HOST_SHAPE = {"cuda": (1, 1, 1, 128, 128, 64), "emulator": (1, 1, 1, 32, 32, 16)}
 MIN_REPS_CUDA = 5
+
+
+# the cuflash method that must run in some case of these sections, else the run failed
+MAIN_METHOD = {"cuflash tiled": ("grid", "decode"), "cuflash kvcache": ("kvcache",),
+               "cuflash varlen": ("varlen",)}
 
 
 def flops(B, H, Nq, Nk, d, causal, mode):
@@ -95,49 +108,74 @@ def build_parser(prog=None):
         "GPU benchmark of cuflash (tiled and standard attention) against torch SDPA with each "
         "backend forced (flash, cudnn, efficient, math): correctness check against float64 "
         "first, then median time (CUDA events), TFLOP/s (flash-attn convention), first-call "
-        "(compile) time, decode shapes and host time per call; a table, JSON and a plot. "
+        "(compile) time, decode shapes and host time per call; then the serving calls: a KV "
+        "cache at decode time (contiguous and paged, GB/s of K/V read, against SDPA, "
+        "flash-attn and vLLM when importable) and ragged varlen batches (against equal "
+        "lengths and flash-attn); tables, JSON and a plot. "
         "Needs CuPy and a GPU (pip install \".[cuda12,bench]\" or \".[cuda13,bench]\", plus "
         "torch with CUDA for SDPA). --backend emulator runs tiny sizes on the CPU with the "
         "emulated kernels (defaults dims 16,32, seqlens 32,64, tokens 64, hidden 32, reps 2, "
-        "warmup 0, decode-nk 32,128, host-calls 3; about 30 s of CPU time)."))
+        "warmup 0, decode-nk 32,128, host-calls 3, kv-page-sizes 4,16, varlen-mean 16, "
+        "target-ms 10; about a minute of CPU time, half of it the serving sections)."))
     p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda",
                    help="where cuflash runs (default: %(default)s)")
+    p.add_argument("--sections", type=choice_list(SECTIONS), default=list(SECTIONS),
+                   help="comma-separated, of grid (FlashAttention-2's grid), decode (Nq = 1), "
+                   "kvcache (attention_with_kvcache, contiguous and paged), varlen (ragged "
+                   "batches), host (host time per call); default: all")
     p.add_argument("--dtypes", type=choice_list(DTYPES), default=["float16"],
                    help=f"comma-separated, of {','.join(DTYPES)} (default float16)")
-    p.add_argument("--dims", type=int_list, help=f"head dims d ({dflt('dims')})")
+    p.add_argument("--dims", type=int_list,
+                   help=f"head dims d of the grid and varlen sections ({dflt('dims')})")
     p.add_argument("--seqlens", type=int_list, help=f"sequence lengths N ({dflt('seqlens')})")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
-                   help="causal cases (top-left mask, PyTorch's is_causal; default: %(default)s)")
+                   help="causal cases of the grid (top-left mask, PyTorch's is_causal) and varlen "
+                   "(per sequence) sections (default: %(default)s)")
     p.add_argument("--modes", type=choice_list(MODES), default=list(MODES),
-                   help="comma-separated, of fwd,bwd,fwdbwd (default: all)")
+                   help="comma-separated, of fwd,bwd,fwdbwd, for the grid and varlen sections "
+                   "(default: all)")
     p.add_argument("--tokens", type=positive_int,
-                   help=f"batch x N, as in FlashAttention-2's benchmark ({dflt('tokens')})")
+                   help="batch x N, as in FlashAttention-2's benchmark; also the tokens of a "
+                   f"varlen batch ({dflt('tokens')})")
     p.add_argument("--hidden", type=positive_int,
-                   help=f"heads x d, as in FlashAttention-2's benchmark ({dflt('hidden')})")
+                   help="heads x d, as in FlashAttention-2's benchmark, and in the varlen "
+                   f"section ({dflt('hidden')})")
     p.add_argument("--reps", type=positive_int,
                    help=f"timed repeats, the median is reported (at least {MIN_REPS_CUDA} on "
                    f"cuda; {dflt('reps')})")
     p.add_argument("--warmup", type=nonneg_int,
                    help="warm-up calls after the first call (which is timed alone); the last "
                    f"sizes a repeat ({dflt('warmup')})")
-    p.add_argument("--target-ms", type=float, default=50.0,
+    p.add_argument("--target-ms", type=float,
                    help="calls per repeat chosen so a repeat takes about this long "
-                   "(default: %(default)s)")
+                   f"({dflt('target_ms')}: the emulator's times say nothing about a GPU)")
     p.add_argument("--decode-nk", type=lambda s: int_list(s, allow_empty=True),
-                   help=f"key lengths of the decode section, '' to skip it ({dflt('decode_nk')})")
+                   help="key lengths of the decode and KV-cache sections, '' to skip both "
+                   f"({dflt('decode_nk')})")
     p.add_argument("--decode-dim", type=positive_int,
-                   help=f"head dim of the decode section ({dflt('decode_dim')})")
+                   help=f"head dim of the decode and KV-cache sections ({dflt('decode_dim')})")
+    p.add_argument("--kv-nq", type=int_list,
+                   help="queries per sequence in the KV-cache section, each a new token appended "
+                   f"by the call ({dflt('kv_nq')})")
+    p.add_argument("--kv-page-sizes", type=lambda s: int_list(s, allow_empty=True),
+                   help="page sizes of the paged caches of the KV-cache section, '' for none "
+                   f"({dflt('kv_page_sizes')})")
+    p.add_argument("--varlen-mean", type=int_list,
+                   help="mean sequence lengths of the varlen section: tokens // mean sequences "
+                   f"of 1 to 2 x mean tokens ({dflt('varlen_mean')})")
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
-                   help=f"sequence length of the correctness checks ({dflt('check_n')})")
+                   help="sequence length of the correctness checks (KV cache: keys after the "
+                   f"append; varlen: a batch of 2 x check-n tokens) ({dflt('check_n')})")
     p.add_argument("--l2-bytes", type=nonneg_int, default=None,
                    help="L2 size that decides input rotation (default: the device's; none on "
                    "the emulator; 0: never rotate)")
     p.add_argument("--cold-cache", action="store_true",
                    help="compile into an empty temporary kernel cache, so first calls include "
                    "the compile even when CuPy's disk cache holds the kernels")
-    p.add_argument("--no-torch", action="store_true", help="leave the SDPA methods out")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out the methods that run through torch: SDPA, flash-attn, vLLM")
     p.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--json", default="", help="write every number here as JSON")
     p.add_argument("--plot", default="bench_gpu.png",
@@ -163,6 +201,17 @@ def finish_args(parser, args):
         if N > args.tokens:
             parser.error(f"argument --seqlens: N={N} exceeds --tokens {args.tokens} "
                          "(tokens = batch x N)")
+    if "varlen" in args.sections:
+        for mean in args.varlen_mean:
+            if mean > args.tokens:
+                parser.error(f"argument --varlen-mean: {mean} exceeds --tokens {args.tokens} "
+                             "(the batch holds tokens // mean sequences)")
+    if "kvcache" in args.sections and args.decode_nk:
+        for nq in args.kv_nq:
+            low = min(min(args.decode_nk), args.check_n)
+            if nq > low:
+                parser.error(f"argument --kv-nq: {nq} new tokens exceed the {low} keys of the "
+                             "smallest --decode-nk or --check-n (Nq <= Nk)")
     if "bfloat16" in args.dtypes:
         try:
             import ml_dtypes  # noqa: F401
@@ -404,18 +453,29 @@ def run(args, log=_log):
            "timer": dev.timer, "l2_bytes_for_rotation": dev.l2_bytes,
            "torch": "ok" if bench.torch.ok else bench.torch.why,
            "methods": [m.name for m in bench.methods]}
-    for dtype in a.dtypes:
+    sections = set(a.sections)
+    for dtype in a.dtypes if "grid" in sections else ():
         for d in a.dims:
             H = a.hidden // d
             for causal in a.causals:
                 for N in a.seqlens:
                     B = max(1, a.tokens // N)
                     bench.run_shape("grid", dtype, (B, H, H, N, N, d), causal, a.modes)
-    for dtype in a.dtypes:
+    for dtype in a.dtypes if "decode" in sections else ():
         for B, H, Hk in DECODE[a.backend]:
             for Nk in a.decode_nk:
                 bench.run_shape("decode", dtype, (B, H, Hk, 1, Nk, a.decode_dim), False, ["fwd"])
-    res["host_time"] = bench.host_time(a.dtypes[0]) if a.host_calls else []
+    if sections & {"kvcache", "varlen"}:
+        from ._bench_gpu_serving import DENSE, Serving
+        srv = Serving(bench)
+        res["kv_methods"] = [m.name for m in srv.kv]
+        res["varlen_methods"] = [m.name for m in srv.varlen] + [srv.equal.name, DENSE]
+        if "kvcache" in sections:
+            srv.run_kvcache()
+        if "varlen" in sections:
+            srv.run_varlen()
+    res["host_time"] = (bench.host_time(a.dtypes[0])
+                        if a.host_calls and "host" in sections else [])
     res["checks"], res["cases"] = bench.checks, bench.cases
     _footnotes(res)
     res["wall_s"] = time.perf_counter() - t0
@@ -425,9 +485,10 @@ def run(args, log=_log):
 def main(argv=None, prog=None):
     """``bench/bench_gpu.py`` / ``python -m cuflash bench --gpu``; the exit status.
 
-    0: ran; 1: a cuflash method failed its correctness check, or cuflash tiled
-    could run no case; 2: bad options, or the backend cannot run here (one
-    line on stderr).
+    0: ran; 1: a cuflash method failed its correctness check, or the main
+    cuflash method of a section (tiled, kvcache, varlen) could run none of
+    its cases; 2: bad options, or the backend cannot run here (one line on
+    stderr).
     """
     parser = build_parser(prog)
     args = finish_args(parser, parser.parse_args(argv))
@@ -452,10 +513,13 @@ def main(argv=None, prog=None):
         print(f"plot: {path}" if path else f"plot not saved: {why}")
     failed = [c for c in res["checks"] if c["status"] == "failed"
               and c["method"].startswith("cuflash")]
-    tiled_ran = any(c["methods"]["cuflash tiled"]["status"] == "ok" for c in res["cases"])
-    if res["cases"] and not tiled_ran:
-        print("cuflash tiled ran in no case: see the footnotes", file=sys.stderr)
-    return 1 if failed or (res["cases"] and not tiled_ran) else 0
+    idle = []  # a section whose main cuflash method ran in none of its cases
+    for what, sections in MAIN_METHOD.items():
+        cases = [c for c in res["cases"] if c["section"] in sections]
+        if cases and not any(c["methods"][what]["status"] == "ok" for c in cases):
+            idle.append(what)
+            print(f"{what} ran in no case: see the footnotes", file=sys.stderr)
+    return 1 if failed or idle else 0
 
 
 if __name__ == "__main__":

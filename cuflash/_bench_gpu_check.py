@@ -61,8 +61,10 @@ def attention(q, k, v, causal, do=None, low=None):
     q : ndarray, shape (B, H, Nq, d)
     k, v : ndarray, shape (B, Hk, Nk, d); ``H`` a multiple of ``Hk`` (query head
         ``h`` reads key/value head ``h // (H // Hk)``)
-    causal : bool
-        Top-left mask (query ``i`` sees keys ``j <= i``), PyTorch's ``is_causal``.
+    causal : bool or "bottom_right"
+        True: the top-left mask (query ``i`` sees keys ``j <= i``), PyTorch's
+        ``is_causal``; ``"bottom_right"``: query ``i`` sees ``j <= i + Nk - Nq``
+        (flash-attn's alignment, the one a KV cache's new queries need).
     do : ndarray, shape (B, H, Nq, d), optional
     low : str, optional
         None: float64 throughout (the oracle).  A dtype name: the low-precision
@@ -88,7 +90,8 @@ def attention(q, k, v, causal, do=None, low=None):
     scale = ft(1.0 / math.sqrt(d))
     s = rnd(np.matmul(q, _t(ke)) * scale)
     if causal:
-        s = np.where(np.arange(Nk)[None, :] > np.arange(Nq)[:, None], -np.inf, s)
+        shift = Nk - Nq if causal == "bottom_right" else 0
+        s = np.where(np.arange(Nk)[None, :] > np.arange(Nq)[:, None] + shift, -np.inf, s)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p = rnd(p / p.sum(axis=-1, keepdims=True))
     o = rnd(np.matmul(p, ve))

@@ -30,6 +30,7 @@ def versions(torch_):
     return {"python": platform.python_version(), "numpy": np.__version__,
             "cupy": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy"),
             "torch": torch_.version, "cudnn": torch_.cudnn,
+            "flash_attn": _dist_version("flash-attn", "flash_attn"), "vllm": _dist_version("vllm"),
             "torch_cuda": getattr(getattr(getattr(torch_, "torch", None), "version", None),
                                   "cuda", None) or "none"}
 
@@ -88,7 +89,8 @@ def _header(res):
             out.append("SDPA methods run on torch's CPU kernels (the emulator backend works on "
                        "host arrays)")
     out.append(f"CuPy {v['cupy']}; NumPy {v['numpy']}; PyTorch {v['torch']} (CUDA "
-               f"{v['torch_cuda']}); cuDNN {v['cudnn']}; Python {v['python']}")
+               f"{v['torch_cuda']}); cuDNN {v['cudnn']}; Python {v['python']}"
+               + (f"; flash-attn {v['flash_attn']}; vLLM {v['vllm']}" if "flash_attn" in v else ""))
     if res["torch"] != "ok":
         out.append(f"SDPA methods not run: {res['torch']}")
     l2 = res["l2_bytes_for_rotation"]
@@ -114,23 +116,29 @@ _NOTES = [
 
 
 def print_report(res, file=None):
-    """Print the header, the grid and decode tables with footnotes, first-call times, host
-    time per call and the correctness checks."""
+    """Print the header, the grid, decode, KV-cache and varlen tables with footnotes,
+    first-call times, host time per call and the correctness checks."""
+    from ._bench_gpu_serving import print_serving
+
     def say(s=""):
         print(s, file=file, flush=True)
     for line in _header(res):
         say(line)
     methods = res["methods"]
+    dense = False
     for section, title in (("grid", "Main grid"), ("decode", "Decode (Nq = 1)")):
         cases = [c for c in res["cases"] if c["section"] == section]
         if cases:
+            dense = True
             say()
             say(f"## {title}")
             say()
             say(format_cases(cases, methods))
-    say()
-    for n in _NOTES:
-        say(f"- {n}")
+    if dense:
+        say()
+        for n in _NOTES:
+            say(f"- {n}")
+    print_serving(res, say)
     if res["footnotes"]:
         say()
         for f in res["footnotes"]:
@@ -143,8 +151,8 @@ def print_report(res, file=None):
 
 
 def _kind_text(k):
-    return (f"{k['dtype']} d={k['d']} {'causal' if k['causal'] else 'non-causal'}"
-            f"{' GQA' if k['group'] > 1 else ''}{' decode' if k['decode'] else ''}")
+    from ._bench_gpu_serving import _kind_text as text  # knows the serving sections' kinds too
+    return text(k)
 
 
 def _print_first_calls(res, say):
@@ -168,7 +176,8 @@ def _print_first_calls(res, say):
     say("|---|---|---:|---:|")
     for (kind, m), r in rows.items():
         say(f"| {kind} | {m} | {sig(r.get('fwd'))} | {sig(r.get('bwd'))} |")
-    big = [(c, m) for c in res["cases"] for m, e in c["methods"].items() if e["status"] == "ok"]
+    big = [(c, m) for c in res["cases"] for m, e in c["methods"].items() if e["status"] == "ok"
+           and c["section"] in ("grid", "decode")]
     if big:
         c, m = max(big, key=lambda cm: cm[0]["methods"][cm[1]]["first_call_ms"]
                    - cm[0]["methods"][cm[1]]["ms"])
@@ -205,6 +214,7 @@ def _print_checks(res, say):
     say("|---|---|---|---|---|---|")
     for c in res["checks"]:
         s = c["shape"]
+        shape = c.get("shape_text") or f"{s['B']},{s['H']},{s['Hk']},{s['Nq']},{s['Nk']}"
         worst = ""
         if c.get("errors"):
             name, e = max(c["errors"].items(),
@@ -215,7 +225,7 @@ def _print_checks(res, say):
                          f"{sig(e['bound'], 2)})")
         result = c["status"] if c["status"] != "n/a" else "n/a (see footnotes)"
         say(f"| {_kind_text(c['kind'])} | {'yes' if c['kind']['grad'] else 'no'} | "
-            f"{s['B']},{s['H']},{s['Hk']},{s['Nq']},{s['Nk']} | {c['method']} | {result} | "
+            f"{shape} | {c['method']} | {result} | "
             f"{worst} |")
 
 

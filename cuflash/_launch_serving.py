@@ -131,12 +131,12 @@ def _build(runtime, g, num_splits):
     out_shape, lse_shape = g.out_shape, g.lse_shape
 
     def run(q, k, v, cu_q, cu_k, seqlens, table, k_new=None, v_new=None, features=()):
+        if emulator:  # strided views (a cache too) as the span of their buffer
+            q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         if append is not None:
             aparams, agrid = append
             launch(rt, app, "flash_kv_append", agrid, (_APPEND_THREADS,),
                    (k_new, v_new, k, v, seqlens, table, aparams), 0)
-        if emulator:
-            q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         o = alloc_output(xp, out_shape, g.dtype, "o")
         lse = alloc_output(xp, lse_shape, g.lse_dtype, "lse")
         if g.n_out_rows == 0:

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # small enough that every input set of the run below is rotated (a set is 8-17 KiB)
 L2_BYTES = 16384
-RUN = ["--backend", "emulator", "--dims", "16", "--seqlens", "16,32", "--causal", "both",
+RUN = ["--backend", "emulator", "--sections", "grid,decode,host", "--dims", "16", "--seqlens",
+       "16,32", "--causal", "both",
        "--modes", "fwd,bwd", "--decode-nk", "32", "--host-calls", "2", "--reps", "2",
        "--warmup", "0", "--l2-bytes", str(L2_BYTES)]
 
@@ -196,7 +197,7 @@ def test_command_line_run_in_a_fresh_process(tmp_path):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "cuflash", "bench", "--gpu", "--backend", "emulator",
                         "--dims", "16", "--seqlens", "32", "--causal", "yes", "--modes", "fwd",
-                        "--decode-nk", "", "--host-calls", "0", "--no-torch", "--json", "g.json",
+                        "--sections", "grid", "--host-calls", "0", "--no-torch", "--json", "g.json",
                         "--plot", "g.png"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -218,7 +219,7 @@ def test_a_method_that_fails_its_check_is_reported_not_timed(monkeypatch):
     monkeypatch.setattr(mth.CuflashStandard, "forward",
                         lambda self, x, grad: forward(self, x, grad) * 1.01)
     rc, out, err = run_main(["--backend", "emulator", "--dims", "16", "--seqlens", "16",
-                             "--causal", "no", "--modes", "fwd", "--decode-nk", "",
+                             "--causal", "no", "--modes", "fwd", "--sections", "grid",
                              "--host-calls", "0", "--no-torch", "--plot", ""])
     assert rc == 1, out + err
     _, rows = table_rows(out, "Main grid")
@@ -236,7 +237,7 @@ def test_a_cuflash_that_cannot_run_is_reported_and_fails_the_run(monkeypatch):
         raise ValueError("no kernel for this\nsecond line")
     monkeypatch.setattr(mth.CuflashTiled, "forward", refuse)
     rc, out, err = run_main(["--backend", "emulator", "--dims", "16", "--seqlens", "16",
-                             "--causal", "no", "--modes", "fwd", "--decode-nk", "",
+                             "--causal", "no", "--modes", "fwd", "--sections", "grid",
                              "--host-calls", "0", "--no-torch", "--plot", ""])
     assert rc == 1
     _, rows = table_rows(out, "Main grid")
@@ -263,6 +264,9 @@ BAD = [
     ["--backend", "emulator", "--hidden", "40", "--dims", "16"],
     ["--backend", "emulator", "--seqlens", "128", "--tokens", "64"],
     ["--backend", "cuda", "--reps", "3"], ["--no-such-option"],
+    ["--sections", "grid,serve"], ["--sections", ""], ["--kv-nq", "0"], ["--kv-page-sizes", "x"],
+    ["--varlen-mean", "x"], ["--backend", "emulator", "--varlen-mean", "128", "--tokens", "64"],
+    ["--backend", "emulator", "--kv-nq", "64", "--decode-nk", "32,128"],
 ]
 
 
@@ -282,3 +286,229 @@ def test_help_states_the_emulator_defaults():
     for opt in ("--dtypes", "--dims", "--seqlens", "--causal", "--modes", "--tokens", "--hidden",
                 "--json", "--plot", "--reps", "--warmup"):
         assert opt in out
+
+
+# ---------------------------------------------------------------------------
+# the serving sections: KV-cache decode and varlen
+# ---------------------------------------------------------------------------
+from cuflash import _bench_gpu_serving as serving  # noqa: E402
+from cuflash import _bench_gpu_serving_methods as smth  # noqa: E402
+from cuflash._bench_gpu_check import attention  # noqa: E402
+from cuflash._bench_gpu_methods import HostDevice  # noqa: E402
+
+SERVE = ["--backend", "emulator", "--sections", "kvcache,varlen", "--dims", "16", "--causal",
+         "both", "--modes", "fwd,fwdbwd", "--decode-nk", "32", "--kv-nq", "1,4",
+         "--kv-page-sizes", "4,16", "--varlen-mean", "16", "--tokens", "64", "--hidden", "32",
+         "--reps", "2", "--warmup", "0", "--target-ms", "1", "--plot", ""]
+KV_CUFLASH = ["cuflash kvcache", "cuflash kvcache (check_inputs)", "cuflash kvcache paged 4",
+              "cuflash kvcache paged 16", "cuflash tiled (cache slice)"]
+NUMBER = r"[0-9.,]+(e-?\d+)?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    _emulator_or_skip()
+    d = tmp_path_factory.mktemp("bench_serving")
+    rc, out, err = run_main(SERVE + ["--json", str(d / "s.json")])
+    assert rc == 0, out + err
+    return {"out": out, "err": err, "res": json.loads((d / "s.json").read_text())}
+
+
+def _sub_tables(out, title):
+    """{### heading: rows} of the tables under ``## title`` (up to the next ## heading)."""
+    body = out.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for part in body.split("\n### ")[1:]:
+        head, rest = part.split("\n", 1)
+        lines = [ln for ln in rest.strip().splitlines() if ln.startswith("|")]
+        tables[head] = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return tables
+
+
+def test_ragged_lengths_are_seeded_bounded_and_sum_to_the_total():
+    for total, mean in ((64, 16), (16384, 512), (16384, 2048), (514, 128), (40, 16), (20, 16),
+                        (7, 16), (1000, 1)):
+        a = serving.ragged_lengths(total, mean, 5)
+        assert a.sum() == total and len(a) == max(1, total // mean)
+        assert np.array_equal(a, serving.ragged_lengths(total, mean, 5))  # same seed, same batch
+        if len(a) > 1:
+            assert a.min() >= 1 and a.max() <= 2 * mean
+        if len(a) >= 4 and mean > 1:
+            assert a.min() <= min(16, mean) and len(set(a.tolist())) > 1  # some very short
+    assert not np.array_equal(serving.ragged_lengths(16384, 512, 1),
+                              serving.ragged_lengths(16384, 512, 2))
+
+
+def test_varlen_flops_per_sequence():
+    lens = [1, 5, 30]
+    want = sum(4 * 3 * n * n * 8 for n in lens)
+    assert serving.varlen_flops(lens, 3, 8, False, "fwd") == want
+    assert serving.varlen_flops(lens, 3, 8, True, "fwd") == want / 2
+    assert serving.varlen_flops(lens, 3, 8, True, "fwdbwd") == 3.5 * want / 2
+    assert serving.varlen_flops([16] * 4, 2, 8, False, "bwd") == _bench_gpu.flops(
+        4, 2, 16, 16, 8, False, "bwd")
+
+
+def test_bottom_right_oracle_and_paged_layout():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 3, 4))
+    k, v = rng.standard_normal((2, 1, 2, 7, 4))
+    o = attention(q, k, v, "bottom_right")["o"]
+    for i in range(3):  # query i sees keys 0 .. i + 7 - 3
+        s = np.einsum("hd,hjd->hj", q[0, :, i], k[0][:, :i + 5]) / 2.0  # scale 1/sqrt(4)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hj,hjd->hd", p / p.sum(-1, keepdims=True), v[0][:, :i + 5])
+        np.testing.assert_allclose(o[0, :, i], want, rtol=1e-12)
+    dev = HostDevice()
+    for cap, page in ((32, 4), (35, 16), (33, 1), (7, 256)):
+        prob = smth.KVProblem(3, 4, 2, 1, cap, 8, "float16")
+        _, host = smth.kv_arrays(dev, prob, 0, host=True)
+        table = smth.page_table(prob, page, 1)
+        pages = smth.to_pages(dev, host["k_cache"], page, table)
+        assert pages.flags.c_contiguous and sorted(table.ravel()) == list(range(pages.shape[0]))
+        back = pages[table].transpose(0, 2, 1, 3, 4).reshape(3, 2, -1, 8)[:, :, :cap]
+        assert np.array_equal(back, host["k_cache"]), (cap, page)
+
+
+def test_kvcache_tables(served):
+    out, res = served["out"], served["res"]
+    assert res["kv_methods"][:len(KV_CUFLASH)] == KV_CUFLASH
+    tables = _sub_tables(out, "KV-cache decode")
+    want = [f"float16 d=16, B={b} H=4{hk}, Nq={nq} ({nq} new token{'s' if nq > 1 else ''} per "
+            "call)" for b, hk in ((1, ""), (2, ""), (2, "/2")) for nq in (1, 4)]
+    assert list(tables) == want
+    torch_ran = res["torch"] == "ok"
+    for rows in tables.values():
+        assert [r[0] for r in rows] == res["kv_methods"] + ["fastest non-cuflash"]
+        for r in rows[:-1]:
+            assert len(r) == 2  # one Nk column
+            if r[0] in KV_CUFLASH:  # ms / GB/s, and the ratio when another library ran
+                tail = r" / \d+\.\d\dx" if torch_ran else ""
+                assert re.fullmatch(f"{NUMBER} / {NUMBER}{tail}", r[1]), r
+            else:
+                assert re.fullmatch(f"{NUMBER} / {NUMBER}", r[1]) or re.fullmatch(
+                    r"(n/a|failed check) \[\d+\]", r[1]), r
+        assert rows[-1][1] == ("sdpa (cache slice)" if torch_ran else "none ran")
+    assert "every timed call gets cache_seqlens = Nk - Nq" in out
+    assert re.search(r"^\[\d+\] .*flash_attn kvcache.*: runs on a GPU only", out, re.M)
+    assert re.search(r"kvcache float16 d=16 B=2 H=4/2 Nq=4 Nk=32: cuflash kvcache paged 4: "
+                     r"\S+ ms, \S+ GB/s of K/V", served["err"])
+
+
+def test_kvcache_json(served):
+    res = served["res"]
+    cases = [c for c in res["cases"] if c["section"] == "kvcache"]
+    assert [(c["B"], c["H"], c["Hk"], c["Nq"], c["Nk"]) for c in cases] == [
+        (b, 4, hk, nq, 32) for b, hk in ((1, 4), (2, 4), (2, 2)) for nq in (1, 4)]
+    for c in cases:
+        assert c["kv_bytes"] == c["B"] * c["Hk"] * 32 * 2 * 16 * 2
+        assert c["cache_len"] == 32 - c["Nq"] and c["Nnew"] == c["Nq"]
+        ok = {n: e for n, e in c["methods"].items() if e["status"] == "ok"}
+        assert set(KV_CUFLASH) <= set(ok)
+        for e in ok.values():
+            assert len(e["runs_ms"]) == 2 and all(t > 0 for t in e["runs_ms"])
+            assert e["ms"] == pytest.approx(float(np.median(e["runs_ms"])), rel=1e-12)
+            assert e["gbps"] == pytest.approx(c["kv_bytes"] / (e["ms"] * 1e-3) / 1e9, rel=1e-12)
+        others = {n: e["ms"] for n, e in ok.items() if e["lib"] != "cuflash"}
+        assert c["fastest_other"] == (min(others, key=others.get) if others else None)
+        for n, e in c["methods"].items():
+            if e["lib"] == "cuflash" and others:
+                assert e["ratio_fastest_other"] == pytest.approx(e["ms"] / min(others.values()))
+            else:
+                assert e["ratio_fastest_other"] is None
+
+
+def test_varlen_table_and_json(served):
+    out, res = served["out"], served["res"]
+    head, rows = table_rows(out, "Varlen (ragged batches packed without padding, against equal "
+                                 "lengths)")
+    names = res["varlen_methods"]
+    assert names[0] == "cuflash varlen" and names[-2:] == ["cuflash varlen (equal lengths)",
+                                                           "cuflash tiled (dense)"]
+    assert [c.strip() for c in head.strip("|").split("|")][7:7 + len(names)] == names
+    assert [(r[2], r[3], r[4], r[5]) for r in rows] == [
+        (c, m, "4 x 2", "16") for c in ("no", "yes") for m in ("fwd", "fwdbwd")]
+    for r in rows:
+        cells = dict(zip(names, r[7:7 + len(names)]))
+        for m in ("cuflash varlen", "cuflash varlen (equal lengths)", "cuflash tiled (dense)"):
+            assert re.fullmatch(f"{NUMBER} / {NUMBER}", cells[m]), (m, cells[m])
+        assert re.fullmatch(r"\d+\.\d\dx", r[-3]) and re.fullmatch(r"\d+\.\d\dx", r[-2])
+    cases = [c for c in res["cases"] if c["section"] == "varlen"]
+    assert len(cases) == 4
+    for c in cases:
+        lens = c["lens"]
+        assert sum(lens) == c["tokens"] == 64 and len(lens) == c["B"] == 4
+        assert lens == serving.ragged_lengths(64, 16, res["config"]["seed"]).tolist()
+        assert c["lens_min"] == min(lens) >= 1 and c["lens_max"] == max(lens) <= 32
+        half = 2 if c["causal"] else 1
+        factor = {"fwd": 1.0, "fwdbwd": 3.5}[c["mode"]]
+        assert c["flops_ragged"] == factor * sum(4 * 2 * n * n * 16 for n in lens) / half
+        assert c["flops_equal"] == expected_flops(dict(c, Nq=16, Nk=16))
+        assert c["flops_ragged"] > c["flops_equal"]  # sum n^2 > B mean^2 for unequal lengths
+        m = c["methods"]
+        for name in names:
+            e = m[name]
+            if e["status"] != "ok":
+                continue
+            assert e["flops"] == (c["flops_equal"] if "equal" in name or "dense" in name
+                                  else c["flops_ragged"])
+            assert e["tflops"] == pytest.approx(e["flops"] / (e["ms"] * 1e-3) / 1e12, rel=1e-12)
+        assert c["ratio_varlen_dense_tflops"] == pytest.approx(
+            m["cuflash varlen"]["tflops"] / m["cuflash tiled (dense)"]["tflops"])
+        assert c["ratio_equal_dense_time"] == pytest.approx(
+            m["cuflash varlen (equal lengths)"]["ms"] / m["cuflash tiled (dense)"]["ms"])
+    assert "sum over its sequences of 4 H n_b^2 d, halved when causal" in out
+
+
+def test_serving_checks_recorded_as_passed(served):
+    checks = served["res"]["checks"]
+    kv = {(c["kind"]["group"], c["kind"]["Nq"]) for c in checks
+          if c["kind"].get("section") == "kvcache"}
+    vl = {(c["kind"]["causal"], c["kind"]["grad"]) for c in checks
+          if c["kind"].get("section") == "varlen"}
+    assert kv == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert vl == {(False, False), (False, True), (True, False), (True, True)}
+    for c in checks:
+        if c["method"].startswith("cuflash"):
+            assert c["status"] == "passed", c
+        if c["status"] == "passed":
+            want = {"o", "dq", "dk", "dv"} if c["kind"]["grad"] else {"o"}
+            assert set(c["errors"]) == want
+            assert all(e["passed"] and e["max_abs_err"] <= e["bound"] for e in c["errors"].values())
+        else:
+            assert c["status"] == "n/a" and c["reason"]
+    assert re.search(r"\| varlen float16 d=16 causal \| yes \| H=2, lengths [\d,]+ \| "
+                     r"cuflash varlen \| passed \|", served["out"])
+
+
+def test_serving_checks_can_fail(monkeypatch):
+    """A cache that never receives the new tokens, and a varlen output off by 1%: both
+    caught by the float64 checks, reported, not timed, and the run fails."""
+    _emulator_or_skip()
+    call = smth.CuflashKV.call
+
+    def no_append(self, st):
+        if self.page:  # only the paged method forgets to write k_new/v_new
+            return self.cf.attention_with_kvcache(st.q, st.kc, st.vc, cache_seqlens=st.sl + 1,
+                                                  block_table=st.bt, causal=True,
+                                                  backend=self.backend)
+        return call(self, st)
+    monkeypatch.setattr(smth.CuflashKV, "call", no_append)
+    monkeypatch.setattr(smth.CuflashVarlen, "output",
+                        lambda self, state: (state[0] if isinstance(state, tuple) else state)
+                        * 1.01)
+    rc, out, err = run_main(["--backend", "emulator", "--sections", "kvcache,varlen", "--dims",
+                             "16", "--causal", "no", "--modes", "fwd", "--decode-nk", "32",
+                             "--kv-nq", "1", "--kv-page-sizes", "4", "--varlen-mean", "16",
+                             "--no-torch", "--target-ms", "1", "--plot", ""])
+    assert rc == 1, out + err
+    rows = next(iter(_sub_tables(out, "KV-cache decode").values()))
+    cells = {r[0]: r[1] for r in rows}
+    assert re.fullmatch(f"{NUMBER} / {NUMBER}", cells["cuflash kvcache"])
+    assert re.fullmatch(r"failed check \[\d+\]", cells["cuflash kvcache paged 4"])
+    assert re.search(r"^\[\d+\] cuflash kvcache paged 4: correctness check failed \(o: max\|err\|",
+                     out, re.M)
+    _, vrows = table_rows(out, "Varlen (ragged batches packed without padding, against equal "
+                               "lengths)")
+    assert re.fullmatch(r"failed check \[\d+\]", vrows[0][7])
+    assert "cuflash varlen ran in no case" in err
