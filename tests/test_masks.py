@@ -721,3 +721,43 @@ def test_jax_attention_features(rng):
             oracle.assert_rel_close(np.asarray(x), r_, "float32", name)
     with pytest.raises(ValueError, match="needs a seed"):
         cj.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), dropout_p=0.1)
+
+
+def test_bias_layouts(backend, rng):
+    """Bias views that are strided, stride-0 broadcasts, a float16 bias with float32 inputs,
+    and a bias broadcast along an inner batch axis only (no single batch stride)."""
+    q, k, v = oracle.qkv(rng, (2, 3, 2, 13, 16), (2, 3, 2, 21, 16), dtype="float32")
+    do = oracle.randn(rng, (2, 3, 2, 13, 16), "float32")
+    big = rng.standard_normal((2, 4, 26, 21)).astype(np.float32)
+    cases = [
+        big[:, None, ::2, ::2, :],                                      # strided (2,1,2,13,21)
+        np.broadcast_to(rng.standard_normal((1, 21)).astype(np.float32), (2, 3, 2, 13, 21)),
+        rng.standard_normal((13, 21)).astype(np.float16),
+        rng.standard_normal((2, 1, 2, 13, 21)).astype(np.float32),      # inner batch axis 1
+    ]
+    for bias in cases:
+        o, lse = _forward(backend, q, k, v, dict(bias=bias), causal=True)
+        oracle.check_forward(o, q, k, v, None, True, lse=lse, bias=bias)
+        g = _backward(backend, do, q, k, v, o, lse, dict(bias=bias), causal=True,
+                      return_dbias=True)
+        assert g[3].shape == bias.shape and g[3].dtype == bias.dtype
+        ref = oracle.attention_backward(do, q, k, v, None, True, return_dbias=True, bias=bias)
+        tol = "float64" if bias.dtype == np.float16 else "float32"
+        if bias.dtype == np.float16:   # dbias rounded to float16 at the end
+            np.testing.assert_allclose(g[3].astype(np.float64), ref[3], rtol=2e-3, atol=2e-3)
+        else:
+            oracle.assert_rel_close(g[3], ref[3], tol, "dbias")
+        for x, r_, n in zip(g[:3], ref[:3], ("dq", "dk", "dv")):
+            oracle.assert_rel_close(x, r_, "float32", n)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(0, 9), (7, 0)])
+def test_empty_sequences_with_features(backend, rng, Nq, Nk):
+    q, k, v = oracle.qkv(rng, (2, Nq, 16), (2, Nk, 16), dtype="float32")
+    feat = dict(bias=np.zeros((Nq, Nk), np.float32), window=(2, 2), softcap=1.0,
+                dropout_p=0.5, seed=1)
+    o, lse = _forward(backend, q, k, v, feat)
+    assert o.shape == (2, Nq, 16) and np.all(o == 0) and np.all(np.isneginf(lse))
+    g = _backward(backend, np.zeros_like(o), q, k, v, o, lse, feat, return_dbias=True)
+    assert [x.shape for x in g] == [q.shape, k.shape, v.shape, (Nq, Nk)]
+    assert all(np.all(x == 0) for x in g)
