@@ -45,7 +45,7 @@ struct MaskRow {
     const acc_t* bias;     // bias row of this query (nullptr: no bias); key j at bias[j * sc]
     long long bias_sc;
     acc_t neg_slope;       // -slope of ALiBi (0: none)
-    long long pos;         // i + off: ALiBi distance |pos - j|
+    int pos;               // i + off: ALiBi distance |pos - j| (32-bit: positions are ints)
     acc_t cap, inv_cap;    // softcap and 1 / softcap (0: none)
     // scaled logit s -> softcap, + bias, + ALiBi for key j; th = tanh(s / c) (for the backward)
     __device__ __forceinline__ acc_t logit(acc_t s, int j, acc_t& th) const {
@@ -56,7 +56,7 @@ struct MaskRow {
         }
         if (bias != nullptr) s += gload(bias + (long long)j * bias_sc);
         if (neg_slope != acc_t(0)) {
-            const long long dist = pos - j;
+            const int dist = pos - j;
             s += neg_slope * (acc_t)(dist < 0 ? -dist : dist);
         }
         return s;
@@ -75,7 +75,7 @@ __device__ __forceinline__ MaskRow cuflash_mask_row(const Params& p, const acc_t
     m.bias_sc = p.mask_bias_sc;
     m.neg_slope = p.mask_has_alibi
                       ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : acc_t(0);
-    m.pos = i + off;
+    m.pos = (int)i + off;
     m.cap = (acc_t)p.mask_softcap;
     m.inv_cap = p.mask_softcap > 0 ? (acc_t)(1.0 / p.mask_softcap) : acc_t(0);
     return m;
