@@ -5,7 +5,8 @@ device's architecture), specialised by ``-D`` defines and cached per device
 (:mod:`cuflash.kernels`); tile sizes and the shared-memory budget come from
 :mod:`cuflash.tiling` against the device's ``MaxSharedMemoryPerBlockOptin``.
 The launch code is the same as the emulator's (:mod:`cuflash._launch_fwd`,
-:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`).
+:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`, and :mod:`cuflash._launch_masks` for calls with the
+logit features).
 
 ``standard_attention`` / ``standard_attention_backward`` are plain CuPy
 (cuBLAS matmuls and an elementwise softmax): the baseline users would write,

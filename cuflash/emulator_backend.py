@@ -4,7 +4,8 @@ NumPy arrays in and out.  The kernels are the same sources the "cuda" backend
 compiles with NVRTC; here ``cuflash.emulator`` compiles them with the host C++
 compiler and runs them with CUDA's execution semantics (slow: for tests,
 debugging and learning).  The launch code is shared with the "cuda" backend
-(:mod:`cuflash._launch_fwd`, :mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`); tile sizes are held to a nominal sm_80 shared-memory
+(:mod:`cuflash._launch_fwd`, :mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`, and :mod:`cuflash._launch_masks` for calls with the
+logit features); tile sizes are held to a nominal sm_80 shared-memory
 limit (:mod:`cuflash.tiling`), which ``memory_analysis`` reports.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
