@@ -252,10 +252,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     return _launch_serving.attention_with_kvcache(
         runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
         num_splits, return_lse, check_inputs,
-        _features(bias, window, alibi_slopes, softcap, dropout_p, seed))
+        _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed))
 
 
-def _features(bias, window, alibi_slopes, softcap, dropout_p, seed):
+def _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed):
     """The logit features of a serving call as keywords, None when it names none."""
     if not _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
         return None
@@ -271,8 +271,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     return _launch_serving.varlen_attention(runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k,
                                             max_seqlen_q, max_seqlen_k, scale, causal,
                                             return_lse, check_inputs,
-                                            _features(bias, window, alibi_slopes, softcap,
-                                                      dropout_p, seed))
+                                            _serving_features(bias, window, alibi_slopes,
+                                                              softcap, dropout_p, seed))
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -281,7 +281,7 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
                               dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
                               return_dbias=False):
     """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
-    features = _features(bias, window, alibi_slopes, softcap, dropout_p, seed)
+    features = _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed)
     if features is not None or return_dbias:
         return _launch_masks.varlen_attention_backward(
             runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -761,3 +761,20 @@ def test_empty_sequences_with_features(backend, rng, Nq, Nk):
     g = _backward(backend, np.zeros_like(o), q, k, v, o, lse, feat, return_dbias=True)
     assert [x.shape for x in g] == [q.shape, k.shape, v.shape, (Nq, Nk)]
     assert all(np.all(x == 0) for x in g)
+
+
+def test_cuda_standard_attention_features_over_numpy(rng):
+    """The "cuda" backend's standard attention is array code over xp: run it with NumPy."""
+    from cuflash import _validate, _validate_masks
+    from cuflash import cuda_backend as cb
+    q, k, v = oracle.qkv(rng, (2, 4, 19, 16), (2, 2, 27, 16), dtype="float64")
+    do = oracle.randn(rng, (2, 4, 19, 16), "float64")
+    feat = dict(bias=rng.standard_normal((4, 1, 27)), window=(6, 3), softcap=2.0,
+                alibi_slopes=rng.random(4), dropout_p=0.2, seed=99)
+    spec = _validate.check_attention_inputs(q, k, v, causal=True)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    o, p = cb._standard_forward(np, q, k, v, spec, ms)
+    oracle.check_forward(o, q, k, v, None, True, **feat)
+    bms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
+    grads = cb._standard_backward(np, do, q, k, v, spec, bms)
+    oracle.check_backward(grads, do, q, k, v, None, True, **feat)
