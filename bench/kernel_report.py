@@ -17,7 +17,14 @@ to match) and the report reads:
   :mod:`cuflash._sass`): HMMA, LDSM, LDS/STS, LDG/STG, LDGSTS, RED/ATOM, BAR,
   MUFU, FFMA, LDL/STL, SHFL and the total, static counts over the kernel's main
   loop (the loop with the most HMMA, else FFMA; inner loops counted once) and
-  the kernel's total size (``--no-sass`` skips it).
+  the kernel's total size (``--no-sass`` skips it);
+* for the backward kernels, a one-line model per specialisation
+  (:func:`bwd_model_line`): tensor-core FLOPs and HMMA per block step (one Q tile
+  against one K/V tile), shared-memory bytes per HMMA, the SASS counts of one
+  step (the main loop with its inner loops weighted by their trip counts) against
+  the model's, and the time predicted for FlashAttention-2's benchmark shape on an
+  H100 at the shared-memory rate FA2's own backward achieved there
+  (docs/gpu-baseline.md), beside FA2's kernel modelled the same way.
 
 No GPU is needed.  Usage::
 
@@ -214,6 +221,8 @@ def main(argv=None):
                     span = _sass.main_loop(code)
                     row["sass_loop"] = dict(_sass.mix(code, span)) if span else None
                     row["sass_total"] = len(code)
+                    if kernel == "flash_bwd_tc" and span:
+                        row["sass_step"] = tc_sass_step(code, span, _defines(options))
                 rows.append(row)
     finally:
         if ex:
@@ -225,6 +234,12 @@ def main(argv=None):
     if any("sass_total" in r for r in rows):
         print()
         _print_mix(rows)
+    model = [line for line in (bwd_model_line(r) for r in rows) if line]
+    if model:
+        print()
+        print(BWD_MODEL_HEAD)
+        for line in fa2_model_lines() + model:
+            print(line)
     for (path, options, arch, _), err in failures:
         print(f"\nFAILED to compile {Path(path).name} sm_{arch} {' '.join(options)}:\n{err}", file=sys.stderr)
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
@@ -238,6 +253,188 @@ def main(argv=None):
     if args.fail_on_spill and spills:
         return 1
     return 0
+
+
+# --------------------------------------------------------------------------
+# model of the backward kernels (no GPU: counts from the tile plan and the SASS)
+# --------------------------------------------------------------------------
+# FlashAttention-2's benchmark shape (docs/gpu-baseline.md): batch 2, N = 4096, heads x d =
+# 2048, non-causal, and FA2's backward kernel as launched on the H100 there:
+# Flash_bwd_kernel_traits<d, Br, Bc, warps, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ>
+# with its measured time (flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel).
+BENCH = dict(B=2, N=4096, hidden=2048, sms=132)
+FA2_BWD = {
+    64: dict(Br=128, Bc=128, warps=8, msdp=4, ndkv=4, mdq=4, ms=3.03),
+    128: dict(Br=64, Bc=128, warps=8, msdp=2, ndkv=4, mdq=2, ms=2.79),
+}
+LDSM_X4 = 512          # bytes one ldmatrix.x4 moves (4 shared-memory wavefronts of 128 B)
+WAVEFRONT = 128        # bytes per shared-memory wavefront (STS.32 / LDS.64 broadcast: one)
+HMMA_FLOP = 2 * 16 * 8 * 16
+BWD_MODEL_HEAD = (
+    "Backward model (per block step = one Q tile x one K/V tile; smem = bytes through the "
+    "shared-memory pipe: ldmatrix + STS + LDS + cp.async fills; time = that traffic per SM "
+    "for B=2 N=4096 heads*d=2048 non-causal, at the per-SM shared-memory rate FA2's backward "
+    "achieved on the H100 (its model bytes / its measured time); floor = HMMA at 2 clk/SM, "
+    "1.755 GHz; a prediction, not a measurement)")
+
+
+def _dq_tile(Br, d, warps):
+    """flash_bwd_tc.cu's dQ warp tile (kDqM, kDqN): the same rule as the kernel's constexprs."""
+    m = 32 if (Br % 32 == 0 and d % 32 == 0 and (Br // 32) * (d // 32) >= warps) else 16
+    if m == 32:
+        return m, 32
+    if d % 64 == 0 and (Br // 16) * (d // 64) >= warps:
+        return m, 64
+    if d % 32 == 0 and (Br // 16) * (d // 32) >= warps:
+        return m, 32
+    return m, 16
+
+
+def tc_step(Br, Bc, d, dv):
+    """Analytic counts of one flash_bwd_tc block step (see flash_bwd_tc.cu)."""
+    from cuflash import tiling
+    warps, mt, passes, qs = tiling.bwd_tc_layout(Br, Bc, d, dv)
+    nq = Br // qs // 8                     # 8-query tiles of S^T per warp
+    slices = passes * qs
+    kc_k, kc_v = -(-(d // 16) // slices), -(-(dv // 16) // slices)  # 16-col chunks per warp
+    dqm, dqn = _dq_tile(Br, d, warps)
+    dq_tiles = (Br // dqm) * (d // dqn)
+    dq_w = -(-dq_tiles // warps)           # the busiest warp's dQ tiles
+    # per warp and pass: S^T, dP^T (k loops), dV, dK (A from registers, or Ps / dSs with
+    # the query split), then in the first pass dQ
+    sdp_h = mt * nq * (d // 16 + dv // 16)
+    sdp_l = (d // 16 + dv // 16) * (mt + nq // 2)
+    kv_h = mt * (Br // 16) * 2 * (kc_k + kc_v)
+    kv_l = (Br // 16) * (kc_k + kc_v) + (2 * mt * (Br // 16) if qs == 2 else 0)
+    dq_h = dq_w * (dqm // 16) * (dqn // 8) * (Bc // 16)
+    dq_l = dq_w * (Bc // 16) * (dqm // 16 + dqn // 16)
+    hmma_w, ldsm_w = sdp_h + kv_h + dq_h, sdp_l + kv_l + dq_l   # the first pass
+    ldsm_block = (passes * warps * (sdp_l + kv_l)
+                  + dq_tiles * (Bc // 16) * (dqm // 16 + dqn // 16))
+    sts = warps * mt * (Br // qs // 16) * 4 * (passes if qs == 2 else 1) * (2 if qs == 2 else 1)
+    smem = (ldsm_block * LDSM_X4
+            + sts * WAVEFRONT                             # dS^T (and P^T) stores, conflict-free
+            + passes * warps * 2 * nq * WAVEFRONT         # lse2 / D (LDS.64, broadcast)
+            + passes * (Br * (d + dv) * 2 + Br * 8))      # cp.async fills of Q, dO, lse2, D
+    hmma = (2 * Br * Bc * (d + dv) * passes + 2 * Br * Bc * (d + dv) + 2 * Br * Bc * d) // HMMA_FLOP
+    return dict(warps=warps, mt=mt, passes=passes, qs=qs, hmma=hmma, hmma_w=hmma_w, ldsm_w=ldsm_w,
+                smem=smem, dq_tile=(dqm, dqn))
+
+
+def fa2_step(d, cfg):
+    """FA2's backward step modelled the same way: five GEMMs with operands from shared memory
+    (A and B of each warp tile by ldmatrix), P and dS written to shared memory, Q/dO fills."""
+    Br, Bc, w = cfg["Br"], cfg["Bc"], cfg["warps"]
+
+    def gemm(M, N, K, wm):  # elements read: each warp reads its A rows and B columns
+        wn = w // wm
+        return K * (wn * M + wm * N)
+    el = (gemm(Br, Bc, d, cfg["msdp"]) + gemm(Br, Bc, d, cfg["msdp"])    # S, dP
+          + 2 * gemm(Bc, d, Br, cfg["ndkv"])                                # dV, dK
+          + gemm(Br, d, Bc, cfg["mdq"]))                                    # dQ
+    smem = 2 * el + 2 * (2 * Br * Bc) + Br * 2 * d * 2
+    hmma = 2 * 5 * Br * Bc * d // HMMA_FLOP
+    return dict(hmma=hmma, smem=smem)
+
+
+def _bench_time(step_smem, step_hmma, Br, Bc, d, blocks_per_sm, ref_bytes_per_sm, ref_ms):
+    """(predicted ms, HMMA floor ms, bytes per SM) for the benchmark shape."""
+    H = BENCH["hidden"] // d
+    blocks = BENCH["B"] * H * (BENCH["N"] // Bc)
+    waves = -(-blocks // (BENCH["sms"] * blocks_per_sm))
+    steps = BENCH["N"] // Br
+    per_sm = waves * blocks_per_sm * steps * step_smem
+    floor = waves * blocks_per_sm * steps * step_hmma * 2 / 1.755e9 * 1e3
+    return per_sm / ref_bytes_per_sm * ref_ms, floor, per_sm
+
+
+def _fa2_ref(d):
+    cfg = FA2_BWD[d]
+    st = fa2_step(d, cfg)
+    _, floor, per_sm = _bench_time(st["smem"], st["hmma"], cfg["Br"], cfg["Bc"], d, 1, 1.0, 1.0)
+    return cfg, st, per_sm, floor
+
+
+def fa2_model_lines():
+    out = []
+    for d in sorted(FA2_BWD):
+        cfg, st, per_sm, floor = _fa2_ref(d)
+        out.append(f"  FA2 bwd d={d} Br={cfg['Br']} Bc={cfg['Bc']} {cfg['warps']} warps (H100, 1 block/SM): "
+                   f"{st['hmma'] * HMMA_FLOP / 1e6:.1f} MFLOP = {st['hmma']} HMMA/step, {st['smem']} B smem "
+                   f"({st['smem'] / st['hmma']:.0f} B/HMMA); measured {cfg['ms']} ms (floor {floor:.2f} ms)")
+    return out
+
+
+def tc_sass_step(code, span, defines):
+    """HMMA and LDSM of one block step per warp from the SASS: the main loop's counts with
+    each inner loop that holds HMMA weighted by its trip count (S^T: d/16, dP^T: dv/16, the
+    dQ k loop: Bc/16, the dQ tile loop: its tiles per warp), in the order the kernel has them."""
+    import collections
+    d, dv = int(defines["CUFLASH_HEAD_DIM"]), int(defines["CUFLASH_HEAD_DIM_V"])
+    Br, Bc = int(defines["CUFLASH_BLOCK_Q"]), int(defines["CUFLASH_BLOCK_KV"])
+    warps = int(defines["CUFLASH_THREADS"]) // 32
+    passes = int(defines.get("CUFLASH_BWD_PASSES") or 1)
+    dqm, dqn = _dq_tile(Br, d, warps)
+    dq_tiles = (Br // dqm) * (d // dqn)
+    lo, hi = span
+    inner = sorted((a, b) for a, b in _sass._loops(code) if lo < a and b < hi)
+
+    def counts(a, b):
+        return collections.Counter(op for x, op, _ in code if a <= x <= b)
+    hm = [(a, b) for a, b in inner if counts(a, b)["HMMA"]]
+    trips = {}
+    kk = [l for l in hm if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in hm)]
+    # innermost HMMA loops in address order: S^T k loop, dP^T k loop, dQ k loop (ptxas
+    # drops the dQ k loop when Bc = 16 and may rotate others: then no comparison)
+    if len(kk) != 3 or len(hm) > 4:
+        return None
+    for loop, trip in zip(kk, (d // 16, dv // 16, Bc // 16)):
+        trips[loop] = trip
+    for l in hm:
+        if l not in trips:  # the dQ tile loop around the dQ k loop
+            trips[l] = -(-dq_tiles // warps)
+    base = counts(lo, hi)
+    tot = {k: base[k] for k in ("HMMA", "LDSM")}
+    for l, trip in trips.items():
+        # an inner loop's own counts, minus what nested weighted loops already add
+        c = counts(*l)
+        nested = [o for o in trips if o != l and l[0] <= o[0] and o[1] <= l[1]]
+        own = {k: c[k] - sum(counts(*o)[k] for o in nested) for k in tot}
+        mult = trip
+        for o in trips:
+            if o != l and o[0] <= l[0] and l[1] <= o[1]:
+                mult *= trips[o]
+        for k in tot:
+            tot[k] += own[k] * (mult - 1) + (0 if not nested else 0)
+    # each inner loop counted once in `base`; the nested k loop's multiplier includes its tile loop
+    return dict(HMMA=tot["HMMA"] * 1, LDSM=tot["LDSM"], passes=passes)
+
+
+def bwd_model_line(row):
+    """The model line of one backward kernel row (flash_bwd_tc; sm_90 rows only), or None."""
+    if row["kernel"] != "flash_bwd_tc" or row["arch"] != 90:
+        return None
+    from cuflash import tiling
+    v = dict(kv.split("=") for kv in row["variant"].split() if "=" in kv)
+    Br, Bc, d, dv = int(v["Br"]), int(v["Bc"]), int(v["d"]), int(v["dv"])
+    st = tc_step(Br, Bc, d, dv)
+    sass = row.get("sass_step")
+    per = "warp-step" if st["passes"] == 1 else "warp-pass"
+    s_txt = (f"SASS/{per} HMMA {sass['HMMA']} (model {st['hmma_w']}), LDSM {sass['LDSM']} "
+             f"(model {st['ldsm_w']})" if sass else "SASS inner loops unrolled: no per-step count")
+    if sass and Bc == 16:
+        s_txt += " [block_kv 16: ptxas reshapes the dQ loops, the weighting does not apply]"
+    keys = f"{16 * st['mt']} keys per warp" + (" pair (query split)" if st["qs"] == 2 else "")
+    line = (f"  flash_bwd_tc {row['variant']}: {st['warps']} warps, {keys}, "
+            f"{st['passes']} pass(es): {st['hmma'] * HMMA_FLOP / 1e6:.1f} MFLOP = {st['hmma']} HMMA/step, "
+            f"{st['smem']} B smem ({st['smem'] / st['hmma']:.0f} B/HMMA); {s_txt}")
+    if d == dv and d in FA2_BWD and row.get("blocks_per_sm"):
+        cfg, fst, fa2_per_sm, _ = _fa2_ref(d)
+        ms, floor, _ = _bench_time(st["smem"], st["hmma"], Br, Bc, d, row["blocks_per_sm"],
+                                   fa2_per_sm, cfg["ms"])
+        line += (f"; B=2 N=4096 H={BENCH['hidden'] // d}: predicted {ms:.2f} ms = {ms / cfg['ms']:.2f}x "
+                 f"FA2's {cfg['ms']} ms ({row['blocks_per_sm']} block(s)/SM; HMMA floor {floor:.2f} ms)")
+    return line
 
 
 def _print_mix(rows):

@@ -1,8 +1,21 @@
-"""Launching the backward kernels (``kernels_cu/flash_bwd.cu``) for "cuda" and "emulator".
+"""Launching the backward kernels (``flash_bwd_tc.cu``, ``flash_bwd.cu``) for "cuda" and "emulator".
 
 :func:`tiled_attention_backward` runs the FlashAttention-2 backward on a
 :class:`cuflash.kernels.Runtime`, so CuPy arrays on a GPU and NumPy arrays on
-the emulator go through the same code:
+the emulator go through the same code.  Which kernels run is the planner's
+choice (:func:`cuflash.tiling.plan_flash_bwd`): float16/bfloat16 with head dims
+that are multiples of 16 on sm_80+ run the tensor-core backward
+(``kernels_cu/flash_bwd_tc.cu``):
+
+1. ``flash_bwd_tc_preprocess``: ``D = rowsum(dO * O)`` and ``lse * log2(e)``
+   into a float32 workspace, zeroing the float32 dQ accumulator(s);
+2. ``flash_bwd_tc``: dK, dV in registers, dQ by float32 reds -- one block per
+   (KV tile, kv head, batch) on the atomic path, or ``n_splits`` blocks per
+   (kv head, batch) with one accumulator slice each when ``deterministic=True``
+   (:func:`cuflash.tiling.bwd_dq_splits`);
+3. ``flash_bwd_tc_dq_convert``: dQ = scale * (sum of the slices, in order).
+
+Everything else runs the SIMT kernels of ``kernels_cu/flash_bwd.cu``:
 
 1. ``flash_bwd_preprocess``: ``D = rowsum(dO * O)`` (and, on the atomic path,
    zeroes a float32 dQ accumulator);
@@ -30,14 +43,17 @@ a grouped-query (or MQA: one kv head) group are summed inside the dkdv block.
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (alloc_output, cached_call, flatten_lead, fold_grid, kv_heads_for_kernel,
-                      launch, make_params, pointer_arg, problem_dims)
+from ._launch import (aligned16, alloc_output, cached_call, flatten_lead, fold_grid,
+                      kv_heads_for_kernel, launch, make_params, pointer_arg, problem_dims,
+                      record_copy)
 from ._validate import check_backward_inputs
 from .reference import sum_to_shape
 
-__all__ = ["tiled_attention_backward", "flash_bwd", "kv_heads_for_kernel", "kernels_needed"]
+__all__ = ["tiled_attention_backward", "flash_bwd", "kv_heads_for_kernel", "kernels_needed",
+           "plan_backward", "dq_splits"]
 
 _FILE = "flash_bwd.cu"
+_TC_FILE = "flash_bwd_tc.cu"
 
 # flash_bwd_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
 # emulator (which starts the block's threads for every block) only a few.
@@ -48,6 +64,13 @@ def _acc_dtype(dtype):
     return np.dtype(np.float64) if tiling.accumulator_bytes(dtype) == 8 else np.dtype(np.float32)
 
 
+def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=None):
+    """The main backward kernel's plan on this runtime (flash_bwd_tc or flash_bwd_dkdv)."""
+    return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
+                                 limit_source=runtime.smem_source, kernel=kernel,
+                                 tensor_cores=runtime.tensor_cores)
+
+
 def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None):
     """(dkdv, dq, preprocess) plans: flash_bwd_dq runs with dkdv's tiles (one module)."""
     plan = runtime.plan("flash_bwd_dkdv", d, dv, dtype, block_q, block_kv)
@@ -56,8 +79,22 @@ def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None):
     return plan, dq_plan, pre_plan
 
 
+def _tc_requests(plan):
+    """The two modules of the tensor-core backward: helpers (dtype, d, dv) and the main kernel."""
+    main = kernels.plan_defines(plan)
+    main["CUFLASH_BWD_TC_MAIN"] = None
+    helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
+               "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BWD_TC_HELPERS": None}
+    return [(_TC_FILE, "flash_bwd_tc_preprocess", helpers, 0),
+            (_TC_FILE, "flash_bwd_tc", main, plan.shared_bytes),
+            (_TC_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
+
+
 def kernels_needed(runtime, d, dv, dtype):
     """``(filename, kernel, defines, shared_bytes)`` of a default-tile backward (for precompile)."""
+    main = plan_backward(runtime, d, dv, dtype)
+    if main.kernel == "flash_bwd_tc":
+        return _tc_requests(main)
     plan, dq_plan, pre_plan = _plans(runtime, d, dv, dtype)
     defines = kernels.plan_defines(plan)
     return [(_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
@@ -66,8 +103,166 @@ def kernels_needed(runtime, d, dv, dtype):
             (_FILE, "flash_bwd_dq_convert", defines, 0)]
 
 
-def _build(runtime, spec, do, q, k, v, o, deterministic):
+def _outputs(spec, q, k, v, Hk):
+    """Shapes to allocate per gradient, and which are summed back to a broadcast input's shape."""
+    lead = spec.lead
+    kv_lead = tuple(lead[:-1]) + (Hk,) if lead else ()
+    full = {"dq": tuple(lead) + (spec.Nq, spec.d), "dk": kv_lead + (spec.Nk, spec.d),
+            "dv": kv_lead + (spec.Nk, spec.dv)}
+    want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
+    summed = {n: int(np.prod(want[n], dtype=np.int64)) != int(np.prod(full[n], dtype=np.int64))
+              for n in full}
+    alloc_shape = {n: full[n] if summed[n] else want[n] for n in full}
+    return want, summed, alloc_shape
+
+
+def _sum_back(xp, acc, dtype, want, summed):
+    def sum_back(g, name):
+        if not summed[name]:
+            return g
+        # sums in the accumulator precision, rounded once to the input dtype
+        return xp.ascontiguousarray(sum_to_shape(g.astype(acc), want[name]).astype(dtype))
+    return sum_back
+
+
+
+
+def _concurrent_blocks(runtime, plan):
+    """Blocks of flash_bwd_tc that run at once: SMs x blocks per SM (the dQ split model).
+
+    GPU: the multiprocessor count times what shared memory and a full register file
+    (255 registers per thread) allow, at least 1.  Emulator: a nominal 4, so that the
+    small test shapes run several KV tiles per split.
+    """
+    if runtime.name != "cuda":
+        return 4
+    per_sm = min(max(1, runtime.smem_limit // max(plan.shared_bytes, 1)),
+                 max(1, 65536 // (255 * plan.threads)))
+    return runtime.num_sms * per_sm
+
+
+def dq_splits(runtime, plan, n_kv_tiles, problems, deterministic):
+    """dQ accumulator slices of a tensor-core backward call (1 on the atomic path)."""
+    if not deterministic:
+        return 1
+    return tiling.bwd_dq_splits(n_kv_tiles, problems, _concurrent_blocks(runtime, plan))
+
+
+def _aligned_inputs(arrays, strides):
+    return all(aligned16(x, s) for x, s in zip(arrays, strides))
+
+
+def _build(runtime, spec, do, q, k, v, o, deterministic, kernel=None):
     """The prepared backward: ``run(do, q, k, v, o, lse) -> (dq, dk, dv)``."""
+    main = plan_backward(runtime, spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
+    if main.kernel == "flash_bwd_tc":
+        return _build_tc(runtime, spec, main, do, q, k, v, o, deterministic, kernel)
+    return _build_simt(runtime, spec, do, q, k, v, o, deterministic)
+
+
+def _build_tc(runtime, spec, plan, do, q, k, v, o, deterministic, kernel):
+    """The tensor-core backward (flash_bwd_tc.cu) for float16/bfloat16."""
+    xp = runtime.xp
+    dtype = spec.dtype
+    Nq, Nk, d = spec.Nq, spec.Nk, spec.d
+    B, H = problem_dims(spec.lead)
+    Hk, group = kv_heads_for_kernel(spec)
+    q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if Nq == 0 or Nk == 0 or B * H == 0:
+        def run_empty(do, q, k, v, o, lse):
+            return (xp.zeros(q_shape, dtype), xp.zeros(k_shape, dtype), xp.zeros(v_shape, dtype))
+        return run_empty
+
+    lead = spec.lead
+    want, summed, alloc_shape = _outputs(spec, q, k, v, Hk)
+    grouped = group > 1
+    groups_of = (False, grouped, grouped, False, False)
+    flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
+    strides = [st for _, st in flat]
+    copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
+    qs, ks, vs, os_, dos = strides
+
+    bq, bkv = plan.block_q, plan.block_kv
+    n_q_tiles, n_kv_tiles = -(-Nq // bq), -(-Nk // bkv)
+    nq_pad = n_q_tiles * bq
+    n_splits = dq_splits(runtime, plan, n_kv_tiles, B * Hk, deterministic)
+    n_kv_blocks = n_splits if deterministic else n_kv_tiles
+    n_rows = B * H * Nq
+    rows_pad = B * H * nq_pad
+    ws_size = 2 * rows_pad + n_splits * n_rows * d  # lse2, D, then the dQ accumulator slices
+    # preprocess: a GPU gets blocks of 64 rows; the emulator (which starts every block's
+    # threads) one block per head
+    pre_rows = 64 if runtime.name == "cuda" else nq_pad
+    n_pre = -(-nq_pad // pre_rows)
+    params = make_params(
+        runtime, "BwdParams",
+        q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
+        v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
+        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d,
+        dq_accum_offset=2 * rows_pad, scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
+        causal=int(spec.causal is not None),
+        causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
+        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
+        d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
+        n_kv_blocks=n_kv_blocks)
+    pre, main, conv = kernels.get_functions(runtime, _tc_requests(plan))
+    what = f"the backward (Nq={Nq}, Nk={Nk})"
+    pre_grid = fold_grid(n_pre, H, B, what)
+    main_grid = fold_grid(n_kv_blocks, Hk, B, what)
+    conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),
+                             _CONVERT_BLOCKS.get(runtime.name, 4)))
+    rt_name = runtime.name
+    emulator = rt_name == "emulator"
+    sum_back = _sum_back(xp, _acc_dtype(dtype), dtype, want, summed)
+
+    def run(do, q, k, v, o, lse):
+        ins = [q, k, v, o, do]
+        for i, c in enumerate(copies):
+            if c:
+                ins[i] = flatten_lead(runtime, ins[i], lead, groups_of[i])[0]
+        if not _aligned_inputs(ins, strides):  # cp.async / 16-byte loads need aligned rows
+            return _misaligned(runtime, spec, ins, lse, deterministic, kernel)
+        if emulator:
+            ins = [pointer_arg(runtime, x) for x in ins]
+        q_, k_, v_, o_, do_ = ins
+        if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+            lse = xp.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
+        dq = alloc_output(xp, alloc_shape["dq"], dtype, "dq")
+        dk = alloc_output(xp, alloc_shape["dk"], dtype, "dk")
+        dv_ = alloc_output(xp, alloc_shape["dv"], dtype, "dv")
+        ws = alloc_output(xp, (ws_size,), np.float32,
+                          "workspace: lse2, D, float32 dQ accumulator(s)")
+        launch(rt_name, pre, "flash_bwd_tc_preprocess", pre_grid, (tiling.BWD_TC_PRE_THREADS,),
+               (o_, do_, lse, ws, params), 0)
+        launch(rt_name, main, "flash_bwd_tc", main_grid, (plan.threads,),
+               (q_, k_, v_, do_, ws, dk, dv_, params), plan.shared_bytes)
+        launch(rt_name, conv, "flash_bwd_tc_dq_convert", (conv_blocks,),
+               (tiling.BWD_TC_CONVERT_THREADS,), (ws, dq, params), 0)
+        return sum_back(dq, "dq"), sum_back(dk, "dk"), sum_back(dv_, "dv")
+    return run
+
+
+def _misaligned(runtime, spec, ins, lse, deterministic, kernel):
+    """Inputs whose rows 16-byte copies cannot read aligned: run on contiguous copies."""
+    xp = runtime.xp
+    out = []
+    for x in ins:
+        if x.flags.c_contiguous and aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
+            out.append(x)
+        else:
+            c = xp.ascontiguousarray(x)
+            record_copy("aligned copy", c)
+            out.append(c)
+    q, k, v, o, do = out
+    key = _key(do, q, k, v, o, lse, spec.scale, spec.causal, spec.block_q, spec.block_kv,
+               deterministic, kernel)
+    run = cached_call(runtime, key,
+                      lambda: _build(runtime, spec, do, q, k, v, o, deterministic, kernel))
+    return run(do, q, k, v, o, lse)
+
+
+def _build_simt(runtime, spec, do, q, k, v, o, deterministic):
+    """The SIMT backward (flash_bwd.cu): every dtype and head dim."""
     xp = runtime.xp
     dtype, acc = spec.dtype, _acc_dtype(spec.dtype)
     Nq, Nk, d, dv = spec.Nq, spec.Nk, spec.d, spec.dv
@@ -83,13 +278,8 @@ def _build(runtime, spec, do, q, k, v, o, deterministic):
         return run_empty
 
     lead = spec.lead
-    kv_lead = tuple(lead[:-1]) + (Hk,) if lead else ()
-    full = {"dq": tuple(lead) + (Nq, d), "dk": kv_lead + (Nk, d), "dv": kv_lead + (Nk, dv)}
-    want = {"dq": q_shape, "dk": k_shape, "dv": v_shape}
     # a gradient whose input was broadcast is computed at the full shape, then summed
-    summed = {n: int(np.prod(want[n], dtype=np.int64)) != int(np.prod(full[n], dtype=np.int64))
-              for n in full}
-    alloc_shape = {n: full[n] if summed[n] else want[n] for n in full}
+    want, summed, alloc_shape = _outputs(spec, q, k, v, Hk)
 
     grouped = group > 1
     flat = [flatten_lead(runtime, x, lead, g) for x, g in
@@ -115,7 +305,8 @@ def _build(runtime, spec, do, q, k, v, o, deterministic):
         scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),
-        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre)
+        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
+        d_offset=0, dq_slice_stride=0, nq_pad=0, n_splits=1, n_kv_blocks=n_kv_tiles)
 
     defines = kernels.plan_defines(plan)
     last = ("flash_bwd_dq_convert", 0) if atomic else ("flash_bwd_dq", dq_plan.shared_bytes)
@@ -138,11 +329,7 @@ def _build(runtime, spec, do, q, k, v, o, deterministic):
     rt_name = runtime.name
     emulator = rt_name == "emulator"
 
-    def sum_back(g, name):
-        if not summed[name]:
-            return g
-        # sums in the accumulator precision, rounded once to the input dtype
-        return xp.ascontiguousarray(sum_to_shape(g.astype(acc), want[name]).astype(dtype))
+    sum_back = _sum_back(xp, acc, dtype, want, summed)
 
     def run(do, q, k, v, o, lse):
         ins = [q, k, v, o, do]
@@ -172,13 +359,13 @@ def _build(runtime, spec, do, q, k, v, o, deterministic):
     return run
 
 
-def _key(do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic):
+def _key(do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic, kernel=None):
     try:
         return ("bwd", do.shape, do.strides, do.dtype, q.shape, q.strides, q.dtype,
                 k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
                 o.shape, o.strides, o.dtype, lse.shape, lse.dtype,
                 scale.__class__, scale, causal.__class__, causal, block_q.__class__, block_q,
-                block_kv.__class__, block_kv, deterministic.__class__, deterministic)
+                block_kv.__class__, block_kv, deterministic.__class__, deterministic, kernel)
     except AttributeError:  # not arrays (lse=None, a list, ...): validation says what is wrong
         return None
 
@@ -205,9 +392,13 @@ def tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_
     return cached_call(runtime, key, build)(do, q, k, v, o, lse)
 
 
-def flash_bwd(runtime, do, q, k, v, o, lse, spec, deterministic=False):
-    """The backward for an already validated call (tests call it with a race-checked runtime)."""
-    return _build(runtime, spec, do, q, k, v, o, bool(deterministic))(do, q, k, v, o, lse)
+def flash_bwd(runtime, do, q, k, v, o, lse, spec, deterministic=False, kernel=None):
+    """The backward for an already validated call (tests call it with a race-checked runtime).
+
+    ``kernel`` forces "flash_bwd_tc" (float16/bfloat16) or "flash_bwd_dkdv" (the SIMT
+    kernels); None lets the planner choose.
+    """
+    return _build(runtime, spec, do, q, k, v, o, bool(deterministic), kernel)(do, q, k, v, o, lse)
 
 
 def varlen_attention_backward(runtime, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,

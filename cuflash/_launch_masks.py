@@ -380,6 +380,7 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic):
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),
         pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
+        d_offset=0, dq_slice_stride=0, nq_pad=0, n_splits=1, n_kv_blocks=n_kv_tiles,
         **mask_fields(spec, ms, bias_st, slope_st), **db_fields)
     blocks = _SeedBlocks(runtime, "BwdParams", fields, ms)
 

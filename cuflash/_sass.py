@@ -45,7 +45,7 @@ CLASSES = collections.OrderedDict([
     ("SHFL", ("SHFL",)),
 ])
 
-_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
 
 
@@ -98,8 +98,9 @@ def instructions(sass):
             cur = out.setdefault(fm.group(1), [])
             continue
         m = _LINE.match(line)
-        if m and cur is not None:
-            cur.append((int(m.group(1), 16), m.group(2), m.group(4).strip()))
+        # "@!PT": predicated on never (ptxas pads with "@!PT LDS RZ, [RZ]" around cp.async)
+        if m and cur is not None and (m.group(2) or "").strip() != "@!PT":
+            cur.append((int(m.group(1), 16), m.group(3), m.group(5).strip()))
     return out
 
 

@@ -112,6 +112,9 @@ KERNEL_SOURCES = {
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
     "flash_kv_append": "flash_fwd.cu",
+    "flash_bwd_tc_preprocess": "flash_bwd_tc.cu",
+    "flash_bwd_tc": "flash_bwd_tc.cu",
+    "flash_bwd_tc_dq_convert": "flash_bwd_tc.cu",
 }
 
 
@@ -122,9 +125,12 @@ def plan_defines(plan):
     ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
     ``CUFLASH_THREADS``.
     """
-    return {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
-            "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
-            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+    out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
+           "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
+           "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
+    # kernel-specific defines of the plan (KernelTiling.defines, e.g. flash_bwd_tc's passes)
+    out.update(tiling.kernel_tiling(plan.kernel).defines(plan.block_q, plan.block_kv, plan.d, plan.dv))
+    return out
 
 
 class CallCache:
@@ -389,8 +395,8 @@ def compile_variants():
     sm80 = tiling.EMULATOR_ARCHES["sm_80"]
     out = {}
 
-    def add(kernel, dtype, d, dv=None, bq=None, bkv=None):
-        p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=sm80)
+    def add(kernel, dtype, d, dv=None, bq=None, bkv=None, limit=sm80):
+        p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=limit)
         opts = build_options(plan_defines(p))
         lst = out.setdefault(KERNEL_SOURCES[kernel], [])
         if opts not in lst:
@@ -426,6 +432,18 @@ def compile_variants():
             add("flash_bwd_dkdv", dt, d)
     add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
     add("flash_bwd_dkdv", "float32", 96, dv=32)
+    # flash_bwd_tc.cu (tensor-core backward, all three kernels in one compile here): the
+    # smallest tiles (one warp) first -- tests/test_nvrtc.py compiles the first variant on
+    # the other architectures, and sm_75's software mma makes big tiles slow to compile --
+    # then the layouts of the planner: 32 keys per warp (d=64), 32 keys per warp pair
+    # (d=128), two passes (d=256), dv != d
+    add("flash_bwd_tc", "float16", 32, bq=16, bkv=16)
+    add("flash_bwd_tc", "float16", 64)
+    add("flash_bwd_tc", "float16", 128)
+    add("flash_bwd_tc", "float16", 128, bq=64, bkv=128,  # the H100's default (177 KB)
+        limit=tiling.EMULATOR_ARCHES["sm_90"])
+    add("flash_bwd_tc", "bfloat16", 256)
+    add("flash_bwd_tc", "bfloat16", 96, dv=32)
     # the logit features (-DCUFLASH_MASKS: flash_fwd_masked, flash_bwd_*_masked): float16 and
     # float64 (float vs double paths of masks.cuh and the double dbias atomics)
     for kernel, fname in (("flash_fwd", "flash_fwd.cu"), ("flash_bwd_dkdv", "flash_bwd.cu")):

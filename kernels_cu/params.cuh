@@ -106,6 +106,15 @@ struct BwdParams {
     int n_q_tiles;         // ceil(Nq / Br): flash_bwd_dq's query tiles (grid folding)
     int n_kv_tiles;        // ceil(Nk / Bc): flash_bwd_dkdv's key/value tiles
     int n_pre_tiles;       // ceil(Nq / pre_rows): flash_bwd_preprocess's row chunks
+    // tensor-core backward (flash_bwd_tc.cu) only.  Its float32 workspace: lse * log2(e)
+    // (B, H, nq_pad) at 0, D (B, H, nq_pad) at d_offset, then n_splits dQ accumulators
+    // (B, H, Nq, d) from dq_accum_offset, dq_slice_stride elements apart.
+    long long d_offset;
+    long long dq_slice_stride;
+    int nq_pad;            // Nq rounded up to whole Q tiles (rows of lse2 / D per head)
+    int n_splits;          // dQ accumulator slices: 1 (atomic path) or the deterministic splits
+    int n_kv_blocks;       // blocks per (kv head, batch) along the keys: n_kv_tiles, or n_splits
+    int pad1;
     // -- logit features (masks.cuh; kernels compiled with -DCUFLASH_MASKS read them).  Every
     //    mask_* field is 0 unless the launcher sets it (cuflash._launch.make_params), and 0 is
     //    "off", so plain calls need not know these fields exist --

@@ -196,6 +196,7 @@ template <class T>
 __device__ __forceinline__ void gstore(T* p, typename cuflash_identity<T>::type v) {
 #ifdef CUFLASH_EMULATOR
     ::cuflash_emu::tctx->bytes_written += sizeof(T);
+    ::cuflash_emu::note_store(p, sizeof(T));  // the inter-block write check, when on
 #endif
     *p = v;
 }
@@ -384,5 +385,112 @@ __device__ __forceinline__ void cp_async_wait() {
     ::cuflash_emu::cp_async_wait(N);
 #elif CUFLASH_ARCH >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// =====================================================================================
+// Backward-kernel building blocks (flash_bwd_tc.cu): exp2, packed conversions, 32/128-bit
+// shared stores, vectorised float32 reductions into global memory.
+// =====================================================================================
+
+// 2^x on the special-function unit (MUFU.EX2): the kernels fold log2(e) into the softmax
+// scale and the lse, so P = exp2(s * scale * log2(e) - lse * log2(e)) is one FFMA + one
+// MUFU per element.  ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flush to
+// 0 (P that small is 0 in float16/bfloat16 anyway); exp2(-inf) = 0.
+__device__ __forceinline__ float cuflash_exp2(float x) {
+#ifdef CUFLASH_EMULATOR
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// Two floats -> two 16-bit values of type T in one register (lo in the low half), rounded
+// to nearest even: one cvt.rn.{f16,bf16}x2.f32 on sm_80+ (the emulator and older GPUs use
+// pack2, which rounds the same way).  cvt's first source goes to the HIGH half.
+template <class T> struct cuflash_cvt2;
+template <> struct cuflash_cvt2<__half> {
+    static __device__ __forceinline__ uint32_t run(float lo, float hi) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+        uint32_t r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return pack2<__half>(lo, hi);
+#endif
+    }
+};
+template <> struct cuflash_cvt2<__nv_bfloat16> {
+    static __device__ __forceinline__ uint32_t run(float lo, float hi) {
+#if !defined(CUFLASH_EMULATOR) && CUFLASH_ARCH >= 800
+        uint32_t r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#else
+        return pack2<__nv_bfloat16>(lo, hi);
+#endif
+    }
+};
+template <class T>
+__device__ __forceinline__ uint32_t cvt_pack2(float lo, float hi) { return cuflash_cvt2<T>::run(lo, hi); }
+
+// Plain 32-bit / 128-bit stores of raw bits into (shared) memory that holds 16-bit
+// elements: a reinterpret_cast store on the GPU, memcpy on the host (the host compiler's
+// aliasing rules forbid storing a uint32_t over __half objects through a cast pointer).
+__device__ __forceinline__ void cuflash_store_b32(void* p, uint32_t v) {
+#ifdef CUFLASH_EMULATOR
+    std::memcpy(p, &v, 4);
+#else
+    *reinterpret_cast<uint32_t*>(p) = v;
+#endif
+}
+__device__ __forceinline__ void cuflash_zero_b128(void* p) {
+#ifdef CUFLASH_EMULATOR
+    std::memset(p, 0, 16);
+#else
+    *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+// red.global.add.f32: float32 reductions into global memory, the result not returned (so
+// the SM does not wait for it).  _v2 / _v4 add to 2 / 4 consecutive floats (8 / 16-byte
+// aligned) with ONE instruction on sm_90 (red.global.add.v2/.v4.f32, PTX 8.1); before
+// sm_90 they are 2 / 4 scalar reds.  Each element counts as 4 bytes read + 4 written in
+// the emulator (as gatomic_add: the add happens at L2), and misaligned vectors fail there.
+// Several reds by ONE thread to one address are applied in program order (PTX memory
+// model: program order is part of causality order, and coherence follows it), which the
+// deterministic dQ of flash_bwd_tc relies on.
+__device__ __forceinline__ void gred_add(float* p, float a) {
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::red_add_f32(p, &a, 1);
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+#endif
+}
+__device__ __forceinline__ void gred_add_v2(float* p, float a, float b) {
+#ifdef CUFLASH_EMULATOR
+    const float v[2] = {a, b};
+    ::cuflash_emu::red_add_f32(p, v, 2);
+#elif CUFLASH_ARCH >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(p), "f"(b) : "memory");
+#endif
+}
+__device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c, float d) {
+#ifdef CUFLASH_EMULATOR
+    const float v[4] = {a, b, c, d};
+    ::cuflash_emu::red_add_f32(p, v, 4);
+#elif CUFLASH_ARCH >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+                 "f"(d) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(p), "f"(b) : "memory");
+    asm volatile("red.global.add.f32 [%0+8], %1;" ::"l"(p), "f"(c) : "memory");
+    asm volatile("red.global.add.f32 [%0+12], %1;" ::"l"(p), "f"(d) : "memory");
 #endif
 }

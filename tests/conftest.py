@@ -116,6 +116,18 @@ def kernel_backend(request):
     return require_backend(request.param)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _interblock_write_check():
+    """Every emulated launch of the session runs with the inter-block write check: two
+    blocks of one launch storing to one global address raise InterBlockRaceError
+    (cuflash.emulator.interblock_check; cost: a vector append per gstore and a sort of the
+    log per launch, measured in tests/test_emulator_global_writes.py)."""
+    from cuflash import emulator
+    old = emulator.set_interblock_check(True)
+    yield
+    emulator.set_interblock_check(old)
+
+
 @contextlib.contextmanager
 def poisoned_outputs():
     """Arrays the kernel launchers allocate are NaN until a kernel writes them."""

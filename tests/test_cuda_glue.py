@@ -472,11 +472,12 @@ def test_forward_strided_views(fake_cupy, rng, poison):
 # --------------------------------------------------------------------------
 # backward
 # --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # SIMT / tensor-core backward
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward(fake_cupy, rng, poison, deterministic):
+def test_backward(fake_cupy, rng, poison, deterministic, dtype):
     cp = fake_cupy
-    q, k, v = oracle.qkv(rng, (2, 2, 33, 16), (2, 1, 41, 16), dtype="float32")
-    do = oracle.randn(rng, q.shape, "float32")
+    q, k, v = oracle.qkv(rng, (2, 2, 33, 16), (2, 1, 41, 16), dtype=dtype)
+    do = oracle.randn(rng, q.shape, dtype)
     keep = [a.copy() for a in (do, q, k, v)]
     qd, kd, vd, dod = dev(cp, q, k, v, do)
     o, lse = cuflash.tiled_attention(qd, kd, vd, causal=True, return_lse=True)
@@ -621,9 +622,11 @@ def test_repeated_call_host_work(fake_cupy, rng, dtype, q_shape, k_shape, causal
                                                    causal=causal)
     grads, first = _calls_of(bwd)
     grads2, again = _calls_of(bwd)
+    names = (("flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert")
+             if dtype == "float16" else
+             ("flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq_convert"))
     assert again == ["runtime.getDevice", "empty", "empty", "empty", "empty",
-                     "launch flash_bwd_preprocess", "launch flash_bwd_dkdv",
-                     "launch flash_bwd_dq_convert"], again
+                     *(f"launch {n}" for n in names)], again
     oracle.check_backward(grads2, do.get(), q, k, v, causal=causal)
 
 

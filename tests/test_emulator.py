@@ -111,11 +111,11 @@ def test_divergent_barrier_is_an_error_naming_the_kernel(basics):
 @pytest.mark.parametrize("threads", [37, 96])
 def test_syncthreads_count_or_and(basics, threads):
     rounds = 4
-    out = np.full(3 * rounds, -1, np.int32)
+    out = np.full(2 * 3 * rounds, -1, np.int32)  # two blocks, a slice each
     basics.get_function("sync_reductions")(2, threads, (out, np.int32(rounds)))
     t = np.arange(threads)
     want = [[int((t % (r + 2) == 0).sum()), int(r < threads), int(r == 0)] for r in range(rounds)]
-    np.testing.assert_array_equal(out.reshape(rounds, 3), want)
+    np.testing.assert_array_equal(out.reshape(2, rounds, 3), [want, want])
 
 
 def test_float_atomic_add(basics):

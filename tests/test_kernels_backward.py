@@ -1,4 +1,9 @@
-"""The backward kernels (kernels_cu/flash_bwd.cu) and their launch/tiling code.
+"""The backward kernels (kernels_cu/flash_bwd_tc.cu, flash_bwd.cu) and their launch/tiling code.
+
+float16/bfloat16 with head dims that are multiples of 16 run the tensor-core backward
+(flash_bwd_tc.cu) by default; float32/float64 (and forced ``kernel="flash_bwd_dkdv"``) the
+SIMT kernels of flash_bwd.cu.  Every emulated launch of the session runs under the
+inter-block write check (tests/conftest.py).
 
 Written once over the backend: "numpy" (the reference, the same assertions)
 and "emulator" always; "cuda" when CuPy and a GPU are present, else skipped
@@ -81,8 +86,10 @@ BWD_CASES = [
     ("float64", (1, 6, 203, 64), (1, 2, 113, 64), "top_left", None, None, "c", True),  # GQA, Nq > Nk
     # float16, d=32
     ("float16", (2, 3, 200, 32), (2, 3, 200, 32), True, None, None, "c", False),
-    # Nk = 1: dk, dv carry everything; dq is 0 by the math (P = 1, dS = 0) up to rounding
-    ("float16", (6, 17, 32), (6, 1, 32), False, None, None, "c", True),
+    # very few keys (Nk = 3).  Not Nk = 1: there dq and dk are exactly 0 by the math (P = 1,
+    # dS = dP - D = 0), a comparison with zeros -- D and dP summed in different orders (as
+    # the tensor cores do) leave float32 rounding of ~1e-6 against a bound of eps * 1e-3
+    ("float16", (6, 17, 32), (6, 3, 32), False, None, None, "c", True),
     # bfloat16, d=16
     ("bfloat16", (1, 6, 255, 16), (1, 2, 255, 16), "bottom_right", None, None, "c", True),
     ("bfloat16", (3, 1, 16), (3, 147, 16), "top_left", None, None, "c", False),        # Nq = 1
@@ -96,7 +103,6 @@ BWD_CASES = [
     ("float32", (2, 1, 37, 16), (3, 50, 16), "bottom_right", 16, 8, "c", False),
     ("float32", (2, 2, 5, 16), (2, 2, 45, 16), "bottom_right", 16, 8, "strided", False),
     ("float64", (2, 1, 2), (2, 3, 2), False, None, None, "c", True),  # d=2, Nq = 1
-    # (Nk = 1 would make dq exactly 0 in theory: P = 1, dS = 0 -- a comparison with zeros)
 ]
 
 
@@ -354,3 +360,262 @@ def test_kv_heads_for_kernel(qs, ks, want):
     q, k = np.zeros(qs), np.zeros(ks)
     spec = _validate.check_attention_inputs(q, k, k)
     assert _launch_bwd.kv_heads_for_kernel(spec) == want
+
+
+
+# ==========================================================================
+# the tensor-core backward (flash_bwd_tc.cu)
+# ==========================================================================
+def _launched(seen):
+    return [e["kernel"] for e in seen]
+
+
+def _tc_inputs(rng, dtype, qs, ks, dv=None, causal=False, layout="c"):
+    q = _make(rng, dtype, qs, layout)
+    k = _make(rng, dtype, ks, layout)
+    v = _make(rng, dtype, ks[:-1] + ((dv or ks[-1]),), layout)
+    o, lse = _fwd_from_oracle(q, k, v, causal, dtype)
+    do = oracle.randn(rng, o.shape, dtype)
+    return do, q, k, v, o, lse
+
+
+# (dtype, q shape, k shape, dv, causal, (block_q, block_kv) or None, layout, deterministic)
+# With BWD_CASES above (float16/bfloat16 at d = 16, 32, 128, 256 now run here too) this
+# covers d in {16, 32, 64, 96, 128, 256}.  Specialisations are shared: (float16, 64),
+# (bfloat16, 96/32), (float16, 32, tiles 16 x 32).
+TC_CASES = [
+    # GQA 6/2, Nq > Nk bottom-right: rows 0..26 see no key
+    ("float16", (2, 6, 77, 64), (2, 2, 50, 64), None, "bottom_right", None, "c", False),
+    # MQA, dv != d, Nk > Nq top-left: keys 70.. seen by nobody; deterministic
+    ("bfloat16", (1, 3, 70, 96), (1, 1, 133, 96), 32, "top_left", None, "c", True),
+    # query split (2 warps share 32 keys: P^T, dS^T through shared memory), GQA
+    ("float16", (2, 4, 45, 64), (2, 2, 100, 64), None, "bottom_right", (32, 32), "c", False),
+    # small explicit tiles: 2 warps of 16 keys, several KV tiles per split
+    ("float16", (2, 2, 45, 32), (2, 2, 100, 32), None, "bottom_right", (16, 32), "c", True),
+    ("float16", (1, 2, 100, 32), (1, 2, 45, 32), None, "top_left", (16, 32), "c", False),
+    # strided rows (stride d + 3): not 16-byte aligned, so the launcher copies them
+    ("float16", (2, 2, 21, 64), (2, 2, 30, 64), None, False, None, "strided", False),
+]
+
+
+def _tc_id(c):
+    dt, qs, ks, dv, causal, tiles, lay, det = c
+    t = "" if tiles is None else f"-t{tiles[0]}x{tiles[1]}"
+    return (f"{dt}-q{'x'.join(map(str, qs))}-k{'x'.join(map(str, ks))}-dv{dv or ks[-1]}-{causal}{t}"
+            f"-{lay}-{'det' if det else 'atomic'}")
+
+
+@pytest.mark.parametrize("case", TC_CASES, ids=_tc_id)
+def test_tc_backward_against_oracle(kernel_backend, case, rng):
+    dtype, qs, ks, dv, causal, tiles, layout, det = case
+    _require_dtype(kernel_backend, dtype)
+    do, q, k, v, o, lse = _tc_inputs(rng, dtype, qs, ks, dv, causal, layout)
+    bq, bkv = tiles or (None, None)
+    with _launch.observe_launches() as seen:
+        grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, causal=causal, block_q=bq,
+                         block_kv=bkv, deterministic=det)
+    assert "flash_bwd_tc" in _launched(seen), _launched(seen)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+    oracle.check_backward(grads, do, q, k, v, None, causal)
+
+
+def test_tc_deterministic_bitwise_with_splits(kb, rng, monkeypatch):
+    """deterministic=True: the same bits every run, for 1, 2 and 3 dQ accumulator slices
+    (KV tiles 0,2 / 1,3 ... in one block each, slices summed in order); dK, dV identical to
+    the atomic path's (no atomics there); the atomic path within the oracle's tolerance."""
+    if kb.name == "numpy":
+        pytest.skip("the reference has no dQ splits")
+    dtype = "float16"
+    do, q, k, v, o, lse = _tc_inputs(rng, dtype, (1, 2, 45, 32), (1, 1, 150, 32), None, "top_left")
+    kw = dict(causal="top_left", block_q=16, block_kv=32)
+    atomic = _run_bwd(kb, do, q, k, v, o, lse, deterministic=False, **kw)
+    oracle.check_backward(atomic, do, q, k, v, None, "top_left")
+    for splits in (1, 2, 3):
+        monkeypatch.setattr(_launch_bwd, "dq_splits", lambda *a, _s=splits: _s)
+        _launch_bwd_cache_clear(kb)
+        with _launch.observe_launches() as seen:
+            runs = [_run_bwd(kb, do, q, k, v, o, lse, deterministic=True, **kw) for _ in range(3)]
+        grids = {e["grid"] for e in seen if e["kernel"] == "flash_bwd_tc"}
+        assert grids == {(splits,)}, grids  # splits x 1 kv head x 1 batch entry
+        for r in runs[1:]:
+            for a, b_, n in zip(runs[0], r, ("dq", "dk", "dv")):
+                assert np.array_equal(a, b_), f"{n} differs between deterministic runs ({splits} splits)"
+        oracle.check_backward(runs[0], do, q, k, v, None, "top_left")
+        assert np.array_equal(runs[0][1], atomic[1]) and np.array_equal(runs[0][2], atomic[2])
+
+
+def _launch_bwd_cache_clear(backend):
+    """Forget the prepared calls, so the next call plans (and picks its dQ splits) again."""
+    from cuflash import cuda_backend, emulator_backend
+    mod = cuda_backend if backend.is_cuda else emulator_backend
+    mod.runtime().calls.clear()
+
+
+@pytest.mark.parametrize("qs,ks,causal,tiles,det", [
+    ((2, 4, 45, 32), (2, 2, 70, 32), "bottom_right", (16, 32), False),
+    ((2, 4, 45, 32), (2, 2, 70, 32), "bottom_right", (16, 32), True),
+    ((1, 3, 70, 32), (1, 3, 33, 32), "top_left", (16, 32), False),   # keys 33.. : zero dK/dV
+    ((1, 2, 100, 32), (1, 1, 45, 32), None, None, True),
+])
+def test_tc_traffic_equals_model(qs, ks, causal, tiles, det, rng):
+    """Bytes the emulated tensor-core kernels move == cuflash.tiling.flash_bwd_tc_traffic."""
+    require_backend("emulator")
+    do, q, k, v, o, lse = _tc_inputs(rng, "float16", qs, ks, None, causal or False)
+    bq, bkv = tiles or (None, None)
+    with _count_launches() as total:
+        _run_bwd(Backend("emulator"), do, q, k, v, o, lse, causal=causal or False, block_q=bq,
+                 block_kv=bkv, deterministic=det)
+    assert total["launches"] == ["flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"]
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
+    rt = kernels.get_runtime("emulator")
+    plan = _launch_bwd.plan_backward(rt, 32, 32, "float16", bq, bkv)
+    B, H = _launch.problem_dims(spec.lead)
+    Hk, _ = _launch_bwd.kv_heads_for_kernel(spec)
+    n_kv = -(-spec.Nk // plan.block_kv)
+    splits = _launch_bwd.dq_splits(rt, plan, n_kv, B * Hk, det)
+    want = tiling.flash_bwd_tc_traffic(B, H, Hk, spec.Nq, spec.Nk, 32, 32, plan.block_q,
+                                       plan.block_kv, spec.causal, splits)
+    assert (total["global_bytes_read"], total["global_bytes_written"]) == want
+
+
+@pytest.mark.parametrize("dtype,qs,ks,tiles", [
+    # query split: a pair of warps on 32 keys, P^T and dS^T exchanged in shared memory
+    ("float16", (1, 2, 40, 32), (1, 1, 45, 32), (32, 32)),
+    # 16 keys per warp, 2 warps: P^T, dS^T in registers, dS^T through shared memory to dQ
+    ("float16", (1, 2, 20, 32), (1, 1, 37, 32), (16, 32)),
+])
+def test_tc_race_check(dtype, qs, ks, tiles, rng):
+    """flash_bwd_tc and its helpers once under ThreadSanitizer, atomic and deterministic.
+
+    The two layouts whose warps share data through shared memory differently.  Not here (a
+    ThreadSanitizer build of this kernel costs ~40-100 s): 32 keys per warp (the barrier
+    structure of the second case) and two passes over the head dims (the same barriers, a
+    pass loop around them); both run in the oracle tests under the inter-block check."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    do, q, k, v, o, lse = _tc_inputs(rng, dtype, qs, ks, None, True)
+    bq, bkv = tiles or (None, None)
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=bq, block_kv=bkv)
+    with _count_launches() as total:
+        for det in (False, True):
+            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
+            oracle.check_backward(grads, do, q, k, v, None, True)
+    assert set(total["launches"]) == {"flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"}
+
+
+def test_tc_on_emulated_sm75(rng):
+    """sm_75: the SIMT kernels by default; flash_bwd_tc still right with the software mma
+    and scalar reds of portable.cuh."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", arch="sm_75")
+    assert _launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_dkdv"
+    do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 30, 32), (1, 2, 41, 32), None, "bottom_right")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal="bottom_right", block_q=16,
+                                           block_kv=32)
+    with _launch.observe_launches() as seen:
+        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, kernel="flash_bwd_tc")
+    assert "flash_bwd_tc" in _launched(seen)
+    oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
+
+
+def test_simt_kernels_still_take_16_bit(rng):
+    """kernel="flash_bwd_dkdv" keeps the SIMT backward for float16 (what sm_75 runs)."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator")
+    do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 30, 32), (1, 2, 41, 32), None, True)
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True)
+    for det in (False, True):
+        with _launch.observe_launches() as seen:
+            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det,
+                                          kernel="flash_bwd_dkdv")
+        assert "flash_bwd_dkdv" in _launched(seen)
+        oracle.check_backward(grads, do, q, k, v, None, True)
+
+
+# --------------------------------------------------------------------------
+# flash_bwd_tc's tiles: defaults per arch, refusals, no spills at the register budget
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", sorted(tiling.EMULATOR_ARCHES))
+def test_tc_default_tiles_fit_every_arch(arch):
+    limit = tiling.EMULATOR_ARCHES[arch]
+    for dtype in tiling.TC_DTYPES:
+        for d in range(16, 257, 16):
+            for dv in sorted({d, 16, 64, 256}):
+                p = tiling.plan_flash_bwd(d, dv, dtype, limit=limit, limit_source=arch)
+                assert p.kernel == "flash_bwd_tc", (d, dv, p)
+                assert p.shared_bytes <= limit and 32 <= p.threads <= 1024
+                lay = tiling.bwd_tc_layout(p.block_q, p.block_kv, d, dv)
+                assert not isinstance(lay, str), lay
+                assert p.threads == 32 * lay[0] and p.block_kv == 16 * lay[0] * lay[1] // lay[3]
+    # the planner's choices at the shapes of the targets (H100 / A100 budgets)
+    for d, want in ((64, (32, 128, 128, (4, 2, 1, 1))), (128, (64, 128, 256, (8, 2, 1, 2)))):
+        p = tiling.plan_flash_bwd(d, d, "float16", limit=tiling.EMULATOR_ARCHES["sm_90"])
+        assert (p.block_q, p.block_kv, p.threads, tiling.bwd_tc_layout(p.block_q, p.block_kv, d, d)) == want
+
+
+def test_tc_refusals_name_the_reason_and_what_fits():
+    # explicit tiles whose register arrays would spill: refused, never changed
+    with pytest.raises(ValueError, match=r"register floats.*limit 152.*pairs that fit: .*\(32, 128\)"):
+        tiling.plan("flash_bwd_tc", 256, 256, "float16", 128, 128)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        tiling.plan("flash_bwd_tc", 72, 72, "float16")
+    with pytest.raises(ValueError, match="runs .*float16.* only"):
+        tiling.plan_flash_bwd(64, 64, "float32", kernel="flash_bwd_tc")
+    # the default planner falls back to the SIMT kernels where flash_bwd_tc cannot run
+    assert tiling.plan_flash_bwd(72, 72, "float16").kernel == "flash_bwd_dkdv"
+    assert tiling.plan_flash_bwd(64, 64, "float16", 8, 8).kernel == "flash_bwd_dkdv"
+    assert tiling.plan_flash_bwd(64, 64, "float16", tensor_cores=False).kernel == "flash_bwd_dkdv"
+    p = tiling.plan_flash_bwd(192, 192, "float16", 32, 128)  # two passes instead of a spill
+    assert p.kernel == "flash_bwd_tc" and kernels.plan_defines(p)["CUFLASH_BWD_PASSES"] == 2
+
+
+def test_tc_shared_bytes_exact():
+    for d, dv, bq, bkv, qs in ((64, 64, 32, 128, 1), (128, 128, 64, 128, 2), (96, 32, 16, 32, 1)):
+        p = tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv)
+        assert tiling.bwd_tc_layout(bq, bkv, d, dv)[3] == qs
+        ps = bkv * (bq + 8) if qs == 2 else 0  # P^T of the query split
+        want = (2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
+                     + bkv * (bq + 8) + ps) + 4 * 4 * bq)
+        assert p.shared_bytes == want
+
+
+def test_bwd_dq_splits_model():
+    # the deterministic grid fills the GPU as the atomic one does (same makespan), with the
+    # fewest slices that achieve it
+    assert tiling.bwd_dq_splits(32, 32, 132) == 4        # d=128 target: 128 blocks x 8 tiles
+    assert tiling.bwd_dq_splits(32, 64, 132) == 2        # d=64 target: 128 blocks x 16 tiles
+    assert tiling.bwd_dq_splits(1, 5, 132) == 1
+    for n_kv, problems, slots in ((32, 32, 132), (7, 3, 16), (64, 1, 132), (5, 200, 132)):
+        s = tiling.bwd_dq_splits(n_kv, problems, slots)
+        atomic = -(-n_kv * problems // slots)
+        assert -(-s * problems // slots) * -(-n_kv // s) <= atomic + -(-n_kv // s)
+
+
+# edge plans of the register budget (the largest dK/dV + P^T/dP^T arrays of each layout,
+# tiling.BWD_TC_ARRAY_BUDGET*): ptxas must not spill at any of them.  sm_80 is the arch that
+# spilled first in the calibration (tiling.py); bench/kernel_report.py shows every default
+# plan on sm_80 and sm_90.
+_EDGE_PLANS = [  # d, dv, block_q, block_kv
+    (128, 128, 64, 128),   # query split, 32 keys per warp pair: 128 + 48
+    (160, 160, 16, 128),   # 16 keys/warp, 8 warps: 160 + 12
+    (256, 48, 32, 16),     # 16 keys/warp, 1 warp: 152 + 24
+    (64, 64, 32, 128),     # 32 keys/warp: 128 + 48
+    (112, 16, 32, 128),    # 32 keys/warp, dv != d: 128 + 48
+    (256, 256, 32, 64),    # two passes: 128 + 24
+]
+
+
+@pytest.mark.parametrize("d,dv,bq,bkv", _EDGE_PLANS)
+def test_tc_edge_plans_do_not_spill(d, dv, bq, bkv):
+    from cuflash import _nvrtc
+    ok, why = _nvrtc.is_available()
+    if not ok:
+        pytest.skip(f"NVRTC not available: {why}")
+    p = tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv)
+    defines = kernels.plan_defines(p)
+    defines["CUFLASH_BWD_TC_MAIN"] = None
+    opts = ("-arch=sm_80", "--ptxas-options=-v") + kernels.build_options(defines)
+    res = _nvrtc.compile(open(kernels.source_path("flash_bwd_tc.cu")).read(), "flash_bwd_tc.cu", opts)
+    info = _nvrtc.parse_ptxas_info(res.log)["flash_bwd_tc"]
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0, info

@@ -29,13 +29,17 @@ that works on the emulator also works with CuPy on a GPU):
   barrier not reached by all live threads is reported as a deadlock;
 * ``race_check=True`` runs each launch under ThreadSanitizer and raises
   :class:`RaceError` (blocks run one after another, so races between blocks
-  on global memory are not seen).
+  on global memory are not seen by it); :func:`interblock_check` logs every
+  ``gstore`` and raises :class:`InterBlockRaceError` when two blocks of one
+  launch store to the same global address.
 """
-from ._module import (CompileError, LaunchError, RaceError, RawKernel, RawModule, cache_dir,
-                      kernels_cu_dir, last_launch_stats)
+from ._module import (CompileError, InterBlockRaceError, LaunchError, RaceError, RawKernel, RawModule,
+                      cache_dir, interblock_check, kernels_cu_dir, last_launch_stats,
+                      set_interblock_check)
 
-__all__ = ["RawModule", "RawKernel", "RaceError", "LaunchError", "CompileError",
-           "last_launch_stats", "cache_dir", "kernels_cu_dir", "is_available"]
+__all__ = ["RawModule", "RawKernel", "RaceError", "InterBlockRaceError", "LaunchError", "CompileError",
+           "last_launch_stats", "cache_dir", "kernels_cu_dir", "is_available", "interblock_check",
+           "set_interblock_check"]
 
 
 def is_available():

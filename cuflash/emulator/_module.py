@@ -6,6 +6,7 @@ is cached on disk by a hash of the preprocessed source and the options.  Each
 ``extern "C" __global__`` kernel gets a generated launcher that runs the grid
 one block at a time with the block's threads as real threads.
 """
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
-           "last_launch_stats", "cache_dir", "kernels_cu_dir"]
+           "InterBlockRaceError", "last_launch_stats", "cache_dir", "kernels_cu_dir",
+           "interblock_check", "set_interblock_check"]
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "4"
+_LAUNCHER_VERSION = "6"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
 _LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
@@ -52,6 +54,65 @@ class RaceError(RuntimeError):
     def __init__(self, message, report=""):
         super().__init__(message)
         self.report = report
+
+
+class InterBlockRaceError(RaceError):
+    """Two blocks of one launch stored to the same global address with plain stores.
+
+    Blocks run one after another in the emulator, so ThreadSanitizer never sees
+    this; on a GPU they may run at the same time and the value left is
+    undefined.  Raised when the inter-block write check is on
+    (:func:`interblock_check`); the message names the kernel, both blocks, the
+    address and the kernel argument (and element) it falls in.
+    """
+
+
+# ---------------------------------------------------------------- inter-block write check
+_INTERBLOCK = [os.environ.get("CUFLASH_EMULATOR_INTERBLOCK_CHECK", "0") not in ("", "0")]
+
+
+def set_interblock_check(on):
+    """Turn the inter-block write check on or off for later launches; returns the old setting.
+
+    With it on, every ``gstore`` of a launch is logged (address, size, block)
+    and, after the launch, two blocks storing to one byte raise
+    :class:`InterBlockRaceError`.  Off by default (``$CUFLASH_EMULATOR_INTERBLOCK_CHECK=1``
+    turns it on); the tests turn it on for the whole session.  Cost: one vector
+    append per store and a sort of the log per launch.
+    """
+    old = _INTERBLOCK[0]
+    _INTERBLOCK[0] = bool(on)
+    return old
+
+
+@contextlib.contextmanager
+def interblock_check(on=True):
+    """The inter-block write check on (or off) inside the block (see :func:`set_interblock_check`)."""
+    old = set_interblock_check(on)
+    try:
+        yield
+    finally:
+        set_interblock_check(old)
+
+
+def _launch_flags():
+    return 1 if _INTERBLOCK[0] else 0
+
+
+def _describe_address(message, params, arrays):
+    """Append which kernel argument (and element) the race message's address falls in."""
+    m = re.search(r"global address 0x([0-9a-f]+)", message)
+    if m is None:
+        return message
+    addr = int(m.group(1), 16)
+    names = [p[0] for p in params if p[1] == "p"]
+    for name, a in zip(names, arrays):
+        base = a.ctypes.data
+        if base <= addr < base + max(a.nbytes, 1):
+            off = addr - base
+            return (f"{message}; that is argument {name!r} (a {a.dtype} array of {a.size} elements), "
+                    f"element {off // a.itemsize}")
+    return message
 
 
 def cache_dir():
@@ -215,8 +276,8 @@ def _launcher_code(kernels, tsan_main=False):
             f'static void __cuflash_entry_{name}(void** a) {{ ::cuflash_emu::invoke({name}, a); }}',
             f'extern "C" __attribute__((visibility("default"))) int __cuflash_launch_{name}('
             "const unsigned* grid, const unsigned* block, unsigned long long shmem, void** args, "
-            "unsigned long long* stats, char* err, size_t errlen) {",
-            f'  return ::cuflash_emu::launch("{name}", __cuflash_entry_{name}, args, grid, block, shmem, stats, err, errlen);',
+            "unsigned long long* stats, char* err, size_t errlen, unsigned flags) {",
+            f'  return ::cuflash_emu::launch("{name}", __cuflash_entry_{name}, args, grid, block, shmem, stats, err, errlen, flags);',
             "}",
             f'extern "C" __attribute__((visibility("default"))) const char* __cuflash_sig_{name}() {{',
             f"  static const std::string s = ::cuflash_emu::signature_of({name}); return s.c_str();",
@@ -234,10 +295,10 @@ def _launcher_code(kernels, tsan_main=False):
 _TSAN_MAIN = r'''
 #include <fstream>
 #include <iostream>
-typedef int (*cuflash_launcher_t)(const unsigned*, const unsigned*, unsigned long long, void**, unsigned long long*, char*, size_t);
+typedef int (*cuflash_launcher_t)(const unsigned*, const unsigned*, unsigned long long, void**, unsigned long long*, char*, size_t, unsigned);
 struct cuflash_entry_t { const char* name; cuflash_launcher_t fn; };
 static const cuflash_entry_t cuflash_table[] = {@TABLE@};
-// file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs nbuffers\n
+// file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs nbuffers flags\n
 //       then per buffer: nbytes\n <raw bytes>\n
 //       then per arg: "a buffer offset\n" (a pointer into a buffer) or "s nbytes\n<raw bytes>\n"
 // Arguments that alias (the same array twice, or overlapping views) point into one buffer,
@@ -245,8 +306,8 @@ static const cuflash_entry_t cuflash_table[] = {@TABLE@};
 int main(int argc, char** argv) {
   if (argc != 3) { std::cerr << "usage: runner in out\n"; return 2; }
   std::ifstream in(argv[1], std::ios::binary);
-  std::string name; unsigned g[3], b[3]; unsigned long long shmem; size_t nargs, nbuf;
-  in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs >> nbuf;
+  std::string name; unsigned g[3], b[3], flags; unsigned long long shmem; size_t nargs, nbuf;
+  in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs >> nbuf >> flags;
   std::vector<std::vector<unsigned char>> bufs(nbuf);
   for (size_t i = 0; i < nbuf; ++i) {
     size_t n; in >> n; in.get();
@@ -273,9 +334,12 @@ int main(int argc, char** argv) {
   for (const auto& e : cuflash_table) if (name == e.name) fn = e.fn;
   if (!fn) { std::cerr << "no kernel " << name << "\n"; return 2; }
   unsigned long long stats[2] = {0, 0}; char err[4096] = {0};
-  int rc = fn(g, b, shmem, args.data(), stats, err, sizeof err);
+  int rc = fn(g, b, shmem, args.data(), stats, err, sizeof err, flags);
   std::ofstream out(argv[2], std::ios::binary);
-  out << rc << " " << stats[0] << " " << stats[1] << "\n" << err << "\n@@\n";
+  // the buffers' addresses here, so the parent can map an address in a message to its arrays
+  out << rc << " " << stats[0] << " " << stats[1];
+  for (size_t i = 0; i < nbuf; ++i) out << " " << reinterpret_cast<unsigned long long>(bufs[i].data());
+  out << "\n" << err << "\n@@\n";
   for (size_t i = 0; i < nbuf; ++i)
     out.write(reinterpret_cast<const char*>(bufs[i].data()), bufs[i].size() - 64);
   return 0;
@@ -383,7 +447,8 @@ class RawModule:
 
     def _key(self, kind):
         h = hashlib.sha256()
-        parts = (kind, _LAUNCHER_VERSION, " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+        parts = (kind, _LAUNCHER_VERSION, _TSAN_MAIN if kind == "tsan" else "",
+                 " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
                  self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
         for part in parts:
             h.update(part.encode())
@@ -625,10 +690,13 @@ class RawKernel:
         err = ctypes.create_string_buffer(4096)
         with self.module._launch_lock:
             t0 = time.perf_counter()
-            rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)))
+            rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)),
+                    ctypes.c_uint(_launch_flags()))
             dt = time.perf_counter() - t0
-        del arrays  # kept alive until here: the kernel wrote through their pointers
         self._record(g, b, shmem, stats[0], stats[1], dt)
+        if rc == 2:
+            raise InterBlockRaceError(_describe_address(err.value.decode(errors="replace"), self.params, arrays))
+        del arrays  # kept alive until here: the kernel wrote through their pointers
         if rc != 0:
             raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {err.value.decode(errors='replace')}")
 

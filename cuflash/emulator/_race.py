@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._module import LaunchError, RaceError
+from ._module import InterBlockRaceError, LaunchError, RaceError, _describe_address, _launch_flags
 
 _TIMEOUT_S = 600
 
@@ -75,6 +75,17 @@ def _buffers(arrays):
     return [(s, e - s) for s, e in buffers], places
 
 
+def _to_host_addresses(message, child_bases, buffers):
+    """Rewrite the child process's addresses in ``message`` as this process's (same buffer, offset)."""
+    def host(m):
+        addr = int(m.group(1), 16)
+        for base, (start, n) in zip(child_bases, buffers):
+            if base <= addr < base + max(n, 1):
+                return f"0x{start + addr - base:x}"
+        return m.group(0)
+    return re.sub(r"0x([0-9a-f]+)", host, message)
+
+
 def run_tsan(kernel, grid, block, shmem, args):
     """Run ``kernel`` once under ThreadSanitizer; copy the arrays back; raise on races."""
     exe = kernel.module._compile_tsan()
@@ -84,7 +95,7 @@ def run_tsan(kernel, grid, block, shmem, args):
         inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
-                    f"{shmem} {len(holders)} {len(buffers)}\n".encode())
+                    f"{shmem} {len(holders)} {len(buffers)} {_launch_flags()}\n".encode())
             for start, n in buffers:
                 f.write(f"{n}\n".encode())
                 f.write(ctypes.string_at(start, n))
@@ -112,7 +123,8 @@ def run_tsan(kernel, grid, block, shmem, args):
                               f"{report[-8000:]}")
         blob = out.read_bytes()
     first, _, rest = blob.partition(b"\n")
-    rc, rd, wr = (int(v) for v in first.split())
+    head = [int(v) for v in first.split()]
+    rc, rd, wr, child_bases = head[0], head[1], head[2], head[3:]
     err, _, data = rest.partition(b"\n@@\n")
     starts, pos = [], 0
     for _, n in buffers:
@@ -126,5 +138,8 @@ def run_tsan(kernel, grid, block, shmem, args):
     if "WARNING: ThreadSanitizer" in report:
         raise RaceError(f"kernel {kernel.name} (grid {grid}, block {block}): ThreadSanitizer found "
                         f"{summarize(report)}", report)
+    if rc == 2:
+        msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
+        raise InterBlockRaceError(_describe_address(msg, kernel.params, arrays))
     if rc != 0:
         raise LaunchError(f"kernel {kernel.name} (grid {grid}, block {block}): {err.decode(errors='replace')}")

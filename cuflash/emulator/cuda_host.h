@@ -159,6 +159,9 @@ struct Barrier {
 
 struct CpCopy { void* dst; const void* src; };
 
+// One plain global store, for the inter-block write check (see check_interblock_stores).
+struct StoreRec { uintptr_t addr; unsigned bytes; unsigned long long block; };
+
 struct Block;
 
 // Everything one CUDA thread knows; reached through the one thread_local `tctx`.
@@ -172,6 +175,9 @@ struct ThreadCtx {
     Block* blk = nullptr;
     unsigned char* dyn_smem = nullptr;
     unsigned long long bytes_read = 0, bytes_written = 0;
+    unsigned long long block_lin = 0;  // linear index of the block being run
+    bool record_stores = false;        // inter-block check on: log every gstore
+    std::vector<StoreRec> stores;      // (address, bytes, block) of this thread's gstores
     std::vector<CpCopy> cp_open;                 // issued, not yet committed
     std::vector<std::vector<CpCopy>> cp_groups;  // committed, oldest first
 };
@@ -461,6 +467,70 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
     }
 }
 
+// red.global.add.f32 (scalar, .v2, .v4): n floats at p, p must be 4n-byte aligned for n > 1
+// (as the vector instruction requires).  Counted as 4 bytes read + 4 written per element.
+inline void red_add_f32(float* p, const float* v, int n) {
+    ThreadCtx& c = *tctx;
+    if (n > 1 && reinterpret_cast<uintptr_t>(p) % (4u * n) != 0)
+        device_error("red.global.add.v" + std::to_string(n) + ".f32: address " +
+                     std::to_string(reinterpret_cast<uintptr_t>(p)) + " is not " + std::to_string(4 * n) +
+                     "-byte aligned");
+    for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
+    c.bytes_read += 4ull * n;
+    c.bytes_written += 4ull * n;
+}
+
+// ---------------------------------------------------------------- inter-block write check
+// Blocks of one launch run one after another here, but concurrently (in any order) on a
+// GPU: two blocks storing to the same global byte with plain stores leave an undefined
+// value there, and no ThreadSanitizer run can see it (it sees one block at a time).  With
+// the check on, gstore logs (address, size, block) per thread (a vector append, no lock);
+// after the launch the logs are sorted by address and swept once: an overlap of two
+// stores from different blocks is reported.  Atomics/reds are not logged (they commute).
+inline void note_store(const void* p, unsigned bytes) {
+    ThreadCtx& c = *tctx;
+    if (c.record_stores) c.stores.push_back(StoreRec{reinterpret_cast<uintptr_t>(p), bytes, c.block_lin});
+}
+
+inline std::string fmt_block(unsigned long long lin, const unsigned* grid) {
+    return fmt_idx(uint3{unsigned(lin % grid[0]), unsigned((lin / grid[0]) % grid[1]),
+                         unsigned(lin / (1ull * grid[0] * grid[1]))});
+}
+
+// Returns "" or the message naming the kernel, the two blocks and the address.
+inline std::string check_interblock_stores(std::vector<ThreadCtx>& ctxs, const char* name, const unsigned* grid) {
+    size_t n = 0;
+    for (const ThreadCtx& c : ctxs) n += c.stores.size();
+    std::vector<StoreRec> all;
+    all.reserve(n);
+    for (ThreadCtx& c : ctxs) {
+        all.insert(all.end(), c.stores.begin(), c.stores.end());
+        std::vector<StoreRec>().swap(c.stores);
+    }
+    std::sort(all.begin(), all.end(), [](const StoreRec& a, const StoreRec& b) {
+        return a.addr != b.addr ? a.addr < b.addr : a.block < b.block;
+    });
+    // Sweep: `far` is the store reaching furthest among those seen.  If any two stores of
+    // different blocks overlap, the first store (in this order) that overlaps an earlier
+    // one of another block also overlaps `far` with `far` from another block.
+    const StoreRec* far = nullptr;
+    for (const StoreRec& r : all) {
+        if (far != nullptr && r.addr < far->addr + far->bytes && r.block != far->block) {
+            char buf[512];
+            std::snprintf(buf, sizeof buf,
+                          "inter-block race in kernel %s: blocks %s and %s both store to global address 0x%llx "
+                          "(a %u-byte store at 0x%llx and a %u-byte store at 0x%llx); blocks of one launch may "
+                          "run concurrently on a GPU, so the value left there is undefined",
+                          name, fmt_block(far->block, grid).c_str(), fmt_block(r.block, grid).c_str(),
+                          (unsigned long long)r.addr, far->bytes, (unsigned long long)far->addr, r.bytes,
+                          (unsigned long long)r.addr);
+            return buf;
+        }
+        if (far == nullptr || r.addr + r.bytes > far->addr + far->bytes) far = &r;
+    }
+    return "";
+}
+
 // ---------------------------------------------------------------- launch
 template <class... A, size_t... I>
 inline void invoke_impl(void (*f)(A...), void** args, std::index_sequence<I...>) {
@@ -490,9 +560,11 @@ inline std::string signature_of(void (*)(A...)) {
     return s;
 }
 
+// flags: bit 0 = the inter-block write check.  Returns 0, 1 (launch error) or 2 (inter-block race).
+enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u };
 inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
                   const unsigned* block, unsigned long long shmem, unsigned long long* stats,
-                  char* err, size_t errlen) {
+                  char* err, size_t errlen, unsigned flags) {
     const unsigned nthreads = block[0] * block[1] * block[2];
     const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
     Block blk(nthreads, name);
@@ -534,7 +606,9 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         c.tid = t; c.lane = t % 32; c.warp = t / 32;
         c.blk = &blk;
         c.dyn_smem = dyn.get();
+        c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
         for (unsigned long long b = 0; b < nblocks && !stop; ++b) {
+            c.block_lin = b;
             c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                                unsigned(b / (1ull * grid[0] * grid[1]))};
             c.xphase = 0; c.bar_phase = 0;
@@ -611,6 +685,13 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
     if (blk.aborted) {
         std::snprintf(err, errlen, "%s", blk.error.c_str());
         return 1;
+    }
+    if (flags & LAUNCH_CHECK_INTERBLOCK) {
+        const std::string race = check_interblock_stores(ctxs, name, grid);
+        if (!race.empty()) {
+            std::snprintf(err, errlen, "%s", race.c_str());
+            return 2;
+        }
     }
     return 0;
 }

@@ -96,6 +96,8 @@ extern "C" __global__ void sync_reductions(int* out, int rounds) {
         const int c = __syncthreads_count(threadIdx.x % (r + 2) == 0);
         const int o = __syncthreads_or(threadIdx.x == (unsigned)r);
         const int a = __syncthreads_and(threadIdx.x < blockDim.x - r);
-        if (threadIdx.x == 0) { gstore(out + 3 * r, c); gstore(out + 3 * r + 1, o); gstore(out + 3 * r + 2, a); }
+        // each block its own slice of out (two blocks storing one address race on a GPU)
+        int* mine = out + blockIdx.x * 3 * rounds;
+        if (threadIdx.x == 0) { gstore(mine + 3 * r, c); gstore(mine + 3 * r + 1, o); gstore(mine + 3 * r + 2, a); }
     }
 }

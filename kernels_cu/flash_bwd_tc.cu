@@ -1,0 +1,636 @@
+// flash_bwd_tc.cu -- the FlashAttention-2 backward on tensor cores, for float16 and bfloat16.
+//
+// What it computes (cuflash.tiled_attention_backward; the same contract as flash_bwd.cu):
+// for every query head with P = softmax(scale * Q K^T [causal mask]) (never stored),
+//     D  = rowsum(dO * O)        dP = dO V^T        dS = P * (dP - D)
+//     dV = P^T dO                dK = scale * dS^T Q        dQ = scale * dS K
+// P recomputed tile by tile from the forward's log-sum-exp (FlashAttention-2, Dao 2023):
+// P = exp2(s * scale * log2(e) - lse * log2(e)), one FFMA + one MUFU.EX2 per element.
+//
+// Kernels (one launch each, in this order; cuflash/_launch_bwd.py):
+//   flash_bwd_tc_preprocess  D = rowsum(dO * O) and lse2 = lse * log2(e) per query row into a
+//                            float32 workspace, both padded to whole Q tiles (padding rows and
+//                            rows that see no key get lse2 = +inf, so P = 0 there with no
+//                            test in the main loop); zeroes the float32 dQ accumulator(s).
+//   flash_bwd_tc             one block per (KV tile j, kv head, batch): K_j, V_j resident in
+//                            shared memory, (Q_i, dO_i, lse2_i, D_i) streamed for every query
+//                            head of the GQA group and every Q tile that sees K_j, with the next
+//                            tile in flight (cp.async, two buffers) while the current one
+//                            computes.  dK_j, dV_j accumulate in registers (summed over the
+//                            group's heads) and are written once; dQ_i += dS K_j goes to a
+//                            float32 accumulator with red.global.add (vectorised on sm_90).
+//   flash_bwd_tc_dq_convert  dQ = scale * (sum of the accumulator slices, in slice order), in
+//                            the input dtype.
+//
+// Warp layout of flash_bwd_tc.  A key group of kMT * 16 consecutive keys of K_j belongs to
+// kQS warps (block_kv = 16 * kMT * kWarps / kQS); each of them takes kBrw = block_q / kQS of
+// the queries of S^T and dP^T and 1 / kQS of the dK, dV columns:
+//   S^T  = K_w Q_i^T   (kMT*16 x kBrw)     A = K_w rows (ldmatrix.x4), B = Q_i rows (ldmatrix.x4:
+//                                           Q row-major is the "col" B operand of K Q^T)
+//   P^T  = exp2(S^T * scale_log2 - lse2)    in the accumulator layout: lane (g, t) holds keys
+//                                           g, g+8 and queries 2t, 2t+1 of each 8-query tile;
+//                                           kept rounded to the input dtype (packed pairs)
+//   dP^T = V_w dO_i^T, dS^T = P^T (dP^T - D) the same way, dS^T -> shared memory (16-bit)
+//   dV_w += P^T dO_i, dK_w += dS^T Q_i      B = dO_i / Q_i rows with ldmatrix.x4.trans; A =
+//                                           kQS = 1: P^T / dS^T repacked in registers (the
+//                                           accumulator layout IS the A layout: no round trip),
+//                                           before the barrier;
+//                                           kQS = 2: all block_q queries of P^T / dS^T, half of
+//                                           them the pair's other warp's, from shared memory
+//                                           (Ps, dSs; ldmatrix.x4) after the barrier
+//   dQ_i (block_q x d) = dS K_j              after the barrier, kDqM x kDqN warp tiles: A = dS
+//                                           from the stored dS^T (ldmatrix.x4.trans), B = K_j
+//                                           (ldmatrix.x4.trans); each lane reds its pairs.
+// Why: the transposed products need the warp that owns a key to see all queries of it, so a
+// warp's S^T tile is (keys x queries) and it reads the whole Q_i / dO_i tile for its keys:
+// the shared-memory traffic per HMMA falls with the keys a warp (or warp pair) owns.  32 keys
+// per warp (kMT = 2) doubles the dK/dV registers, which fits small head dims (d + dv <= 128);
+// the query split gives 32 keys to a pair of warps for twice those head dims (d = 128: 259
+// B of shared memory per HMMA at 64 x 128 tiles against 307 with 16 keys per warp, and 256
+// for FlashAttention-2's layout; bench/kernel_report.py).  Head dims too large for dK/dV in
+// registers run in kPasses = 2 passes over the Q tiles: pass p accumulates the p-th slice of
+// the dK and dV columns and recomputes S^T and dP^T (dQ is added in pass 0 only).
+//
+// Shared memory (16-bit unless noted; rows padded by 8 elements = 16 bytes, see below):
+//   Ks (Bc, d+8), Vs (Bc, dv+8)            resident
+//   Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8)   double-buffered
+//   dSs (Bc, Br+8)                          dS^T of the current tile (dQ; dK with kQS = 2)
+//   Ps (Bc, Br+8)                           P^T of the current tile (kQS = 2 only)
+//   float lse2_s 2 x Br, D_s 2 x Br
+// Bank conflicts: every ldmatrix phase reads 8 rows of 16 bytes; a padded row stride of
+// 2*d + 16 bytes is an odd multiple of 16 for d a multiple of 16 (mod 128 bytes), so the 8
+// rows land in 8 different 16-byte bank groups -- conflict-free for the plain and the .trans
+// forms alike.  The 32-bit dS^T / P^T stores of a warp hit word (Br+8)/2 * g + t: (Br+8)/2 =
+// 4 (mod 32) words for Br a multiple of 16 ... 4g + t, 32 different banks.  Padding rather
+// than an XOR swizzle: it costs 8 elements per row (about 6-12% more shared memory) but keeps
+// every address a plain row * stride + column, the same in the loads and the fragments.
+//
+// Causal (runtime `causal`, `causal_offset`): query i sees key j iff j <= i + causal_offset.
+// Q tiles that see no key of K_j are never loaded (the loop starts at the first that does);
+// the mask is evaluated only on tiles that cross the boundary or hold keys >= Nk.
+// GQA/MQA: query head h reads kv head h / group; the block loops over the group's heads.
+// Broadcast leading dims arrive as stride 0 (the launcher sums those gradients).
+//
+// dQ accumulation: atomic path (default) -- grid n_kv_tiles x Hk x B, one slice, float32
+// reds from all KV blocks (the summation order is not fixed).  Deterministic path -- grid
+// n_splits x Hk x B: block s handles KV tiles s, s + n_splits, ... one after another and
+// reds into its own slice s, so every element of a slice gets its adds from ONE thread in
+// program order (applied in that order: portable.cuh, gred_add); the convert kernel sums
+// the slices in slice order -> bitwise repeatable.
+//
+// Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
+// CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
+// CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), all from cuflash.tiling
+// ("flash_bwd_tc", which also holds the register arrays to what compiles without spills).
+// Limits: d, dv multiples of 16 up to 256; Br, Bc multiples of 16; 16-byte aligned rows of
+// q, k, v, o, do (element strides multiples of 8; the launcher copies other inputs).  On
+// GPUs before sm_80 portable.cuh's software mma and synchronous copies run instead.
+#if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
+#error "flash_bwd_tc supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16 only"
+#endif
+#include "dtype.cuh"
+#include "params.cuh"
+
+// Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
+// builds only the preprocess and convert kernels (they need just the dtype, d and dv);
+// -DCUFLASH_BWD_TC_MAIN only flash_bwd_tc; neither builds all three.
+#if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V)
+#error "define CUFLASH_HEAD_DIM and CUFLASH_HEAD_DIM_V"
+#endif
+constexpr int kD = CUFLASH_HEAD_DIM;
+constexpr int kDv = CUFLASH_HEAD_DIM_V;
+static_assert(kD % 16 == 0 && kDv % 16 == 0 && kD <= 256 && kDv <= 256, "d, dv: multiples of 16 up to 256");
+// float32 log2(e): exp(x) = exp2(x * log2(e))
+#define CUFLASH_LOG2E 1.4426950408889634f
+
+#ifndef CUFLASH_BWD_TC_HELPERS
+#if !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
+#error "define CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV and CUFLASH_THREADS"
+#endif
+#ifndef CUFLASH_BWD_PASSES
+#define CUFLASH_BWD_PASSES 1
+#endif
+#ifndef CUFLASH_BWD_QSPLIT
+#define CUFLASH_BWD_QSPLIT 1
+#endif
+constexpr int kBr = CUFLASH_BLOCK_Q;
+constexpr int kBc = CUFLASH_BLOCK_KV;
+constexpr int kThreads = CUFLASH_THREADS;
+constexpr int kWarps = kThreads / 32;
+constexpr int kQS = CUFLASH_BWD_QSPLIT;   // warps sharing one key group (query / column split)
+constexpr int kMT = kBc * kQS / (16 * kWarps);  // m16 key tiles per warp
+constexpr int kPasses = CUFLASH_BWD_PASSES;
+constexpr int kBrw = kBr / kQS;           // queries of S^T / dP^T per warp
+constexpr int kKS = kD + 8;               // padded row strides (elements)
+constexpr int kVS = kDv + 8;
+constexpr int kSS = kBr + 8;
+constexpr int kNQ = kBrw / 8;             // 8-query tiles of S^T per m16 key tile
+// dK / dV columns per warp and pass, in 16-column chunks: the columns are cut into
+// kPasses * kQS slices (the last may be shorter); warp qh of a key group takes slice
+// pass * kQS + qh
+constexpr int kSlices = kPasses * kQS;
+constexpr int kKC = (kD / 16 + kSlices - 1) / kSlices;
+constexpr int kVC = (kDv / 16 + kSlices - 1) / kSlices;
+// dQ warp tiles: kDqM rows x kDqN columns (at most 32 accumulator floats per lane), as
+// square as the tile allows while giving every warp a tile
+constexpr int kDqM = (kBr % 32 == 0 && kD % 32 == 0 && (kBr / 32) * (kD / 32) >= kWarps) ? 32 : 16;
+constexpr int kDqN = kDqM == 32 ? 32
+                   : (kD % 64 == 0 && (kBr / 16) * (kD / 64) >= kWarps) ? 64
+                   : (kD % 32 == 0 && (kBr / 16) * (kD / 32) >= kWarps) ? 32 : 16;
+constexpr int kDqTiles = (kBr / kDqM) * (kD / kDqN);
+
+static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
+              "block_kv must be 16 or 32 keys per warp");
+static_assert((kQS == 1 || kQS == 2) && kWarps % kQS == 0 && kBrw % 16 == 0 && kBr <= 128,
+              "block_q: a multiple of 16 (32 with the query split) up to 128");
+static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
+
+// ------------------------------------------------------------------------------------------
+// Start copying `rows` valid rows of a (kRows, kCols) 16-bit tile (global row stride gs
+// elements) into shared memory (row stride kSt) with 16-byte cp.async; rows >= rows are
+// zero-filled with plain stores.  Visible to other threads after cp_async_wait + __syncthreads.
+template <int kRows, int kCols, int kSt>
+__device__ __forceinline__ void load_rows_async(elem_t* s, const elem_t* g, long long gs, int rows, int tid) {
+    constexpr int kChunks = kCols / 8;
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+        const int r = idx / kChunks, c = (idx - (idx / kChunks) * kChunks) * 8;
+        if (r < rows) cp_async_16(s + r * kSt + c, g + r * gs + c);
+        else cuflash_zero_b128(s + r * kSt + c);
+    }
+}
+
+// kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
+__device__ __forceinline__ void load_floats_async(float* s, const float* g, int tid) {
+    for (int idx = tid; idx < kBr / 4; idx += kThreads) cp_async_16(s + 4 * idx, g + 4 * idx);
+}
+
+// acc[mt] (16 keys x this slice's kC * 16 columns) += A[mt] (16 keys x queries 16kc..16kc+15,
+// fragments in registers) * B, B = those 16 rows of the row-major (queries x kCols) tile `b`
+// (row stride kSt): the "col" operand of the mma is the transposed 8x8 blocks, read with
+// ldmatrix.x4.trans (two 8-column tiles per load).  dV += P^T dO and dK += dS^T Q.
+template <int kC, int kSt, int kCols>
+__device__ __forceinline__ void mma_rows_times_tile(float (&acc)[kMT][2 * kC][4], const uint32_t (&a)[kMT][4],
+                                                    const elem_t* b, int kc, int slice, int lane) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+        const int col = (slice * kC + c) * 16;
+        if (kSlices == 1 || col < kCols) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, b + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kSt + col + (lane >> 4) * 8);
+            const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_m16n8k16<elem_t>(acc[mt][2 * c], a[mt], b0, acc[mt][2 * c]);
+                mma_m16n8k16<elem_t>(acc[mt][2 * c + 1], a[mt], b1, acc[mt][2 * c + 1]);
+            }
+        }
+    }
+}
+
+// A 16 x 16 tile of 16-bit pairs in the mma A layout (a0: rows g, cols 2t..; a1: rows g+8;
+// a2: cols +8; a3: both) stored row-major at `row` (= &tile[g][2t], row stride kSS): four
+// conflict-free 32-bit stores (bank 4g + t of each quarter).
+__device__ __forceinline__ void store_pair_tile(elem_t* row, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+    cuflash_store_b32(row, a0);
+    cuflash_store_b32(row + 8 * kSS, a1);
+    cuflash_store_b32(row + 8, a2);
+    cuflash_store_b32(row + 8 * kSS + 8, a3);
+}
+
+#endif  // !CUFLASH_BWD_TC_HELPERS
+
+#ifndef CUFLASH_BWD_TC_MAIN
+// ------------------------------------------------------------------------------------------
+// D = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for padding rows and rows that see no
+// key), rows [0, nq_pad) of every (b, h); zeroes the rows < Nq of every dQ accumulator slice.
+// grid ceil(nq_pad / pre_rows) * H * B (folded), 128 threads: 8 lanes per row, each lane
+// reads 16 bytes of O and dO at a time (coalesced 128-byte rows per 8 lanes).
+constexpr int kPreThreads = 128;
+extern "C" __global__ void __launch_bounds__(kPreThreads)
+flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__ dO,
+                        const float* __restrict__ LSE, float* __restrict__ ws,
+                        const BwdParams* __restrict__ P) {
+    const BwdParams& p = *P;
+    const int tid = threadIdx.x;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_pre_tiles, p.H);
+    const int h = fi.h, b = fi.b, Nq = p.Nq, nq_pad = p.nq_pad;
+    const size_t bh = (size_t)b * p.H + h;
+    const elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
+    const elem_t* dOb = dO + b * p.do_sb + h * p.do_sh;
+    float* lse2 = ws + bh * nq_pad;
+    float* D = ws + p.d_offset + bh * nq_pad;
+    const int r0 = fi.tile * p.pre_rows;
+    const int r_end = min(nq_pad, r0 + p.pre_rows);
+    const int sub = tid & 7;
+    // every lane runs the same number of row groups (the shuffles need the whole warp)
+    for (int rg = r0; rg < r_end; rg += kPreThreads / 8) {
+        const int r = rg + (tid >> 3);
+        float part = 0.0f;
+        if (r < Nq) {
+            for (int c = sub * 8; c < kDv; c += 64) {
+                const uint4 o4 = gload(reinterpret_cast<const uint4*>(Ob + r * p.o_sr + c));
+                const uint4 d4 = gload(reinterpret_cast<const uint4*>(dOb + r * p.do_sr + c));
+                const uint32_t ow[4] = {o4.x, o4.y, o4.z, o4.w}, dw[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    float a0, a1, b0, b1;
+                    unpack2<elem_t>(ow[w], a0, a1);
+                    unpack2<elem_t>(dw[w], b0, b1);
+                    part += a0 * b0 + a1 * b1;
+                }
+            }
+        }
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        if (sub == 0 && r < r_end) {
+            float l2 = INFINITY;  // padding rows, and rows that see no key (lse = -inf): P = 0
+            if (r < Nq) {
+                const float l = gload(LSE + bh * Nq + r);
+                if (l != -INFINITY) l2 = l * CUFLASH_LOG2E;
+            }
+            gstore(lse2 + r, l2);
+            gstore(D + r, r < Nq ? part : 0.0f);
+        }
+    }
+    // zero this block's rows of every dQ accumulator slice (16-byte stores)
+    const int z_end = min(Nq, r_end);
+    if (z_end > r0) {
+        const long long n4 = (long long)(z_end - r0) * kD / 4;
+        for (int s = 0; s < p.n_splits; ++s) {
+            float* acc = ws + p.dq_accum_offset + s * p.dq_slice_stride + (bh * Nq + r0) * kD;
+            for (long long e = tid; e < n4; e += kPreThreads)
+                gstore(reinterpret_cast<float4*>(acc) + e, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        }
+    }
+}
+
+#endif  // !CUFLASH_BWD_TC_MAIN
+
+#ifndef CUFLASH_BWD_TC_HELPERS
+// ------------------------------------------------------------------------------------------
+// dK, dV, and dQ by float32 reds.  grid n_kv_blocks * Hk * B (folded), kThreads threads.
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+             const elem_t* __restrict__ dO, float* __restrict__ ws, elem_t* __restrict__ dK,
+             elem_t* __restrict__ dV, const BwdParams* __restrict__ P) {
+    CUFLASH_DYNAMIC_SHARED(elem_t, smem);
+    elem_t* Ks = smem;                        // (Bc, d+8)        K_j, resident
+    elem_t* Vs = Ks + kBc * kKS;              // (Bc, dv+8)       V_j, resident
+    elem_t* Qs = Vs + kBc * kVS;              // 2 x (Br, d+8)    Q_i, double buffered
+    elem_t* dOs = Qs + 2 * kBr * kKS;         // 2 x (Br, dv+8)   dO_i, double buffered
+    elem_t* dSs = dOs + 2 * kBr * kVS;        // (Bc, Br+8)       dS^T of the current tile
+    elem_t* Ps = dSs + kBc * kSS;             // (Bc, Br+8)       P^T (query split only)
+    float* lse_s = reinterpret_cast<float*>(Ps + (kQS == 2 ? kBc * kSS : 0));  // 2 x Br   lse2_i
+    float* D_s = lse_s + 2 * kBr;                               // 2 x Br   D_i
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdParams& p = *P;
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
+    const int nq_pad = p.nq_pad;
+    const float scale_log2 = (float)p.scale * CUFLASH_LOG2E;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
+    const int hk = fi.h, b = fi.b;
+    const size_t bhk = (size_t)b * p.Hk + hk;
+    float* dq_acc = ws + p.dq_accum_offset + (p.n_splits > 1 ? fi.tile * p.dq_slice_stride : 0);
+    const float* lse2 = ws;
+    const float* Dws = ws + p.d_offset;
+    const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
+    const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
+    const int n_q_tiles = (Nq + kBr - 1) / kBr;
+    const int qh = warp % kQS;                // query half (S^T, dP^T) and column slice (dK, dV)
+    const int kw0 = (warp / kQS) * kMT * 16;  // this warp's first key in the tile
+    const int qw0 = qh * kBrw;                // this warp's first query of the tile
+
+    for (int jt = fi.tile; jt < p.n_kv_tiles; jt += p.n_kv_blocks) {
+        const int kv0 = jt * kBc;
+        const int kv_rows = min(kBc, Nk - kv0);
+        // causal: Q tiles before the one holding row kv0 - off see no key of this tile
+        int it0 = 0;
+        if (causal) {
+            const long long i_min = (long long)kv0 - off;
+            it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
+        }
+        const int n_i = n_q_tiles - it0;
+        const int T = group * n_i;            // (head, Q tile) pairs this block visits
+        elem_t* dKt = dK + (bhk * Nk + kv0) * kD;
+        elem_t* dVt = dV + (bhk * Nk + kv0) * kDv;
+        if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
+            for (int e = tid; e < kv_rows * kD; e += kThreads) gstore(dKt + e, elem_t(0.0f));
+            for (int e = tid; e < kv_rows * kDv; e += kThreads) gstore(dVt + e, elem_t(0.0f));
+            continue;
+        }
+
+        for (int pass = 0; pass < kPasses; ++pass) {
+            // -- prologue: (K_j, V_j on the first pass) and the first (Q, dO, lse2, D) tile
+            auto issue_tile = [&](int tt, int buf) {
+                const int gg = tt / n_i, i = it0 + (tt - (tt / n_i) * n_i);
+                const int h = hk * group + gg;
+                const int q0 = i * kBr;
+                const int rows = min(kBr, Nq - q0);
+                load_rows_async<kBr, kD, kKS>(Qs + buf * kBr * kKS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr,
+                                              p.q_sr, rows, tid);
+                load_rows_async<kBr, kDv, kVS>(dOs + buf * kBr * kVS,
+                                               dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, p.do_sr, rows, tid);
+                const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
+                load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
+                load_floats_async(D_s + buf * kBr, Dws + row0, tid);
+            };
+            if (pass == 0) {
+                load_rows_async<kBc, kD, kKS>(Ks, Kb + kv0 * p.k_sr, p.k_sr, kv_rows, tid);
+                load_rows_async<kBc, kDv, kVS>(Vs, Vb + kv0 * p.v_sr, p.v_sr, kv_rows, tid);
+            }
+            issue_tile(0, 0);
+            cp_async_commit();
+
+            float dk[kMT][2 * kKC][4], dv[kMT][2 * kVC][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int n = 0; n < 2 * kKC; ++n) dk[mt][n][0] = dk[mt][n][1] = dk[mt][n][2] = dk[mt][n][3] = 0.0f;
+#pragma unroll
+                for (int n = 0; n < 2 * kVC; ++n) dv[mt][n][0] = dv[mt][n][1] = dv[mt][n][2] = dv[mt][n][3] = 0.0f;
+            }
+
+            for (int tt = 0; tt < T; ++tt) {
+                const int buf = tt & 1;
+                const int gg = tt / n_i, i = it0 + (tt - (tt / n_i) * n_i);
+                const int h = hk * group + gg;
+                const int q0 = i * kBr;
+                cp_async_wait<0>();  // this thread's copies of tile tt (and K_j, V_j)
+                // (A) Tile tt (copies and zero fills of every thread) is visible to all warps,
+                // and every warp has finished iteration tt - 1: its reads of the other buffer,
+                // of Ps / dSs and of Ks are done, so the prefetch below may overwrite that
+                // buffer and this iteration may rewrite Ps / dSs.
+                __syncthreads();
+                // -- the next tile goes into the other buffer while this one computes
+                if (tt + 1 < T) {
+                    issue_tile(tt + 1, buf ^ 1);
+                    cp_async_commit();
+                }
+                const elem_t* Qt = Qs + buf * kBr * kKS;
+                const elem_t* dOt = dOs + buf * kBr * kVS;
+                const float* lse_t = lse_s + buf * kBr;
+                const float* D_t = D_s + buf * kBr;
+                // the mask is needed only where the tile crosses the causal boundary or
+                // holds keys past Nk (zero-filled rows of K_j would give s = 0, not -inf)
+                const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);
+                const int slice = pass * kQS + qh;  // this warp's dK / dV column slice
+
+                // -- S^T = K_w Q_i^T
+                float s[kMT][kNQ][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < kNQ; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+#pragma unroll 1
+                for (int kk = 0; kk < kD; kk += 16) {  // (rolled: keeps the code and ptxas time small)
+                    uint32_t a[kMT][4];
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+                        ldmatrix_x4(a[mt], Ks + (kw0 + mt * 16 + (lane & 15)) * kKS + kk + (lane >> 4) * 8);
+#pragma unroll
+                    for (int n = 0; n < kNQ; n += 2) {
+                        uint32_t bb[4];
+                        ldmatrix_x4(bb, Qt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kKS + kk +
+                                            ((lane >> 3) & 1) * 8);
+                        const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            mma_m16n8k16<elem_t>(s[mt][n], a[mt], b0, s[mt][n]);
+                            mma_m16n8k16<elem_t>(s[mt][n + 1], a[mt], b1, s[mt][n + 1]);
+                        }
+                    }
+                }
+                // -- P^T = exp2(S^T * scale * log2(e) - lse2), masked where needed, kept in
+                // the input dtype: pp[mt][n] = (keys g | g+8) x (queries 2t, 2t+1) as two
+                // 16-bit pairs -- the A operand of dV += P^T dO as it stands, and half the
+                // registers of float P while dP^T is computed (P is rounded there anyway)
+                uint32_t pp[kMT][kNQ][2];
+#pragma unroll
+                for (int n = 0; n < kNQ; ++n) {
+                    const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
+                            if (need_mask) {
+                                const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
+                                const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
+                                if (key >= Nk || (causal && key > qry + off)) x = -INFINITY;
+                            }
+                            s[mt][n][e] = cuflash_exp2(x);
+                        }
+                        pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
+                        pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                    }
+                }
+                // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers
+                if (kQS == 1) {
+#pragma unroll
+                    for (int kc = 0; kc < kBr / 16; ++kc) {
+                        uint32_t a[kMT][4];
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            a[mt][0] = pp[mt][2 * kc][0];
+                            a[mt][1] = pp[mt][2 * kc][1];
+                            a[mt][2] = pp[mt][2 * kc + 1][0];
+                            a[mt][3] = pp[mt][2 * kc + 1][1];
+                        }
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
+                    }
+                } else {
+                    // query split: this warp's half of P^T to Ps, for both warps of the pair
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int kc = 0; kc < kBrw / 16; ++kc)
+                            store_pair_tile(Ps + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
+                                            pp[mt][2 * kc][0], pp[mt][2 * kc][1], pp[mt][2 * kc + 1][0],
+                                            pp[mt][2 * kc + 1][1]);
+                }
+                // -- dP^T = V_w dO_i^T
+                float dp[kMT][kNQ][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < kNQ; ++n) dp[mt][n][0] = dp[mt][n][1] = dp[mt][n][2] = dp[mt][n][3] = 0.0f;
+#pragma unroll 1
+                for (int kk = 0; kk < kDv; kk += 16) {
+                    uint32_t a[kMT][4];
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+                        ldmatrix_x4(a[mt], Vs + (kw0 + mt * 16 + (lane & 15)) * kVS + kk + (lane >> 4) * 8);
+#pragma unroll
+                    for (int n = 0; n < kNQ; n += 2) {
+                        uint32_t bb[4];
+                        ldmatrix_x4(bb, dOt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kVS + kk +
+                                            ((lane >> 3) & 1) * 8);
+                        const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            mma_m16n8k16<elem_t>(dp[mt][n], a[mt], b0, dp[mt][n]);
+                            mma_m16n8k16<elem_t>(dp[mt][n + 1], a[mt], b1, dp[mt][n + 1]);
+                        }
+                    }
+                }
+                // -- dS^T = P^T * (dP^T - D_i), into dp (P^T is dead afterwards)
+#pragma unroll
+                for (int n = 0; n < kNQ; ++n) {
+                    const float2 dd = *reinterpret_cast<const float2*>(D_t + qw0 + n * 8 + 2 * t);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            float p0, p1;
+                            unpack2<elem_t>(pp[mt][n][hh], p0, p1);
+                            dp[mt][n][2 * hh] = p0 * (dp[mt][n][2 * hh] - dd.x);
+                            dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);
+                        }
+                }
+                // -- dS^T to dSs (for dQ; with the query split also for dK); without the split
+                // dK_w += dS^T Q_i right here, A from registers
+#pragma unroll
+                for (int kc = 0; kc < kBrw / 16; ++kc) {
+                    uint32_t a[kMT][4];
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        a[mt][0] = cvt_pack2<elem_t>(dp[mt][2 * kc][0], dp[mt][2 * kc][1]);
+                        a[mt][1] = cvt_pack2<elem_t>(dp[mt][2 * kc][2], dp[mt][2 * kc][3]);
+                        a[mt][2] = cvt_pack2<elem_t>(dp[mt][2 * kc + 1][0], dp[mt][2 * kc + 1][1]);
+                        a[mt][3] = cvt_pack2<elem_t>(dp[mt][2 * kc + 1][2], dp[mt][2 * kc + 1][3]);
+                        if (pass == 0 || kQS == 2)
+                            store_pair_tile(dSs + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
+                                            a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+                    }
+                    if (kQS == 1) mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
+                }
+                // (B) dS^T (and with the query split P^T) of every warp is in shared memory
+                // before the phase below reads it.
+                __syncthreads();
+
+                if (kQS == 2) {
+                    // -- dV_w += P^T dO_i, dK_w += dS^T Q_i over all queries, A from Ps / dSs
+#pragma unroll
+                    for (int kc = 0; kc < kBr / 16; ++kc) {
+                        uint32_t a[kMT][4];
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt)
+                            ldmatrix_x4(a[mt], Ps + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt)
+                            ldmatrix_x4(a[mt], dSs + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
+                        mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
+                    }
+                }
+
+                // -- dQ_i += dS K_j (pass 0): kDqM x kDqN tiles, float32 reds
+                if (pass == 0) {
+                    float* dq_rows = dq_acc + (((size_t)b * p.H + h) * Nq + q0) * kD;
+                    for (int tq = warp; tq < kDqTiles; tq += kWarps) {
+                        const int rq = (tq / (kD / kDqN)) * kDqM;
+                        const int cq = (tq - (tq / (kD / kDqN)) * (kD / kDqN)) * kDqN;
+                        float acc[kDqM / 16][kDqN / 8][4];
+#pragma unroll
+                        for (int m = 0; m < kDqM / 16; ++m)
+#pragma unroll
+                            for (int n = 0; n < kDqN / 8; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+#pragma unroll 1
+                        for (int kc = 0; kc < kBc / 16; ++kc) {
+                            uint32_t a[kDqM / 16][4];
+#pragma unroll
+                            for (int m = 0; m < kDqM / 16; ++m)
+                                ldmatrix_x4_trans(a[m], dSs + (kc * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * kSS + rq +
+                                                            m * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                            for (int n = 0; n < kDqN / 8; n += 2) {
+                                uint32_t bb[4];
+                                ldmatrix_x4_trans(bb, Ks + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKS + cq +
+                                                          n * 8 + (lane >> 4) * 8);
+                                const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+                                for (int m = 0; m < kDqM / 16; ++m) {
+                                    mma_m16n8k16<elem_t>(acc[m][n], a[m], b0, acc[m][n]);
+                                    mma_m16n8k16<elem_t>(acc[m][n + 1], a[m], b1, acc[m][n + 1]);
+                                }
+                            }
+                        }
+#pragma unroll
+                        for (int m = 0; m < kDqM / 16; ++m)
+#pragma unroll
+                            for (int hh = 0; hh < 2; ++hh) {
+                                const int r = rq + m * 16 + g + 8 * hh;
+                                if (q0 + r < Nq) {
+#pragma unroll
+                                    for (int n = 0; n < kDqN / 8; ++n)
+                                        gred_add_v2(dq_rows + r * kD + cq + n * 8 + 2 * t, acc[m][n][2 * hh],
+                                                    acc[m][n][2 * hh + 1]);
+                                }
+                            }
+                    }
+                }
+            }
+
+            // -- dK_j (scaled) and dV_j, this warp's and pass's columns; keys >= Nk not written
+            {
+                const int slice = pass * kQS + qh;
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int key = kw0 + mt * 16 + g + 8 * hh;
+                        if (key < kv_rows) {
+#pragma unroll
+                            for (int n = 0; n < 2 * kKC; ++n) {
+                                const int col = slice * kKC * 16 + n * 8 + 2 * t;
+                                if (kSlices == 1 || col < kD)
+                                    gstore(reinterpret_cast<uint32_t*>(dKt + key * kD + col),
+                                           cvt_pack2<elem_t>(dk[mt][n][2 * hh] * (float)p.scale,
+                                                             dk[mt][n][2 * hh + 1] * (float)p.scale));
+                            }
+#pragma unroll
+                            for (int n = 0; n < 2 * kVC; ++n) {
+                                const int col = slice * kVC * 16 + n * 8 + 2 * t;
+                                if (kSlices == 1 || col < kDv)
+                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
+                            }
+                        }
+                    }
+            }
+            // Every warp is done with the last tile's dQ phase (reads of Ks, dSs) and buffers
+            // before the next pass or KV tile reloads them.
+            __syncthreads();
+        }
+    }
+}
+
+#endif  // !CUFLASH_BWD_TC_HELPERS
+
+#ifndef CUFLASH_BWD_TC_MAIN
+// ------------------------------------------------------------------------------------------
+// dQ = scale * sum_s accumulator[s] (slices summed in order 0, 1, ...: deterministic), four
+// elements per thread and step (16-byte loads, 8-byte stores), grid-stride.
+constexpr int kConvThreads = 256;
+extern "C" __global__ void __launch_bounds__(kConvThreads)
+flash_bwd_tc_dq_convert(const float* __restrict__ ws, elem_t* __restrict__ dQ, const BwdParams* __restrict__ P) {
+    const BwdParams& p = *P;
+    const float* acc = ws + p.dq_accum_offset;
+    const long long n4 = p.n_convert / 4;  // d is a multiple of 16
+    const float scale = (float)p.scale;
+    for (long long e = (long long)blockIdx.x * kConvThreads + threadIdx.x; e < n4;
+         e += (long long)gridDim.x * kConvThreads) {
+        float4 x = gload(reinterpret_cast<const float4*>(acc) + e);
+        for (int s = 1; s < p.n_splits; ++s) {
+            const float4 y = gload(reinterpret_cast<const float4*>(acc + s * p.dq_slice_stride) + e);
+            x.x += y.x; x.y += y.y; x.z += y.z; x.w += y.w;
+        }
+        const uint2 out = make_uint2(cvt_pack2<elem_t>(x.x * scale, x.y * scale),
+                                     cvt_pack2<elem_t>(x.z * scale, x.w * scale));
+        gstore(reinterpret_cast<uint2*>(dQ) + e, out);
+    }
+}
+#endif  // !CUFLASH_BWD_TC_MAIN

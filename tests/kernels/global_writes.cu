@@ -1,0 +1,46 @@
+// Global-memory writes the emulator checks across blocks, and the backward kernels' new
+// primitives (portable.cuh: gred_add*, cvt_pack2), each checked by tests/test_emulator_global_writes.py.
+#include "portable.cuh"
+
+// Correct: block b writes elements [b*n, (b+1)*n) -- no two blocks store to one address.
+extern "C" __global__ void own_slices(float* out, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) gstore(out + blockIdx.x * n + i, (float)blockIdx.x);
+}
+
+// Planted bug: block b writes [b*n, b*n + n] -- one element past its slice, which is the
+// next block's first element.  On a GPU the value left there depends on which block runs
+// last; the emulator's inter-block check must name the kernel, both blocks and the address.
+extern "C" __global__ void overlapping_slices(float* out, int n) {
+    for (int i = threadIdx.x; i <= n; i += blockDim.x)
+        if (blockIdx.x * n + i < gridDim.x * n) gstore(out + blockIdx.x * n + i, (float)blockIdx.x);
+}
+
+// Every block adds into the same elements with reds (they commute): not a race.  Thread t
+// of every block adds (b + 1) to out[t] (scalar), and the pair / quad at out[n + 2t], out[n + 64 + 4t].
+extern "C" __global__ void reds_from_every_block(float* out, int n) {
+    const int t = threadIdx.x;
+    const float x = (float)(blockIdx.x + 1);
+    gred_add(out + t, x);
+    gred_add_v2(out + n + 2 * t, x, 2.0f * x);
+    gred_add_v4(out + n + 64 + 4 * t, x, 2.0f * x, 3.0f * x, 4.0f * x);
+}
+
+// A misaligned vector red (8-byte aligned only): must fail like the hardware would.
+extern "C" __global__ void misaligned_red_v4(float* out) {
+    gred_add_v4(out + 2, 1.0f, 1.0f, 1.0f, 1.0f);
+}
+
+// out[i] = the bits of cvt_pack2<T>(x[2i], x[2i+1]) (two 16-bit values, x[2i] in the low half).
+extern "C" __global__ void pack_halves(const float* x, unsigned* out_h, unsigned* out_b, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float lo = gload(x + 2 * i), hi = gload(x + 2 * i + 1);
+        gstore(out_h + i, cvt_pack2<__half>(lo, hi));
+        gstore(out_b + i, cvt_pack2<__nv_bfloat16>(lo, hi));
+    }
+}
+
+// out[i] = cuflash_exp2(x[i])
+extern "C" __global__ void exp2_of(const float* x, float* out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        gstore(out + i, cuflash_exp2(gload(x + i)));
+}
