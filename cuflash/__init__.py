@@ -15,6 +15,7 @@ Better Parallelism and Work Partitioning", 2023).
 """
 from . import reference  # noqa: F401  (NumPy only; help(cuflash.reference.<name>) after import cuflash)
 from ._dispatch import available_backends, get_backend
+from .reference.masks import dropout_mask
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "tiled_attention", "tiled_attention_backward",
     "memory_analysis", "verify_no_full_materialization",
     "attention_with_kvcache", "varlen_attention", "varlen_attention_backward",
+    "dropout_mask",
 ]
 
 _INPUTS_DOC = """q : ndarray, shape (..., Nq, d)
@@ -36,6 +38,43 @@ _INPUTS_DOC = """q : ndarray, shape (..., Nq, d)
         attention (GQA/MQA) when the heads axis (-3) of k/v, Hk, divides q's H and
         is neither 1 nor H: query head h reads kv head ``h // (H // Hk)``, with no
         copy of k or v.  Not modified; non-contiguous views are accepted."""
+
+# The logit features mask(scale * Q K^T + bias) of the seed derivation, documented once
+# here and inserted into every function that takes causal.
+_FEATURES_DOC = """bias : ndarray, optional
+        Added to the scaled (and softcapped) logits: any shape that broadcasts to
+        ``(..., Nq, Nk)`` with the output's leading dims (a broadcast axis costs no
+        memory: the kernels read it with stride 0, tile by tile, never expanded);
+        any float dtype, used in float32 (float64 for float64 inputs).  ``-inf``
+        entries mask keys.
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``: query i sees key j iff
+        ``i + off - left <= j <= i + off + right`` with ``off = Nk - Nq`` (the
+        bottom-right alignment of flash-attn's ``window_size``); None or a
+        negative side is unbounded.  Intersected with ``causal`` (with
+        ``causal=True`` the right side is 0).  Key tiles outside the band are
+        never loaded, so the cost grows with the window, not with Nk.
+    alibi_slopes : ndarray, shape (H,) or (B, H), optional
+        ALiBi: adds ``-slope[b, h] * |i + off - j|`` to the logits, computed in the
+        kernel (no bias tensor).  float32 (float64 inputs: read as float64).
+    softcap : float, optional
+        ``c > 0``: the scaled logits ``s = scale * q_i . k_j`` become
+        ``c * tanh(s / c)`` before bias, ALiBi and masking (as flash-attn).
+    dropout_p : float
+        Dropout on the attention probabilities, in [0, 1): ``o = (P * keep /
+        (1 - dropout_p)) V``, P the softmax (lse is the undropped softmax's).
+        ``keep`` comes from a counter-based generator (Philox4x32-10 keyed by
+        ``seed`` and indexed by (batch, head, i, j)), so every backend drops the
+        same elements for the same seed and the backward regenerates the mask
+        instead of storing it; :func:`dropout_mask` returns it.
+    seed : int, optional
+        In [0, 2**64); required when ``dropout_p > 0``."""
+
+# the tensor-core kernels do not take the features yet: calls that use one run the SIMT
+# kernels (every dtype), which is said here once
+_FEATURES_NOTE = """Calls with any of bias, window, alibi_slopes, softcap or dropout_p run the SIMT
+    kernels of ``kernels_cu/flash_fwd.cu`` / ``flash_bwd.cu`` on "cuda" (every dtype; the
+    tensor-core kernels do not take these features yet) and no split-KV."""
 
 
 def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, backend=None,
@@ -151,7 +190,8 @@ def online_softmax_2d(x, chunk_size=None, *, return_stats=False, backend=None):
     return get_backend(backend, x, names="x").online_softmax_2d(x, chunk_size, return_stats=return_stats)
 
 
-def standard_attention(q, k, v, *, scale=None, causal=False, backend=None):
+def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                       alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, backend=None):
     """Textbook attention that materialises the (Nq, Nk) probabilities.
 
     ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole logits matrix S
@@ -168,22 +208,29 @@ def standard_attention(q, k, v, *, scale=None, causal=False, backend=None):
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
         (flash-attn >= 2.1); ``"top_left"``: iff ``j <= i`` (PyTorch's
         ``is_causal``).  A row that sees no key gives 0, never NaN.
+    {features}
     backend : {{None, "numpy", "cuda", "emulator"}}
 
     Returns
     -------
     o : ndarray, shape (..., Nq, dv), dtype of q
     p : ndarray, shape (..., Nq, Nk), dtype of q
-        The attention probabilities (0 for hidden keys and for rows that see none).
+        The attention probabilities (0 for hidden keys and for rows that see none),
+        before dropout.
 
     See Also
     --------
     tiled_attention : the same output without any (Nq, Nk) array.
     """
-    return get_backend(backend, q, k, v, names="q k v").standard_attention(q, k, v, scale=scale, causal=causal)
+    return get_backend(backend, q, k, v, bias, alibi_slopes,
+                       names="q k v bias alibi_slopes").standard_attention(
+        q, k, v, scale=scale, causal=causal, bias=bias, window=window, alibi_slopes=alibi_slopes,
+        softcap=softcap, dropout_p=dropout_p, seed=seed)
 
 
-def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, backend=None):
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
+                                window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                                seed=None, return_dbias=False, backend=None):
     """Textbook attention backward that stores P.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
@@ -193,8 +240,10 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, backen
     ----------
     do : ndarray, shape (..., Nq, dv)
         Gradient of the loss with respect to the output; dtype of q.
-    q, k, v, scale, causal
-        As in :func:`standard_attention`.
+    q, k, v, scale, causal, bias, window, alibi_slopes, softcap, dropout_p, seed
+        As in :func:`standard_attention` (the forward's values).
+    return_dbias : bool
+        Also return the gradient of ``bias`` (see :func:`tiled_attention_backward`).
     backend : {None, "numpy", "cuda", "emulator"}
 
     Returns
@@ -203,13 +252,19 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, backen
         Shapes and dtype of q, k, v; gradients of broadcast or grouped inputs
         are summed over the axes they were broadcast along.  Rows that see no
         key contribute 0.
+    dbias : ndarray, shape and dtype of bias
+        Only with ``return_dbias``.
     """
-    return get_backend(backend, do, q, k, v, names="do q k v").standard_attention_backward(
-        do, q, k, v, scale=scale, causal=causal)
+    return get_backend(backend, do, q, k, v, bias, alibi_slopes,
+                       names="do q k v bias alibi_slopes").standard_attention_backward(
+        do, q, k, v, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        return_dbias=return_dbias)
 
 
-def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False, num_splits=None, backend=None):
+def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
+                    block_kv=None, return_lse=False, num_splits=None, backend=None):
     """FlashAttention forward: exact attention without any (Nq, Nk) array.
 
     Query tiles ``Qi`` of ``block_q`` (Br) rows stay put while key/value tiles
@@ -227,6 +282,7 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
         (flash-attn >= 2.1); ``"top_left"``: iff ``j <= i`` (PyTorch's
         ``is_causal``).  A row that sees no key gives o = 0 and lse = -inf.
+    {features}
     block_q, block_kv : int, optional
         Br and Bc.  None picks good sizes for the backend and problem (the GPU
         kernels: :mod:`cuflash.tiling`, against the device's shared memory);
@@ -251,21 +307,26 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     o : ndarray, shape (..., Nq, dv), dtype of q
         Leading dims: the broadcast of q's and k/v's (GQA: q's).
     lse : ndarray, shape (..., Nq), float32 (float64 for float64 inputs)
-        Only with ``return_lse``: ``log(sum_j exp(scale * q_i . k_j))`` over
-        the visible keys.
+        Only with ``return_lse``: ``log(sum_j exp(s_ij))`` over the visible
+        keys, with ``s`` the logits after softcap, bias and ALiBi (the
+        undropped softmax).
 
     Raises
     ------
     TypeError
         Non-arrays, integer/bool/complex dtypes, differing dtypes, arrays of
-        two libraries.
+        two libraries (bias and alibi_slopes included).
     ValueError
         Inconsistent shapes (named in the message), unknown ``causal``, bad or
-        unsupported tile sizes, a backend that is not available here.
+        unsupported tile sizes, a backend that is not available here; a bias
+        that does not broadcast to the logits, slopes of the wrong shape, a
+        window that is not a pair of ints, softcap <= 0, dropout_p outside
+        [0, 1) or without a seed.
 
     Notes
     -----
     float16/bfloat16/float32 are computed in float32, float64 in float64.
+    {features_note}
     Extra memory is O(Br * Bc) per thread block (or CPU worker) plus O(Nq)
     for the row statistics: see :func:`memory_analysis`.  On "cuda" the first
     call of a configuration compiles its kernel (see :func:`precompile`);
@@ -281,18 +342,23 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     >>> o.shape, lse.shape
     ((2, 8, 100, 64), (2, 8, 100))
     """
-    return get_backend(backend, q, k, v, names="q k v").tiled_attention(
-        q, k, v, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv,
+    return get_backend(backend, q, k, v, bias, alibi_slopes,
+                       names="q k v bias alibi_slopes").tiled_attention(
+        q, k, v, scale=scale, causal=causal, bias=bias, window=window, alibi_slopes=alibi_slopes,
+        softcap=softcap, dropout_p=dropout_p, seed=seed, block_q=block_q, block_kv=block_kv,
         return_lse=return_lse, num_splits=num_splits)
 
 
-def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
-                             block_kv=None, deterministic=False, backend=None):
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
+                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                             seed=None, block_q=None, block_kv=None, deterministic=False,
+                             return_dbias=False, backend=None):
     """FlashAttention backward: the gradients without storing P.
 
     P is recomputed tile by tile from the forward's ``lse``
-    (``P_ij = exp(scale * q_i . k_j - lse_i)``) and the softmax correction uses
-    ``D = rowsum(do * o)`` (FlashAttention-2).
+    (``P_ij = exp(s_ij - lse_i)``, ``s`` the logits with their features) and the
+    softmax correction uses ``D = rowsum(do * o)`` (FlashAttention-2).  With
+    dropout the mask is regenerated from ``seed``, never stored.
 
     Parameters
     ----------
@@ -305,12 +371,16 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
     lse : ndarray, shape (..., Nq)
         The forward's log-sum-exp (``tiled_attention(..., return_lse=True)``);
         any float dtype.
-    scale, causal, block_q, block_kv
-        As in :func:`tiled_attention`; scale and causal must be the forward's.
+    scale, causal, bias, window, alibi_slopes, softcap, dropout_p, seed, block_q, block_kv
+        As in :func:`tiled_attention`; all but the tiles must be the forward's.
     deterministic : bool
         True guarantees bitwise-identical results on every run.  On "cuda" and
         "emulator" the default accumulates dQ with float32 atomics, whose
         summation order varies; the NumPy reference is always deterministic.
+        (dbias of a bias broadcast along some axis is always summed with
+        atomics on "cuda"/"emulator": its order is not fixed.)
+    return_dbias : bool
+        Also return ``dbias``: memory O(size of bias).
     backend : {None, "numpy", "cuda", "emulator"}
 
     Returns
@@ -318,6 +388,10 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
     dq, dk, dv : ndarray
         Shapes and dtype of q, k, v; dk/dv (and dq) summed over broadcast and
         grouped heads.  Rows that see no key contribute exactly 0.
+    dbias : ndarray, shape and dtype of bias
+        Only with ``return_dbias``: dS, the gradient of the logits (after the
+        softcap), summed over the axes along which the bias was broadcast; 0
+        for masked entries.
 
     Raises
     ------
@@ -325,13 +399,16 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
         As :func:`tiled_attention`, plus ``do``/``o``/``lse`` whose shapes do
         not match the forward's (or ``lse`` that is not an array).
     """
-    return get_backend(backend, do, q, k, v, o, lse, names="do q k v o lse").tiled_attention_backward(
-        do, q, k, v, o, lse, scale=scale, causal=causal, block_q=block_q, block_kv=block_kv,
-        deterministic=deterministic)
+    return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
+                       names="do q k v o lse bias alibi_slopes").tiled_attention_backward(
+        do, q, k, v, o, lse, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        block_q=block_q, block_kv=block_kv, deterministic=deterministic,
+        return_dbias=return_dbias)
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1, backend=None):
+                    heads=1, num_splits=1, bias_shape=None, window=None, backend=None):
     """Memory and HBM-traffic model of standard vs tiled attention.
 
     Parameters
@@ -353,6 +430,18 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         Model a split-KV forward with this many key splits (see
         :func:`tiled_attention`): adds ``split_workspace_bytes`` (the float32
         partials) and the traffic of the split kernels and their combine.
+    bias_shape : tuple of int, optional
+        Model a call with a bias of this shape (broadcastable to
+        ``(batch, heads, N, Nk)``): adds ``bias_bytes`` (the bias in the compute
+        type, at its own shape), ``dbias_bytes`` (the backward's accumulator,
+        O(size of bias)) and ``bias_hbm_read_bytes`` (one element per visible
+        (row, key) and problem, included in ``tiled_hbm_*``).
+    window : (int or None, int or None), optional
+        Model a sliding window (see :func:`tiled_attention`): ``tiled_hbm_*``
+        count only the key/value tiles inside each query tile's band;
+        ``visible_fraction`` is the share of (row, key) pairs inside it.
+        On "cuda"/"emulator" these calls run the SIMT kernel ``flash_fwd_masked``,
+        whose tiles are reported.
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
         the current device; "emulator" those of a nominal sm_80.
@@ -376,7 +465,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     """
     return get_backend("numpy" if backend is None else backend).memory_analysis(
         N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads,
-        num_splits=num_splits)
+        num_splits=num_splits, bias_shape=bias_shape, window=window)
 
 
 def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
@@ -406,8 +495,9 @@ def verify_no_full_materialization(q, k, v, block_size, *, backend=None):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, num_splits=None,
-                           return_lse=False, check_inputs=True, backend=None):
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True, backend=None):
     """Attention of new queries against a KV cache, contiguous or paged (decoding).
 
     Each sequence ``b`` has ``cache_seqlens[b]`` valid keys in the cache.  When
@@ -436,6 +526,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     causal : bool or {"bottom_right", "top_left"}
         Bottom-right relative to each sequence's own length L = cache_seqlens[b]
         + Nnew: query i sees key j iff ``j <= i + L - Nq``.
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The logit features of :func:`tiled_attention`, per sequence: the bias
+        broadcasts to ``(B, H, Nq, capacity)`` (key j of sequence b reads
+        ``bias[b, h, i, j]``); the window and ALiBi align at ``L - Nq``;
+        dropout indexes (b, h, i, j) with j the key's position in the sequence.
+        Calls with features do not split the keys.
     num_splits : int, optional
         Split-KV as in :func:`tiled_attention` (None: chosen per call).
     return_lse : bool
@@ -461,16 +557,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         capacity, block-table entries outside the pages.  Nothing is written
         when an error is raised.
     """
-    return get_backend(backend, q, k_cache, v_cache, k_new, v_new,
-                       names="q k_cache v_cache k_new v_new").attention_with_kvcache(
+    return get_backend(backend, q, k_cache, v_cache, k_new, v_new, bias, alibi_slopes,
+                       names="q k_cache v_cache k_new v_new bias alibi_slopes"
+                       ).attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new,
-        block_table=block_table, scale=scale, causal=causal, num_splits=num_splits,
-        return_lse=return_lse, check_inputs=check_inputs)
+        block_table=block_table, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        num_splits=num_splits, return_lse=return_lse, check_inputs=check_inputs)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
-                     check_inputs=True, backend=None):
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True, backend=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -493,6 +592,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     scale, causal
         As in :func:`tiled_attention`; causal is per sequence (bottom-right:
         query i sees key j iff ``j <= i + len_k - len_q``).
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The logit features of :func:`tiled_attention`, per sequence: the bias
+        broadcasts to ``(B, H, max_seqlen_q, max_seqlen_k)`` (sequence b's
+        logit (h, i, j) reads ``bias[b, h, i, j]``, i and j positions within
+        the sequence); the window and ALiBi align at ``len_k - len_q``;
+        dropout indexes (b, h, i, j) the same way.
     return_lse : bool
         Also return the log-sum-exp, shape (total_q, H).
     check_inputs : bool
@@ -505,15 +610,19 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     o : ndarray, shape (total_q, H, dv)
     lse : ndarray, shape (total_q, H), float32 (float64 for float64 inputs)
     """
-    return get_backend(backend, q, k, v, names="q k v").varlen_attention(
+    return get_backend(backend, q, k, v, bias, alibi_slopes,
+                       names="q k v bias alibi_slopes").varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, return_lse=return_lse,
-        check_inputs=check_inputs)
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        return_lse=return_lse, check_inputs=check_inputs)
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              deterministic=False, check_inputs=True, backend=None):
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False, backend=None):
     """Gradients of :func:`varlen_attention` (dq, dk, dv in the packed layouts).
 
     Parameters
@@ -521,6 +630,8 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
     do : ndarray, shape (total_q, H, dv)
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
         As in the forward.
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The forward's features.
     o : ndarray, shape (total_q, H, dv)
     lse : ndarray, shape (total_q, H)
         The forward's output and log-sum-exp.
@@ -528,20 +639,28 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
         Bitwise-repeatable gradients (see :func:`tiled_attention_backward`).
     check_inputs : bool
         As in the forward.
+    return_dbias : bool
+        Also return the gradient of ``bias`` (its shape and dtype).
     backend : {None, "numpy", "cuda", "emulator"}
 
     Returns
     -------
     dq, dk, dv : ndarray
         Shapes and dtype of q, k, v.  Sequences with no keys get zero gradients.
+    dbias : ndarray
+        Only with ``return_dbias``.
     """
-    return get_backend(backend, do, q, k, v, o, lse,
-                       names="do q k v o lse").varlen_attention_backward(
+    return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
+                       names="do q k v o lse bias alibi_slopes").varlen_attention_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, deterministic=deterministic,
-        check_inputs=check_inputs)
+        max_seqlen_k=max_seqlen_k, scale=scale, causal=causal, bias=bias, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        deterministic=deterministic, check_inputs=check_inputs, return_dbias=return_dbias)
 
 
 for _fn in (standard_attention, tiled_attention):
     _fn.__doc__ = _fn.__doc__.replace("{inputs}", _INPUTS_DOC).replace("{{", "{").replace("}}", "}")
+for _fn in (standard_attention, tiled_attention):
+    _fn.__doc__ = _fn.__doc__.replace("{features}", _FEATURES_DOC).replace(
+        "{features_note}", _FEATURES_NOTE)
 del _fn

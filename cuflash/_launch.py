@@ -369,14 +369,16 @@ def params_dtype(struct):
 def make_params(runtime, struct, **values):
     """A ``struct`` parameter block holding ``values``, in the runtime's memory.
 
-    Every field must be given (``pad*`` fields are zero).  Returns a 1-D uint8
+    Every field must be given (``pad*`` fields are zero), except the ``mask_*``
+    fields of the logit features, which default to 0 ("off"): only the
+    launchers of calls with features set them.  Returns a 1-D uint8
     array (NumPy on the emulator, CuPy on a GPU) whose address the kernels
     receive as ``const struct*``.  On a GPU the copy is synchronised once here
     (the block is then reused, unchanged, by every later identical call, on
     any stream).
     """
     dt = params_dtype(struct)
-    missing = [n for n in dt.names if n not in values and not n.startswith("pad")]
+    missing = [n for n in dt.names if n not in values and not n.startswith(("pad", "mask_"))]
     extra = [n for n in values if n not in dt.names]
     if missing or extra:
         raise ValueError(f"internal: {struct} fields missing {missing}, unknown {extra}")

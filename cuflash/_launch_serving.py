@@ -90,8 +90,14 @@ def _build(runtime, g, num_splits):
         num_splits = tiling.num_splits_heuristic(blocks, n_kv, runtime.num_sms)
     split_tiles = max(1, -(-n_kv // num_splits)) if n_kv else 1
     defines = dict(kernels.plan_defines(plan), **_SERVING)
+    # the logit features (cuflash._launch_masks.serving_masks): the masked variant of the kernel
+    masks = getattr(g, "masks", None)
+    name = "flash_fwd_serving"
+    if masks is not None:
+        defines["CUFLASH_MASKS"] = None
+        name = "flash_fwd_serving_masked"
     fn, comb, app = kernels.get_functions(runtime, [
-        (_FILE, "flash_fwd_serving", defines, plan.shared_bytes),
+        (_FILE, name, defines, plan.shared_bytes),
         (_FILE, "flash_fwd_combine", defines, (_COMBINE_THREADS // 32) * 8 * 128),
         (_FILE, "flash_kv_append", defines, 0)])
     causal = g.causal is not None
@@ -106,9 +112,9 @@ def _build(runtime, g, num_splits):
         causal_br=int(g.causal == "bottom_right"), total_q=g.total_q, total_k=g.total_k,
         seqlens_add=g.seqlens_add, kv_capacity=g.kv_capacity, varlen=int(g.varlen),
         kv_cache=int(g.kv_cache), page_size=g.page_size, num_pages=g.num_pages,
-        max_pages=g.max_pages)
+        max_pages=g.max_pages, **(masks or {}))
     grid = fold_grid(n_tiles * num_splits, g.H, g.B,
-                     f"flash_fwd_serving ({n_tiles} tiles x {num_splits} splits)")
+                     f"{name} ({n_tiles} tiles x {num_splits} splits)")
     rt = runtime.name
     helper_blocks = _MAX_HELPER_BLOCKS.get(rt, 2)
     comb_grid = (max(1, min(-(-g.n_out_rows // (_COMBINE_THREADS // 32)), helper_blocks)),)
@@ -124,7 +130,7 @@ def _build(runtime, g, num_splits):
     emulator = rt == "emulator"
     out_shape, lse_shape = g.out_shape, g.lse_shape
 
-    def run(q, k, v, cu_q, cu_k, seqlens, table, k_new=None, v_new=None):
+    def run(q, k, v, cu_q, cu_k, seqlens, table, k_new=None, v_new=None, features=()):
         if emulator:  # strided views (a cache too) as the span of their buffer
             q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         if append is not None:
@@ -136,8 +142,9 @@ def _build(runtime, g, num_splits):
         if g.n_out_rows == 0:
             return o, lse
         ws = alloc_output(xp, (ws_size,), acc, "split partials (compute type)")
-        launch(rt, fn, "flash_fwd_serving", grid, (plan.threads,),
-               (q, k, v, o, lse, params, cu_q, cu_k, seqlens, table, ws), plan.shared_bytes)
+        launch(rt, fn, name, grid, (plan.threads,),
+               (q, k, v, o, lse, params, cu_q, cu_k, seqlens, table, ws) + tuple(features),
+               plan.shared_bytes)
         if num_splits > 1:
             launch(rt, comb, "flash_fwd_combine", comb_grid, (_COMBINE_THREADS,),
                    (ws, o, lse, params), comb_smem)
@@ -209,18 +216,22 @@ def tiled_attention_split(runtime, q, k, v, spec, num_splits):
 # KV cache
 # --------------------------------------------------------------------------
 def attention_with_kvcache(runtime, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                           block_table, scale, causal, num_splits, return_lse, check_inputs):
+                           block_table, scale, causal, num_splits, return_lse, check_inputs,
+                           features=None):
     """``cuflash.attention_with_kvcache`` on the kernels (documented there).
 
     Shapes are validated on the first call of a kind; the index values (a host
     copy) on every call with ``check_inputs``, before anything is written.
+    ``features``: the logit features (bias, window, ...) as keywords, or None.
     """
+    from ._launch_masks import feature_key
     arrays = (q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     try:
         key = ("kvcache",) + tuple((a.shape, a.strides, a.dtype) if a is not None else None
                                    for a in arrays) + (
-            scale.__class__, scale, causal.__class__, causal, num_splits.__class__, num_splits)
-    except AttributeError:
+            scale.__class__, scale, causal.__class__, causal, num_splits.__class__, num_splits,
+            feature_key(features))
+    except (AttributeError, TypeError):
         key = None
 
     def build():
@@ -228,15 +239,15 @@ def attention_with_kvcache(runtime, q, k_cache, v_cache, cache_seqlens, k_new, v
                                     block_table, scale=scale, causal=causal,
                                     num_splits=num_splits)
         return _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new,
-                              check_num_splits(num_splits))
+                              check_num_splits(num_splits), features)
     run = cached_call(runtime, key, build)
     if check_inputs:
         check_kvcache_values(run.spec, cache_seqlens, block_table)
-    o, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    o, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, features)
     return (o, lse) if return_lse else o
 
 
-def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits):
+def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits, features=None):
     lead = (spec.B, spec.H)
     q_, qs = flatten_lead(runtime, q, lead)
     copy_q = q_ is not q
@@ -273,17 +284,24 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits)
                   num_pages=spec.num_pages, max_pages=spec.max_pages, append=append,
                   out_shape=(spec.B, spec.H, spec.Nq, spec.dv),
                   lse_shape=(spec.B, spec.H, spec.Nq), block_q=None, block_kv=None)
+    from ._launch_masks import serving_masks
+    ms, g.masks, feature_args = serving_masks(runtime, q, spec.B, spec.H, spec.Nq,
+                                              spec.capacity, spec.dtype, features,
+                                              pack=spec.group if packed is not None else 1)
+    if ms is not None:
+        num_splits = 1  # feature calls do not split the keys
     inner = _build(runtime, g, num_splits)
     dummy = _dummy(runtime)
     emulator = runtime.name == "emulator"
 
-    def run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):
+    def run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, features=None):
         if copy_q:
             q = flatten_lead(runtime, q, lead)[0]
         table = dummy if block_table is None else block_table
         if emulator and k_new is not None:
             k_new, v_new = pointer_arg(runtime, k_new), pointer_arg(runtime, v_new)
-        return inner(q, k_cache, v_cache, dummy, dummy, cache_seqlens, table, k_new, v_new)
+        return inner(q, k_cache, v_cache, dummy, dummy, cache_seqlens, table, k_new, v_new,
+                     feature_args(features))
     run.spec = spec
     run.num_splits = inner.num_splits
     return run
@@ -293,13 +311,18 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits)
 # variable-length batches
 # --------------------------------------------------------------------------
 def varlen_attention(runtime, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     scale, causal, return_lse, check_inputs):
-    """``cuflash.varlen_attention`` on the kernels (documented there)."""
+                     scale, causal, return_lse, check_inputs, features=None):
+    """``cuflash.varlen_attention`` on the kernels (documented there).
+
+    ``features``: the logit features (bias, window, ...) as keywords, or None.
+    """
+    from ._launch_masks import feature_key, serving_masks
     spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
                                check_inputs=check_inputs)
     key = ("varlen", q.shape, q.strides, q.dtype, k.shape, k.strides, v.shape, v.strides,
-           cu_seqlens_q.shape, spec.max_q, spec.max_k, spec.scale, spec.causal)
+           cu_seqlens_q.shape, spec.max_q, spec.max_k, spec.scale, spec.causal,
+           feature_key(features))
 
     def build():
         qs = [s // q.itemsize for s in q.strides]
@@ -319,8 +342,14 @@ def varlen_attention(runtime, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       kv_cache=False, page_size=0, num_pages=0, max_pages=0,
                       out_shape=(spec.total_q, spec.H, spec.dv),
                       lse_shape=(spec.total_q, spec.H), block_q=None, block_kv=None)
-        return _build(runtime, g, 1)
+        _, g.masks, feature_args = serving_masks(runtime, q, spec.B, spec.H, spec.max_q,
+                                                 spec.max_k, spec.dtype, features)
+        inner = _build(runtime, g, 1)
+
+        def run(q, k, v, cu_q, cu_k, dummy, features):
+            return inner(q, k, v, cu_q, cu_k, dummy, dummy, features=feature_args(features))
+        return run
     run = cached_call(runtime, key, build)
     dummy = _dummy(runtime)
-    o, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, dummy, dummy)
+    o, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, dummy, features)
     return (o, lse) if return_lse else o

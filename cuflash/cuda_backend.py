@@ -5,7 +5,8 @@ device's architecture), specialised by ``-D`` defines and cached per device
 (:mod:`cuflash.kernels`); tile sizes and the shared-memory budget come from
 :mod:`cuflash.tiling` against the device's ``MaxSharedMemoryPerBlockOptin``.
 The launch code is the same as the emulator's (:mod:`cuflash._launch_fwd`,
-:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`).
+:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`, and :mod:`cuflash._launch_masks` for calls with the
+logit features).
 
 ``standard_attention`` / ``standard_attention_backward`` are plain CuPy
 (cuBLAS matmuls and an elementwise softmax): the baseline users would write,
@@ -16,9 +17,10 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 """
 import numpy as np
 
-from . import (_launch_bwd, _launch_fwd, _launch_serving, _launch_softmax, _precompile,
-               kernels)
+from . import (_launch_bwd, _launch_fwd, _launch_masks, _launch_serving, _launch_softmax,
+               _precompile, kernels)
 from ._validate import check_attention_inputs, check_backward_inputs
+from ._validate_masks import check_masks
 from .reference import sum_to_shape
 
 __all__ = [
@@ -109,15 +111,29 @@ def _grouped(x, spec, kv):
     return x.reshape(x.shape[:-3] + (H // spec.group, spec.group) + x.shape[-2:])
 
 
-def _probs(xp, spec, q, k):
-    """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0."""
+def _probs(xp, spec, q, k, feat=None):
+    """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0.
+
+    With ``feat`` (:class:`cuflash.reference.masks.Features` over ``xp``): the
+    softcap, bias, ALiBi and causal/window mask of the call; returns (P, tanh).
+    """
     ct = _compute_dtype(spec.dtype)
     s = xp.matmul(q.astype(ct) * ct(spec.scale), xp.swapaxes(k.astype(ct), -1, -2))
+    if feat is not None:
+        th = feat.transform(s, 0, spec.Nq, 0, spec.Nk)
+        hidden = feat.hidden(0, spec.Nq, 0, spec.Nk)
+        if hidden is not None:
+            s = xp.where(hidden, ct(-np.inf), s)
+        return _softmax(xp, spec, s, ct), th
     if spec.causal is not None:
         off = spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0
         i = xp.arange(spec.Nq)[:, None]
         j = xp.arange(spec.Nk)[None, :]
         s = xp.where(j <= i + off, s, ct(-np.inf))
+    return _softmax(xp, spec, s, ct)
+
+
+def _softmax(xp, spec, s, ct):
     if spec.Nk == 0:
         return s
     m = s.max(axis=-1, keepdims=True)
@@ -127,101 +143,179 @@ def _probs(xp, spec, q, k):
     return e / xp.where(l == 0, ct(1), l)
 
 
-def _standard_forward(xp, q, k, v, spec):
+def _features(xp, spec, ms, lead_shape_of):
+    """The call's features over xp in the grouped layout (or None)."""
+    if ms is None:
+        return None
+    from .reference.masks import Features
+    return Features(spec, ms, lead_shape_of, _compute_dtype(spec.dtype), ms.bias,
+                    ms.alibi_slopes, xp=xp)
+
+
+def _lead_c(spec):
+    return (spec.lead[:-1] + (spec.lead[-1] // spec.group, spec.group) if spec.group > 1
+            else spec.lead)
+
+
+def _standard_forward(xp, q, k, v, spec, ms=None):
     qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
-    p = _probs(xp, spec, qg, kg)
-    o = xp.matmul(p, vg.astype(p.dtype))
+    feat = _features(xp, spec, ms, _lead_c(spec))
+    p = _probs(xp, spec, qg, kg, feat)
+    if feat is not None:
+        p = p[0]
+        pd = feat.dropped(p, 0, spec.Nq, 0, spec.Nk) if ms.dropout else p
+        o = xp.matmul(pd, vg.astype(p.dtype))
+    else:
+        o = xp.matmul(p, vg.astype(p.dtype))
     lead = spec.lead
     return (o.reshape(lead + (spec.Nq, spec.dv)).astype(spec.dtype),
             p.reshape(lead + (spec.Nq, spec.Nk)).astype(spec.dtype))
 
 
-def _standard_backward(xp, do, q, k, v, spec):
+def _standard_backward(xp, do, q, k, v, spec, ms=None):
     ct = _compute_dtype(spec.dtype)
     qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
     dog = _grouped(do, spec, False).astype(ct)
-    p = _probs(xp, spec, qg, kg)                                     # stored P
-    dv_ = xp.matmul(xp.swapaxes(p, -1, -2), dog)                     # P^T dO
+    feat = _features(xp, spec, ms, _lead_c(spec))
+    p = _probs(xp, spec, qg, kg, feat)                               # stored P
+    th = keep = None
+    if feat is not None:
+        p, th = p
+        if ms.dropout:
+            keep = feat.keep(0, spec.Nq, 0, spec.Nk)
+    pd = p if keep is None else feat.dropped(p, 0, spec.Nq, 0, spec.Nk, keep)
+    dv_ = xp.matmul(xp.swapaxes(pd, -1, -2), dog)                    # P^T dO
     dp = xp.matmul(dog, xp.swapaxes(vg.astype(ct), -1, -2))          # dO V^T
+    if keep is not None:
+        dp = feat.dropped(dp, 0, spec.Nq, 0, spec.Nk, keep)
     D = (p * dp).sum(axis=-1, keepdims=True)                         # rowsum(P * dP)
     ds = p * (dp - D)
+    dbias = None
+    if ms is not None and ms.return_dbias:
+        dbias = sum_to_shape(ds, feat.canonical_bias_shape()).reshape(ms.bias_shape)
+        dbias = dbias.astype(ms.bias.dtype)
+    if th is not None:
+        ds = ds * (1 - th * th)                                      # softcap derivative
     dq = xp.matmul(ds, kg.astype(ct)) * ct(spec.scale)
     dk = xp.matmul(xp.swapaxes(ds, -1, -2), qg.astype(ct)) * ct(spec.scale)
     dq = sum_to_shape(dq.reshape(spec.lead + (spec.Nq, spec.d)), q.shape)
     if spec.group > 1:  # sum over the query heads of each group first
         dk, dv_ = dk.sum(axis=-3), dv_.sum(axis=-3)
-    return (dq.astype(spec.dtype), sum_to_shape(dk, k.shape).astype(spec.dtype),
-            sum_to_shape(dv_, v.shape).astype(spec.dtype))
+    grads = (dq.astype(spec.dtype), sum_to_shape(dk, k.shape).astype(spec.dtype),
+             sum_to_shape(dv_, v.shape).astype(spec.dtype))
+    return grads if dbias is None else grads + (dbias,)
 
 
-def standard_attention(q, k, v, *, scale=None, causal=False):
+def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                       alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
     """Plain CuPy attention (cuBLAS matmul + softmax), materialising P.
 
     See Also ``cuflash.reference.standard_attention``.
     """
     import cupy
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
-    return _standard_forward(cupy, q, k, v, spec)
+    ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
+                     softcap=softcap, dropout_p=dropout_p, seed=seed)
+    return _standard_forward(cupy, q, k, v, spec, ms)
 
 
-def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
+                                window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                                seed=None, return_dbias=False):
     """Plain CuPy stored-P backward. See Also ``cuflash.reference.standard_attention_backward``."""
     import cupy
     spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
                                  need_forward=False)
-    return _standard_backward(cupy, do, q, k, v, spec)
+    ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
+                     softcap=softcap, dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
+    return _standard_backward(cupy, do, q, k, v, spec, ms)
 
 
-def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False, num_splits=None):
+def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
+                    block_kv=None, return_lse=False, num_splits=None):
     """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
+    if _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return _launch_masks.tiled_attention(
+            runtime(), q, k, v, scale, causal, block_q, block_kv, return_lse, bias=bias,
+            window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed)
     return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
                                        return_lse, num_splits)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, num_splits=None,
-                           return_lse=False, check_inputs=True):
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True):
     """The serving kernels (cuflash._launch_serving). See Also ``cuflash.attention_with_kvcache``."""
     return _launch_serving.attention_with_kvcache(
         runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
-        num_splits, return_lse, check_inputs)
+        num_splits, return_lse, check_inputs,
+        _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed))
+
+
+def _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed):
+    """The logit features of a serving call as keywords, None when it names none."""
+    if not _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return None
+    return dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                dropout_p=dropout_p, seed=seed)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
-                     check_inputs=True):
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True):
     """The serving kernels (cuflash._launch_serving). See Also ``cuflash.varlen_attention``."""
     return _launch_serving.varlen_attention(runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k,
                                             max_seqlen_q, max_seqlen_k, scale, causal,
-                                            return_lse, check_inputs)
+                                            return_lse, check_inputs,
+                                            _serving_features(bias, window, alibi_slopes,
+                                                              softcap, dropout_p, seed))
 
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              deterministic=False, check_inputs=True):
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False):
     """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
+    features = _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed)
+    if features is not None or return_dbias:
+        return _launch_masks.varlen_attention_backward(
+            runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, scale, causal, deterministic, check_inputs,
+            dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                 dropout_p=dropout_p, seed=seed), return_dbias)
     return _launch_bwd.varlen_attention_backward(
         runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         scale, causal, deterministic, check_inputs)
 
 
-def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
-                             block_kv=None, deterministic=False):
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
+                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                             seed=None, block_q=None, block_kv=None, deterministic=False,
+                             return_dbias=False):
     """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.tiled_attention_backward``."""
+    if return_dbias or _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
+        return _launch_masks.tiled_attention_backward(
+            runtime(), do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic,
+            bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+            dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
     return _launch_bwd.tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
                                                 block_q, block_kv, deterministic)
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1):
+                    heads=1, num_splits=1, bias_shape=None, window=None):
     """The model with flash_fwd's tiles against this device's shared-memory limit.
 
     See Also ``cuflash.memory_analysis``; the extra keys are described in
     ``cuflash._launch_fwd.memory_analysis``.
     """
-    return _launch_fwd.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
-                                       heads, num_splits)
+    return _launch_masks.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
+                                         heads, num_splits, bias_shape, window)
 
 
 def verify_no_full_materialization(q, k, v, block_size):

@@ -65,10 +65,16 @@ class _Options(NamedTuple):
     causal: Union[bool, str]
     layout: str
     deterministic: bool
+    window: Optional[tuple] = None
+    softcap: Optional[float] = None
+    dropout_p: float = 0.0
+    has_bias: bool = False
+    has_slopes: bool = False
 
 
-def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic=False):
-    """Exact attention ``softmax(scale * q k^T [masked]) v``, differentiable in q, k, v.
+def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alibi_slopes=None,
+              softcap=None, dropout_p=0.0, seed=None, layout="bhnd", deterministic=False):
+    """Exact attention ``softmax(mask(scale * q k^T + bias)) v``, differentiable in q, k, v, bias.
 
     Parameters
     ----------
@@ -85,6 +91,17 @@ def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
         (flash-attn); ``"top_left"``: iff ``j <= i``.  A row that sees no key
         gives 0 and zero gradients.
+    bias : jax.Array, optional
+        Added to the logits; broadcasts to ``(B, H, Nq, Nk)`` in either layout;
+        differentiable (its cotangent is dS summed over its broadcast axes).
+    window, softcap, dropout_p
+        As in :func:`cuflash.tiled_attention` (static: Python values).
+    alibi_slopes : jax.Array, shape (H,) or (B, H), optional
+        ALiBi slopes (zero cotangent).
+    seed : int or integer jax.Array, optional
+        Key of the dropout mask, required with ``dropout_p > 0``: a Python int
+        in [0, 2^64), or an integer array (traced: a new seed each step does
+        not retrace); the backward regenerates the forward's mask.
     layout : {"bhnd", "bnhd"}
         Axis order of q, k, v, of the output and of the gradients.
     deterministic : bool
@@ -111,8 +128,15 @@ def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic
             raise TypeError(f"{name} must be a jax.Array, got "
                             f"{type(x).__module__}.{type(x).__name__}")
     check_layout(layout, q=q, k=k, v=v)
-    opts = _Options(scale, causal, layout, bool(deterministic))
+    window = None if window is None else tuple(window)
+    opts = _Options(scale, causal, layout, bool(deterministic), window, softcap,
+                    float(dropout_p), bias is not None, alibi_slopes is not None)
     _spec(opts, q, k, v)  # validate now: errors come before anything is traced or run
+    if opts.window is not None or softcap is not None or dropout_p or bias is not None \
+            or alibi_slopes is not None or seed is not None:
+        _check_features(opts, q, k, v, bias, alibi_slopes, seed)
+        return _attention_features(opts, q, k, v, _operand(bias, q), _operand(alibi_slopes, q),
+                                   _seed_words(seed))
     return _attention(opts, q, k, v)
 
 
@@ -136,32 +160,99 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ---------------------------------------------------------------------------
+# the logit features: bias (differentiable), ALiBi slopes and the dropout seed as operands
+# ---------------------------------------------------------------------------
+def _operand(x, like):
+    """A feature array, or a 1-element placeholder (custom_vjp operands must be arrays)."""
+    return jnp.zeros((1,), like.dtype) if x is None else x
+
+
+def _seed_words(seed):
+    """The seed as a uint32 array [lo, hi] (traced seeds: 32 bits, hi = 0)."""
+    if seed is None:
+        return jnp.zeros((2,), jnp.uint32)
+    if isinstance(seed, int):
+        return jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32))
+    s = jnp.asarray(seed).astype(jnp.uint32).reshape(())
+    return jnp.stack([s, jnp.zeros((), jnp.uint32)])
+
+
+def _check_features(opts, q, k, v, bias, slopes, seed):
+    """cuflash's checks of the features, from shapes only (traced arrays are fine)."""
+    from ._validate_masks import check_masks
+    spec = _spec(opts, q, k, v)
+    fake = {}
+    for name, x in (("bias", bias), ("alibi_slopes", slopes)):
+        if x is not None:
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{name} must be a jax.Array, got {type(x).__name__}")
+            fake[name] = _ShapeOnly(x.shape, x.dtype)
+    check_masks(spec, _ShapeOnly(q.shape, q.dtype), window=opts.window, softcap=opts.softcap,
+                dropout_p=opts.dropout_p, seed=0 if seed is not None else None, **fake)
+    if isinstance(seed, int):
+        check_masks(spec, _ShapeOnly(q.shape, q.dtype), dropout_p=opts.dropout_p, seed=seed)
+
+
+class _ShapeOnly:
+    """Shape and dtype (what the feature checks read) of a possibly traced array."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_features(opts, q, k, v, bias, slopes, seed):
+    return _forward(opts, q, k, v, bias, slopes, seed)[0]
+
+
+def _attention_features_fwd(opts, q, k, v, bias, slopes, seed):
+    o, lse = _forward(opts, q, k, v, bias, slopes, seed)
+    return o, (q, k, v, o, lse, bias, slopes, seed)
+
+
+def _attention_features_bwd(opts, residuals, do):
+    q, k, v, o, lse, bias, slopes, seed = residuals
+    grads = tuple(_backward(opts, do, q, k, v, o, lse, bias, slopes, seed))
+    dbias = grads[3] if opts.has_bias else jnp.zeros_like(bias)
+    return grads[:3] + (dbias, jnp.zeros_like(slopes),
+                        np.zeros(seed.shape, dtype=jax.dtypes.float0))
+
+
+_attention_features.defvjp(_attention_features_fwd, _attention_features_bwd)
+
+
+# ---------------------------------------------------------------------------
 # dispatch: eager GPU arrays to CuPy, everything else through pure_callback
 # ---------------------------------------------------------------------------
-def _forward(opts, q, k, v):
-    """(o, lse): o in the caller's layout, lse of shape lead + (Nq,)."""
-    device = _eager_gpu_device(q, k, v)
+def _forward(opts, q, k, v, *features):
+    """(o, lse): o in the caller's layout, lse of shape lead + (Nq,).
+
+    ``features``: (bias, slopes, seed words) operands of a call with features.
+    """
+    device = _eager_gpu_device(q, k, v, *features)
     if device is not None:
-        return _on_cupy(device, functools.partial(_run_forward, opts, "cuda"), q, k, v)
+        return _on_cupy(device, functools.partial(_run_forward, opts, "cuda"), q, k, v,
+                        *features)
     spec = _spec(opts, q, k, v)
     o_shape = _caller_shape(spec.out_shape, opts.layout)
     result = (jax.ShapeDtypeStruct(o_shape, q.dtype),
               jax.ShapeDtypeStruct(spec.lse_shape, spec.lse_dtype))
     _warn_if_host_round_trip(q)
-    return jax.pure_callback(_on_host(_run_forward, opts), result, q, k, v,
+    return jax.pure_callback(_on_host(_run_forward, opts), result, q, k, v, *features,
                              vmap_method="broadcast_all")
 
 
-def _backward(opts, do, q, k, v, o, lse):
-    """(dq, dk, dv) in the shapes and layout of q, k, v."""
-    device = _eager_gpu_device(do, q, k, v, o, lse)
+def _backward(opts, do, q, k, v, o, lse, *features):
+    """(dq, dk, dv[, dbias]) in the shapes and layout of q, k, v (and the bias's)."""
+    device = _eager_gpu_device(do, q, k, v, o, lse, *features)
     if device is not None:
         return _on_cupy(device, functools.partial(_run_backward, opts, "cuda"),
-                        do, q, k, v, o, lse)
-    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+                        do, q, k, v, o, lse, *features)
+    shapes = (q, k, v) + ((features[0],) if features and opts.has_bias else ())
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes)
     _warn_if_host_round_trip(q)
     return jax.pure_callback(_on_host(_run_backward, opts), result,
-                             do, q, k, v, o, lse, vmap_method="broadcast_all")
+                             do, q, k, v, o, lse, *features, vmap_method="broadcast_all")
 
 
 def _on_host(fn, opts):
@@ -172,22 +263,42 @@ def _on_host(fn, opts):
     return callback
 
 
-def _run_forward(opts, backend, q, k, v):
+def _feature_kwargs(opts, features):
+    """cuflash keywords of the features: (bias, slopes, seed words) operands and the options."""
+    if not features:
+        return {}
+    bias, slopes, seed = features
+    kw = dict(window=opts.window, softcap=opts.softcap, dropout_p=opts.dropout_p)
+    if opts.has_bias:
+        kw["bias"] = bias
+    if opts.has_slopes:
+        kw["alibi_slopes"] = slopes
+    if opts.dropout_p:
+        words = [int(w) for w in np.asarray(seed.get() if hasattr(seed, "get") else seed)]
+        kw["seed"] = words[0] | (words[1] << 32)
+    return kw
+
+
+def _run_forward(opts, backend, q, k, v, *features):
     """The forward on NumPy or CuPy arrays in the caller's layout."""
     bhnd = [to_bhnd(x, opts.layout) for x in (q, k, v)]
     o, lse = cuflash.tiled_attention(*bhnd, scale=opts.scale, causal=opts.causal,
-                                     return_lse=True, backend=backend)
+                                     return_lse=True, backend=backend,
+                                     **_feature_kwargs(opts, features))
     return from_bhnd(o, opts.layout), lse
 
 
-def _run_backward(opts, backend, do, q, k, v, o, lse):
+def _run_backward(opts, backend, do, q, k, v, o, lse, *features):
     """The backward on NumPy or CuPy arrays in the caller's layout."""
     arrays = [to_bhnd(x, opts.layout) for x in (do, q, k, v, o)]
+    kw = _feature_kwargs(opts, features)
+    if opts.has_bias:
+        kw["return_dbias"] = True
     grads = cuflash.tiled_attention_backward(*arrays, lse, scale=opts.scale,
                                              causal=opts.causal,
                                              deterministic=opts.deterministic,
-                                             backend=backend)
-    return tuple(from_bhnd(g, opts.layout) for g in grads)
+                                             backend=backend, **kw)
+    return tuple(from_bhnd(g, opts.layout) for g in grads[:3]) + tuple(grads[3:])
 
 
 def _spec(opts, q, k, v):

@@ -104,6 +104,11 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv": "flash_bwd.cu",
     "flash_bwd_dq": "flash_bwd.cu",
     "flash_bwd_dq_convert": "flash_bwd.cu",
+    # the logit features (bias, window, ALiBi, softcap, dropout): -DCUFLASH_MASKS
+    "flash_fwd_masked": "flash_fwd.cu",
+    "flash_fwd_serving_masked": "flash_fwd.cu",
+    "flash_bwd_dkdv_masked": "flash_bwd.cu",
+    "flash_bwd_dq_masked": "flash_bwd.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
@@ -452,4 +457,14 @@ def compile_variants():
         limit=tiling.EMULATOR_ARCHES["sm_90"])
     add("flash_bwd_tc", "bfloat16", 256)
     add("flash_bwd_tc", "bfloat16", 96, dv=32)
+    # the logit features (-DCUFLASH_MASKS: flash_fwd_masked, flash_bwd_*_masked): float16 and
+    # float64 (float vs double paths of masks.cuh and the double dbias atomics)
+    for kernel, fname in (("flash_fwd", "flash_fwd.cu"), ("flash_bwd_dkdv", "flash_bwd.cu")):
+        for dt, d in (("float16", 128), ("float64", 64)):
+            p = tiling.plan(kernel, d, d, dt, limit=sm80)
+            out.setdefault(fname, []).append(
+                build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
+    p = tiling.plan("flash_fwd", 128, 128, "bfloat16", 8, None, limit=sm80)   # serving + features
+    out["flash_fwd.cu"].append(build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None,
+                                                  CUFLASH_MASKS=None)))
     return out

@@ -55,8 +55,9 @@ __all__ = ["attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic=False):
-    """Exact attention ``softmax(scale * q k^T [masked]) v``, differentiable in q, k, v.
+def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alibi_slopes=None,
+              softcap=None, dropout_p=0.0, seed=None, layout="bhnd", deterministic=False):
+    """Exact attention ``softmax(mask(scale * q k^T + bias)) v``, differentiable in q, k, v, bias.
 
     Parameters
     ----------
@@ -74,6 +75,19 @@ def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``
         (flash-attn); ``"top_left"``: iff ``j <= i`` (SDPA's ``is_causal``).
         A row that sees no key gives 0 and zero gradients.
+    bias : torch.Tensor, optional
+        Added to the logits; broadcasts to ``(B, H, Nq, Nk)`` in either layout
+        (the logits' own axes, as SDPA's ``attn_mask``); any float dtype, on
+        q's device.  With ``requires_grad`` its gradient is computed
+        (``return_dbias``), summed over its broadcast axes.
+    window, softcap, dropout_p
+        As in :func:`cuflash.tiled_attention`.
+    alibi_slopes : torch.Tensor, shape (H,) or (B, H), optional
+        ALiBi slopes (no gradient).
+    seed : int, optional
+        Key of the dropout mask; None with ``dropout_p > 0`` draws one from
+        torch's default generator (so ``torch.manual_seed`` makes runs
+        repeatable); the backward reuses the forward's.
     layout : {"bhnd", "bnhd"}
         Axis order of q, k, v, of the output and of the gradients.
     deterministic : bool
@@ -98,9 +112,22 @@ def attention(q, k, v, *, scale=None, causal=False, layout="bhnd", deterministic
     backward recomputes P from the saved ``lse`` (FlashAttention-2).
     """
     # checked before autograd records anything, so that bad input fails cleanly
-    _check_tensors(q=q, k=k, v=v)
+    device = _check_tensors(q=q, k=k, v=v)
+    for name, t in (("bias", bias), ("alibi_slopes", alibi_slopes)):
+        if t is not None:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device}, q on {device}: one device")
     check_layout(layout, q=q, k=k, v=v)
-    return _Attention.apply(q, k, v, scale, causal, layout, bool(deterministic))
+    if bias is None and alibi_slopes is None and window is None and softcap is None \
+            and not dropout_p and seed is None:
+        return _Attention.apply(q, k, v, scale, causal, layout, bool(deterministic))
+    if dropout_p and seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    features = dict(window=window, softcap=softcap, dropout_p=dropout_p, seed=seed)
+    return _AttentionFeatures.apply(q, k, v, bias, alibi_slopes, scale, causal, layout,
+                                    bool(deterministic), features)
 
 
 class _Attention(torch.autograd.Function):
@@ -134,6 +161,58 @@ class _Attention(torch.autograd.Function):
                      for g, need in zip(grads, ctx.needs_input_grad[:3])]
         # one gradient per forward argument: scale, causal, layout, deterministic get none
         return (*grads, None, None, None, None)
+
+
+class _AttentionFeatures(torch.autograd.Function):
+    """With features: also saves bias and slopes; backward adds dbias when bias needs it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, slopes, scale, causal, layout, deterministic, features):
+        with _backend_for(q.device) as (xp, backend):
+            qa, ka, va = (to_bhnd(_to_array(t, xp), layout) for t in (q, k, v))
+            extra = _feature_arrays(xp, bias, slopes, features)
+            try:
+                o, lse = cuflash.tiled_attention(qa, ka, va, scale=scale, causal=causal,
+                                                 return_lse=True, backend=backend, **extra)
+            except ValueError as e:
+                raise layout_error(e, layout) from e
+            o_t, lse_t = _to_tensor(from_bhnd(o, layout)), _to_tensor(lse)
+        ctx.save_for_backward(q, k, v, o_t, lse_t, bias, slopes)
+        ctx.options = dict(scale=scale, causal=causal, deterministic=deterministic)
+        ctx.features = features
+        ctx.layout = layout
+        return o_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse, bias, slopes = ctx.saved_tensors
+        layout = ctx.layout
+        want_db = bias is not None and ctx.needs_input_grad[3]
+        with _backend_for(q.device) as (xp, backend):
+            arrays = [to_bhnd(_to_array(t, xp), layout) for t in (do, q, k, v, o)]
+            extra = _feature_arrays(xp, bias, slopes, ctx.features)
+            if want_db:
+                extra["return_dbias"] = True
+            grads = cuflash.tiled_attention_backward(*arrays, _to_array(lse, xp),
+                                                     backend=backend, **ctx.options, **extra)
+            out = [_to_tensor(from_bhnd(g, layout)) if need else None
+                   for g, need in zip(grads[:3], ctx.needs_input_grad[:3])]
+            out.append(_to_tensor(grads[3]) if want_db else None)
+        # one gradient per forward argument: slopes, scale, causal, layout, deterministic and
+        # the features get none
+        return (*out, None, None, None, None, None, None)
+
+
+def _feature_arrays(xp, bias, slopes, features):
+    """The cuflash keywords of the features, tensors as arrays of the backend."""
+    extra = {n: val for n, val in features.items()
+             if val is not None and not (n == "dropout_p" and not val)}
+    if bias is not None:
+        extra["bias"] = _to_array(bias, xp)
+    if slopes is not None:
+        extra["alibi_slopes"] = _to_array(slopes, xp)
+    return extra
 
 
 def _check_tensors(**tensors):

@@ -60,11 +60,36 @@
 // Rows are padded by one element so that the threads of a warp, which read one column of
 // Kj/Vj each (K_s[c][k] for consecutive c), hit different banks.
 //
+// Logit features (-DCUFLASH_MASKS, masks.cuh): flash_bwd_dkdv_masked and flash_bwd_dq_masked
+// take the bias and ALiBi slopes (and dkdv the bias gradient) as well and recompute
+//     s = softcap(scale Qi Kj^T) + bias + ALiBi, masked by causal and window;  P = exp(s - lse)
+//     with dropout (the mask regenerated from the seed, philox.cuh):
+//         dVj += (P * keep / (1-p))^T dOi,  dP = (dOi Vj^T) * keep / (1-p)
+//     dS = P * (dP - D);  dbias += dS (dkdv only);  softcap: dS *= 1 - tanh^2 before dQ, dK.
+// Q tiles (dkdv) and KV tiles (dq) outside the window's band are never loaded.  dbias is
+// an acc_t array of the bias's shape addressed by mask_dbias_* strides (0 along the axes
+// the bias is broadcast over): each element is stored once by the one block that computes
+// it (mask_dbias = 1), or, for a broadcast bias, added with atomics (mask_dbias = 2; the
+// summation order is then not fixed).  The preprocess and convert kernels are unchanged
+// (compiled into the same module).
+//
 // Limits: SIMT (no tensor cores); head dims <= 256; the
 // atomic dQ path's summation order is not fixed (deterministic=False only).
 
 #include "dtype.cuh"
 #include "params.cuh"
+#ifdef CUFLASH_MASKS
+#include "masks.cuh"
+// the feature variants have their own names and three (dq: two) more pointer arguments
+#define CUFLASH_BWD_KERNEL(name) name##_masked
+#define CUFLASH_DKDV_MASK_ARGS , const acc_t* __restrict__ Bias, \
+    const acc_t* __restrict__ Slopes, acc_t* __restrict__ dBias
+#define CUFLASH_DQ_MASK_ARGS , const acc_t* __restrict__ Bias, const acc_t* __restrict__ Slopes
+#else
+#define CUFLASH_BWD_KERNEL(name) name
+#define CUFLASH_DKDV_MASK_ARGS
+#define CUFLASH_DQ_MASK_ARGS
+#endif
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
@@ -153,7 +178,7 @@ extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
 
 // ---------------------------------------------------------------------------------------
 // dK, dV (and, with atomic_dq, dQ by float32 atomics). grid = ceil(Nk/Bc) * Hk * B (folded).
-extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
+extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __restrict__ Q,
                                           const elem_t* __restrict__ K,
                                           const elem_t* __restrict__ V,
                                           const elem_t* __restrict__ dO,
@@ -162,7 +187,8 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
                                           elem_t* __restrict__ dK,
                                           elem_t* __restrict__ dV,
                                           float* __restrict__ dq_accum_ws,
-                                          const BwdParams* __restrict__ P) {
+                                          const BwdParams* __restrict__ P
+                                          CUFLASH_DKDV_MASK_ARGS) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* K_s = smem;                   // (Bc, d+1)   Kj, resident
     acc_t* V_s = K_s + Bc * DP;          // (Bc, dv+1)  Vj, resident
@@ -208,13 +234,34 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
         const long long i_min = (long long)kv0 - causal_offset;
         it0 = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + Br - 1) / Br : (int)(i_min / Br));
     }
-    const int n_q_tiles = (Nq + Br - 1) / Br;
+    int n_q_tiles = (Nq + Br - 1) / Br;
+#ifdef CUFLASH_MASKS
+    // the window: rows i with i + off + right < kv0 (band right of them) or
+    // i + off - left > last key of the tile see nothing of this tile
+    const BwdParams& prm = p;            // (the tile loops below name a probability p)
+    const int moff = p.mask_offset;
+    if (p.mask_window & CUFLASH_WINDOW_RIGHT) {
+        const long long i_min = (long long)kv0 - moff - p.mask_window_right;
+        const int t = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + Br - 1) / Br : (int)(i_min / Br));
+        it0 = t > it0 ? t : it0;
+    }
+    if (p.mask_window & CUFLASH_WINDOW_LEFT) {
+        const long long i_max = (long long)kv0 + kv_rows - 1 - moff + p.mask_window_left;
+        const int t = i_max < 0 ? 0 : (i_max >= Nq ? n_q_tiles : (int)(i_max / Br) + 1);
+        n_q_tiles = t < n_q_tiles ? t : n_q_tiles;
+    }
+    const DropoutKey drop = cuflash_dropout_key(p);
+#endif
 
     for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;    // query head of the GQA group
         const size_t bh = (size_t)b * H + h;
         const elem_t* Qb = Q + b * q_sb + h * q_sh;
         const elem_t* dOb = dO + b * do_sb + h * do_sh;
+#ifdef CUFLASH_MASKS
+        const MaskRow mhead = cuflash_mask_row(p, Bias, Slopes, b, h, 0, moff);  // row 0 of head h
+        acc_t* dBias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
+#endif
         for (int it = it0; it < n_q_tiles; ++it) {
             const int q0 = it * Br;
             const int q_rows = min(Br, Nq - q0);
@@ -229,8 +276,15 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
             // -- recompute P = exp(scale * Qi Kj^T - lse_i) and dS = P * (dOi Vj^T - D_i)
             for (int e = tid; e < Br * Bc; e += NUM_THREADS) {
                 const int r = e / Bc, c = e - (e / Bc) * Bc;
-                const bool visible = r < q_rows && c < kv_rows &&
-                                     (!causal || kv0 + c <= q0 + r + causal_offset);
+                bool visible = r < q_rows && c < kv_rows &&
+                               (!causal || kv0 + c <= q0 + r + causal_offset);
+#ifdef CUFLASH_MASKS
+                int lo = 0, hi = Nk;
+                if (visible) {
+                    cuflash_window_range(prm, q0 + r, moff, Nk, Nk, lo, hi);
+                    visible = kv0 + c >= lo && kv0 + c < hi;
+                }
+#endif
                 acc_t p = 0, ds = 0;
                 // lse = -inf only for rows that see no key: P = 0 there, not exp(inf) = NaN
                 if (visible && lse_s[r] != acc_t(-INFINITY)) {
@@ -239,8 +293,32 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
                     for (int kk = 0; kk < HEAD_DIM; ++kk) s += Q_s[r * DP + kk] * K_s[c * DP + kk];
 #pragma unroll 8
                     for (int kk = 0; kk < HEAD_DIM_V; ++kk) dp += dO_s[r * DVP + kk] * V_s[c * DVP + kk];
+#ifdef CUFLASH_MASKS
+                    const int i = q0 + r, j = kv0 + c;
+                    MaskRow mr = mhead;          // this row of head h
+                    if (mr.bias != nullptr) mr.bias += (long long)i * prm.mask_bias_sr;
+                    mr.pos += i;
+                    acc_t th;
+                    p = acc_exp(mr.logit(scale * s, j, th) - lse_s[r]);
+                    acc_t pd = p;                // P with dropout applied (for dV)
+                    if (drop.on) {
+                        const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold,
+                                                               b + prm.mask_drop_b0, h, i, j);
+                        pd = keep ? p * drop.scale : acc_t(0);
+                        dp = keep ? dp * drop.scale : acc_t(0);
+                    }
+                    ds = p * (dp - D_s[r]);
+                    if (prm.mask_dbias == 1) {   // this block is the element's only writer
+                        gstore(dBias_h + i * prm.mask_dbias_sr + j * prm.mask_dbias_sc, ds);
+                    } else if (prm.mask_dbias == 2) {
+                        gatomic_add(dBias_h + i * prm.mask_dbias_sr + j * prm.mask_dbias_sc, ds);
+                    }
+                    if (mr.cap != acc_t(0)) ds *= acc_t(1) - th * th;   // d softcap / d s
+                    p = pd;
+#else
                     p = acc_exp(scale * s - lse_s[r]);
                     ds = p * (dp - D_s[r]);
+#endif
                 }
                 P_s[e] = p;
                 dS_s[e] = ds;
@@ -299,14 +377,15 @@ extern "C" __global__ void flash_bwd_dkdv(const elem_t* __restrict__ Q,
 
 // ---------------------------------------------------------------------------------------
 // Deterministic dQ: grid = ceil(Nq/Br) * H * B (folded). Qi, dOi resident; Kj, Vj streamed.
-extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
+extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __restrict__ Q,
                                         const elem_t* __restrict__ K,
                                         const elem_t* __restrict__ V,
                                         const elem_t* __restrict__ dO,
                                         const acc_t* __restrict__ LSE,
                                         const acc_t* __restrict__ D,
                                         elem_t* __restrict__ dQ,
-                                        const BwdParams* __restrict__ P) {
+                                        const BwdParams* __restrict__ P
+                                        CUFLASH_DQ_MASK_ARGS) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* Q_s = smem;                   // (Br, d+1)   Qi, resident
     acc_t* dO_s = Q_s + Br * DP;         // (Br, dv+1)  dOi, resident
@@ -353,9 +432,25 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
         const long long last = (long long)q0 + q_rows + causal_offset;
         kv_end = (int)(last < 0 ? 0 : (last > Nk ? Nk : last));
     }
+    int jt0 = 0;
+#ifdef CUFLASH_MASKS
+    // the window: keys left of the first row's band and right of the last row's are never
+    // loaded ([lo, hi) grow with the row: their union is [lo_first, hi_last))
+    const BwdParams& prm = p;
+    const int moff = p.mask_offset;
+    if (p.mask_window && q_rows > 0) {
+        int lo, hi, lo2, hi2;
+        cuflash_window_range(p, q0, moff, Nk, kv_end, lo, hi);
+        cuflash_window_range(p, q0 + q_rows - 1, moff, Nk, kv_end, lo2, hi2);
+        jt0 = hi2 > lo ? lo / Bc : 0;
+        kv_end = hi2 > lo ? hi2 : 0;
+    }
+    const MaskRow mhead = cuflash_mask_row(p, Bias, Slopes, b, h, 0, moff);
+    const DropoutKey drop = cuflash_dropout_key(p);
+#endif
     const int n_kv_tiles = (kv_end + Bc - 1) / Bc;
 
-    for (int jt = 0; jt < n_kv_tiles; ++jt) {
+    for (int jt = jt0; jt < n_kv_tiles; ++jt) {
         const int kv0 = jt * Bc;
         const int kv_rows = min(Bc, Nk - kv0);
         load_tile<Bc, HEAD_DIM, DP>(K_s, Kb + kv0 * k_sr, k_sr, kv_rows);
@@ -365,8 +460,15 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
         // -- recompute P and dS = P * (dOi Vj^T - D_i) for this (Qi, Kj) tile
         for (int e = tid; e < Br * Bc; e += NUM_THREADS) {
             const int r = e / Bc, c = e - (e / Bc) * Bc;
-            const bool visible = r < q_rows && c < kv_rows &&
-                                 (!causal || kv0 + c <= q0 + r + causal_offset);
+            bool visible = r < q_rows && c < kv_rows &&
+                           (!causal || kv0 + c <= q0 + r + causal_offset);
+#ifdef CUFLASH_MASKS
+            if (visible) {
+                int lo, hi;
+                cuflash_window_range(prm, q0 + r, moff, Nk, Nk, lo, hi);
+                visible = kv0 + c >= lo && kv0 + c < hi;
+            }
+#endif
             acc_t ds = 0;
             if (visible && lse_s[r] != acc_t(-INFINITY)) {
                 acc_t s = 0, dp = 0;
@@ -374,8 +476,23 @@ extern "C" __global__ void flash_bwd_dq(const elem_t* __restrict__ Q,
                 for (int kk = 0; kk < HEAD_DIM; ++kk) s += Q_s[r * DP + kk] * K_s[c * DP + kk];
 #pragma unroll 8
                 for (int kk = 0; kk < HEAD_DIM_V; ++kk) dp += dO_s[r * DVP + kk] * V_s[c * DVP + kk];
+#ifdef CUFLASH_MASKS
+                const int i = q0 + r, j = kv0 + c;
+                MaskRow mr = mhead;
+                if (mr.bias != nullptr) mr.bias += (long long)i * prm.mask_bias_sr;
+                mr.pos += i;
+                acc_t th;
+                const acc_t p = acc_exp(mr.logit(scale * s, j, th) - lse_s[r]);
+                if (drop.on)
+                    dp = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold,
+                                              b + prm.mask_drop_b0, h, i, j)
+                             ? dp * drop.scale : acc_t(0);
+                ds = p * (dp - D_s[r]);
+                if (mr.cap != acc_t(0)) ds *= acc_t(1) - th * th;
+#else
                 const acc_t p = acc_exp(scale * s - lse_s[r]);
                 ds = p * (dp - D_s[r]);
+#endif
             }
             dS_s[e] = ds;
         }

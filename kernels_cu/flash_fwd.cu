@@ -25,6 +25,13 @@
 // stops at the last tile the Q tile's last row can see.  A row that sees no key keeps
 // m = -inf, l = 0 and gets o = 0, lse = -inf (never NaN).
 //
+// Logit features (compiled with -DCUFLASH_MASKS: kernel flash_fwd_masked, masks.cuh): bias,
+// sliding window, ALiBi, softcap and Philox dropout, as P = mask(softcap(scale Q K^T) + bias
+// + ALiBi).  Each row's visible keys are one interval [row_lo, row_end) (causal and window);
+// KV tiles left of the first row's band are never loaded either.  With dropout, the kept P~
+// are scaled by 1 / (1 - p) in Ps (so P~ V is the dropped product) while l_i sums the
+// undropped P~.  Lane t draws the Philox block of each of its keys (t + 4c: word t).
+//
 // Two kernels: flash_fwd (dense batches) and, compiled with -DCUFLASH_FWD_SERVING,
 // flash_fwd_serving (variable-length batches, KV caches contiguous or paged, split-KV with
 // partials in the compute type merged by flash_fwd_combine, packed grouped-query rows): the same body,
@@ -68,12 +75,15 @@ static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256"
 
 // The forward for one block's problem (fwd_problem.cuh).  SPLIT: write the partial
 // output and lse of this block's KV-tile range instead of o and lse.
+// Bias and Slopes: the feature tensors of -DCUFLASH_MASKS (unused, and nullptr, otherwise).
 template <bool SPLIT>
 __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
                                                const elem_t* __restrict__ K,
                                                const elem_t* __restrict__ V,
                                                elem_t* __restrict__ O, acc_t* __restrict__ LSE,
-                                               const FwdParams& p, const FwdServing& sv) {
+                                               const FwdParams& p, const FwdServing& sv,
+                                               const acc_t* __restrict__ Bias,
+                                               const acc_t* __restrict__ Slopes) {
     CUFLASH_DYNAMIC_SHARED(acc_t, smem);
     acc_t* Qs = smem;                       // (kBr, kD + 1)   Q_i, resident
     acc_t* Ks = Qs + kBr * kQStride;        // (kBc, kD + 1)   K_j, streamed
@@ -93,7 +103,22 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     // This row's own bound: keys < row_end are visible (tiles past every row's bound are
     // never loaded: f.tile_hi).
     const int i = q0 + row;
+#ifdef CUFLASH_MASKS
+    // the row's keys [row_lo, row_end) (causal and window); rows past the problem see none,
+    // so they never read the bias
+    int row_lo = 0, row_end = 0;
+    if (row < rows_q) f.row_range(p, i, row_lo, row_end);
+    // the query head and position of the row (packed grouped-query rows: head
+    // kv_head * pack + r / q_period); rows past the problem take the tile's first
+    const int ir = row < rows_q ? i : q0;
+    const int qh = p.mask_pack > 1 ? f.h * p.mask_pack + ir / f.q_period : f.h;
+    const int qpos = ir % f.q_period;
+    const MaskRow mrow = cuflash_mask_row(p, Bias, Slopes, f.b, qh, qpos, f.mask_off);
+    const DropoutKey drop = cuflash_dropout_key(p);
+    const int drop_b = f.b + p.mask_drop_b0;
+#else
     const int row_end = f.row_end(i);
+#endif
 
     // -- load Q_i (rows past the problem's are zero; they are computed but never stored)
     for (int idx = tid; idx < kBr * kD; idx += kThreads) {
@@ -136,7 +161,13 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
             const int key = k0 + t + 4 * c;
+#ifdef CUFLASH_MASKS
+            acc_t th;
+            s[c] = key >= row_lo && key < row_end ? mrow.logit(s[c] * scale, key, th)
+                                                  : acc_t(-INFINITY);
+#else
             s[c] = key < row_end ? s[c] * scale : acc_t(-INFINITY);
+#endif
             mx = acc_max(mx, s[c]);
         }
         mx = acc_max(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -151,6 +182,15 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
         for (int c = 0; c < kColsPerLane; ++c) {
             const acc_t pe = acc_exp(s[c] - m_use);
             rowsum += pe;
+#ifdef CUFLASH_MASKS
+            // dropout: P~ V uses the kept P~ / (1 - p); rowsum (-> l_i, lse) the undropped
+            if (drop.on && pe != acc_t(0)) {
+                const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, drop_b,
+                                                       qh, qpos, k0 + t + 4 * c);
+                Ps[row * kPStride + t + 4 * c] = keep ? pe * drop.scale : acc_t(0);
+                continue;
+            }
+#endif
             Ps[row * kPStride + t + 4 * c] = pe;
         }
         rowsum += __shfl_xor_sync(0xffffffffu, rowsum, 1);
@@ -204,30 +244,57 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     }
 }
 
-#ifndef CUFLASH_FWD_SERVING
+#if !defined(CUFLASH_FWD_SERVING) && !defined(CUFLASH_MASKS)
 // Dense batches (the plain call of tiled_attention): six arguments.
 extern "C" __global__ void flash_fwd(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
     elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
     const FwdServing none = {nullptr, nullptr, nullptr, nullptr, nullptr};
-    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none);
+    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none, nullptr, nullptr);
+}
+#elif !defined(CUFLASH_FWD_SERVING)
+// Dense batches with the logit features (-DCUFLASH_MASKS, masks.cuh): the bias (read as
+// acc_t through the mask_bias_* strides) and the ALiBi slopes (acc_t, mask_alibi_* strides);
+// either may be any pointer when the params say the call has none.
+extern "C" __global__ void flash_fwd_masked(
+    const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+    elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P,
+    const acc_t* __restrict__ Bias, const acc_t* __restrict__ Slopes)
+{
+    const FwdServing none = {nullptr, nullptr, nullptr, nullptr, nullptr};
+    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none, Bias, Slopes);
 }
 #else
 // Serving problems (fwd_problem.cuh): varlen, KV cache (contiguous or paged), split-KV,
 // packed grouped-query rows.  Compiled as its own module (-DCUFLASH_FWD_SERVING) so the
 // dense call keeps its short argument list and compile time.
-extern "C" __global__ void flash_fwd_serving(
+// With -DCUFLASH_MASKS as well: flash_fwd_serving_masked, which also takes the bias and the
+// ALiBi slopes (indexed by sequence, query head, query position and key position).
+#ifdef CUFLASH_MASKS
+#define CUFLASH_SERVING_KERNEL flash_fwd_serving_masked
+#define CUFLASH_SERVING_MASK_ARGS , const acc_t* __restrict__ Bias, const acc_t* __restrict__ Slopes
+#else
+#define CUFLASH_SERVING_KERNEL flash_fwd_serving
+#define CUFLASH_SERVING_MASK_ARGS
+#define Bias nullptr
+#define Slopes nullptr
+#endif
+extern "C" __global__ void CUFLASH_SERVING_KERNEL(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
     elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P,
     const int* __restrict__ cu_q, const int* __restrict__ cu_k,
     const int* __restrict__ seqlens_k, const int* __restrict__ block_table,
-    acc_t* __restrict__ part)
+    acc_t* __restrict__ part CUFLASH_SERVING_MASK_ARGS)
 {
     const FwdServing sv = {cu_q, cu_k, seqlens_k, block_table, part};
-    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv);
-    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv);
+    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
+    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
 }
+#ifndef CUFLASH_MASKS
+#undef Bias
+#undef Slopes
+#endif
 
 // Split-KV, last step: merge the n_splits partial outputs of every output row exactly,
 //     lse = log(sum_s exp(lse_s)),  o = sum_s exp(lse_s - lse) o_s

@@ -19,6 +19,9 @@
 #pragma once
 #include "dtype.cuh"
 #include "params.cuh"
+#ifdef CUFLASH_MASKS
+#include "masks.cuh"
+#endif
 
 // Per-call device pointers of the serving variants (kernel arguments, not in the params
 // block, because they change from call to call).  Which are meaningful is said by the
@@ -44,6 +47,7 @@ struct FwdProblem {
     int nk;              // keys of the sequence
     int causal;
     int offset;          // query i sees key j iff j <= i + offset (causal)
+    int mask_off;        // nk - query positions: the window's and ALiBi's alignment (masks.cuh)
     int tile_lo, tile_hi;  // KV tiles this block visits: [tile_lo, tile_hi)
     long long lse0;      // element index of row 0's lse (split partials are indexed by it)
     const elem_t* Qb;    // row 0 of the problem in q (rows step q_sr)
@@ -71,6 +75,12 @@ struct FwdProblem {
         if (!causal) return nk;
         return cuflash_clamp((long long)(r % q_period) + offset + 1, 0, nk);
     }
+#ifdef CUFLASH_MASKS
+    // Keys [lo, hi) visible to row r with the sliding window as well (masks.cuh).
+    __device__ __forceinline__ void row_range(const FwdParams& p, int r, int& lo, int& hi) const {
+        cuflash_window_range(p, r % q_period, mask_off, nk, row_end(r), lo, hi);
+    }
+#endif
 };
 
 // The problem of this block for a tile height of block_q rows and KV tiles of block_kv keys.
@@ -104,6 +114,7 @@ __device__ __forceinline__ FwdProblem cuflash_fwd_problem(const FwdParams& p, co
     f.q_period = nq_seq > 0 ? nq_seq : 1;
     f.causal = p.causal;
     f.offset = p.causal_br ? f.nk - nq_seq : 0;
+    f.mask_off = f.nk - nq_seq;
     f.lse0 = (varlen ? q_start * p.lse_sr : (long long)f.b * p.lse_sb) + (long long)f.h * p.lse_sh;
     f.Qb = Q + (varlen ? q_start * p.q_sr : (long long)f.b * p.q_sb) + (long long)f.h * p.q_sh;
     f.Ob = O + (varlen ? q_start * p.o_sr : (long long)f.b * p.o_sb) + (long long)f.h * p.o_sh;
@@ -125,8 +136,26 @@ __device__ __forceinline__ FwdProblem cuflash_fwd_problem(const FwdParams& p, co
                               ? f.q_period - 1 : first + rows_here - 1;
         kv_end = cuflash_clamp((long long)i_max + f.offset + 1, 0, f.nk);
     }
+    int kv_begin = 0;
+#ifdef CUFLASH_MASKS
+    // the sliding window: keys left of the first position's band and right of the last
+    // position's are never loaded
+    if (p.mask_window && rows_here > 0) {
+        const int first = f.q0 % f.q_period;
+        const bool wraps = rows_here >= f.q_period || first + rows_here > f.q_period;
+        const int i_min = wraps ? 0 : first;
+        const int i_max = wraps ? f.q_period - 1 : first + rows_here - 1;
+        int lo, hi, lo2, hi2;
+        cuflash_window_range(p, i_min, f.mask_off, f.nk, kv_end, lo, hi);
+        cuflash_window_range(p, i_max, f.mask_off, f.nk, kv_end, lo2, hi2);
+        // (lo and hi grow with the position, so [lo, hi2) is the union; empty: no tile)
+        kv_begin = hi2 > lo ? lo : 0;
+        kv_end = hi2 > lo ? hi2 : 0;
+    }
+#endif
     const int n_kv = (kv_end + block_kv - 1) / block_kv;
-    f.tile_lo = min(f.split * p.split_tiles, n_kv);
+    const int kv_t0 = kv_begin / block_kv;
+    f.tile_lo = min(kv_t0 + f.split * p.split_tiles, n_kv);
     f.tile_hi = p.n_splits > 1 ? min(f.tile_lo + p.split_tiles, n_kv) : n_kv;
     return f;
 }

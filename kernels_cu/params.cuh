@@ -51,6 +51,22 @@ struct FwdParams {
     int num_pages;         // paged cache: pages in the cache (block-table entries are clamped)
     int max_pages;         // paged cache: block-table columns
     int pad0;
+    // -- logit features (masks.cuh; kernels compiled with -DCUFLASH_MASKS read them).  Every
+    //    mask_* field is 0 unless the launcher sets it (cuflash._launch.make_params), and 0 is
+    //    "off", so plain calls need not know these fields exist --
+    long long mask_bias_sb, mask_bias_sh, mask_bias_sr, mask_bias_sc;  // bias strides (0: broadcast)
+    long long mask_alibi_sb, mask_alibi_sh;  // ALiBi slope strides (batch, head)
+    long long mask_seed_lo, mask_seed_hi;    // dropout key: the seed's two 32-bit halves
+    long long mask_drop_threshold;           // Philox words below it are dropped (round(p 2^32))
+    double mask_softcap;                     // c of c * tanh(s / c); 0: no softcap
+    double mask_drop_scale;                  // 1 / (1 - p)
+    int mask_has_bias, mask_has_alibi, mask_dropout;
+    int mask_window;                         // CUFLASH_WINDOW_LEFT | _RIGHT: the bounded sides
+    int mask_window_left, mask_window_right;
+    int mask_offset;                         // Nk - Nq: the window's and ALiBi's alignment
+    int mask_drop_b0;                        // added to the batch index of the dropout mask
+    int mask_pack;                           // serving: query heads packed per problem (GQA)
+    int mask_pad0;
 };
 
 // flash_kv_append: k_new/v_new (B, Hk, Nnew, d/dv) written into the cache at positions
@@ -99,6 +115,23 @@ struct BwdParams {
     int n_splits;          // dQ accumulator slices: 1 (atomic path) or the deterministic splits
     int n_kv_blocks;       // blocks per (kv head, batch) along the keys: n_kv_tiles, or n_splits
     int pad1;
+    // -- logit features (masks.cuh; kernels compiled with -DCUFLASH_MASKS read them).  Every
+    //    mask_* field is 0 unless the launcher sets it (cuflash._launch.make_params), and 0 is
+    //    "off", so plain calls need not know these fields exist --
+    long long mask_bias_sb, mask_bias_sh, mask_bias_sr, mask_bias_sc;  // bias strides (0: broadcast)
+    long long mask_alibi_sb, mask_alibi_sh;  // ALiBi slope strides (batch, head)
+    long long mask_seed_lo, mask_seed_hi;    // dropout key: the seed's two 32-bit halves
+    long long mask_drop_threshold;           // Philox words below it are dropped (round(p 2^32))
+    double mask_softcap;                     // c of c * tanh(s / c); 0: no softcap
+    double mask_drop_scale;                  // 1 / (1 - p)
+    int mask_has_bias, mask_has_alibi, mask_dropout;
+    int mask_window;                         // CUFLASH_WINDOW_LEFT | _RIGHT: the bounded sides
+    int mask_window_left, mask_window_right;
+    int mask_offset;                         // Nk - Nq: the window's and ALiBi's alignment
+    int mask_drop_b0;                        // added to the batch index of the dropout mask
+    int mask_pack;                           // serving: query heads packed per problem (GQA)
+    long long mask_dbias_sb, mask_dbias_sh, mask_dbias_sr, mask_dbias_sc;  // dbias accumulator
+    int mask_dbias;        // 0: no dbias; 1: each element stored once; 2: atomic adds (broadcast)
 };
 
 // blockIdx.x -> (tile, head, batch) for a grid of n_tiles * heads * batch blocks.

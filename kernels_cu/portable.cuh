@@ -209,6 +209,14 @@ __device__ __forceinline__ float gatomic_add(float* p, float v) {
 #endif
     return atomicAdd(p, v);
 }
+// double atomics (sm_60+): the float64 bias gradient of a broadcast bias
+__device__ __forceinline__ double gatomic_add(double* p, double v) {
+#ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::tctx->bytes_read += 8;
+    ::cuflash_emu::tctx->bytes_written += 8;
+#endif
+    return atomicAdd(p, v);
+}
 
 // ------------------------------------------------------------- mma.m16n8k16 (f32 accumulate)
 // d = a * b + c; A 16x16 row-major, B 16x8 ("col"), C/D 16x8 f32.

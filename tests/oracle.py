@@ -148,7 +148,11 @@ def visible(Nq, Nk, causal):
 
 
 def _softmax_rows(s, vis):
-    """Rows of softmax over visible entries; rows seeing nothing give p = 0, lse = -inf."""
+    """Rows of softmax over visible entries; rows seeing nothing give p = 0, lse = -inf.
+
+    A logit of -inf (a -inf bias) hides its key like the mask does.
+    """
+    vis = vis & ~np.isneginf(s)
     s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
     empty = ~vis.any(axis=-1, keepdims=True)
@@ -161,8 +165,74 @@ def _softmax_rows(s, vis):
     return p, lse
 
 
-def attention(q, k, v, scale=None, causal=False):
-    """float64 oracle forward: (o, lse, p) with p of shape (..., Nq, Nk)."""
+# --------------------------------------------------------------------------
+# the logit features: mask(softcap(scale * q k^T) + bias + ALiBi), dropout
+# --------------------------------------------------------------------------
+def philox_block(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (Salmon et al. 2011), written out from the paper's round function.
+
+    Counters and key are integer arrays (broadcast together) or ints; returns a
+    (4, ...) uint64 array of 32-bit words.  Each round: L' = hi(M1 * c2) ^ c1 ^ k0,
+    lo(M1 * c2), hi(M0 * c0) ^ c3 ^ k1, lo(M0 * c0); then k += (W0, W1).
+    """
+    mask = np.uint64(0xFFFFFFFF)
+    x = np.array(np.broadcast_arrays(*[np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3)]))
+    x &= mask
+    key = [np.uint64(int(k0) & 0xFFFFFFFF), np.uint64(int(k1) & 0xFFFFFFFF)]
+    for _ in range(10):
+        a = x[0] * np.uint64(0xD2511F53)
+        b = x[2] * np.uint64(0xCD9E8D57)
+        x = np.array([((b >> np.uint64(32)) ^ x[1] ^ key[0]) & mask, b & mask,
+                      ((a >> np.uint64(32)) ^ x[3] ^ key[1]) & mask, a & mask])
+        key = [(key[0] + np.uint64(0x9E3779B9)) & mask, (key[1] + np.uint64(0xBB67AE85)) & mask]
+    return x
+
+
+def keep_mask(b, h, Nq, Nk, p, seed):
+    """(Nq, Nk) bool: dropout keeps (b, h, i, j) iff word j % 4 of Philox at (j // 4, i, h, b)
+    under key (seed % 2^32, seed // 2^32) is >= round(p * 2^32)."""
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    words = philox_block(j // 4, i, h, b, seed % 2 ** 32, seed // 2 ** 32)   # (4, Nq, Nk)
+    w = np.take_along_axis(words, np.broadcast_to(j % 4, (Nq, Nk))[None], axis=0)[0]
+    threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+    return w >= threshold
+
+
+def _feature_terms(out_lead, oi, Nq, Nk, bias=None, window=None, alibi_slopes=None,
+                   softcap=None, dropout_p=0.0, seed=None, causal=False, dropout_batch=0):
+    """For output problem ``oi``: (additive term, visibility, keep-mask or None)."""
+    add = np.zeros((Nq, Nk))
+    if bias is not None:
+        add += np.broadcast_to(f64(bias), out_lead + (Nq, Nk))[oi]
+    off = Nk - Nq
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    if alibi_slopes is not None:
+        slope = np.broadcast_to(f64(alibi_slopes), out_lead)[oi]
+        add -= slope * np.abs(i + off - j)
+    vis = visible(Nq, Nk, causal)
+    if window is not None:
+        left, right = window
+        if left is not None and left >= 0:
+            vis = vis & (j >= i + off - left)
+        if right is not None and right >= 0:
+            vis = vis & (j <= i + off + right)
+    keep = None
+    if dropout_p:
+        b = int(np.ravel_multi_index(oi[:-1], out_lead[:-1])) if len(oi) > 1 else 0
+        b += dropout_batch          # a sequence of a packed batch: its own index
+        h = oi[-1] if oi else 0
+        keep = keep_mask(b, h, Nq, Nk, dropout_p, seed)
+    return add, vis, keep
+
+
+def attention(q, k, v, scale=None, causal=False, **feat):
+    """float64 oracle forward: (o, lse, p) with p of shape (..., Nq, Nk).
+
+    ``feat``: bias, window, alibi_slopes, softcap, dropout_p, seed (the
+    features of cuflash.tiled_attention); p is the softmax before dropout.
+    """
     q, k, v = f64(q), f64(k), f64(v)
     k, v = _kv_common(k, v)
     Nq, d = q.shape[-2:]
@@ -173,39 +243,67 @@ def attention(q, k, v, scale=None, causal=False):
     lse = np.zeros(out_lead + (Nq,))
     p = np.zeros(out_lead + (Nq, Nk))
     vis = visible(Nq, Nk, causal)
+    cap = feat.get("softcap")
     for oi, qi, ki in rows:
         s = scale * (q[qi] @ k[ki].T)
+        keep = None
+        if feat:
+            if cap is not None:
+                s = cap * np.tanh(s / cap)
+            add, vis, keep = _feature_terms(out_lead, oi, Nq, Nk, causal=causal, **feat)
+            s = s + add
         pi, li = _softmax_rows(s, vis)
         p[oi] = pi
         lse[oi] = li
-        o[oi] = pi @ v[ki]
+        w = pi if keep is None else np.where(keep, pi / (1 - feat["dropout_p"]), 0.0)
+        o[oi] = w @ v[ki]
     return o, lse, p
 
 
-def attention_backward(do, q, k, v, scale=None, causal=False):
-    """float64 oracle textbook backward: (dq, dk, dv), dk/dv summed back to k/v shapes."""
+def attention_backward(do, q, k, v, scale=None, causal=False, return_dbias=False, **feat):
+    """float64 oracle textbook backward: (dq, dk, dv), dk/dv summed back to k/v shapes.
+
+    With ``return_dbias`` also dbias (the gradient of the logits after the
+    softcap, summed to the bias's shape).
+    """
     do, q, k0, v0 = f64(do), f64(q), f64(k), f64(v)
     k, v = _kv_common(k0, v0)
     Nq, d = q.shape[-2:]
+    Nk = k.shape[-2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out_lead, rows, _ = lead_mapping(q.shape[:-2], k.shape[:-2])
     dk = np.zeros(k.shape)
     dvv = np.zeros(v.shape)
     dq_acc = np.zeros(out_lead + q.shape[-2:])
-    vis = visible(Nq, k.shape[-2], causal)
+    dlogits = np.zeros(out_lead + (Nq, Nk))
+    vis = visible(Nq, Nk, causal)
+    cap = feat.get("softcap")
     for oi, qi, ki in rows:
         s = scale * (q[qi] @ k[ki].T)
+        keep, dcap = None, 1.0
+        if feat:
+            if cap is not None:
+                t = np.tanh(s / cap)
+                s, dcap = cap * t, 1 - t * t
+            add, vis, keep = _feature_terms(out_lead, oi, Nq, Nk, causal=causal, **feat)
+            s = s + add
         p, _ = _softmax_rows(s, vis)
         g = do[oi]
-        dvv[ki] += p.T @ g
-        dp = g @ v[ki].T
+        drop = 1.0 if keep is None else np.where(keep, 1 / (1 - feat["dropout_p"]), 0.0)
+        dvv[ki] += (p * drop).T @ g
+        dp = (g @ v[ki].T) * drop
         D = (p * dp).sum(axis=-1, keepdims=True)
         ds = p * (dp - D)
+        dlogits[oi] = ds
+        ds = ds * dcap
         dq_acc[oi] += scale * ds @ k[ki]
         dk[ki] += scale * ds.T @ q[qi]
     # each gradient has its input's shape: sum over the axes it was broadcast along
-    return (sum_to_shape(dq_acc, q.shape), sum_to_shape(dk, k0.shape),
-            sum_to_shape(dvv, v0.shape))
+    out = (sum_to_shape(dq_acc, q.shape), sum_to_shape(dk, k0.shape),
+           sum_to_shape(dvv, v0.shape))
+    if return_dbias:
+        out += (sum_to_shape(dlogits, np.shape(feat["bias"])),)
+    return out
 
 
 def sum_to_shape(a, shape):
@@ -227,7 +325,7 @@ def _rounder(name):
     return lambda x: np.asarray(x).astype(dt).astype(np.float64)
 
 
-def attention_lowp(q, k, v, dtype, scale=None, causal=False):
+def attention_lowp(q, k, v, dtype, scale=None, causal=False, **feat):
     """Plain attention with inputs and every intermediate rounded to ``dtype``: (o, lse)."""
     r = _rounder(dtype)
     q, k, v = r(f64(q)), r(f64(k)), r(f64(v))
@@ -240,16 +338,25 @@ def attention_lowp(q, k, v, dtype, scale=None, causal=False):
     lse = np.zeros(out_lead + (Nq,))
     p = np.zeros(out_lead + (Nq, Nk))
     vis = visible(Nq, Nk, causal)
+    cap = feat.get("softcap")
     for oi, qi, ki in rows:
         s = r(scale * r(q[qi] @ k[ki].T))
+        keep = None
+        if feat:
+            if cap is not None:
+                s = r(cap * np.tanh(s / cap))
+            add, vis, keep = _feature_terms(out_lead, oi, Nq, Nk, causal=causal, **feat)
+            s = r(s + r(add))
         pi, li = _softmax_rows(s, vis)
         p[oi] = r(pi)
-        o[oi] = r(p[oi] @ v[ki])
+        w = p[oi] if keep is None else r(np.where(keep, p[oi] / (1 - feat["dropout_p"]), 0.0))
+        o[oi] = r(w @ v[ki])
         lse[oi] = li
     return o, lse, p
 
 
-def attention_backward_lowp(do, q, k, v, dtype, scale=None, causal=False):
+def attention_backward_lowp(do, q, k, v, dtype, scale=None, causal=False, return_dbias=False,
+                            **feat):
     """Textbook backward with every input and intermediate rounded to ``dtype``."""
     r = _rounder(dtype)
     do, q, k0, v0 = r(f64(do)), r(f64(q)), r(f64(k)), r(f64(v))
@@ -260,20 +367,36 @@ def attention_backward_lowp(do, q, k, v, dtype, scale=None, causal=False):
     dq_acc = np.zeros(out_lead + q.shape[-2:])
     dk = np.zeros(k.shape)
     dvv = np.zeros(v.shape)
-    vis = visible(Nq, k.shape[-2], causal)
+    Nk = k.shape[-2]
+    vis = visible(Nq, Nk, causal)
+    cap = feat.get("softcap")
+    dlogits = np.zeros(out_lead + (Nq, Nk))
     for oi, qi, ki in rows:
         s = r(scale * r(q[qi] @ k[ki].T))
+        keep, dcap = None, 1.0
+        if feat:
+            if cap is not None:
+                t = r(np.tanh(s / cap))
+                s, dcap = r(cap * t), r(1 - t * t)
+            add, vis, keep = _feature_terms(out_lead, oi, Nq, Nk, causal=causal, **feat)
+            s = r(s + r(add))
         p, _ = _softmax_rows(s, vis)
         p = r(p)
         g = do[oi]
-        dvv[ki] += r(p.T @ g)
-        dp = r(g @ v[ki].T)
+        drop = 1.0 if keep is None else np.where(keep, 1 / (1 - feat["dropout_p"]), 0.0)
+        dvv[ki] += r(r(p * drop).T @ g)
+        dp = r(r(g @ v[ki].T) * drop)
         D = r((p * dp).sum(axis=-1, keepdims=True))
         ds = r(p * (dp - D))
+        dlogits[oi] = ds
+        ds = r(ds * dcap)
         dq_acc[oi] += r(scale * r(ds @ k[ki]))
         dk[ki] += r(scale * r(ds.T @ q[qi]))
-    return (r(sum_to_shape(dq_acc, q.shape)), r(sum_to_shape(dk, k0.shape)),
-            r(sum_to_shape(dvv, v0.shape)))
+    out = (r(sum_to_shape(dq_acc, q.shape)), r(sum_to_shape(dk, k0.shape)),
+           r(sum_to_shape(dvv, v0.shape)))
+    if return_dbias:
+        out += (r(sum_to_shape(dlogits, np.shape(feat["bias"]))),)
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -333,12 +456,12 @@ def assert_lowp_close(out, ref, base, dtype, factor, what="output"):
                           f"{base_err:.3e} + {tiny:.1e}; {_describe(out, ref)}")
 
 
-def check_forward(o, q, k, v, scale=None, causal=False, lse=None, dtype=None):
+def check_forward(o, q, k, v, scale=None, causal=False, lse=None, dtype=None, **feat):
     """Check o (and lse when given) of a forward call against the oracle by the dtype's rule."""
     dtype = dtype or dtype_name(q.dtype)
-    ref_o, ref_lse, _ = attention(q, k, v, scale, causal)
+    ref_o, ref_lse, _ = attention(q, k, v, scale, causal, **feat)
     if dtype in LOW_PRECISION:
-        base_o, base_lse, _ = attention_lowp(q, k, v, dtype, scale, causal)
+        base_o, base_lse, _ = attention_lowp(q, k, v, dtype, scale, causal, **feat)
         assert_lowp_close(o, ref_o, base_o, dtype, 2, "o")
         if lse is not None:
             assert_lowp_close(lse, ref_lse, base_lse, dtype, 2, "lse")
@@ -348,15 +471,41 @@ def check_forward(o, q, k, v, scale=None, causal=False, lse=None, dtype=None):
             assert_rel_close(lse, ref_lse, dtype, "lse")
 
 
-def check_backward(grads, do, q, k, v, scale=None, causal=False, dtype=None):
-    """Check (dq, dk, dv) against the oracle backward by the dtype's rule (3x for f16/bf16)."""
+def check_backward(grads, do, q, k, v, scale=None, causal=False, dtype=None, **feat):
+    """Check (dq, dk, dv[, dbias]) against the oracle backward by the dtype's rule (3x for f16/bf16).
+
+    A fourth gradient is checked as dbias (``feat`` must hold the bias).
+    """
     dtype = dtype or dtype_name(q.dtype)
-    refs = attention_backward(do, q, k, v, scale, causal)
-    names = ("dq", "dk", "dv")
+    with_db = len(grads) == 4
+    refs = attention_backward(do, q, k, v, scale, causal, return_dbias=with_db, **feat)
+    names = ("dq", "dk", "dv", "dbias")
     if dtype in LOW_PRECISION:
-        bases = attention_backward_lowp(do, q, k, v, dtype, scale, causal)
+        bases = attention_backward_lowp(do, q, k, v, dtype, scale, causal, return_dbias=with_db,
+                                        **feat)
         for g, r_, b, n in zip(grads, refs, bases, names):
             assert_lowp_close(g, r_, b, dtype, 3, n)
     else:
         for g, r_, n in zip(grads, refs, names):
             assert_rel_close(g, r_, dtype, n)
+
+
+# --------------------------------------------------------------------------
+# variable-length batches: one oracle problem per sequence
+# --------------------------------------------------------------------------
+def sequence_features(feat, b, len_q, len_k):
+    """Sequence b's features: bias[b, :, :len_q, :len_k] and slopes[b] of the broadcast
+    (B, H, max_q, max_k) / (B, H) arrays, its dropout batch index b."""
+    out = dict(feat)
+    if feat.get("bias") is not None:
+        x = np.asarray(feat["bias"])
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+        x = x[b if x.shape[0] > 1 else 0]
+        out["bias"] = x[:, :len_q if x.shape[1] > 1 else 1, :len_k if x.shape[2] > 1 else 1]
+    if feat.get("alibi_slopes") is not None:
+        s = np.asarray(feat["alibi_slopes"])
+        s = s.reshape((1,) * (2 - s.ndim) + s.shape)
+        out["alibi_slopes"] = s[b if s.shape[0] > 1 else 0]
+    if feat.get("dropout_p"):
+        out["dropout_batch"] = b
+    return out

@@ -29,7 +29,8 @@ ufuncs) with OpenBLAS held to one thread per call meanwhile, which measured
 The package is split by family (each module holds one concern, all re-exported
 here, so ``cuflash.reference.tiled_attention`` is the public name):
 ``softmax`` (online softmax), ``standard`` (the textbook algorithm),
-``flash_forward`` and ``flash_backward`` (the tiled algorithm), ``memory``
+``flash_forward`` and ``flash_backward`` (the tiled algorithm), ``masks`` (the
+logit features -- bias, window, ALiBi, softcap -- and the Philox dropout mask), ``memory``
 (the memory/traffic model and the instrumented forward), ``serving``
 (split-KV, the KV cache and variable-length batches) and ``_common``
 (threads, BLAS control and shared helpers).

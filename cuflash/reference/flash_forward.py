@@ -5,9 +5,11 @@ import math
 import numpy as np
 
 from .._validate import check_attention_inputs
+from .._validate_masks import check_masks
 from .._validate_serving import check_num_splits
 from ._common import (_canonical, _causal_offset, _compute_dtype, _kv_range, _no_track,
                       _num_workers, _run_tasks, _tile_mask, blas_controllable, default_blocks)
+from . import masks
 
 
 # ---------------------------------------------------------------------------
@@ -47,7 +49,7 @@ _LN2 = math.log(2.0)
 
 
 def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="whole",
-                   kv_tiles=None, out_dtype=None):
+                   kv_tiles=None, out_dtype=None, ms=None):
     """FlashAttention-2 forward over all leading dims at once: returns (o, lse).
 
     ``kv_tiles=(j0, j1)`` visits only the key/value tiles j0 <= j < j1 (one
@@ -94,6 +96,11 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
     lse_c = lse.reshape(lead_c + (Nq,))
     offset = _causal_offset(spec)
     scale = spec.scale
+    feat = None
+    if ms is not None:
+        feat = masks.Features(spec, ms, lead_c, ct, ms.bias, ms.alibi_slopes)
+    # the softcap needs the unshifted natural-unit logits: no shift column in the matmul
+    fold = feat is None or ms.softcap is None
     # base-2 logits: exp2 is ~1.5x faster than exp in NumPy (float32, AVX-512), and
     # folding log2(e) into the scale of Qi makes the switch free; m_i is in bits too
     scale2 = scale * _LOG2E
@@ -118,8 +125,8 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
         br = r1 - r0
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             Qa = np.empty(lead_c + (br, d + 1), ct)                         # [Qi, -m_i]
-            np.multiply(q_c[..., r0:r1, :], scale2, out=Qa[..., :d], dtype=ct,
-                        casting="unsafe")
+            np.multiply(q_c[..., r0:r1, :], scale2 if fold else scale, out=Qa[..., :d],
+                        dtype=ct, casting="unsafe")
             Qa[..., d] = 0
             m_i = np.zeros(lead_c + (br,), ct)                              # the shift
             acc = np.zeros(lead_c + (br, dv + 1), ct)                       # [acc, l_i]
@@ -133,10 +140,26 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                 Vbuf[..., dv] = 1
             track(Qa, m_i, acc, S, PV, Kbuf, Vbuf)
             all_seen = False
-            _, j_hi = _kv_range(r0, r1, Nk, Bc, offset)
-            j_lo = 0
+            if feat is None:
+                j_lo, j_hi = 0, _kv_range(r0, r1, Nk, Bc, offset)[1]
+            else:   # the window also skips the tiles left of the band
+                j_lo, j_hi = masks.kv_tile_bounds(spec, ms, r0, r1, Bc)
             if kv_tiles is not None:
-                j_lo, j_hi = kv_tiles[0], min(j_hi, kv_tiles[1])
+                j_lo, j_hi = max(j_lo, kv_tiles[0]), min(j_hi, kv_tiles[1])
+
+            def logits(Sj, KjT, c0, c1, hidden):
+                """Sj = the tile's base-2 logits minus the shift m_i, features and mask applied."""
+                np.matmul(Qa, KjT, out=Sj)
+                if feat is not None:
+                    if fold:      # Sj = log2(e) s - m_i already: add the terms in base 2
+                        feat.transform(Sj, r0, r1, c0, c1, unit=_LOG2E)
+                    else:         # natural units, unshifted: cap, add, then convert and shift
+                        feat.transform(Sj, r0, r1, c0, c1)
+                        Sj *= ct.type(_LOG2E)
+                        Sj -= m_i[..., None]
+                if hidden is not None:                                     # boundary tile
+                    Sj[..., hidden] = -np.inf
+
             for j in range(j_lo, j_hi):
                 c0, c1 = j * Bc, min(Nk, (j + 1) * Bc)
                 bc = c1 - c0
@@ -148,16 +171,17 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                               casting="unsafe")
                     np.copyto(Vj[..., :dv], v_c[..., c0:c1, :], casting="unsafe")
                 Sj = S[..., :bc]
-                np.matmul(Qa, KjT, out=Sj)             # S - m_i
-                hidden = _tile_mask(r0, r1, c0, c1, offset)
-                if hidden is not None:                                     # boundary tile
+                hidden = (_tile_mask(r0, r1, c0, c1, offset) if feat is None
+                          else feat.hidden(r0, r1, c0, c1))
+                if hidden is not None:
                     track(hidden)
-                    Sj[..., hidden] = -np.inf
+                logits(Sj, KjT, c0, c1, hidden)                            # S - m_i
+                keep = feat.keep(r0, r1, c0, c1) if feat is not None and ms.dropout else None
                 l_acc = acc[..., dv]
                 if j > j_lo:
                     # -- fast path: exp straight away; the row sums tell whether it was safe
                     np.exp2(Sj, out=Sj)                                    # P~
-                    np.matmul(Sj, Vj, out=PV)                              # [P~ Vj, rowsum P~]
+                    _pv(Sj, Vj, PV, keep)                                  # [P~ Vj, rowsum P~]
                     l_t = PV[..., dv]
                     if l_t.max() <= l_hi and (all_seen or ((l_acc > 0) | (l_t == 0)
                                                            | (l_t >= l_lo)).all()):
@@ -167,9 +191,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                         continue
                     # some row's max rose above the slack (or a row's first keys lie far
                     # below its shift): recompute the tile and move those shifts
-                    np.matmul(Qa, KjT, out=Sj)
-                    if hidden is not None:
-                        Sj[..., hidden] = -np.inf
+                    logits(Sj, KjT, c0, c1, hidden)
                 # -- tile max relative to the shift; move the shift where it left the slack
                 t = Sj.max(axis=-1)
                 move = (t > tau) | ((l_acc == 0) & (t < -tau) & (t > -np.inf))
@@ -180,9 +202,10 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                     acc *= alpha[..., None]
                     Sj -= delta[..., None]
                     m_i += delta
-                    Qa[..., d] = -m_i
+                    if fold:
+                        Qa[..., d] = -m_i
                 np.exp2(Sj, out=Sj)                                        # P~
-                np.matmul(Sj, Vj, out=PV)                                  # [P~ Vj, rowsum P~]
+                _pv(Sj, Vj, PV, keep)                                      # [P~ Vj, rowsum P~]
                 acc += PV
                 if not all_seen:   # once every row has mass, the first-contact test is moot
                     all_seen = bool((acc[..., dv] > 0).all())
@@ -192,6 +215,18 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
                       casting="unsafe")
             np.add(m_i * _LN2, np.log(l_i), out=lse_c[..., r0:r1], casting="unsafe")
 
+    drop_scale = ct.type(ms.drop_scale) if ms is not None and ms.dropout else None
+
+    def _pv(P, Vj, PV, keep):
+        """PV = [P Vj, rowsum P]; with dropout P Vj uses the kept, scaled P (in place)."""
+        if keep is None:
+            np.matmul(P, Vj, out=PV)
+            return
+        l_t = P.sum(axis=-1)                       # the undropped row sums: lse's
+        P *= np.where(keep, drop_scale, ct.type(0))
+        np.matmul(P, Vj, out=PV)
+        PV[..., dv] = l_t
+
     n_q = -(-Nq // Br) if Nq else 0
     tasks = list(range(n_q))
     if offset is not None:   # causal: the longest tasks first so the threads finish together
@@ -200,8 +235,9 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
     return o, lse
 
 
-def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None,
-                    return_lse=False, num_splits=None):
+def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
+                    block_kv=None, return_lse=False, num_splits=None):
     """FlashAttention forward: exact attention without any (Nq, Nk) array.
 
     Query tiles ``Qi`` of ``block_q`` (Br) rows, key/value tiles ``Kj``, ``Vj``
@@ -228,6 +264,25 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``;
         ``"top_left"``: iff ``j <= i``.  A row that sees no key gives o = 0 and
         lse = -inf.
+    bias : ndarray, optional
+        Added to the (softcapped) scaled logits; any shape that broadcasts to
+        ``lead + (Nq, Nk)`` (stride-0 axes cost nothing), any float dtype,
+        used in the compute dtype.
+    window : (int or None, int or None), optional
+        ``(left, right)``: query i sees key j iff
+        ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (None or a negative
+        side: unbounded); intersected with ``causal``.  Tiles outside the
+        band are never visited.
+    alibi_slopes : ndarray, shape (H,) or (B, H), optional
+        Adds ``-slope * |i + Nk - Nq - j|`` to the logits.
+    softcap : float, optional
+        ``c > 0``: the scaled logits become ``c * tanh(logits / c)`` (before
+        bias, ALiBi and mask).
+    dropout_p : float
+        Dropout probability on the attention probabilities, in [0, 1).
+    seed : int, optional
+        Key of the Philox4x32-10 dropout mask (required when dropout_p > 0);
+        :func:`cuflash.dropout_mask` returns the mask every backend draws.
     block_q, block_kv : int, optional
         Br and Bc.  None picks CPU-friendly sizes (:func:`default_blocks`);
         explicit sizes are used as given.
@@ -242,11 +297,13 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     -------
     o : ndarray, shape (..., Nq, dv), dtype of q
     lse : ndarray, shape (..., Nq), float32 (float64 for float64 inputs)
-        Only with ``return_lse``: ``log(sum_j exp(scale * q_i . k_j))`` over
-        the visible keys.
+        Only with ``return_lse``: ``log(sum_j exp(s_ij))`` over the visible
+        keys, ``s`` the logits with softcap, bias and ALiBi (before dropout).
 
     Notes
     -----
+    With dropout, ``o = (P * keep / (1 - dropout_p)) V`` where P is the
+    softmax and ``keep`` the Philox mask.
     float16/bfloat16/float32 inputs are computed in float32, float64 in
     float64.  Extra memory is O(Br * Bc) per worker thread plus O(Nq) for the
     row statistics: see :func:`memory_analysis` and
@@ -254,16 +311,18 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, block_q=None, block_kv
     """
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                   block_kv=block_kv)
+    ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
+                     softcap=softcap, dropout_p=dropout_p, seed=seed)
     num_splits = check_num_splits(num_splits)
     workers = _workers_for(spec, 4.0 * spec.batch * spec.Nq * spec.Nk * spec.d)
     Br, Bc = _resolve_blocks(spec, spec.block_q, spec.block_kv, workers)
     if num_splits is None or num_splits == 1:
         # the CPU gains nothing from splitting the keys: None means one split here
-        o, lse = _flash_forward(spec, q, k, v, Br, Bc, workers)
+        o, lse = _flash_forward(spec, q, k, v, Br, Bc, workers, ms=ms)
     else:
         from .serving import combine_splits, split_ranges
         ct = _compute_dtype(spec.dtype)
-        parts = [_flash_forward(spec, q, k, v, Br, Bc, workers, kv_tiles=r, out_dtype=ct)
+        parts = [_flash_forward(spec, q, k, v, Br, Bc, workers, kv_tiles=r, out_dtype=ct, ms=ms)
                  for r in split_ranges(-(-spec.Nk // Bc) if spec.Nk else 0, num_splits)]
         o, lse = combine_splits(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]),
                                 spec.dtype)

@@ -35,7 +35,7 @@ def tiled_forward_hbm_bytes(Nq, Nk, d, dv, itemsize, block_q, block_kv, causal=N
 
 
 def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1):
+                    heads=1, num_splits=1, bias_shape=None, window=None):
     """The memory and HBM-traffic model (parameters and keys: ``cuflash.memory_analysis``).
 
     The NumPy backend has no thread blocks: ``sram_bytes_per_block`` is None
@@ -49,6 +49,9 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     and lse in the compute type (``split_workspace_bytes``) and the traffic of
     :func:`cuflash.tiling.flash_fwd_split_traffic` (Q read once per split,
     the partials written, then read once by the combine).
+
+    ``bias_shape`` / ``window`` add what those features cost
+    (:func:`cuflash.reference.masks.memory_features`).
     """
     from .. import tiling
     num_splits = check_num_splits(num_splits) or 1
@@ -83,7 +86,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
                                                            Br, Bc, None, num_splits)
     split_ws = num_splits * BH * N * (d + 1) * acc_it if num_splits > 1 else 0
     tiled_extra = stats + tile + split_ws
-    return {
+    out = {
         "N": N, "Nk": Nk, "d": d, "dtype": dt.name, "itemsize": it, "batch": batch,
         "heads": heads, "block_q": Br, "block_kv": Bc,
         "standard_extra_bytes": standard_extra,
@@ -101,6 +104,10 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         "ratio_hbm": (std_read + std_written) / (t_read + t_written)
         if t_read + t_written else float("inf"),
     }
+    if bias_shape is not None or window is not None:
+        from .masks import memory_features
+        memory_features(out, bias_shape, window)
+    return out
 
 
 def verify_no_full_materialization(q, k, v, block_size):

@@ -18,13 +18,17 @@
 The reference loops over sequences in Python (one vectorised flash call each);
 the kernels do all sequences in one launch.
 """
+from dataclasses import replace
+
 import numpy as np
 
+from .._validate import check_attention_inputs, check_backward_inputs
+from .._validate_masks import check_serving_masks, sequence_masks
 from .._validate_serving import (check_kvcache_inputs, check_varlen_backward,
                                  check_varlen_inputs, to_host)
 from ._common import _compute_dtype
-from .flash_backward import tiled_attention_backward
-from .flash_forward import tiled_attention
+from .flash_backward import _flash_backward, tiled_attention_backward
+from .flash_forward import _flash_forward, _resolve_blocks, _workers_for, tiled_attention
 
 __all__ = ["combine_splits", "split_ranges", "attention_with_kvcache", "varlen_attention",
            "varlen_attention_backward", "kv_append_positions"]
@@ -68,6 +72,27 @@ def combine_splits(o_parts, lse_parts, out_dtype):
     return o.astype(out_dtype), lse.astype(lse_parts.dtype)
 
 
+def _sequence_forward(q, k, v, scale, causal, ms, num_splits=None):
+    """(o, lse) of one sequence, (H, n, d) views; ``ms`` its MaskSpec (sequence_masks) or None."""
+    if ms is None:
+        return tiled_attention(q, k, v, scale=scale, causal=causal, num_splits=num_splits,
+                               return_lse=True)
+    spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
+    workers = _workers_for(spec, 4.0 * spec.batch * spec.Nq * spec.Nk * spec.d)
+    Br, Bc = _resolve_blocks(spec, None, None, workers)
+    return _flash_forward(spec, q, k, v, Br, Bc, workers, ms=ms)
+
+
+def _sequence_backward(do, q, k, v, o, lse, scale, causal, ms):
+    """(dq, dk, dv[, dbias]) of one sequence; ``ms`` its MaskSpec or None."""
+    if ms is None:
+        return tiled_attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal)
+    spec = check_backward_inputs(do, q, k, v, o, lse, scale=scale, causal=causal)
+    workers = _workers_for(spec, 10.0 * spec.batch * spec.Nq * spec.Nk * spec.d)
+    Br, Bc = _resolve_blocks(spec, None, None, workers)
+    return _flash_backward(spec, do, q, k, v, o, lse, Br, Bc, workers, ms=ms)
+
+
 # --------------------------------------------------------------------------
 # KV cache
 # --------------------------------------------------------------------------
@@ -89,17 +114,22 @@ def _sequence_kv(cache, spec, table, b, length):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, num_splits=None,
-                           return_lse=False, check_inputs=True):
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True):
     """The NumPy reference of ``cuflash.attention_with_kvcache`` (documented there).
 
     Appends ``k_new``/``v_new`` into the cache, then one flash forward per
     sequence over its ``cache_seqlens[b] + Nnew`` keys (paged caches: the
-    sequence's pages joined in ``block_table`` order).
+    sequence's pages joined in ``block_table`` order), with the logit
+    features of that sequence (``cuflash._validate_masks.sequence_masks``).
     """
     spec = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                 scale=scale, causal=causal, num_splits=num_splits,
                                 check_inputs=check_inputs)
+    ms = check_serving_masks(q, spec.B, spec.H, spec.Nq, spec.capacity, bias=bias,
+                             window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                             dropout_p=dropout_p, seed=seed)
     seqlens = to_host(cache_seqlens).astype(np.int64)
     table = None if block_table is None else to_host(block_table)
     if spec.Nnew:
@@ -115,8 +145,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         length = int(seqlens[b]) + spec.Nnew
         kb = _sequence_kv(k_cache, spec, table, b, length)
         vb = _sequence_kv(v_cache, spec, table, b, length)
-        o[b], lse[b] = tiled_attention(q[b], kb, vb, scale=spec.scale, causal=spec.causal or False,
-                                       num_splits=num_splits, return_lse=True)
+        ms_b = None if ms is None else sequence_masks(ms, b, spec.Nq, length)
+        o[b], lse[b] = _sequence_forward(q[b], kb, vb, spec.scale, spec.causal or False, ms_b,
+                                         num_splits)
     return (o, lse) if return_lse else o
 
 
@@ -124,8 +155,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 # variable-length batches
 # --------------------------------------------------------------------------
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, return_lse=False,
-                     check_inputs=True):
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True):
     """The NumPy reference of ``cuflash.varlen_attention`` (documented there).
 
     One flash forward per sequence on (H, n, d) views of the packed arrays:
@@ -134,6 +166,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
                                check_inputs=True)  # the reference reads the lengths anyway
+    ms = check_serving_masks(q, spec.B, spec.H, spec.max_q, spec.max_k, bias=bias,
+                             window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                             dropout_p=dropout_p, seed=seed)
     o = np.empty((spec.total_q, spec.H, spec.dv), spec.dtype)
     lse = np.empty((spec.total_q, spec.H), spec.lse_dtype)
     for b in range(spec.B):
@@ -141,9 +176,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         k0, k1 = int(spec.cu_k[b]), int(spec.cu_k[b + 1])
         if q1 == q0:
             continue
-        ob, lb = tiled_attention(q[q0:q1].swapaxes(0, 1), k[k0:k1].swapaxes(0, 1),
-                                 v[k0:k1].swapaxes(0, 1), scale=spec.scale,
-                                 causal=spec.causal or False, return_lse=True)
+        ms_b = None if ms is None else sequence_masks(ms, b, q1 - q0, k1 - k0)
+        ob, lb = _sequence_forward(q[q0:q1].swapaxes(0, 1), k[k0:k1].swapaxes(0, 1),
+                                   v[k0:k1].swapaxes(0, 1), spec.scale, spec.causal or False,
+                                   ms_b)
         o[q0:q1] = ob.swapaxes(0, 1)
         lse[q0:q1] = lb.swapaxes(0, 1)
     return (o, lse) if return_lse else o
@@ -151,12 +187,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
 
 def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
                               max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              deterministic=False, check_inputs=True):
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False):
     """The NumPy reference of ``cuflash.varlen_attention_backward`` (documented there)."""
     spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
                                check_inputs=True)
     check_varlen_backward(do, q, k, v, o, lse, spec)
+    ms = check_serving_masks(q, spec.B, spec.H, spec.max_q, spec.max_k, bias=bias,
+                             window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                             dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
+    dbias = np.zeros(bias.shape, _compute_dtype(spec.dtype)) if return_dbias else None
     dq = np.zeros(q.shape, spec.dtype)
     dk = np.zeros(k.shape, spec.dtype)
     dv = np.zeros(v.shape, spec.dtype)
@@ -167,10 +209,15 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
         if q1 == q0 or k1 == k0:
             continue       # no query rows, or no keys: the gradients stay 0
         t = lambda a, lo, hi: a[lo:hi].swapaxes(0, 1)  # noqa: E731  (H, n, dim) view
-        g = tiled_attention_backward(t(do, q0, q1), t(q, q0, q1), t(k, k0, k1), t(v, k0, k1),
-                                     t(o, q0, q1), lse_c[q0:q1].swapaxes(0, 1),
-                                     scale=spec.scale, causal=spec.causal or False)
+        ms_b = None if ms is None else sequence_masks(ms, b, q1 - q0, k1 - k0)
+        g = _sequence_backward(t(do, q0, q1), t(q, q0, q1), t(k, k0, k1), t(v, k0, k1),
+                               t(o, q0, q1), lse_c[q0:q1].swapaxes(0, 1), spec.scale,
+                               spec.causal or False, ms_b)
         dq[q0:q1] = g[0].swapaxes(0, 1)
         dk[k0:k1] = g[1].swapaxes(0, 1)
         dv[k0:k1] = g[2].swapaxes(0, 1)
+        if dbias is not None:   # sequence b's share of the (broadcast) bias
+            sequence_masks(replace(ms, bias=dbias), b, q1 - q0, k1 - k0).bias[...] += g[3]
+    if dbias is not None:
+        return dq, dk, dv, dbias.astype(bias.dtype, copy=False)
     return dq, dk, dv

@@ -3,19 +3,32 @@
 import numpy as np
 
 from .._validate import check_attention_inputs, check_backward_inputs
-from ._common import _canonical, _causal_offset, _compute_dtype, _reduce_grads, _tile_mask
+from .._validate_masks import check_masks
+from . import masks
+from ._common import (_canonical, _causal_offset, _compute_dtype, _reduce_grads, _tile_mask,
+                      sum_to_shape)
 
 
 # ---------------------------------------------------------------------------
 # standard attention (materialises P)
 # ---------------------------------------------------------------------------
-def _standard_probs(spec, q_c, k_c, offset):
-    """P = softmax(scale * q @ k^T [masked]) in the compute dtype, shape lead_c + (Nq, Nk)."""
+def _standard_probs(spec, q_c, k_c, offset, feat=None):
+    """P = softmax(mask(scale * q @ k^T + bias)) in the compute dtype, shape lead_c + (Nq, Nk).
+
+    With ``feat`` (a :class:`masks.Features`) returns ``(P, tanh)``: the
+    softcap's tanh (None without softcap) for the backward.
+    """
     ct = _compute_dtype(spec.dtype)
     qs = np.multiply(q_c, spec.scale, dtype=ct)
     kt = np.asarray(k_c, dtype=ct)
     S = np.matmul(qs, np.swapaxes(kt, -1, -2))                 # (..., Nq, Nk)
-    if offset is not None:
+    th = None
+    if feat is not None:
+        th = feat.transform(S, 0, spec.Nq, 0, spec.Nk)          # softcap, bias, ALiBi
+        hidden = feat.hidden(0, spec.Nq, 0, spec.Nk)
+        if hidden is not None:
+            S[..., hidden] = -np.inf
+    elif offset is not None:
         hidden = _tile_mask(0, spec.Nq, 0, spec.Nk, offset)
         if hidden is not None:
             S[..., hidden] = -np.inf
@@ -26,10 +39,16 @@ def _standard_probs(spec, q_c, k_c, offset):
         np.exp(S, out=S)
         l = S.sum(axis=-1, keepdims=True)
         S /= np.where(l == 0, 1, l)                             # P in place of S
-    return S
+    return S if feat is None else (S, th)
 
 
-def standard_attention(q, k, v, *, scale=None, causal=False):
+def _features(spec, ms, lead_c):
+    return None if ms is None else masks.Features(spec, ms, lead_c, _compute_dtype(spec.dtype),
+                                                  ms.bias, ms.alibi_slopes)
+
+
+def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                       alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
     """Textbook attention that materialises the (Nq, Nk) probabilities.
 
     ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole logits matrix S
@@ -47,29 +66,40 @@ def standard_attention(q, k, v, *, scale=None, causal=False):
     causal : bool or {"bottom_right", "top_left"}
         ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``;
         ``"top_left"``: iff ``j <= i``.
+    bias, window, alibi_slopes, softcap, dropout_p, seed
+        The logit features, as in :func:`cuflash.reference.tiled_attention`.
 
     Returns
     -------
     o : ndarray, shape (..., Nq, dv), dtype of q
         Rows that see no key are 0.
     p : ndarray, shape (..., Nq, Nk), dtype of q
-        The attention probabilities (0 for hidden keys and blind rows).
+        The attention probabilities (0 for hidden keys and blind rows), before
+        dropout: ``o = (p * keep / (1 - dropout_p)) @ v``.
 
     See Also
     --------
     tiled_attention : the same output without the (Nq, Nk) arrays.
     """
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
+    ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
+                     softcap=softcap, dropout_p=dropout_p, seed=seed)
     q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
     ct = _compute_dtype(spec.dtype)
-    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec))
-    o = np.matmul(P, np.asarray(v_c, dtype=ct))
+    feat = _features(spec, ms, lead_c)
+    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec), feat)
+    if feat is not None:
+        P = P[0]
+    Pd = P if ms is None or not ms.dropout else feat.dropped(P, 0, spec.Nq, 0, spec.Nk)
+    o = np.matmul(Pd, np.asarray(v_c, dtype=ct))
     o = o.reshape(spec.out_shape).astype(spec.dtype, copy=False)
     p = P.reshape(spec.lead + (spec.Nq, spec.Nk)).astype(spec.dtype, copy=False)
     return o, p
 
 
-def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
+def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
+                                window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                                seed=None, return_dbias=False):
     """Textbook attention backward that stores P.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
@@ -79,8 +109,10 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
     ----------
     do : ndarray, shape (..., Nq, dv)
         Gradient of the loss with respect to the output.
-    q, k, v, scale, causal
-        As in :func:`standard_attention`.
+    q, k, v, scale, causal, bias, window, alibi_slopes, softcap, dropout_p, seed
+        As in :func:`standard_attention` (the forward's values).
+    return_dbias : bool
+        Also return the gradient of ``bias``.
 
     Returns
     -------
@@ -90,20 +122,39 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False):
         In the inputs' dtype; gradients of broadcast or grouped inputs are
         summed over the axes they were broadcast along.  Rows that see no key
         contribute 0.
+    dbias : ndarray, shape and dtype of bias
+        Only with ``return_dbias``: dS summed over the bias's broadcast axes.
     """
     spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
                                  need_forward=False)
+    ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
+                     softcap=softcap, dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
     q_c, k_c, v_c, lead_c = _canonical(spec, q, k, v)
     ct = _compute_dtype(spec.dtype)
-    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec))        # stored: (..., Nq, Nk)
+    feat = _features(spec, ms, lead_c)
+    P = _standard_probs(spec, q_c, k_c, _causal_offset(spec), feat)  # stored: (..., Nq, Nk)
+    th = None
+    if feat is not None:
+        P, th = P
+    keep = feat.keep(0, spec.Nq, 0, spec.Nk) if ms is not None and ms.dropout else None
     do_c = np.asarray(do, dtype=ct).reshape(lead_c + (spec.Nq, spec.dv))
     kc, vc = np.asarray(k_c, dtype=ct), np.asarray(v_c, dtype=ct)
     qc = np.asarray(q_c, dtype=ct)
-    dv_ = np.matmul(np.swapaxes(P, -1, -2), do_c)                    # P^T dO
+    Pd = P if keep is None else feat.dropped(P, 0, spec.Nq, 0, spec.Nk, keep)
+    dv_ = np.matmul(np.swapaxes(Pd, -1, -2), do_c)                   # P^T dO
     dP = np.matmul(do_c, np.swapaxes(vc, -1, -2))                    # dO V^T
+    if keep is not None:
+        dP = feat.dropped(dP, 0, spec.Nq, 0, spec.Nk, keep)
     D = np.einsum("...ij,...ij->...i", P, dP)[..., None]             # rowsum(P * dP)
     dS = P * (dP - D)
     del dP
+    dbias = None
+    if ms is not None and ms.return_dbias:
+        dbias = sum_to_shape(dS, feat.canonical_bias_shape()).reshape(ms.bias_shape)
+        dbias = dbias.astype(bias.dtype, copy=False)
+    if th is not None:
+        dS *= 1 - th * th                                            # softcap derivative
     dq = np.matmul(dS, kc) * spec.scale
     dk = np.matmul(np.swapaxes(dS, -1, -2), qc) * spec.scale
-    return _reduce_grads(spec, q, k, v, dq, dk, dv_)
+    grads = _reduce_grads(spec, q, k, v, dq, dk, dv_)
+    return grads + (dbias,) if dbias is not None else grads
