@@ -1221,6 +1221,7 @@ def flash_bwd_tc_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_k
         written += bhk * group * q_rows * d * 4
     read += n_splits * bh * Nq * d * 4
     written += bh * Nq * d * 2
+    return read, written
 
 
 # --------------------------------------------------------------------------

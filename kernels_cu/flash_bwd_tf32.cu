@@ -73,15 +73,6 @@ static_assert(kBr % 16 == 0, "block_q must be a multiple of 16");
 static_assert(kD % 32 == 0 && kDv % 32 == 0 && kD <= 128 && kDv <= 128, "d, dv: multiples of 32, <= 128");
 
 // ------------------------------------------------------------- helpers
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef CUFLASH_EMULATOR
-    return exp2f(x);
-#else
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
-}
 __device__ __forceinline__ void lds4(float (&r)[4], const float* p) {
 #ifdef CUFLASH_EMULATOR
     std::memcpy(r, p, 16);
@@ -319,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
             lds2(dd, Dt + nq * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pv = fast_exp2(fmaf(st[nq][e], c, -l2[e & 1]));
+                float pv = cuflash_exp2(fmaf(st[nq][e], c, -l2[e & 1]));
                 if (mask) {
                     const int key = key0 + g + 8 * (e >> 1), q = q0 + nq * 8 + 2 * t + (e & 1);
                     if (key >= Nk || (causal && key > q + off)) pv = 0.0f;

@@ -116,17 +116,8 @@ static_assert(kBc % 16 == 0, "block_kv must be a multiple of 16");
 static_assert(kD % 16 == 0 && kDv % 16 == 0 && kD <= 256 && kDv <= 256, "d, dv: multiples of 16, <= 256");
 
 // ------------------------------------------------------------- small helpers
-// 2^x: ex2.approx on the GPU (relative error ~2^-22, subnormal results flushed to 0: p is
+// 2^x: cuflash_exp2 (portable.cuh: ex2.approx.ftz; subnormal results flush to 0, and p is
 // relative to the row max, so those p are below float32's resolution of l anyway).
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef CUFLASH_EMULATOR
-    return exp2f(x);
-#else
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#endif
-}
 
 // max that propagates NaN (as NumPy's max): one max.NaN (FMNMX.NAN) from sm_80 on.
 __device__ __forceinline__ float nan_max(float a, float b) {
@@ -549,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                     const float m_new = nan_max(m_i[mt][rr], mx[mt][rr]);
                     // no visible key yet: reference 0, so masked logits give 2^-inf = 0, not NaN
                     const float mc_new = m_new == -INFINITY ? 0.0f : m_new * c;
-                    alpha[rr] = fast_exp2(mc_i[mt][rr] - mc_new);
+                    alpha[rr] = cuflash_exp2(mc_i[mt][rr] - mc_new);
                     m_i[mt][rr] = m_new;
                     mc_i[mt][rr] = mc_new;
                     l_i[mt][rr] *= alpha[rr];
@@ -567,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], c, -mc_i[mt][e >> 1]));
+                    s[mt][nt][e] = cuflash_exp2(fmaf(s[mt][nt][e], c, -mc_i[mt][e >> 1]));
                     l_i[mt][e >> 1] += s[mt][nt][e];
                 }
 

@@ -143,14 +143,14 @@ def test_memory_analysis_growth(backend):
     assert b["sram_bytes_per_block"] == a["sram_bytes_per_block"]
     assert b.get("cpu_tile_bytes_per_worker") == a.get("cpu_tile_bytes_per_worker")
     # at N = 16384 the tiled extra memory is a tiny fraction of the standard one
-    c = analysis(backend, 16384, 64, "float32", block_q=64, block_kv=64)
+    c = analysis(backend, 16384, 64, "float32", block_q=128, block_kv=64)
     assert c["tiled_extra_bytes"] < 0.02 * c["standard_extra_bytes"]
     assert c["tiled_hbm_bytes"] < c["standard_hbm_bytes"]
 
 
 def test_memory_analysis_batch_heads_scale(backend):
-    one = analysis(backend, 512, 64, "float32", block_q=64, block_kv=64)
-    many = analysis(backend, 512, 64, "float32", block_q=64, block_kv=64, batch=2, heads=3)
+    one = analysis(backend, 512, 64, "float32", block_q=128, block_kv=64)
+    many = analysis(backend, 512, 64, "float32", block_q=128, block_kv=64, batch=2, heads=3)
     for key in ("standard_extra_bytes", "standard_hbm_bytes", "tiled_hbm_bytes"):
         assert many[key] == 6 * one[key], key
     assert many["sram_bytes_per_block"] == one["sram_bytes_per_block"]

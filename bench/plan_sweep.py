@@ -1,0 +1,203 @@
+"""Compile every tile plan the planner accepts, on every architecture, and check that none spills.
+
+Issue 12: a tile pair the library accepts must not fall off a register cliff (the H100 tile
+sweep measured 10-270x slowdowns for some accepted plans).  For each kernel family below and
+each supported architecture, every (dtype, head dims, block_q, block_kv) that
+``cuflash.tiling.plan`` accepts at that architecture's shared-memory limit is compiled with
+NVRTC (``--ptxas-options=-v``) and its registers, spill stores/loads and stack frame are read
+from ptxas' report.  No GPU needed; ~1-4 s per compile.
+
+``--write`` stores the rows of the swept families in ``bench/results/plan_sweep.json``, each
+with a hash of its kernel source and the headers it includes; ``tests/test_plan_sweep.py``
+(CI) re-enumerates the accepted plans of every recorded family and fails when one is missing
+from that file, spills there, or its sources changed since (rerun this script then).  ``tests/test_tc_plans.py`` compiles the largest plans live on every CI run.
+
+Usage::
+
+    python bench/plan_sweep.py                      # every family and architecture, summary
+    python bench/plan_sweep.py --write              # ... and store bench/results/plan_sweep.json
+    python bench/plan_sweep.py --families flash_fwd_tc --arch 90
+"""
+import argparse
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cuflash import _nvrtc, kernels, tiling  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "plan_sweep.json"
+ARCHS = (75, 80, 90)
+# sm_86 and sm_89 (99 KB of shared memory per block) run sm_80's register file and
+# instruction set: their plans are compiled for sm_80 (COMPILED_FOR), together with sm_80's.
+COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
+TC_DIMS = tuple(range(16, 257, 16))
+# SIMT head dims: the register arrays scale with ceil(dv / 4) and block_kv / 4, shared memory
+# with d and dv; these cover each size class up to the 256 limit, plus d != dv at both ends.
+SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
+ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# family -> (source file, planned kernel, kernels checked in the module, dtypes, head dims,
+#            extra defines, architectures: None = every one)
+FAMILIES = {
+    "flash_fwd": ("flash_fwd.cu", "flash_fwd", ("flash_fwd",), ALL_DTYPES, SIMT_DIMS, {}, None),
+    "flash_fwd_serving": ("flash_fwd.cu", "flash_fwd", ("flash_fwd_serving",), ALL_DTYPES,
+                          SIMT_DIMS, {"CUFLASH_FWD_SERVING": None}, None),
+    "flash_fwd_tc": ("flash_fwd_tc.cu", "flash_fwd_tc", ("flash_fwd_tc",), ("float16", "bfloat16"),
+                     tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
+    "flash_fwd_tf32": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
+                       tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
+    "flash_bwd": ("flash_bwd.cu", "flash_bwd_dkdv", ("flash_bwd_dkdv", "flash_bwd_dq"), ALL_DTYPES,
+                  SIMT_DIMS, {}, None),
+    "flash_bwd_tc": ("flash_bwd_tc.cu", "flash_bwd_tc", ("flash_bwd_tc",), ("float16", "bfloat16"),
+                     tuple((d, d) for d in TC_DIMS), {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
+    "flash_bwd_tf32": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
+                       tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
+}
+
+
+def source_hash(fname):
+    """sha256 of a kernel file and every kernels_cu header it includes (recursively)."""
+    seen, todo, h = set(), [fname], hashlib.sha256()
+    while todo:
+        f = todo.pop(0)
+        if f in seen or not (ROOT / "kernels_cu" / f).exists():
+            continue
+        seen.add(f)
+        text = (ROOT / "kernels_cu" / f).read_text()
+        h.update(f.encode() + b"\0" + text.encode())
+        todo += re.findall(r'#include\s+"([^"]+)"', text)
+    return h.hexdigest()
+
+
+def accepted_plans(family, arch):
+    """Every plan of ``family`` that cuflash.tiling accepts at ``arch``'s shared-memory limit
+    (``arch`` 80: at sm_80's, sm_86's or sm_89's -- those are compiled for sm_80)."""
+    if arch in COMPILED_FOR.values():
+        seen = {}
+        for a, c in COMPILED_FOR.items():
+            if c == arch:
+                for p in _accepted_at(family, a):
+                    seen.setdefault((p.dtype, p.d, p.dv, p.block_q, p.block_kv), p)
+        return list(seen.values())
+    return _accepted_at(family, arch)
+
+
+def _accepted_at(family, arch):
+    fname, kernel, _, dtypes, dims, _, archs = FAMILIES[family]
+    if archs is not None and arch not in archs:
+        return []
+    limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
+    t = tiling.kernel_tiling(kernel)
+    out = []
+    for dt in dtypes:
+        for d, dv in dims:
+            for bq in t.block_q_choices:
+                for bkv in t.block_kv_choices:
+                    try:
+                        out.append(tiling.plan(kernel, d, dv, dt, bq, bkv, limit=limit,
+                                               limit_source=f"sm_{arch}"))
+                    except ValueError:
+                        pass
+    return out
+
+
+def plan_key(family, plan, arch):
+    return f"{family} {plan.dtype} d={plan.d} dv={plan.dv} {plan.block_q}x{plan.block_kv} sm_{arch}"
+
+
+def compile_plan(job):
+    """(family, plan, arch) -> row: registers, spill bytes, stack frame per checked kernel."""
+    family, plan, arch = job
+    fname, _, checked, _, _, extra, _ = FAMILIES[family]
+    src = (ROOT / "kernels_cu" / fname).read_text()
+    defines = dict(kernels.plan_defines(plan), **extra)
+    opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{ROOT / 'kernels_cu'}",
+            *[o for o in kernels.build_options(defines) if not o.startswith("-I")])
+    t0 = time.perf_counter()
+    row = dict(key=plan_key(family, plan, arch), family=family, dtype=plan.dtype, d=plan.d,
+               dv=plan.dv, block_q=plan.block_q, block_kv=plan.block_kv, threads=plan.threads,
+               shared_bytes=plan.shared_bytes, arch=arch)
+    try:
+        res = _nvrtc.compile(src, fname, opts)
+    except _nvrtc.NVRTCError as e:
+        row["error"] = e.log[-2000:]
+        return row
+    info = _nvrtc.parse_ptxas_info(res.log)
+    row["kernels"] = {k: {f: info[k][f] for f in ("registers", "spill_stores", "spill_loads",
+                                                  "stack_frame")} for k in checked}
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def bad(row):
+    """Why a row fails the rule (compile error, spills, a stack frame), or None."""
+    if "error" in row:
+        return "compile error"
+    for k, f in row["kernels"].items():
+        if f["spill_stores"] or f["spill_loads"] or f["stack_frame"]:
+            return (f"{k}: spills {f['spill_stores']}/{f['spill_loads']} B, stack "
+                    f"{f['stack_frame']} B")
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    ap.add_argument("--json", help="write every row to this file")
+    ap.add_argument("--write", action="store_true",
+                    help=f"store the rows and source hashes in {RESULTS.relative_to(ROOT)} "
+                         "(needs the default --families and --arch)")
+    args = ap.parse_args(argv)
+    if args.write and set(args.arch) != set(ARCHS):
+        ap.error("--write records whole families: leave --arch at its default")
+    ok, why = _nvrtc.is_available()
+    if not ok:
+        print(f"NVRTC not available: {why}", file=sys.stderr)
+        return 2
+    todo = [(f, p, a) for f in args.families for a in args.arch for p in accepted_plans(f, a)]
+    print(f"{len(todo)} compiles (NVRTC {'.'.join(map(str, _nvrtc.version()))}, {args.jobs} jobs)",
+          file=sys.stderr)
+    rows, t0 = [], time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+        for i, row in enumerate(ex.map(compile_plan, todo, chunksize=4), 1):
+            rows.append(row)
+            if i % 20 == 0 or i == len(todo):
+                el = time.perf_counter() - t0
+                print(f"[{i}/{len(todo)}] {el:.0f} s, ~{el / i * (len(todo) - i):.0f} s left",
+                      file=sys.stderr, flush=True)
+    failing = [(r, bad(r)) for r in rows if bad(r)]
+    for r, why in failing:
+        print(f"{r['key']} ({r['threads']} threads): {why}")
+    print(f"{'family':18s} {'plans':>6s} {'max regs':>8s}  spilling")
+    for fam in args.families:
+        fr = [r for r in rows if r["family"] == fam]
+        regs = [f["registers"] for r in fr if "kernels" in r for f in r["kernels"].values()]
+        print(f"{fam:18s} {len(fr):6d} {max(regs, default=0):8d}  "
+              f"{sum(1 for r in fr if bad(r))}")
+    print(f"{len(rows)} plans compiled, {len(failing)} spill or fail")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.write:  # replaces the swept families' rows, keeps the others'
+        doc = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"families": {}}
+        for fam in args.families:
+            doc["families"][fam] = {
+                "nvrtc": ".".join(map(str, _nvrtc.version())),
+                "source_hash": source_hash(FAMILIES[fam][0]),
+                "rows": sorted((r for r in rows if r["family"] == fam), key=lambda r: r["key"])}
+        RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
+        print(f"wrote {RESULTS}")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
