@@ -29,6 +29,10 @@ KERNELS_CU = ROOT / "kernels_cu"
 TEST_KERNELS = ROOT / "tests" / "kernels"
 ARCHS = (75, 80, 86, 89, 90)
 FULL_ARCHS = (80,)
+# Files the planner never runs on some architectures: flash_bwd_tf32 is planned only where
+# runtime.tensor_cores (sm_80+); its sm_75 build (3xTF32 through the 32-shuffle software
+# mma) kept NVRTC busy for over 17 minutes on a 2-core CI box without finishing.
+NOT_PLANNED = {"flash_bwd_tf32.cu": (75,)}
 # specialisations of the test kernels (tests/kernels/*.cu)
 TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)]}
 
@@ -56,6 +60,8 @@ def _cases():
     cases = []
     for path, variants in files:
         for arch in ARCHS:
+            if arch in NOT_PLANNED.get(path.name, ()):
+                continue
             chosen = list(enumerate(variants))
             if arch not in FULL_ARCHS:
                 sixteen = [(i, o) for i, o in chosen if re.search(r"F16|BF16|__half|bfloat16", _dtype_of(o) or "")]
