@@ -102,7 +102,7 @@ constexpr int kVS = kDv + 8;
 constexpr float kLazy = 8.0f;
 // float16/bfloat16: Q's A fragments stay in registers when they, S and O fit comfortably
 // (measured: at 160 accumulator and Q registers ptxas already spills)
-constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
+[[maybe_unused]] constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
 
 // For instruction counting only: compile just the path of a steady-state interior K/V tile
 // (no mask, no partial tile, no move of the reference max).  Results are then wrong.
