@@ -98,6 +98,9 @@ class KernelTiling:
         One line naming the shared-memory arrays and their shapes (for messages).
     check : callable(block_q, block_kv, d, dv) -> str or None
         Further constraints (e.g. register arrays); a message when violated.
+    check_acc : callable(block_q, block_kv, d, dv, acc_bytes) -> str or None
+        Constraints that also depend on the accumulator size (a double takes two 32-bit
+        registers); a message when violated.  None by default.
     defines : callable(block_q, block_kv, d, dv) -> dict
         Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
         (:func:`cuflash.kernels.plan_defines` adds them); none by default.
@@ -110,6 +113,7 @@ class KernelTiling:
     preferences: Callable
     layout: Callable
     check: Callable = field(default=lambda bq, bkv, d, dv: None)
+    check_acc: Callable = field(default=lambda bq, bkv, d, dv, acc: None)
     max_head_dim: int = MAX_HEAD_DIM
     defines: Callable = field(default=lambda bq, bkv, d, dv: {})
 
@@ -238,8 +242,13 @@ def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
     return min(s for s, e in effs.items() if e >= 0.85 * best)
 
 
+def _why_not(t, bq, bkv, d, dv, acc):
+    """The kernel's own refusal of a tile pair (registers, head dims), or None."""
+    return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
+
+
 def _fits(t, bq, bkv, d, dv, acc, limit):
-    return t.check(bq, bkv, d, dv) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
+    return _why_not(t, bq, bkv, d, dv, acc) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
 
 
 # Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
@@ -344,7 +353,7 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                         limit_source=limit_source, chosen=chosen)
     # nothing fits: say why, with the budget and what would fit
     bq, bkv = pairs[0]
-    why = t.check(bq, bkv, d, dv)
+    why = _why_not(t, bq, bkv, d, dv, acc)
     need = t.shared_bytes(bq, bkv, d, dv, acc)
     fitting = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
                if _fits(t, a, b, d, dv, acc, lim)]
@@ -745,6 +754,22 @@ def _bwd_dq_check(bq, bkv, d, dv):
     return None
 
 
+# float64: a double accumulator is two registers, and flash_bwd_dq keeps more beside its dQ
+# row than flash_bwd_dkdv does.  The plan sweep (bench/plan_sweep.py, NVRTC 13.0) compiled
+# every float64 dQ plan: all 13 with 64 doubles per thread spilled 176-248 B (255 registers;
+# d=64 128 x 8/16, d=128 64 x 8/16/32, d=256 32 x 8/16, on sm_80 and/or sm_90), every one
+# with 48 or fewer did not (at most 253 registers).  dK/dV at 64 doubles did not spill.
+BWD_MAX_DQ_ACC_FLOAT64 = 48
+
+
+def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
+    n = _per_thread(bq * d)
+    if acc == 8 and n > BWD_MAX_DQ_ACC_FLOAT64:
+        return (f"block_q={bq} with d={d} needs {n} float64 dQ accumulators per thread in "
+                f"flash_bwd_dq (limit {BWD_MAX_DQ_ACC_FLOAT64} doubles: ptxas spills 64)")
+    return None
+
+
 def _bwd_preferences(d, dv, acc):
     # best first; plan() takes the first that fits the device (all of these fit an
     # sm_80's 163 KB in float32; the last of each list fits 48 KB without opt-in)
@@ -767,6 +792,7 @@ register(KernelTiling(
     preferences=_bwd_preferences,
     layout=_bwd_layout(True),
     check=_bwd_dkdv_check,
+    check_acc=_bwd_dq_acc_check,  # the same tiles also launch flash_bwd_dq
 ))
 
 register(KernelTiling(
@@ -778,6 +804,7 @@ register(KernelTiling(
     preferences=_bwd_preferences,
     layout=_bwd_layout(False),
     check=_bwd_dq_check,
+    check_acc=_bwd_dq_acc_check,
 ))
 
 # D = rowsum(dO * O) in chunks of BWD_PRE_ROWS rows: one partial sum per (row, lane)

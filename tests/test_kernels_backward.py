@@ -286,6 +286,21 @@ def test_explicit_tiles_never_changed():
         tiling.plan("flash_bwd_dkdv", 64, 64, "float32", 24, 32)
 
 
+def test_float64_dq_register_cap():
+    """float64 dQ tiles of 64 doubles per thread spilled in every sweep compile (issue 12):
+    refused with the reason and the pairs that fit; 48 doubles and float32 stay accepted."""
+    for d, bq in ((64, 128), (128, 64), (256, 32)):
+        for bkv in (8, 16):
+            for kernel in ("flash_bwd_dkdv", "flash_bwd_dq"):
+                with pytest.raises(ValueError, match=r"64 float64 dQ accumulators.*pairs that fit"):
+                    tiling.plan(kernel, d, d if d < 256 else 16, "float64", bq, bkv)
+            assert tiling.plan("flash_bwd_dkdv", d, d, "float32", bq, bkv).block_q == bq
+    assert tiling.plan("flash_bwd_dkdv", 192, 192, "float64", 32, 16).block_q == 32  # 48 doubles
+    for d in (64, 128, 256):  # the defaults never hit the cap
+        p = tiling.plan("flash_bwd_dkdv", d, d, "float64")
+        assert -(-p.block_q * d // tiling.BWD_THREADS) <= tiling.BWD_MAX_DQ_ACC_FLOAT64
+
+
 @pytest.mark.parametrize("bq,bkv,needle", [
     (24, 32, "does not support block_q=24"),
     (64, 32, "budget is"),            # float64 d=128: 231936 B > the nominal sm_80 166912 B
