@@ -556,6 +556,22 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         ``check_inputs``: negative lengths, a length plus Nnew beyond the
         capacity, block-table entries outside the pages.  Nothing is written
         when an error is raised.
+
+    Examples
+    --------
+    One decode step for two sequences of 5 and 9 cached tokens, appending one
+    new token each (grouped-query: 8 query heads, 2 kv heads):
+
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = np.zeros((2, 2, 16, 64), np.float32); v_cache = np.zeros_like(k_cache)
+    >>> lens = np.array([5, 9], np.int32)
+    >>> q = rng.standard_normal((2, 8, 1, 64), dtype=np.float32)
+    >>> k_new = v_new = rng.standard_normal((2, 2, 1, 64), dtype=np.float32)
+    >>> o = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+    ...                                    k_new=k_new, v_new=v_new)
+    >>> o.shape, bool((k_cache[1, :, 9] == k_new[1, :, 0]).all())
+    ((2, 8, 1, 64), True)
     """
     return get_backend(backend, q, k_cache, v_cache, k_new, v_new, bias, alibi_slopes,
                        names="q k_cache v_cache k_new v_new bias alibi_slopes"
@@ -609,6 +625,29 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     -------
     o : ndarray, shape (total_q, H, dv)
     lse : ndarray, shape (total_q, H), float32 (float64 for float64 inputs)
+
+    Raises
+    ------
+    TypeError, ValueError
+        cu_seqlens not int32, not starting at 0, decreasing or not ending at
+        total_q / total_k; a max_seqlen smaller than a sequence; shapes that
+        do not match; bad feature arguments (as in :func:`tiled_attention`).
+
+    Examples
+    --------
+    Three sequences of 3, 0 and 5 tokens in one packed batch:
+
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> cu = np.array([0, 3, 3, 8], np.int32)
+    >>> q = k = v = rng.standard_normal((8, 4, 32), dtype=np.float32)
+    >>> o, lse = cuflash.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    >>> o.shape, lse.shape
+    ((8, 4, 32), (8, 4))
+    >>> dq, dk, dv = cuflash.varlen_attention_backward(np.ones_like(o), q, k, v, o, lse,
+    ...                                                cu, cu, causal=True)
+    >>> dq.shape == q.shape
+    True
     """
     return get_backend(backend, q, k, v, bias, alibi_slopes,
                        names="q k v bias alibi_slopes").varlen_attention(
@@ -649,6 +688,11 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
         Shapes and dtype of q, k, v.  Sequences with no keys get zero gradients.
     dbias : ndarray
         Only with ``return_dbias``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in the forward, and o, lse or do whose shapes do not match it.
     """
     return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
                        names="do q k v o lse bias alibi_slopes").varlen_attention_backward(

@@ -42,6 +42,22 @@ def test_api_names_are_the_documented_functions():
         assert name in cuflash.__all__
 
 
+@pytest.mark.parametrize("name", sorted(_dispatch.API_NAMES))
+def test_public_functions_are_documented_and_their_examples_run(name):
+    """numpydoc sections for every public function; the Examples run (numpy inputs)."""
+    import doctest
+    fn = getattr(cuflash, name)
+    doc = inspect.getdoc(fn)
+    for section in ("Parameters", "Returns"):
+        assert f"{section}\n" + "-" * len(section) in doc, f"cuflash.{name}: no {section} section"
+    for p in inspect.signature(fn).parameters:
+        assert p in doc, f"cuflash.{name}: parameter {p} is not documented"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in doctest.DocTestFinder().find(fn, name, globs={}):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0, f"cuflash.{name}: an example failed"
+
+
 def front_signature_without_backend(name):
     sig = inspect.signature(getattr(cuflash, name))
     assert "backend" in sig.parameters, f"cuflash.{name} has no backend= keyword"
