@@ -17,8 +17,7 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 """
 import numpy as np
 
-from . import (_launch_bwd, _launch_fwd, _launch_masks, _launch_serving, _launch_softmax,
-               _precompile, kernels)
+from . import _kernel_backend, kernels
 from ._validate import check_attention_inputs, check_backward_inputs
 from ._validate_masks import check_masks
 from .reference import sum_to_shape
@@ -81,16 +80,6 @@ def _probe():
     name = props.get("name", b"?")
     name = name.decode() if isinstance(name, bytes) else str(name)
     return True, f"{n} CUDA device(s), current: {name}"
-
-
-def online_softmax(x, chunk_size=None, *, return_stats=False):
-    """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
-    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
-
-
-def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
-    """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
-    return _launch_softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
 
 
 # --------------------------------------------------------------------------
@@ -231,104 +220,6 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=N
     return _standard_backward(cupy, do, q, k, v, spec, ms)
 
 
-def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
-                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
-                    block_kv=None, return_lse=False, num_splits=None):
-    """The forward kernels (cuflash._launch_fwd). See Also ``cuflash.tiled_attention``."""
-    if _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
-        return _launch_masks.tiled_attention(
-            runtime(), q, k, v, scale, causal, block_q, block_kv, return_lse, bias=bias,
-            window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-            seed=seed)
-    return _launch_fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv,
-                                       return_lse, num_splits)
-
-
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, bias=None, window=None,
-                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                           num_splits=None, return_lse=False, check_inputs=True):
-    """The serving kernels (cuflash._launch_serving). See Also ``cuflash.attention_with_kvcache``."""
-    return _launch_serving.attention_with_kvcache(
-        runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
-        num_splits, return_lse, check_inputs,
-        _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed))
-
-
-def _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed):
-    """The logit features of a serving call as keywords, None when it names none."""
-    if not _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
-        return None
-    return dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                dropout_p=dropout_p, seed=seed)
-
-
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
-                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                     return_lse=False, check_inputs=True):
-    """The serving kernels (cuflash._launch_serving). See Also ``cuflash.varlen_attention``."""
-    return _launch_serving.varlen_attention(runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                            max_seqlen_q, max_seqlen_k, scale, causal,
-                                            return_lse, check_inputs,
-                                            _serving_features(bias, window, alibi_slopes,
-                                                              softcap, dropout_p, seed))
-
-
-def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
-                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              bias=None, window=None, alibi_slopes=None, softcap=None,
-                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
-                              return_dbias=False):
-    """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
-    features = _serving_features(bias, window, alibi_slopes, softcap, dropout_p, seed)
-    if features is not None or return_dbias:
-        return _launch_masks.varlen_attention_backward(
-            runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, scale, causal, deterministic, check_inputs,
-            dict(bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                 dropout_p=dropout_p, seed=seed), return_dbias)
-    return _launch_bwd.varlen_attention_backward(
-        runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        scale, causal, deterministic, check_inputs)
-
-
-def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
-                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                             seed=None, block_q=None, block_kv=None, deterministic=False,
-                             return_dbias=False):
-    """The backward kernels (cuflash._launch_bwd). See Also ``cuflash.tiled_attention_backward``."""
-    if return_dbias or _launch_masks.wanted(bias, window, alibi_slopes, softcap, dropout_p, seed):
-        return _launch_masks.tiled_attention_backward(
-            runtime(), do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic,
-            bias=bias, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-            dropout_p=dropout_p, seed=seed, return_dbias=return_dbias)
-    return _launch_bwd.tiled_attention_backward(runtime(), do, q, k, v, o, lse, scale, causal,
-                                                block_q, block_kv, deterministic)
-
-
-def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1, bias_shape=None, window=None):
-    """The model with flash_fwd's tiles against this device's shared-memory limit.
-
-    See Also ``cuflash.memory_analysis``; the extra keys are described in
-    ``cuflash._launch_fwd.memory_analysis``.
-    """
-    return _launch_masks.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
-                                         heads, num_splits, bias_shape, window)
-
-
-def verify_no_full_materialization(q, k, v, block_size):
-    """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
-
-    See Also ``cuflash.reference.verify_no_full_materialization``.
-    """
-    return _launch_fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
-
-
-def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
-    """Compile the default-tile forward and backward kernels for this GPU now.
-
-    See Also ``cuflash.precompile``.
-    """
-    return _precompile.precompile(runtime(), dtypes, head_dims, progress)
+# The launcher calls, the same on both kernel backends (cuflash._kernel_backend).
+globals().update(_kernel_backend.api(runtime, "against this device's shared-memory limit",
+                                     "for this GPU now"))
