@@ -629,7 +629,7 @@ def test_bwd_dq_splits_model():
 
 # edge plans of the register budget (the largest dK/dV + P^T/dP^T arrays of each layout,
 # tiling.BWD_TC_ARRAY_BUDGET*): ptxas must not spill at any of them.  sm_80 is the arch that
-# spilled first in the calibration (tiling.py); bench/kernel_report.py shows every default
+# spilled first in the calibration (cuflash/tiling/bwd_tc.py); bench/kernel_report.py shows every default
 # plan on sm_80 and sm_90.
 _EDGE_PLANS = [  # d, dv, block_q, block_kv
     (128, 128, 64, 128),   # query split, 32 keys per warp pair: 128 + 48

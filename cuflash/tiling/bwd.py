@@ -1,0 +1,268 @@
+"""Backward kernels on SIMT cores (flash_bwd.cu) and float32 on tensor cores (flash_bwd_tf32.cu), and the SIMT backward's traffic model."""
+import numpy as np
+
+from .core import KernelTiling, _dtype_name, accumulator_bytes, kernel_tiling, plan, register
+from .fwd import TF32_DTYPES
+
+
+# ==========================================================================
+# BACKWARD KERNELS (owned by KERNELS-BWD): register flash_bwd_preprocess,
+# flash_bwd_dkdv, flash_bwd_dq here with register(KernelTiling(...)).
+# ==========================================================================
+# kernels_cu/flash_bwd.cu.  All backward kernels run BWD_THREADS threads; each
+# thread owns the tile elements tid, tid + 128, ... of every product, so the
+# tiles are free of warp-shape constraints (any of BWD_TILE_CHOICES).
+# Layout (accumulator type acc = float, or double for float64); rows padded by
+# one element so that a warp reading one K/V column per lane hits distinct banks:
+#   flash_bwd_dkdv: K_s (Bc, d+1), V_s (Bc, dv+1), Q_s (Br, d+1), dO_s (Br, dv+1),
+#                   P_s (Br, Bc), dS_s (Br, Bc), lse_s (Br), D_s (Br)
+#   flash_bwd_dq:   the same without P_s
+# Register accumulators per thread: dkdv ceil(Bc*d/128) + ceil(Bc*dv/128) (dK, dV),
+# dq ceil(Br*d/128) (dQ); BWD_MAX_ACC caps them (ptxas: no spills at the cap,
+# 126 registers for float32, 221 for float64 at d=256, Bc=16, sm_80).
+BWD_THREADS = 128
+BWD_TILE_CHOICES = (8, 16, 32, 64, 128)
+BWD_MAX_ACC = 64
+BWD_PRE_ROWS = 32  # rows per flash_bwd_preprocess chunk (PRE_ROWS in flash_bwd.cu)
+
+
+def _per_thread(n):
+    return -(-n // BWD_THREADS)
+
+
+def _bwd_dkdv_shared(bq, bkv, d, dv, acc):
+    return acc * (bkv * (d + 1) + bkv * (dv + 1) + bq * (d + 1) + bq * (dv + 1)
+                  + 2 * bq * bkv + 2 * bq)
+
+
+def _bwd_dq_shared(bq, bkv, d, dv, acc):
+    return acc * (bq * (d + 1) + bq * (dv + 1) + bkv * (d + 1) + bkv * (dv + 1)
+                  + bq * bkv + 2 * bq)
+
+
+def _bwd_layout(with_p):
+    def layout(bq, bkv, d, dv, acc):
+        t = "double" if acc == 8 else "float"
+        p = f"P_s[{bq}][{bkv}] + " if with_p else ""
+        return (f"{t} K_s[{bkv}][{d + 1}] + V_s[{bkv}][{dv + 1}] + Q_s[{bq}][{d + 1}] + "
+                f"dO_s[{bq}][{dv + 1}] + {p}dS_s[{bq}][{bkv}] + lse_s[{bq}] + D_s[{bq}]")
+    return layout
+
+
+def _bwd_dkdv_check(bq, bkv, d, dv):
+    n = _per_thread(bkv * d) + _per_thread(bkv * dv)
+    if n > BWD_MAX_ACC:
+        return (f"block_kv={bkv} with d={d}, dv={dv} needs {n} dK/dV accumulator registers "
+                f"per thread (limit {BWD_MAX_ACC}, to avoid spills)")
+    return _bwd_dq_check(bq, bkv, d, dv)  # the same tiles also launch flash_bwd_dq
+
+
+def _bwd_dq_check(bq, bkv, d, dv):
+    n = _per_thread(bq * d)
+    if n > BWD_MAX_ACC:
+        return (f"block_q={bq} with d={d} needs {n} dQ accumulator registers per thread "
+                f"(limit {BWD_MAX_ACC}, to avoid spills)")
+    return None
+
+
+# float64: a double accumulator is two registers, and flash_bwd_dq keeps more beside its dQ
+# row than flash_bwd_dkdv does.  The plan sweep (bench/plan_sweep.py, NVRTC 13.0) compiled
+# every float64 dQ plan: all 13 with 64 doubles per thread spilled 176-248 B (255 registers;
+# d=64 128 x 8/16, d=128 64 x 8/16/32, d=256 32 x 8/16, on sm_80 and/or sm_90), every one
+# with 48 or fewer did not (at most 253 registers).  dK/dV at 64 doubles did not spill.
+BWD_MAX_DQ_ACC_FLOAT64 = 48
+
+
+def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
+    n = _per_thread(bq * d)
+    if acc == 8 and n > BWD_MAX_DQ_ACC_FLOAT64:
+        return (f"block_q={bq} with d={d} needs {n} float64 dQ accumulators per thread in "
+                f"flash_bwd_dq (limit {BWD_MAX_DQ_ACC_FLOAT64} doubles: ptxas spills 64)")
+    return None
+
+
+def _bwd_preferences(d, dv, acc):
+    # best first; plan() takes the first that fits the device (all of these fit an
+    # sm_80's 163 KB in float32; the last of each list fits 48 KB without opt-in)
+    dm = max(d, dv)
+    if dm <= 32:
+        return [(64, 64), (32, 64), (32, 32)]
+    if dm <= 64:
+        return [(64, 64), (32, 64), (32, 32), (16, 32)]
+    if dm <= 128:
+        return [(32, 32), (16, 32), (16, 16)]
+    return [(16, 16), (8, 16), (8, 8)]
+
+
+register(KernelTiling(
+    name="flash_bwd_dkdv",
+    block_q_choices=BWD_TILE_CHOICES,
+    block_kv_choices=BWD_TILE_CHOICES,
+    shared_bytes=_bwd_dkdv_shared,
+    threads=lambda bq, bkv, d, dv: BWD_THREADS,
+    preferences=_bwd_preferences,
+    layout=_bwd_layout(True),
+    check=_bwd_dkdv_check,
+    check_acc=_bwd_dq_acc_check,  # the same tiles also launch flash_bwd_dq
+))
+
+register(KernelTiling(
+    name="flash_bwd_dq",
+    block_q_choices=BWD_TILE_CHOICES,
+    block_kv_choices=BWD_TILE_CHOICES,
+    shared_bytes=_bwd_dq_shared,
+    threads=lambda bq, bkv, d, dv: BWD_THREADS,
+    preferences=_bwd_preferences,
+    layout=_bwd_layout(False),
+    check=_bwd_dq_check,
+    check_acc=_bwd_dq_acc_check,
+))
+
+# D = rowsum(dO * O) in chunks of BWD_PRE_ROWS rows: one partial sum per (row, lane)
+# meets in red_s (BWD_PRE_ROWS, 33); block_q here is the chunk (PRE_ROWS in flash_bwd.cu)
+register(KernelTiling(
+    name="flash_bwd_preprocess",
+    block_q_choices=(BWD_PRE_ROWS,),
+    block_kv_choices=(BWD_PRE_ROWS,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: acc * bq * 33,
+    threads=lambda bq, bkv, d, dv: BWD_THREADS,
+    preferences=lambda d, dv, acc: [(BWD_PRE_ROWS, BWD_PRE_ROWS)],
+    layout=lambda bq, bkv, d, dv, acc: f"{'double' if acc == 8 else 'float'} red_s[{bq}][33]",
+))
+
+
+def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, block_kv,
+                      causal=None, deterministic=True):
+    """Modelled global-memory bytes (read, written) of one backward call's kernels.
+
+    ``batch * heads`` query problems, ``batch * kv_heads`` key/value problems
+    (``heads // kv_heads`` query heads per kv head).  Counts what flash_bwd.cu
+    loads and stores: preprocess reads O and dO once and writes D (and zeroes
+    the float32 dQ accumulator on the atomic path); dkdv reads each K/V tile
+    once and Q, dO, lse, D of every Q tile that can see it (per query head of
+    the group), writes dK, dV once, and on the atomic path adds into dQ
+    (4 bytes read + 4 written per element per visible (Q tile, KV tile) pair);
+    dq reads Q, dO, lse, D once and K, V of every KV tile its Q tile can see.
+    """
+    isz = np.dtype(dtype).itemsize
+    acc = accumulator_bytes(dtype)
+    off = (Nk - Nq) if causal == "bottom_right" else 0
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    # preprocess
+    read = bh * Nq * 2 * dv * isz
+    written = bh * Nq * acc + (0 if deterministic else bh * Nq * d * 4)
+    # dkdv: per KV tile, the Q rows of the Q tiles from the first visible one on
+    q_rows = 0
+    pairs_rows = 0  # sum over (visible Q tile, KV tile) of the Q tile's rows (atomic dQ)
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        it0 = 0
+        if causal is not None:
+            i_min = kv0 - off
+            it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        rows = max(Nq - it0 * block_q, 0)
+        q_rows += rows
+        pairs_rows += rows
+    read += bhk * Nk * (d + dv) * isz + bhk * group * q_rows * ((d + dv) * isz + 2 * acc)
+    written += bhk * Nk * (d + dv) * isz
+    if not deterministic:
+        read += bh * pairs_rows * d * 4
+        written += bh * pairs_rows * d * 4
+        # flash_bwd_dq_convert
+        read += bh * Nq * d * 4
+        written += bh * Nq * d * isz
+    else:
+        kv_rows = 0
+        for i in range(nq_t):
+            q0 = i * block_q
+            rows = min(block_q, Nq - q0)
+            end = Nk if causal is None else min(max(q0 + rows + off, 0), Nk)
+            kv_rows += min(-(-end // block_kv) * block_kv, Nk)
+        read += bh * (Nq * ((d + dv) * isz + 2 * acc) + kv_rows * (d + dv) * isz)
+        written += bh * Nq * d * isz
+    return read, written
+
+
+# ==========================================================================
+# flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward's dK/dV/dQ kernel on
+# tensor cores (3xTF32), in place of flash_bwd_dkdv on the atomic-dQ path
+# ==========================================================================
+# Each warp owns 16 keys: block_kv = 16 * warps, threads = 2 * block_kv.  Layout (float):
+# Ks (block_kv, ks), Vs (block_kv, vs), Qs 2 x (block_q, qs), dOs 2 x (block_q, os),
+# lse2 2 x block_q, D 2 x block_q, dS^T (block_kv, ts); strides: ks = qs = os = 20 mod 32 (tiles
+# read as rows g and as rows 2t), vs = 16 mod 32, ts = 4 mod 32 (flash_bwd_tf32.cu says why).
+# Registers per thread: dK and dV of 16 keys ((d + dv) / 2) and S^T, dP^T of block_q queries
+# (block_q); BWD_TF32_MAX_ACC_REGS caps their sum (spill-free, tests/test_tc_plans.py).
+BWD_TF32_MAX_ACC_REGS = 144
+
+
+def _pad32(n, r):
+    return n + ((r - n % 32) % 32 + 32) % 32
+
+
+def bwd_tf32_strides(bq, d, dv):
+    """(ks, vs, qs, os, ts): the row strides (floats) of flash_bwd_tf32's shared tiles."""
+    return _pad32(d, 20), _pad32(dv, 16), _pad32(d, 20), _pad32(dv, 20), _pad32(bq, 4)
+
+
+def _bwd_tf32_shared(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return 4 * (bkv * ks + bkv * vs + 2 * bq * qs + 2 * bq * os_ + 4 * bq + bkv * ts)
+
+
+def _bwd_tf32_layout(bq, bkv, d, dv, acc):
+    ks, vs, qs, os_, ts = bwd_tf32_strides(bq, d, dv)
+    return (f"float Ks[{bkv}][{ks}] + Vs[{bkv}][{vs}] + Qs[2][{bq}][{qs}] + dOs[2][{bq}][{os_}] "
+            f"+ lse2[2][{bq}] + D[2][{bq}] + dST[{bkv}][{ts}]")
+
+
+def _bwd_tf32_check(bq, bkv, d, dv):
+    if d % 32 or dv % 32 or max(d, dv) > 128:
+        return f"flash_bwd_tf32 needs d, dv multiples of 32 up to 128, got d={d}, dv={dv}"
+    n = (d + dv) // 2 + bq
+    if n > BWD_TF32_MAX_ACC_REGS:
+        return (f"block_q={bq} with d={d}, dv={dv} needs {n} accumulator registers per thread in "
+                f"flash_bwd_tf32 (limit {BWD_TF32_MAX_ACC_REGS}: more would spill)")
+    return None
+
+
+def _bwd_tf32_preferences(d, dv, acc):
+    if max(d, dv) <= 64:
+        return [(64, 64), (32, 64), (64, 32), (32, 32), (16, 32)]
+    return [(32, 64), (16, 64), (32, 32), (16, 32)]
+
+
+register(KernelTiling(
+    name="flash_bwd_tf32",
+    block_q_choices=(16, 32, 64),
+    block_kv_choices=(32, 64, 128),
+    shared_bytes=_bwd_tf32_shared,
+    threads=lambda bq, bkv, d, dv: 2 * bkv,
+    preferences=_bwd_tf32_preferences,
+    layout=_bwd_tf32_layout,
+    check=_bwd_tf32_check,
+))
+
+
+def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                  limit_source="unlimited"):
+    """flash_bwd_tf32's plan for a float32 backward, or None where it does not apply.
+
+    None for other dtypes, head dims it lacks, explicit tiles outside its choices or tiles that
+    do not fit: the SIMT kernels of flash_bwd.cu run those.
+    """
+    if _dtype_name(dtype) not in TF32_DTYPES:
+        return None
+    t = kernel_tiling("flash_bwd_tf32")
+    if ((block_q is not None and block_q not in t.block_q_choices)
+            or (block_kv is not None and block_kv not in t.block_kv_choices)
+            or t.check(block_q or 16, block_kv or 32, d, dv) is not None):
+        return None
+    try:
+        return plan("flash_bwd_tf32", d, dv, dtype, block_q, block_kv, limit=limit,
+                    limit_source=limit_source)
+    except ValueError:
+        return None

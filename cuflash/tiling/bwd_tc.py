@@ -1,0 +1,253 @@
+"""flash_bwd_tc (float16/bfloat16 backward on tensor cores), the backward's kernel choice (:func:`plan_flash_bwd`) and its traffic model."""
+from .core import MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register
+from .fwd import TC_DTYPES, _refuse_off_tensor_cores
+
+
+# --------------------------------------------------------------------------
+# flash_bwd_tc (kernels_cu/flash_bwd_tc.cu): float16/bfloat16 backward on tensor cores
+# --------------------------------------------------------------------------
+# A key group of 16 * mt keys belongs to qs warps (query split qs = 1 or 2; block_kv =
+# 16 * mt * warps / qs); each of them computes S^T, dP^T for its keys and block_q / qs of
+# the queries -- dP^T (mt * block_q / qs / 2 floats per lane) beside P^T packed in 16-bit
+# (half that) -- and accumulates dK, dV for its keys and 1 / qs of the columns (mt * (d + dv)
+# / 2 / qs floats per lane, halved again per pass when the head dims run in two passes).
+# With qs = 2, P^T and dS^T meet in shared memory (Ps).  Layout (16-bit, rows padded by 8
+# elements; float32 at the end):
+#   Ks (Bc, d+8), Vs (Bc, dv+8), Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8), dSs (Bc, Br+8),
+#   [Ps (Bc, Br+8) when qs = 2], lse2_s 2 x Br, D_s 2 x Br
+# Registers: ptxas needs ~65-80 registers beside these arrays (fragments, addresses, loop
+# state; sm_80/sm_90, NVRTC 13.0): 252-254 registers and no spill at 176 (d = dv = 128,
+# block_q = 64: 128 + 48; d = dv = 64, 32 keys per warp, block_q = 32: 128 + 48), while
+# 192 spilled (d = 96, dv = 32, 32 keys per warp, block_q = 32, with P kept in float32), and
+# two passes need ~24 more (on sm_80 d = dv = 256, block_q = 64: 128 + 48 spilled 12 bytes,
+# d = 256, dv = 176, block_q = 64, 4 warps: 112 + 48 spilled 4; 152 compiled clean).  So
+# plans are held to BWD_TC_ARRAY_BUDGET (one pass) and _TWO_PASSES;
+# tests/test_kernels_backward.py compiles plans at the edge of both with NVRTC and asserts
+# no spills.
+BWD_TC_TILE_CHOICES = (16, 32, 64, 128)
+BWD_TC_ARRAY_BUDGET = 176
+BWD_TC_ARRAY_BUDGET_TWO_PASSES = 152
+BWD_TC_PRE_THREADS = 128   # kPreThreads in flash_bwd_tc.cu
+BWD_TC_CONVERT_THREADS = 256  # kConvThreads
+
+
+def _bwd_tc_arrays(bq, d, dv, mt, passes, qs=1):
+    """Register array floats per lane: dK/dV (8 per 16-column chunk and 16 keys) + dP^T + P^T."""
+    slices = passes * qs
+    chunks = -(-(d // 16) // slices) + -(-(dv // 16) // slices)
+    return mt * 8 * chunks + mt * (bq // qs // 2 + bq // qs // 4)
+
+
+def _bwd_tc_budget(passes):
+    return BWD_TC_ARRAY_BUDGET if passes == 1 else BWD_TC_ARRAY_BUDGET_TWO_PASSES
+
+
+# (block_q, block_kv, d, dv) of flash_bwd_tc that ptxas (NVRTC 13.0) compiles with spills
+# for sm_90 although the register-array model above accepts them: 255 registers and 8-16 B
+# of spill traffic in the two-pass layout, where the neighbouring head dims with as many
+# array floats (d = 192 at 64 x 64, d = 224 at 32 x 32 / 32 x 128) do not spill.  Found by
+# bench/plan_sweep.py (issue 12); refused so that no accepted plan spills.
+BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 64, 224, 224)})
+
+
+def bwd_tc_layout(bq, bkv, d, dv):
+    """``(warps, keys per warp // 16, passes, query split)`` of flash_bwd_tc, or a str saying why not.
+
+    In order of preference: 32 keys per warp (mt = 2; half the Q/dO fragment reads per key
+    of 16) when its register arrays fit and the tile has at least 64 keys; else 32 keys
+    per pair of warps with the queries and the dK/dV columns split between the two (qs =
+    2: the same per-warp reads as mt = 2 for twice the head dims, P^T and dS^T through
+    shared memory); else 16 keys per warp, in two passes over the head dims when one pass's
+    arrays do not fit the register budget.
+    """
+    if d % 16 or dv % 16 or not (16 <= d <= MAX_HEAD_DIM and 16 <= dv <= MAX_HEAD_DIM):
+        return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
+    if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
+        return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
+    if (bq, bkv, d, dv) in BWD_TC_PTXAS_SPILLS:
+        return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills this plan on "
+                "sm_90 (bench/plan_sweep.py) although its register arrays fit the budget")
+    if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
+        return bkv // 32, 2, 1, 1
+    if bkv >= 32 and bq % 32 == 0 and _bwd_tc_arrays(bq, d, dv, 2, 1, 2) <= _bwd_tc_budget(1):
+        return bkv // 16, 2, 1, 2
+    for passes in (1, 2):
+        if _bwd_tc_arrays(bq, d, dv, 1, passes) <= _bwd_tc_budget(passes):
+            return bkv // 16, 1, passes, 1
+    need = _bwd_tc_arrays(bq, d, dv, 1, 2)
+    return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread for P^T, "
+            f"dP^T and half of dK, dV (limit {BWD_TC_ARRAY_BUDGET_TWO_PASSES} in two passes, beyond "
+            "which ptxas spills)")
+
+
+def _bwd_tc_qsplit(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return 1 if isinstance(lay, str) else lay[3]
+
+
+def _bwd_tc_shared(bq, bkv, d, dv, acc):
+    ps = bkv * (bq + 8) if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else 0
+    return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
+                + bkv * (bq + 8) + ps) + 16 * bq
+
+
+def _bwd_tc_layout_text(bq, bkv, d, dv, acc):
+    ps = f" + Ps[{bkv}][{bq + 8}]" if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else ""
+    return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
+            f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}]{ps}, float lse2_s[2][{bq}] + D_s[2][{bq}]")
+
+
+def _bwd_tc_check(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return lay if isinstance(lay, str) else None
+
+
+def _bwd_tc_threads(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return 32 * lay[0] if not isinstance(lay, str) else 32
+
+
+def _bwd_tc_defines(bq, bkv, d, dv):
+    lay = bwd_tc_layout(bq, bkv, d, dv)
+    return ({"CUFLASH_BWD_PASSES": lay[2], "CUFLASH_BWD_QSPLIT": lay[3]}
+            if not isinstance(lay, str) else {})
+
+
+def _bwd_tc_preferences(d, dv, acc):
+    # best first: 128 keys per block (K/V and dQ reds amortised over the most work), then
+    # smaller tiles for smaller shared-memory budgets (sm_86/89: 99 KB, sm_75: 64 KB)
+    dm = d + dv
+    if dm <= 128:    # 32 keys per warp, 4 warps
+        return [(32, 128), (64, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
+    if dm <= 256:    # query split (32 keys per warp pair): block_q 64 keeps 32 queries per warp
+        # (bench/kernel_report.py model, d = 128: 64 x 128 259 B of shared memory per HMMA,
+        # 64 x 64 272, 32 x 128 336 -- FA2 256)
+        return [(64, 128), (64, 64), (32, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
+    return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
+
+
+register(KernelTiling(
+    name="flash_bwd_tc",
+    block_q_choices=BWD_TC_TILE_CHOICES,
+    block_kv_choices=BWD_TC_TILE_CHOICES,
+    shared_bytes=_bwd_tc_shared,
+    threads=_bwd_tc_threads,
+    preferences=_bwd_tc_preferences,
+    layout=_bwd_tc_layout_text,
+    check=_bwd_tc_check,
+    defines=_bwd_tc_defines,
+))
+
+# the helpers of flash_bwd_tc.cu (their own module: dtype, d, dv only); no shared memory
+register(KernelTiling(
+    name="flash_bwd_tc_preprocess",
+    block_q_choices=(64,), block_kv_choices=(64,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: BWD_TC_PRE_THREADS,
+    preferences=lambda d, dv, acc: [(64, 64)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+))
+register(KernelTiling(
+    name="flash_bwd_tc_dq_convert",
+    block_q_choices=(64,), block_kv_choices=(64,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: BWD_TC_CONVERT_THREADS,
+    preferences=lambda d, dv, acc: [(64, 64)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+))
+
+
+def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                   limit_source="unlimited", kernel=None, tensor_cores=True):
+    """The backward's plan: flash_bwd_tc (tensor cores) or flash_bwd_dkdv (SIMT), with tiles.
+
+    float16/bfloat16 run flash_bwd_tc when ``tensor_cores`` (sm_80+), the head dims are
+    multiples of 16 and any explicit tiles are ones it takes; everything else (and what
+    does not fit the limit there) runs the SIMT kernels of flash_bwd.cu.  ``kernel``
+    forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).
+    """
+    name = _dtype_name(dtype)
+    if kernel is None:
+        tc = kernel_tiling("flash_bwd_tc")
+        if tensor_cores and name in TC_DTYPES:
+            if ((block_q is None or block_q in tc.block_q_choices)
+                    and (block_kv is None or block_kv in tc.block_kv_choices)
+                    and d % 16 == 0 and dv % 16 == 0):
+                try:
+                    return plan("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
+                                limit_source=limit_source)
+                except ValueError as e:
+                    _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv,
+                                             limit, limit_source, str(e))
+            elif d % 16 == 0 and dv % 16 == 0:
+                _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit,
+                                         limit_source, None)
+        kernel = "flash_bwd_dkdv"
+    if kernel == "flash_bwd_tc" and name not in TC_DTYPES:
+        raise ValueError(f"flash_bwd_tc runs {TC_DTYPES} only, got {name}")
+    return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
+
+
+def bwd_dq_splits(n_kv_tiles, problems, slots):
+    """dQ accumulator slices of the deterministic tensor-core backward.
+
+    The grid is ``splits * problems`` blocks (problems = batch x kv heads), each doing
+    ``ceil(n_kv_tiles / splits)`` KV tiles one after another; ``slots`` blocks run at a
+    time.  Returns the fewest splits (least accumulator memory and summing) among those
+    with the smallest modelled makespan ``ceil(splits * problems / slots) *
+    ceil(n_kv_tiles / splits)`` -- the same number of KV-tile steps as the atomic path's
+    ``ceil(n_kv_tiles * problems / slots)`` whenever the waves divide evenly.
+    """
+    n_kv_tiles, problems, slots = max(1, int(n_kv_tiles)), max(1, int(problems)), max(1, int(slots))
+    best, best_cost = 1, None
+    for s in range(1, n_kv_tiles + 1):
+        cost = -(-s * problems // slots) * -(-n_kv_tiles // s)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def flash_bwd_tc_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
+                         causal=None, n_splits=1):
+    """Exact global-memory bytes (read, written) of one tensor-core backward call.
+
+    What the emulator counts for flash_bwd_tc_preprocess, flash_bwd_tc and
+    flash_bwd_tc_dq_convert (16-bit inputs; float32 workspace rows padded to whole Q tiles):
+
+    * preprocess: O and dO rows < Nq (2 * dv * 2 bytes) and lse (4) per query row; writes
+      lse2 and D (4 + 4 bytes) for every padded row, and zeroes the n_splits dQ
+      accumulators (4 * d bytes per row and slice);
+    * flash_bwd_tc, per (KV tile, kv head, batch) that some query sees: K/V rows < Nk
+      once; for every query head of the group and every Q tile from the first that sees
+      the KV tile: the Q/dO rows < Nq and Br padded lse2/D values; dQ reds of 4 bytes read
+      + 4 written per (valid row, column); dK/dV rows < Nk written once (also by KV tiles no
+      query sees, as zeros, without loading anything);
+    * convert: n_splits accumulators read, dQ written.
+    """
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    off = (Nk - Nq) if causal == "bottom_right" else 0
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    nq_pad = nq_t * block_q
+    read = bh * (Nq * (2 * dv * 2 + 4))
+    written = bh * (nq_pad * 8 + n_splits * Nq * d * 4)
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        kv_rows = min(block_kv, Nk - kv0)
+        it0 = 0
+        if causal is not None:
+            i_min = kv0 - off
+            it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        written += bhk * kv_rows * (d + dv) * 2
+        if it0 >= nq_t:
+            continue
+        q_rows = Nq - it0 * block_q
+        n_tiles = nq_t - it0
+        read += bhk * kv_rows * (d + dv) * 2
+        read += bhk * group * (q_rows * (d + dv) * 2 + n_tiles * block_q * 8)
+        read += bhk * group * q_rows * d * 4
+        written += bhk * group * q_rows * d * 4
+    read += n_splits * bh * Nq * d * 4
+    written += bh * Nq * d * 2
+    return read, written

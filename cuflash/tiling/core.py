@@ -1,0 +1,347 @@
+"""The planner itself: kernel descriptions, the registry, device limits, occupancy and :func:`plan`."""
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Tuple
+
+import numpy as np
+
+
+# Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
+STATIC_SMEM_LIMIT = 48 * 1024
+
+# Nominal opt-in limits for the emulator (which itself has no limit): what the
+# same launch would be allowed on the named architecture (CUDA programming
+# guide, "Technical Specifications per Compute Capability").
+EMULATOR_ARCHES = {
+    "sm_75": 64 * 1024,
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+}
+EMULATOR_DEFAULT_ARCH = "sm_80"
+
+# The largest head dim any kernel supports (register arrays are sized by it).
+MAX_HEAD_DIM = 256
+
+
+def accumulator_bytes(dtype):
+    """Bytes of the type the kernels compute and keep their tiles in.
+
+    float16, bfloat16 and float32 are loaded as such and computed in float32
+    (4 bytes); float64 is computed in double (8 bytes) so it meets the 1e-12
+    tolerance of the float64 oracle.
+    """
+    return 8 if _dtype_name(dtype) == "float64" else 4
+
+
+def _dtype_name(dtype):
+    # "bfloat16" as a string works without ml_dtypes; ml_dtypes.bfloat16 reports that name
+    if isinstance(dtype, str):
+        return dtype
+    return np.dtype(dtype).name
+
+
+@dataclass(frozen=True)
+class KernelTiling:
+    """How one kernel's tiles are sized.
+
+    Attributes
+    ----------
+    name : str
+        Kernel name (``extern "C"`` symbol).
+    block_q_choices, block_kv_choices : tuple of int
+        The tile sizes the kernel supports.
+    shared_bytes : callable(block_q, block_kv, d, dv, acc_bytes) -> int
+        Exact dynamic shared memory per block, in bytes.
+    threads : callable(block_q, block_kv, d, dv) -> int
+        Threads per block.
+    preferences : callable(d, dv, acc_bytes) -> sequence of (block_q, block_kv)
+        Default tile pairs, best first; the first that fits the limit is used.
+    layout : callable(block_q, block_kv, d, dv, acc_bytes) -> str
+        One line naming the shared-memory arrays and their shapes (for messages).
+    check : callable(block_q, block_kv, d, dv) -> str or None
+        Further constraints (e.g. register arrays); a message when violated.
+    check_acc : callable(block_q, block_kv, d, dv, acc_bytes) -> str or None
+        Constraints that also depend on the accumulator size (a double takes two 32-bit
+        registers); a message when violated.  None by default.
+    defines : callable(block_q, block_kv, d, dv) -> dict
+        Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
+        (:func:`cuflash.kernels.plan_defines` adds them); none by default.
+    """
+    name: str
+    block_q_choices: Tuple[int, ...]
+    block_kv_choices: Tuple[int, ...]
+    shared_bytes: Callable
+    threads: Callable
+    preferences: Callable
+    layout: Callable
+    check: Callable = field(default=lambda bq, bkv, d, dv: None)
+    check_acc: Callable = field(default=lambda bq, bkv, d, dv, acc: None)
+    max_head_dim: int = MAX_HEAD_DIM
+    defines: Callable = field(default=lambda bq, bkv, d, dv: {})
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """What one launch uses: returned by :func:`plan`, read by launchers and reports."""
+    kernel: str
+    block_q: int
+    block_kv: int
+    d: int
+    dv: int
+    dtype: str
+    acc_bytes: int
+    threads: int
+    shared_bytes: int
+    limit: int
+    limit_source: str
+    chosen: str  # "explicit", "default" or "mixed"
+
+    @property
+    def needs_opt_in(self):
+        """True when the dynamic shared memory exceeds the 48 KB launch default."""
+        return self.shared_bytes > STATIC_SMEM_LIMIT
+
+    def describe(self):
+        return (f"{self.kernel}: block_q={self.block_q}, block_kv={self.block_kv}, "
+                f"d={self.d}, dv={self.dv}, {self.dtype}; {self.threads} threads, "
+                f"{self.shared_bytes} B shared memory of {self.limit} B ({self.limit_source})")
+
+
+_REGISTRY: Dict[str, KernelTiling] = {}
+
+
+def register(tiling):
+    """Add (or replace) a kernel's tiling description."""
+    _REGISTRY[tiling.name] = tiling
+    return tiling
+
+
+def kernel_tiling(name):
+    """The :class:`KernelTiling` of a kernel name (KeyError listing the known kernels)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no tiling registered for kernel {name!r}; known: {sorted(_REGISTRY)}")
+
+
+def device_smem_limit(backend, arch=None):
+    """(bytes, description) of the opt-in shared memory per block for a backend.
+
+    ``"cuda"``: the current CuPy device's ``cudaDevAttrMaxSharedMemoryPerBlockOptin``.
+    ``"emulator"``: the nominal limit of ``arch`` (default sm_80); the emulator
+    itself has none, so this only keeps emulated launches honest about what a
+    GPU would allow.
+    """
+    if backend == "cuda":
+        import cupy
+        dev = cupy.cuda.Device()
+        rt = cupy.cuda.runtime
+        limit = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id))
+        cc = dev.compute_capability
+        return limit, f"device {dev.id} (sm_{cc}) MaxSharedMemoryPerBlockOptin"
+    if backend == "emulator":
+        arch = arch or EMULATOR_DEFAULT_ARCH
+        if arch not in EMULATOR_ARCHES:
+            raise ValueError(f"unknown nominal architecture {arch!r}; choose one of "
+                             f"{sorted(EMULATOR_ARCHES)}")
+        return EMULATOR_ARCHES[arch], f"nominal {arch} opt-in limit (emulator)"
+    raise ValueError(f"no shared-memory limit for backend {backend!r} (use 'cuda' or 'emulator')")
+
+
+# SMs of the GPUs the emulator stands in for (split-KV sizes its grids to fill them)
+EMULATOR_SMS = {"sm_75": 40, "sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}
+
+
+def device_sm_count(backend, arch=None):
+    """(streaming multiprocessors, description) of the current device or a nominal arch."""
+    if backend == "cuda":
+        import cupy
+        rt = cupy.cuda.runtime
+        attr = getattr(rt, "cudaDevAttrMultiProcessorCount", 16)  # CUDA's enum value
+        dev = cupy.cuda.Device()
+        return int(rt.deviceGetAttribute(attr, dev.id)), f"device {dev.id} MultiProcessorCount"
+    arch = arch or EMULATOR_DEFAULT_ARCH
+    return EMULATOR_SMS[arch], f"nominal {arch} (emulator)"
+
+
+# Automatic split-KV (num_splits=None) goes to the SIMT serving kernel.  Where the dense
+# plan would run a tensor-core kernel, it is taken only for at most this many query rows
+# per kv head (decode: GQA group x new tokens): one m16 tile of rows, where a 64-128-row
+# tensor-core tile does mostly padding.  Above it the tensor cores' per-FLOP advantage
+# (on the H100 the SIMT forward ran float32 at 12.9 TFLOP/s, flash_fwd_tc float16 at
+# 166-172, d=128: docs/gpu-baseline.md) is assumed to beat the split's extra parallelism -- not yet
+# measured against the split kernel; num_splits=k forces a split at any row count.
+SPLIT_MAX_ROWS_OVER_TC = 16
+
+
+def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
+    """How many key splits a forward launch of ``blocks`` thread blocks should use (split-KV).
+
+    Splitting multiplies the blocks by the split count at the price of a
+    combine pass, so it pays only when the blocks cannot fill the GPU.  With at
+    least 80% of a wave of blocks (one per SM), no split.  Otherwise each
+    candidate count s gets the efficiency of its last wave,
+    ``(blocks * s / n_sms) / ceil(blocks * s / n_sms)``; counts that do not
+    change the tiles per split (``ceil(n_kv_tiles / s)``) are skipped, as they
+    would only add empty splits; the smallest s within 85% of the best
+    efficiency wins (fewer splits: less combine work and less float32 traffic).
+    The idea is FlashAttention-2's ``num_splits_heuristic``; the thresholds
+    here are its published ones, to be re-tuned on a GPU.
+    """
+    if blocks <= 0 or n_kv_tiles <= 1 or blocks >= 0.8 * n_sms:
+        return 1
+    top = min(max_splits, n_sms, n_kv_tiles)
+    effs = {}
+    prev_per = None
+    for s in range(1, top + 1):
+        per = -(-n_kv_tiles // s)
+        if per == prev_per:
+            continue
+        prev_per = per
+        waves = blocks * s / n_sms
+        effs[s] = waves / math.ceil(waves)
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+def _why_not(t, bq, bkv, d, dv, acc):
+    """The kernel's own refusal of a tile pair (registers, head dims), or None."""
+    return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
+
+
+def _fits(t, bq, bkv, d, dv, acc, limit):
+    return _why_not(t, bq, bkv, d, dv, acc) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
+
+
+# Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
+# leaves fewer resident warps than that idles schedulers outright, and nothing hides its
+# memory latency.  The H100 tile sweep (docs/gpu-baseline.md) measured such a plan: float32
+# d=128 with block_q=16, block_kv=128 (64 threads, 148 KB: one block, 2 warps per SM) ran
+# 9x slower than the default.  Defaults skip these plans while any other fits; explicit
+# tiles that fall below it are refused where a plan above it exists (float64 at d=256 has
+# none: its plans stay allowed).
+MIN_RESIDENT_WARPS = 4
+MAX_BLOCKS_PER_SM = 16  # the smallest hardware limit of the supported GPUs (sm_75/86/89)
+SMEM_RESERVED_PER_BLOCK = 1024  # CUDA reserves 1 KB of each SM's shared memory per block
+
+
+def resident_warps(threads, shared_bytes, limit):
+    """Warps of one kernel that shared memory lets reside on an SM, or None (no limit known).
+
+    An SM holds the per-block opt-in ``limit`` plus the 1 KB the runtime reserves per block
+    (A100: 163 KB + 1 KB of 164 KB; H100: 227 + 1 of 228), so ``(limit + 1 KB) // (shared +
+    1 KB)`` blocks fit, at most :data:`MAX_BLOCKS_PER_SM`.  Registers can only lower this;
+    they are known after compilation (the kernel report and ``kernels.check_compiled``).
+    """
+    if limit is None or limit < 0 or limit == float("inf"):
+        return None
+    blocks = min(MAX_BLOCKS_PER_SM,
+                 (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK))
+    return blocks * -(-threads // 32)
+
+
+def _occupancy_ok(t, bq, bkv, d, dv, acc, limit):
+    w = resident_warps(t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc), limit)
+    return w is None or w >= MIN_RESIDENT_WARPS
+
+
+def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+         limit_source="unlimited"):
+    """The tiles, threads and shared memory one launch of ``kernel`` uses.
+
+    Parameters
+    ----------
+    kernel : str
+        A registered kernel name (``"flash_fwd"``, ...).
+    d, dv : int
+        Head dims of q/k and of v.
+    dtype : numpy dtype or name
+        Input dtype (sets the accumulator size).
+    block_q, block_kv : int or None
+        Explicit tile sizes are honoured or refused, never changed; None picks
+        the first preferred pair that fits ``limit``.
+    limit : int or None
+        Shared-memory bytes per block allowed (from :func:`device_smem_limit`);
+        None = no limit.
+    limit_source : str
+        Where ``limit`` comes from, for messages and reports.
+
+    Returns
+    -------
+    TilePlan
+
+    Raises
+    ------
+    ValueError
+        Head dims the kernel does not support, tile sizes outside its choices,
+        or tiles whose shared memory exceeds ``limit``; the message states the
+        budget and the supported choices.
+    """
+    t = kernel_tiling(kernel)
+    acc = accumulator_bytes(dtype)
+    dtname = _dtype_name(dtype)
+    lim = float("inf") if limit is None else int(limit)
+    lim_text = "no limit" if limit is None else f"{int(limit)} B ({limit_source})"
+    for name, val in (("d", d), ("dv", dv)):
+        if not 1 <= val <= t.max_head_dim:
+            raise ValueError(f"{kernel} supports head dims 1..{t.max_head_dim}, got {name}={val}; "
+                             "use backend='numpy' for larger head dims")
+    for name, val, choices in (("block_q", block_q, t.block_q_choices),
+                               ("block_kv", block_kv, t.block_kv_choices)):
+        if val is not None and val not in choices:
+            raise ValueError(f"{kernel} does not support {name}={val}; supported {name}: "
+                             f"{list(choices)} (shared-memory budget {lim_text})")
+    if block_q is not None and block_kv is not None:
+        pairs, chosen = [(block_q, block_kv)], "explicit"
+    else:
+        prefs = list(t.preferences(d, dv, acc))
+        # then every supported pair, largest tiles first, so a fitting pair is always found
+        prefs += sorted(((a, b) for a in t.block_q_choices for b in t.block_kv_choices),
+                        key=lambda ab: (-ab[0] * ab[1], -ab[0]))
+        pairs = [(a, b) for a, b in prefs
+                 if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)]
+        chosen = "default" if block_q is None and block_kv is None else "mixed"
+    fitting = [ab for ab in pairs if _fits(t, *ab, d, dv, acc, lim)]
+    # occupancy floor first: defaults take a plan below it only when no other fits
+    fitting.sort(key=lambda ab: not _occupancy_ok(t, *ab, d, dv, acc, limit))
+    if fitting and not _occupancy_ok(t, *fitting[0], d, dv, acc, limit) and chosen != "default":
+        _refuse_low_occupancy(t, kernel, fitting[0], d, dv, acc, dtname, limit, lim_text)
+    if fitting:
+        bq, bkv = fitting[0]
+        return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
+                        acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
+                        shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
+                        limit=int(limit) if limit is not None else -1,
+                        limit_source=limit_source, chosen=chosen)
+    # nothing fits: say why, with the budget and what would fit
+    bq, bkv = pairs[0]
+    why = _why_not(t, bq, bkv, d, dv, acc)
+    need = t.shared_bytes(bq, bkv, d, dv, acc)
+    fitting = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+               if _fits(t, a, b, d, dv, acc, lim)]
+    fit_text = (", ".join(f"({a}, {b})" for a, b in fitting) if fitting
+                else "none at this head dim and dtype")
+    reason = why if why else (f"needs {need} B of shared memory "
+                              f"({t.layout(bq, bkv, d, dv, acc)}) but the budget is {lim_text}")
+    raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: "
+                     f"{reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
+                     f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
+
+
+def _refuse_low_occupancy(t, kernel, pair, d, dv, acc, dtname, limit, lim_text):
+    """Raise for explicit tiles below the occupancy floor where another pair is above it."""
+    good = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+            if _fits(t, a, b, d, dv, acc, limit if limit is not None else float('inf')) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    if not good:
+        return  # every plan of this head dim is below the floor: allowed
+    bq, bkv = pair
+    threads, shared = t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc)
+    w = resident_warps(threads, shared, limit)
+    raise ValueError(
+        f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: {threads} threads "
+        f"and {shared} B of shared memory per block leave {w} resident warp(s) per SM (shared "
+        f"memory {lim_text}); below {MIN_RESIDENT_WARPS} the SM's warp schedulers idle and such "
+        f"plans ran up to 9x slower than the default on an H100. (block_q, block_kv) pairs with "
+        f">= {MIN_RESIDENT_WARPS} warps per SM: " + ", ".join(f"({a}, {b})" for a, b in good))

@@ -1,0 +1,362 @@
+"""Forward kernels: flash_fwd (SIMT), flash_fwd_tc / flash_fwd_tf32 (tensor cores), online softmax, and their traffic models (dense and split-KV)."""
+import numpy as np
+
+from .core import KernelTiling, _dtype_name, _fits, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
+
+
+# --------------------------------------------------------------------------
+# flash_fwd (kernels_cu/flash_fwd.cu)
+# --------------------------------------------------------------------------
+# Layout (accumulator type acc = float, or double for float64):
+#   Qs (block_q, d+1), Ks (block_kv, d+1), Vs (block_kv, dv), Ps (block_q, block_kv+1)
+# The +1 pads make the rows that the 8 row-groups of a warp read at the same
+# column fall into different banks.  Each warp owns 8 query rows; each row is
+# split over the 4 lanes of a quad, so block_q = 8 * warps and block_kv must be
+# a multiple of 4.
+def _fwd_shared(bq, bkv, d, dv, acc):
+    return acc * (bq * (d + 1) + bkv * (d + 1) + bkv * dv + bq * (bkv + 1))
+
+
+def _fwd_layout(bq, bkv, d, dv, acc):
+    t = "double" if acc == 8 else "float"
+    return (f"{t} Qs[{bq}][{d + 1}] + Ks[{bkv}][{d + 1}] + Vs[{bkv}][{dv}] + "
+            f"Ps[{bq}][{bkv + 1}]")
+
+
+def _fwd_threads(bq, bkv, d, dv):
+    return 4 * bq  # block_q / 8 warps of 32 lanes
+
+
+def _fwd_check(bq, bkv, d, dv):
+    # registers per thread: block_kv/4 logits + ceil(dv/4) output accumulators
+    if bkv // 4 + (dv + 3) // 4 > 96:
+        return (f"block_kv={bkv} with dv={dv} needs {bkv // 4 + (dv + 3) // 4} accumulator "
+                "registers per thread (limit 96, to avoid spills)")
+    return None
+
+
+def _fwd_preferences(d, dv, acc):
+    dm = max(d, dv)
+    if dm <= 32:
+        prefs = [(64, 64), (64, 32), (32, 32)]
+    elif dm <= 64:
+        prefs = [(64, 32), (32, 32), (32, 16)]
+    elif dm <= 128:
+        prefs = [(32, 32), (32, 16), (16, 16)]
+    else:
+        prefs = [(16, 32), (16, 16), (8, 16), (8, 8)]
+    return prefs
+
+
+register(KernelTiling(
+    name="flash_fwd",
+    block_q_choices=(8, 16, 32, 64, 128),
+    block_kv_choices=(8, 16, 32, 64, 128),
+    shared_bytes=_fwd_shared,
+    threads=_fwd_threads,
+    preferences=_fwd_preferences,
+    layout=_fwd_layout,
+    check=_fwd_check,
+))
+
+
+def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):
+    """Exact global-memory bytes (read, written) of flash_fwd for one launch.
+
+    Per query head and Q tile: the Q tile once; K and V rows of every KV tile
+    the tile loads (tiles entirely above the causal boundary are never loaded;
+    the last tile loads only the rows < Nk); O and lse once.  This is what the
+    emulator's byte counters report for the kernel.
+    """
+    isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
+    lse_sz = accumulator_bytes(dtype)
+    n_tiles = -(-Nq // block_q) if Nq else 0
+    kv_rows = 0
+    for i in range(n_tiles):
+        q0 = i * block_q
+        rows = min(block_q, Nq - q0)
+        if causal is None:
+            end = Nk
+        else:
+            off = Nk - Nq if causal == "bottom_right" else 0
+            end = min(max(q0 + rows - 1 + off + 1, 0), Nk)
+        n_kv = -(-end // block_kv)
+        kv_rows += min(n_kv * block_kv, Nk)
+    bh = batch * heads
+    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
+    written = bh * (Nq * dv * isz + Nq * lse_sz)
+    return read, written
+
+
+# --------------------------------------------------------------------------
+# flash_fwd_tc / flash_fwd_tf32 (kernels_cu/flash_fwd_tc.cu): the forward on tensor cores
+# --------------------------------------------------------------------------
+# float16/bfloat16 run flash_fwd_tc (mma.m16n8k16), float32 flash_fwd_tf32 (3xTF32
+# mma.m16n8k8).  Each warp owns 32 query rows (two m16 tiles: every K/V fragment read from
+# shared memory feeds two MMAs) when d, dv <= 128 and its accumulators fit the register
+# budget, else 16 (more warps for the same block_q): threads = 32 * block_q / rows_per_warp.
+# Accumulators per thread: rows_per_warp * (block_kv + dv) / 32 (S and O); above
+# TC_MAX_ACC_REGS ptxas spills to local memory (registers are capped at 255), which the H100
+# tile sweep showed as 10-270x slowdowns.  bench/plan_sweep.py compiles every plan the
+# planner accepts and checks that none spills; tests/test_tc_plans.py the largest ones.
+# Layout: Qs (block_q, qs), Ks 2 x (block_kv, ks), Vs 2 x (block_kv, vs) -- K/V in two cp.async
+# stages.  16-bit: qs = ks = d + 8, vs = dv + 8 (16-byte pads: the 8 rows of an ldmatrix hit
+# different banks); float32: qs = ks = d + 16 if d % 32 == 0 else d (a stride of 16 mod 32
+# floats for the 128-bit fragment loads), vs = dv + 4 (4 mod 16 for the 64-bit loads).
+TC_DTYPES = ("float16", "bfloat16")
+TF32_DTYPES = ("float32",)
+TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
+# Accumulator budgets (registers per thread for S and O): with 32 rows per warp, and with 16.
+# 32 rows take at most 64 keys per tile (S of 32 x 128 spilled even at d = 16); the 3xTF32
+# kernel keeps hi and lo fragments besides, so it gets less (measured with NVRTC 13 for
+# sm_80 over every plan: bench/plan_sweep.py).
+TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
+
+
+def tc_rows_per_warp(kernel, bq, bkv, d, dv):
+    """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
+    if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[kernel]
+            and bkv + dv <= TC_MAX_ACC_REGS_32_ROWS[kernel]):
+        return 32
+    return 16
+
+
+def tc_acc_regs(kernel, bq, bkv, d, dv):
+    """Accumulator registers per thread (S and O) of a tensor-core forward plan."""
+    return tc_rows_per_warp(kernel, bq, bkv, d, dv) * (bkv + dv) // 32
+
+
+def _tc_threads(kernel):
+    def threads(bq, bkv, d, dv):
+        return 32 * (bq // tc_rows_per_warp(kernel, bq, bkv, d, dv))
+    return threads
+
+
+def tc_strides(kernel, d, dv):
+    if kernel == "flash_fwd_tf32":
+        return d + (16 if d % 32 == 0 else 0), d + (16 if d % 32 == 0 else 0), dv + 4, 4
+    return d + 8, d + 8, dv + 8, 2
+
+
+def _tc_shared(kernel):
+    def shared(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        return esz * (bq * qs + 2 * bkv * ks + 2 * bkv * vs)
+    return shared
+
+
+def _tc_layout(kernel):
+    def layout(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        t = "float" if esz == 4 else "16-bit"
+        return f"{t} Qs[{bq}][{qs}] + Ks[2][{bkv}][{ks}] + Vs[2][{bkv}][{vs}]"
+    return layout
+
+
+def _tc_check(kernel):
+    def check(bq, bkv, d, dv):
+        if d % 16 or dv % 16:
+            return f"{kernel} needs d and dv multiples of 16, got d={d}, dv={dv}"
+        if max(d, dv) > 256:
+            return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
+        n = tc_acc_regs(kernel, bq, bkv, d, dv)
+        if n > TC_MAX_ACC_REGS[kernel]:
+            return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
+                    f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[kernel]}: "
+                    "more would spill to local memory)")
+        return None
+    return check
+
+
+def _tc_preferences(kernel):
+    # best first: 4 warps of 32 rows where the budget allows it (every K/V fragment feeds two
+    # MMAs), the longest K/V tile those 32 rows can hold; above d = 128, 4 warps of 16 rows
+    def prefs(d, dv, acc):
+        dm = max(d, dv)
+        if kernel == "flash_fwd_tf32":
+            if dm <= 96:
+                return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
+            if dm <= 128:
+                return [(128, 16), (64, 16), (32, 16), (16, 16)]
+            return [(64, 16), (32, 16), (16, 16)]
+        if dm <= 96:
+            return [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32), (16, 16)]
+        if dm <= 128:
+            return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
+        return [(64, 32), (64, 16), (32, 16), (16, 16)]
+    return prefs
+
+
+for _k in TC_KERNELS:
+    register(KernelTiling(
+        name=_k,
+        block_q_choices=(16, 32, 64, 128),
+        block_kv_choices=(16, 32, 64, 128),
+        shared_bytes=_tc_shared(_k),
+        threads=_tc_threads(_k),
+        preferences=_tc_preferences(_k),
+        layout=_tc_layout(_k),
+        check=_tc_check(_k),
+    ))
+
+
+def tc_kernel_for(dtype):
+    """The tensor-core forward kernel of a dtype name, or None (float64)."""
+    name = _dtype_name(dtype)
+    if name in TC_DTYPES:
+        return "flash_fwd_tc"
+    if name in TF32_DTYPES:
+        return "flash_fwd_tf32"
+    return None
+
+
+def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
+                   limit_source="unlimited", kernel=None):
+    """The forward's plan: which kernel (tensor cores or the SIMT flash_fwd) with which tiles.
+
+    float16/bfloat16 run on tensor cores (flash_fwd_tc), float32 as 3xTF32 on tensor cores
+    (flash_fwd_tf32, float32 accuracy), when the head dims and any explicit tile sizes are
+    ones that kernel supports and its tiles fit the limit; everything else (float64, head
+    dims that are not multiples of 16, tiles it lacks) runs the SIMT kernel flash_fwd, which
+    takes every dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
+    are honoured by whichever kernel runs, or refused by flash_fwd's rules.  ``kernel``
+    forces one kernel ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32"; tests use it).
+    """
+    tc_name = tc_kernel_for(dtype)
+    if kernel is None:
+        if tc_name is not None:
+            tc = kernel_tiling(tc_name)
+            if ((block_q is None or block_q in tc.block_q_choices)
+                    and (block_kv is None or block_kv in tc.block_kv_choices)
+                    and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
+                try:
+                    return plan(tc_name, d, dv, dtype, block_q, block_kv, limit=limit,
+                                limit_source=limit_source)
+                except ValueError as e:
+                    _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
+                                             limit_source, str(e))
+            else:
+                _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
+                                         limit_source, None)
+        kernel = "flash_fwd"
+    if kernel in TC_KERNELS and kernel != tc_name:
+        want = TC_DTYPES if kernel == "flash_fwd_tc" else TF32_DTYPES
+        raise ValueError(f"{kernel} runs {want} only, got {_dtype_name(dtype)}")
+    return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
+
+
+def _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit, limit_source, why):
+    """Explicit tiles the tensor-core kernel does not take, for head dims it does: refused.
+
+    Without this they would run on the SIMT kernel -- the "tile sweep" cliff of the H100
+    baseline (float16 d=128, block_kv=128: 58-385 ms against the default's 3.3 ms).  Returns
+    (the SIMT kernel may run) when the tiles are not explicit or the tensor-core kernel
+    lacks these head dims at every tile size.
+    """
+    if block_q is None and block_kv is None:
+        return
+    t = kernel_tiling(tc_name)
+    acc = accumulator_bytes(dtype)
+    lim = float("inf") if limit is None else int(limit)
+    good = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+            if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)
+            and _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    every = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+             if _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    if not every:
+        return  # no tensor-core plan at these head dims: the SIMT kernel is the only one
+    if why is not None:  # plan()'s refusal: its reason, without the kernel and pair lists
+        why = why.split(": ", 1)[-1].split(". Supported")[0].split(". (block_q")[0]
+    else:
+        bq, bkv = block_q or 16, block_kv or 16
+        why = (t.check(bq, bkv, d, dv) or
+               f"supported block_q: {list(t.block_q_choices)}, block_kv: "
+               f"{list(t.block_kv_choices)}")
+    asked = ", ".join(f"{n}={v}" for n, v in (("block_q", block_q), ("block_kv", block_kv))
+                      if v is not None)
+    raise ValueError(
+        f"{asked} with d={d}, dv={dv}, {_dtype_name(dtype)}: the tensor-core kernel {tc_name} "
+        f"does not take these tiles ({why}), and running them on the SIMT kernel instead would "
+        f"be several times slower, so they are refused. (block_q, block_kv) pairs "
+        f"{tc_name} takes here: " + ", ".join(f"({a}, {b})" for a, b in (good or every))
+        + f" (shared memory {lim if limit is not None else 'no limit'} B, {limit_source})")
+
+
+# --------------------------------------------------------------------------
+# online_softmax_rows (kernels_cu/online_softmax.cu): one warp per row, no shared memory
+# --------------------------------------------------------------------------
+ONLINE_SOFTMAX_ROWS_PER_BLOCK = 4
+ONLINE_SOFTMAX_DEFAULT_CHUNK = 256
+
+register(KernelTiling(
+    name="online_softmax_rows",
+    block_q_choices=(ONLINE_SOFTMAX_ROWS_PER_BLOCK,),
+    block_kv_choices=(ONLINE_SOFTMAX_DEFAULT_CHUNK,),
+    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+    threads=lambda bq, bkv, d, dv: 32 * ONLINE_SOFTMAX_ROWS_PER_BLOCK,
+    preferences=lambda d, dv, acc: [(ONLINE_SOFTMAX_ROWS_PER_BLOCK, ONLINE_SOFTMAX_DEFAULT_CHUNK)],
+    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+    max_head_dim=1,
+))
+
+
+def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(16, 32, 64, 96, 128, 256),
+                   limit=None, limit_source="unlimited"):
+    """Rows (dtype, d, kernel, block_q, block_kv, threads, shared_bytes) of the default plans."""
+    rows = []
+    for dt in dtypes:
+        for d in head_dims:
+            if kernel == "flash_fwd":  # the forward picks its kernel per dtype and d
+                p = plan_flash_fwd(d, d, dt, limit=limit, limit_source=limit_source)
+            else:
+                p = plan(kernel, d, d, dt, limit=limit, limit_source=limit_source)
+            rows.append((dt, d, p.kernel, p.block_q, p.block_kv, p.threads, p.shared_bytes))
+    return rows
+
+
+# --------------------------------------------------------------------------
+# the serving forward (flash_fwd.cu, -DCUFLASH_FWD_SERVING): split-KV traffic
+# --------------------------------------------------------------------------
+def flash_fwd_split_traffic(problems, rows, q_period, Nk, d, dv, dtype, block_q, block_kv,
+                            causal, num_splits):
+    """Exact global bytes (read, written) of a split-KV forward on dense K/V: both kernels.
+
+    ``problems`` thread-block problems (batch x heads, or batch x kv heads when a
+    GQA group's rows are packed) of ``rows`` query rows each (row r is query
+    position ``r % q_period``).  ``flash_fwd_serving``: every (query tile,
+    split) block reads its Q tile and the K/V rows of its share of the tiles
+    the tile can see (``ceil(n_kv / num_splits)`` tiles per split; a split with
+    none still writes its rows), and writes partial outputs and lse in the
+    compute type (float32; double for float64); ``flash_fwd_combine`` reads
+    every partial once and writes o and lse.
+    This is what the emulator's byte counters report (tests hold it so).
+    """
+    isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
+    lse_sz = accumulator_bytes(dtype)
+    n_kv_all = -(-Nk // block_kv) if Nk else 0
+    per = max(1, -(-n_kv_all // num_splits)) if n_kv_all else 1
+    offset = 0 if causal in (None, "top_left") else Nk - q_period
+    read = written = 0
+    for t in range(-(-rows // block_q) if rows else 0):
+        q0 = t * block_q
+        r = min(block_q, rows - q0)
+        kv_end = Nk
+        if causal is not None:
+            first = q0 % q_period
+            i_max = q_period - 1 if (r >= q_period or first + r > q_period) else first + r - 1
+            kv_end = min(max(i_max + offset + 1, 0), Nk)
+        n_kv = -(-kv_end // block_kv)
+        for s in range(num_splits):
+            lo = min(s * per, n_kv)
+            hi = min(lo + per, n_kv) if num_splits > 1 else n_kv
+            keys = max(0, min(hi * block_kv, Nk) - lo * block_kv) if hi > lo else 0
+            read += r * d * isz + keys * (d + dv) * isz
+            written += (r * dv + r) * lse_sz if num_splits > 1 else r * dv * isz + r * lse_sz
+    read, written = problems * read, problems * written
+    if num_splits > 1:
+        R = problems * rows
+        read += num_splits * R * (dv + 1) * lse_sz
+        written += R * (dv * isz + lse_sz)
+    return read, written

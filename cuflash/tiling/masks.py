@@ -1,0 +1,162 @@
+"""The logit features' kernels (-DCUFLASH_MASKS): visible keys and exact traffic models."""
+import numpy as np
+
+from .bwd import BWD_THREADS
+from .core import _dtype_name, accumulator_bytes
+
+
+# --------------------------------------------------------------------------
+# the logit features (-DCUFLASH_MASKS: flash_fwd_masked, flash_bwd_*_masked): traffic
+# --------------------------------------------------------------------------
+# The masked kernels use the tiles, threads and shared memory of flash_fwd and
+# flash_bwd_dkdv / flash_bwd_dq (the plans above); what changes is which tiles
+# they load (the sliding window skips tiles on both sides of its band) and the
+# feature tensors they read.  These models count exactly what the kernels
+# load and store, so the emulator's byte counters can be held to them.
+def visible_keys(Nq, Nk, causal=None, window=None):
+    """(lo, hi) int arrays of shape (Nq,): row i sees keys lo[i] <= j < hi[i].
+
+    ``causal``: None, "bottom_right" or "top_left"; ``window``: None or
+    (left, right) with -1 (or None) for an unbounded side, aligned at
+    ``Nk - Nq`` (kernels_cu/masks.cuh).
+    """
+    i = np.arange(Nq, dtype=np.int64)
+    lo = np.zeros(Nq, np.int64)
+    hi = np.full(Nq, Nk, np.int64)
+    if causal is not None:
+        hi = np.minimum(hi, i + (Nk - Nq if causal == "bottom_right" else 0) + 1)
+    if window is not None:
+        left, right = (-1 if s is None else s for s in window)
+        if left >= 0:
+            lo = np.maximum(lo, i + Nk - Nq - left)
+        if right >= 0:
+            hi = np.minimum(hi, i + Nk - Nq + right + 1)
+    return np.clip(lo, 0, Nk), np.clip(hi, 0, Nk)
+
+
+def _fwd_tile_keys(lo, hi, q0, rows, Nk, block_kv, causal_end):
+    """The keys [k_begin, k_end) of the KV tiles a query tile loads (fwd_problem.cuh)."""
+    a, b = int(lo[q0]), int(hi[q0 + rows - 1])
+    b = min(b, causal_end)
+    if b <= a:
+        return 0, 0
+    t0 = a // block_kv
+    return t0 * block_kv, min(-(-b // block_kv) * block_kv, Nk)
+
+
+def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None,
+                             window=None, bias=False, alibi=False):
+    """Exact global bytes (read, written) of flash_fwd_masked for one dense launch.
+
+    Per query head and Q tile: the Q tile; the K and V rows of the KV tiles
+    from the one holding the first row's first visible key to the one holding
+    the last row's last visible key (tiles left and right of the window's band
+    are never loaded); with a bias, one element (compute type) per visible
+    (row, key); with ALiBi, one slope per thread (4 * block_q per block); O and
+    lse once.
+    """
+    isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
+    acc = accumulator_bytes(dtype)
+    lo, hi = visible_keys(Nq, Nk, causal, window)
+    seen = np.maximum(hi - lo, 0)
+    kv_rows = 0
+    n_tiles = -(-Nq // block_q) if Nq else 0
+    off = Nk - Nq if causal == "bottom_right" else 0
+    for t in range(n_tiles):
+        q0 = t * block_q
+        rows = min(block_q, Nq - q0)
+        cend = Nk if causal is None else min(max(q0 + rows - 1 + off + 1, 0), Nk)
+        k0, k1 = _fwd_tile_keys(lo, np.minimum(hi, Nk), q0, rows, Nk, block_kv, cend)
+        kv_rows += k1 - k0
+    bh = batch * heads
+    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
+    if bias:
+        read += bh * int(seen.sum()) * acc
+    if alibi:
+        read += bh * n_tiles * 4 * block_q * acc
+    written = bh * (Nq * dv * isz + Nq * acc)
+    return read, written
+
+
+def flash_bwd_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, block_kv,
+                             causal=None, window=None, bias=False, alibi=False, dbias=None,
+                             deterministic=True):
+    """Modelled global bytes (read, written) of a backward call on the masked kernels.
+
+    As :func:`flash_bwd_traffic` with the window's tile skipping -- dkdv visits
+    only the Q tiles whose rows' bands reach its KV tile, dq only the KV tiles
+    inside its Q tile's band -- plus the features: a bias element per visible
+    (row, key) in dkdv and again in dq; one ALiBi slope per thread per query head
+    (BWD_THREADS per dkdv block and group head, per dq block); ``dbias``
+    "store" (one write per visible element) or "atomic" (a read and a write).
+    Rows that see no key are assumed to have lse = -inf (they read nothing).
+    """
+    isz = np.dtype(dtype).itemsize if _dtype_name(dtype) != "bfloat16" else 2
+    acc = accumulator_bytes(dtype)
+    lo, hi = visible_keys(Nq, Nk, causal, window)
+    seen = int(np.maximum(hi - lo, 0).sum())
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    coff = (Nk - Nq) if causal == "bottom_right" else 0
+    moff = Nk - Nq
+    left, right = (-1, -1) if window is None else (-1 if s is None else s for s in window)
+    read = bh * Nq * 2 * dv * isz
+    written = bh * Nq * acc + (0 if deterministic else bh * Nq * d * 4)
+    q_rows = 0
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        kv_rows = min(block_kv, Nk - kv0)
+        it0, it1 = 0, nq_t
+        if causal is not None:
+            i_min = kv0 - coff
+            it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        if right >= 0:
+            i_min = kv0 - moff - right
+            t = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+            it0 = max(it0, t)
+        if left >= 0:
+            i_max = kv0 + kv_rows - 1 - moff + left
+            t = 0 if i_max < 0 else (nq_t if i_max >= Nq else i_max // block_q + 1)
+            it1 = min(it1, t)
+        for it in range(it0, it1):
+            q_rows += min(block_q, Nq - it * block_q)
+    read += bhk * Nk * (d + dv) * isz + bhk * group * q_rows * ((d + dv) * isz + 2 * acc)
+    written += bhk * Nk * (d + dv) * isz
+    if alibi:
+        read += bhk * nk_t * group * BWD_THREADS * acc
+    if bias:
+        read += bh * seen * acc
+    if dbias == "store":
+        written += bh * seen * acc
+    elif dbias == "atomic":
+        read += bh * seen * acc
+        written += bh * seen * acc
+    if not deterministic:
+        read += bh * q_rows * d * 4
+        written += bh * q_rows * d * 4
+        read += bh * Nq * d * 4
+        written += bh * Nq * d * isz
+    else:
+        kv_rows = 0
+        wl, wh = visible_keys(Nq, Nk, None, window)
+        for i in range(nq_t):
+            q0 = i * block_q
+            rows = min(block_q, Nq - q0)
+            end = Nk if causal is None else min(max(q0 + rows + coff, 0), Nk)
+            a, b = 0, end
+            if window is not None:
+                a = int(wl[q0])
+                b = min(int(wh[q0 + rows - 1]), end)
+                if b <= a:
+                    a = b = 0
+            if b > 0:
+                kv_rows += min(-(-b // block_kv) * block_kv, Nk) - (a // block_kv) * block_kv
+        read += bh * (Nq * ((d + dv) * isz + 2 * acc) + kv_rows * (d + dv) * isz)
+        if alibi:
+            read += bh * nq_t * BWD_THREADS * acc
+        if bias:
+            read += bh * seen * acc
+        written += bh * Nq * d * isz
+    return read, written
