@@ -90,11 +90,17 @@ def _defines(options):
     return out
 
 
+# kernels launched with another kernel's plan (cuflash/_launch_masks.py, _launch_serving.py)
+_PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked",
+               "flash_bwd_dkdv_masked": "flash_bwd_dkdv_masked", "flash_bwd_dq_masked": "flash_bwd_dq_masked"}
+
+
 def launch_size(kernel, options, ptx):
     """(threads per block, dynamic shared bytes, source) for one kernel of a specialisation."""
     if kernel in _TEST_LAUNCH:
         return (*_TEST_LAUNCH[kernel], "test")
     d = _defines(options)
+    kernel = _PLANNED_AS.get(kernel, kernel)
     try:
         from cuflash import tiling
         t = tiling.kernel_tiling(kernel)

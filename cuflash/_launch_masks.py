@@ -174,7 +174,7 @@ def _build_fwd(runtime, spec, ms, q, k, v):
     """The prepared masked forward: ``run(q, k, v, bias, slopes, seed) -> (o, lse)``."""
     xp = runtime.xp
     acc = _acc_dtype(spec.dtype)
-    plan = runtime.plan("flash_fwd", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    plan = runtime.plan("flash_fwd_masked", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
     out_shape, lse_shape = spec.out_shape, spec.lse_shape
     dtype, lse_dtype = spec.dtype, spec.lse_dtype
     B, H = problem_dims(spec.lead)
@@ -501,7 +501,7 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
                                            heads, num_splits)
     d_ = check_positive_int(d, "d")
     label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    plan = runtime.plan("flash_fwd", d_, d_, label, check_positive_int(block_q, "block_q"),
+    plan = runtime.plan("flash_fwd_masked", d_, d_, label, check_positive_int(block_q, "block_q"),
                         check_positive_int(block_kv, "block_kv"))
     out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
                                     block_kv=plan.block_kv, batch=batch, heads=heads,
@@ -510,7 +510,7 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
     out.update({
         "backend": runtime.name, "kernel": "flash_fwd_masked", "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads, "sram_bytes_per_block": plan.shared_bytes,
-        "sram_layout": tiling.kernel_tiling("flash_fwd").layout(
+        "sram_layout": tiling.kernel_tiling("flash_fwd_masked").layout(
             plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
         "sram_limit_bytes": plan.limit, "sram_limit_source": plan.limit_source,
         "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,

@@ -38,21 +38,22 @@ _APPEND_THREADS = 128
 _MAX_HELPER_BLOCKS = {"cuda": 4096, "emulator": 2}
 
 
-def serving_plan(runtime, d, dv, dtype, rows, block_q=None, block_kv=None):
+def serving_plan(runtime, d, dv, dtype, rows, block_q=None, block_kv=None, kernel="flash_fwd"):
     """Tiles of the serving kernel: query tiles as short as the rows allow (decoding has few).
 
     Explicit sizes are honoured (or refused by the planner); otherwise the
     shortest block_q of flash_fwd's choices that holds ``rows`` (at most the
-    default), with the default block_kv.
+    default), with the default block_kv.  ``kernel``: the tiling planned,
+    "flash_fwd", or "flash_fwd_masked" for the variant with the logit features.
     """
     if block_q is not None or block_kv is not None:
-        return runtime.plan("flash_fwd", d, dv, dtype, block_q, block_kv)
-    t = tiling.kernel_tiling("flash_fwd")
-    default = runtime.plan("flash_fwd", d, dv, dtype)
+        return runtime.plan(kernel, d, dv, dtype, block_q, block_kv)
+    t = tiling.kernel_tiling(kernel)
+    default = runtime.plan(kernel, d, dv, dtype)
     for bq in t.block_q_choices:
         if bq >= min(rows, default.block_q):
             try:
-                return runtime.plan("flash_fwd", d, dv, dtype, bq, default.block_kv)
+                return runtime.plan(kernel, d, dv, dtype, bq, default.block_kv)
             except ValueError:
                 break
     return default
@@ -82,7 +83,9 @@ def _build(runtime, g, num_splits):
     and ``n_out_rows`` (lse elements).
     """
     xp = runtime.xp
-    plan = serving_plan(runtime, g.d, g.dv, g.dtype, g.rows, g.block_q, g.block_kv)
+    masks = getattr(g, "masks", None)
+    plan = serving_plan(runtime, g.d, g.dv, g.dtype, g.rows, g.block_q, g.block_kv,
+                        "flash_fwd" if masks is None else "flash_fwd_masked")
     n_tiles = max(1, -(-g.rows // plan.block_q))
     n_kv = -(-g.max_keys // plan.block_kv) if g.max_keys else 0
     blocks = n_tiles * g.H * g.B
@@ -91,7 +94,6 @@ def _build(runtime, g, num_splits):
     split_tiles = max(1, -(-n_kv // num_splits)) if n_kv else 1
     defines = dict(kernels.plan_defines(plan), **_SERVING)
     # the logit features (cuflash._launch_masks.serving_masks): the masked variant of the kernel
-    masks = getattr(g, "masks", None)
     name = "flash_fwd_serving"
     if masks is not None:
         defines["CUFLASH_MASKS"] = None

@@ -778,3 +778,20 @@ def test_cuda_standard_attention_features_over_numpy(rng):
     bms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
     grads = cb._standard_backward(np, do, q, k, v, spec, bms)
     oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+
+
+def test_masked_kernels_plan_within_their_register_cap():
+    """The masked forward keeps the feature state live beside flash_fwd's accumulators: in
+    float64 the plan sweep saw 72+ doubles spill (issue 12), so those tiles are refused for it
+    (and skipped by its defaults) while the plain kernel keeps them."""
+    from cuflash import tiling
+    with pytest.raises(ValueError, match=r"80 float64 accumulators.*masked forward.*pairs that fit"):
+        tiling.plan("flash_fwd_masked", 16, 256, "float64", 32, 64)
+    assert tiling.plan("flash_fwd", 16, 256, "float64", 32, 64).block_kv == 64
+    assert tiling.plan("flash_fwd_masked", 16, 256, "float32", 32, 64).block_kv == 64
+    for d, dv in ((16, 256), (256, 256), (64, 64)):
+        p = tiling.plan("flash_fwd_masked", d, dv, "float64")
+        assert p.block_kv // 4 + (dv + 3) // 4 <= tiling.FWD_MASKED_MAX_ACC_FLOAT64
+        assert (p.threads, p.shared_bytes) == (
+            tiling.kernel_tiling("flash_fwd").threads(p.block_q, p.block_kv, d, dv),
+            tiling.kernel_tiling("flash_fwd").shared_bytes(p.block_q, p.block_kv, d, dv, 8))

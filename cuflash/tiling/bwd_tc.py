@@ -139,22 +139,16 @@ register(KernelTiling(
 ))
 
 # the helpers of flash_bwd_tc.cu (their own module: dtype, d, dv only); no shared memory
-register(KernelTiling(
-    name="flash_bwd_tc_preprocess",
-    block_q_choices=(64,), block_kv_choices=(64,),
-    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
-    threads=lambda bq, bkv, d, dv: BWD_TC_PRE_THREADS,
-    preferences=lambda d, dv, acc: [(64, 64)],
-    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
-))
-register(KernelTiling(
-    name="flash_bwd_tc_dq_convert",
-    block_q_choices=(64,), block_kv_choices=(64,),
-    shared_bytes=lambda bq, bkv, d, dv, acc: 0,
-    threads=lambda bq, bkv, d, dv: BWD_TC_CONVERT_THREADS,
-    preferences=lambda d, dv, acc: [(64, 64)],
-    layout=lambda bq, bkv, d, dv, acc: "no shared memory",
-))
+for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
+                        ("flash_bwd_tc_dq_convert", BWD_TC_CONVERT_THREADS)):
+    register(KernelTiling(
+        name=_name,
+        block_q_choices=(64,), block_kv_choices=(64,),
+        shared_bytes=lambda bq, bkv, d, dv, acc: 0,
+        threads=lambda bq, bkv, d, dv, _t=_threads: _t,
+        preferences=lambda d, dv, acc: [(64, 64)],
+        layout=lambda bq, bkv, d, dv, acc: "no shared memory",
+    ))
 
 
 def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,

@@ -1,4 +1,6 @@
 """Forward kernels: flash_fwd (SIMT), flash_fwd_tc / flash_fwd_tf32 (tensor cores), online softmax, and their traffic models (dense and split-KV)."""
+from dataclasses import replace
+
 import numpy as np
 
 from .core import KernelTiling, _dtype_name, _fits, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
@@ -48,7 +50,7 @@ def _fwd_preferences(d, dv, acc):
     return prefs
 
 
-register(KernelTiling(
+FLASH_FWD = register(KernelTiling(
     name="flash_fwd",
     block_q_choices=(8, 16, 32, 64, 128),
     block_kv_choices=(8, 16, 32, 64, 128),
@@ -58,6 +60,26 @@ register(KernelTiling(
     layout=_fwd_layout,
     check=_fwd_check,
 ))
+
+# flash_fwd_masked and flash_fwd_serving_masked (-DCUFLASH_MASKS): flash_fwd's tiles, threads
+# and shared memory, but the feature state (bias row, ALiBi slope, softcap, Philox key and
+# window bounds) stays live beside the accumulators.  The plan sweep (bench/plan_sweep.py,
+# NVRTC 13.0) compiled every flash_fwd plan with the features: in float64, 72 and 80 doubles
+# of logits + output per thread spilled 8-44 B on sm_90 (and 80 on sm_80: d = 16, dv = 256
+# with block_kv 32/64, d = dv = 256 at 32 x 32), 68 and fewer never did.
+FWD_MASKED_MAX_ACC_FLOAT64 = 68
+
+
+def _fwd_masked_acc_check(bq, bkv, d, dv, acc):
+    n = bkv // 4 + (dv + 3) // 4
+    if acc == 8 and n > FWD_MASKED_MAX_ACC_FLOAT64:
+        return (f"block_kv={bkv} with dv={dv} needs {n} float64 accumulators per thread in the "
+                f"masked forward (limit {FWD_MASKED_MAX_ACC_FLOAT64} doubles beside the feature "
+                "state: ptxas spills 72)")
+    return None
+
+
+register(replace(FLASH_FWD, name="flash_fwd_masked", check_acc=_fwd_masked_acc_check))
 
 
 def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):
