@@ -183,8 +183,13 @@ def _splits_for(runtime, spec, num_splits):
     Hk, group = kv_heads_for_kernel(spec)  # the serving kernel packs a GQA/MQA group's rows
     if plan.kernel in tiling.TC_KERNELS and group * spec.Nq > tiling.SPLIT_MAX_ROWS_OVER_TC:
         return 1
-    blocks = B * Hk * -(-(group * spec.Nq) // plan.block_q)
-    return tiling.num_splits_heuristic(blocks, -(-spec.Nk // plan.block_kv), runtime.num_sms)
+    # the split runs the serving kernel: its tiles (as short as the rows allow) and threads
+    from ._launch_serving import serving_plan
+    sp = serving_plan(runtime, spec.d, spec.dv, spec.dtype, group * spec.Nq, spec.block_q,
+                      spec.block_kv)
+    blocks = B * Hk * -(-(group * spec.Nq) // sp.block_q)
+    return tiling.num_splits_heuristic(blocks, -(-spec.Nk // sp.block_kv),
+                                       tiling.split_slots(runtime.num_sms, sp.threads))
 
 
 def flash_fwd(runtime, q, k, v, spec, kernel=None):

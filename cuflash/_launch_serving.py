@@ -90,7 +90,8 @@ def _build(runtime, g, num_splits):
     n_kv = -(-g.max_keys // plan.block_kv) if g.max_keys else 0
     blocks = n_tiles * g.H * g.B
     if num_splits is None:
-        num_splits = tiling.num_splits_heuristic(blocks, n_kv, runtime.num_sms)
+        num_splits = tiling.num_splits_heuristic(
+            blocks, n_kv, tiling.split_slots(runtime.num_sms, plan.threads))
     split_tiles = max(1, -(-n_kv // num_splits)) if n_kv else 1
     defines = dict(kernels.plan_defines(plan), **_SERVING)
     # the logit features (cuflash._launch_masks.serving_masks): the masked variant of the kernel

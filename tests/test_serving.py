@@ -72,6 +72,12 @@ def test_split_heuristic():
     assert 1 < s <= 132
     assert tiling.num_splits_heuristic(1, 3, 132) <= 3
     assert tiling.num_splits_heuristic(8, 1, 132) == 1
+    # slots: one-warp blocks count a quarter (4 warps per SM), 4+ warps one per SM
+    assert tiling.split_slots(132, 32) == 4 * 132
+    assert tiling.split_slots(132, 64) == 2 * 132
+    assert tiling.split_slots(132, 128) == tiling.split_slots(132, 512) == 132
+    # decode, 32 heads x 1 row of 8-row, one-warp tiles and 2048 key tiles: > 128 blocks
+    assert 32 * tiling.num_splits_heuristic(32, 2048, tiling.split_slots(132, 32)) >= 4 * 132 * 0.85
 
 
 def test_split_kv_memory_model():

@@ -206,6 +206,20 @@ def num_splits_heuristic(blocks, n_kv_tiles, n_sms, max_splits=128):
     return min(s for s, e in effs.items() if e >= 0.85 * best)
 
 
+def split_slots(n_sms, threads):
+    """The block count that fills the GPU, for :func:`num_splits_heuristic`, at ``threads`` per block.
+
+    FlashAttention-2's heuristic counts its own blocks of 4 warps, one per SM: one warp for
+    each of an SM's four schedulers.  The serving kernel's blocks are as small as the
+    query rows allow (decoding: 8 rows, one warp), and one such block per SM would leave
+    three schedulers idle and the loads of one warp to cover the memory latency; so a block
+    of w warps counts as w / 4 of a slot (at least :data:`MIN_RESIDENT_WARPS` warps per SM).
+    A model choice, not yet measured on a GPU.
+    """
+    warps = max(1, -(-int(threads) // 32))
+    return int(n_sms) * max(1, -(-MIN_RESIDENT_WARPS // warps))
+
+
 def _why_not(t, bq, bkv, d, dv, acc):
     """The kernel's own refusal of a tile pair (registers, head dims), or None."""
     return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
