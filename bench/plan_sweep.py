@@ -42,6 +42,9 @@ TC_DIMS = tuple(range(16, 257, 16))
 # SIMT head dims: the register arrays scale with ceil(dv / 4) and block_kv / 4, shared memory
 # with d and dv; these cover each size class up to the 256 limit, plus d != dv at both ends.
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
+# Tensor-core kernels with d != dv: a sample (every pair of multiples of 16 would be ~21,000
+# more compiles): MLA's 192/128, 64 <-> 128, 128 <-> 256 and both extremes.
+TC_ASYM_DIMS = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
 ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # family -> (source file, planned kernel, kernels checked in the module, dtypes, head dims,
@@ -60,6 +63,26 @@ FAMILIES = {
                      tuple((d, d) for d in TC_DIMS), {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
     "flash_bwd_tf32": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
                        tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
+    # d != dv on the tensor-core kernels (TC_ASYM_DIMS)
+    "flash_fwd_tc_asym": ("flash_fwd_tc.cu", "flash_fwd_tc", ("flash_fwd_tc",), ("float16", "bfloat16"),
+                          TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
+    "flash_fwd_tf32_asym": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
+                            TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
+    "flash_bwd_tc_asym": ("flash_bwd_tc.cu", "flash_bwd_tc", ("flash_bwd_tc",), ("float16", "bfloat16"),
+                          TC_ASYM_DIMS, {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
+    "flash_bwd_tf32_asym": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
+                            TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
+    # the logit features (bias, window, ALiBi, softcap, dropout: -DCUFLASH_MASKS) build their
+    # own kernels from the same sources, planned as flash_fwd_masked (flash_fwd's tiles with a
+    # float64 register cap) and the backward's kernels (cuflash/_launch_masks.py)
+    "flash_fwd_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_masked",), ALL_DTYPES, SIMT_DIMS,
+                         {"CUFLASH_MASKS": None}, None),
+    "flash_fwd_serving_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_serving_masked",),
+                                 ALL_DTYPES, SIMT_DIMS,
+                                 {"CUFLASH_FWD_SERVING": None, "CUFLASH_MASKS": None}, None),
+    "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv", ("flash_bwd_dkdv_masked",
+                                                            "flash_bwd_dq_masked"),
+                         ALL_DTYPES, SIMT_DIMS, {"CUFLASH_MASKS": None}, None),
 }
 
 

@@ -789,6 +789,9 @@ def test_masked_kernels_plan_within_their_register_cap():
         tiling.plan("flash_fwd_masked", 16, 256, "float64", 32, 64)
     assert tiling.plan("flash_fwd", 16, 256, "float64", 32, 64).block_kv == 64
     assert tiling.plan("flash_fwd_masked", 16, 256, "float32", 32, 64).block_kv == 64
+    with pytest.raises(ValueError, match=r"block_kv=128: the masked forward in float64"):
+        tiling.plan("flash_fwd_masked", 7, 7, "float64", 32, 128)
+    assert tiling.plan("flash_fwd_masked", 7, 7, "float32", 32, 128).block_kv == 128
     for d, dv in ((16, 256), (256, 256), (64, 64)):
         p = tiling.plan("flash_fwd_masked", d, dv, "float64")
         assert p.block_kv // 4 + (dv + 3) // 4 <= tiling.FWD_MASKED_MAX_ACC_FLOAT64

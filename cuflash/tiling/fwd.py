@@ -64,18 +64,28 @@ FLASH_FWD = register(KernelTiling(
 # flash_fwd_masked and flash_fwd_serving_masked (-DCUFLASH_MASKS): flash_fwd's tiles, threads
 # and shared memory, but the feature state (bias row, ALiBi slope, softcap, Philox key and
 # window bounds) stays live beside the accumulators.  The plan sweep (bench/plan_sweep.py,
-# NVRTC 13.0) compiled every flash_fwd plan with the features: in float64, 72 and 80 doubles
-# of logits + output per thread spilled 8-44 B on sm_90 (and 80 on sm_80: d = 16, dv = 256
-# with block_kv 32/64, d = dv = 256 at 32 x 32), 68 and fewer never did.
+# NVRTC 13.0) compiled every flash_fwd plan with the features, in float64:
+# * 72 and 80 doubles of logits + output per thread spilled 8-76 B (flash_fwd_masked: 72 on
+#   sm_90, 80 on sm_80/90 -- d = 16, dv = 256 with block_kv 32/64, d = dv = 256 at 32 x 32;
+#   the serving variant: 80 on sm_90); 68 and fewer never did;
+# * block_kv = 128 spilled the serving variant 8-36 B at d = dv = 7 (34 doubles; sm_75/80/90)
+#   although it did not at d = dv = 32 (40 doubles): ptxas, not the count -- so float64
+#   feature calls keep to block_kv <= 64.
 FWD_MASKED_MAX_ACC_FLOAT64 = 68
+FWD_MASKED_MAX_BLOCK_KV_FLOAT64 = 64
 
 
 def _fwd_masked_acc_check(bq, bkv, d, dv, acc):
+    if acc != 8:
+        return None
     n = bkv // 4 + (dv + 3) // 4
-    if acc == 8 and n > FWD_MASKED_MAX_ACC_FLOAT64:
+    if n > FWD_MASKED_MAX_ACC_FLOAT64:
         return (f"block_kv={bkv} with dv={dv} needs {n} float64 accumulators per thread in the "
                 f"masked forward (limit {FWD_MASKED_MAX_ACC_FLOAT64} doubles beside the feature "
                 "state: ptxas spills 72)")
+    if bkv > FWD_MASKED_MAX_BLOCK_KV_FLOAT64:
+        return (f"block_kv={bkv}: the masked forward in float64 takes block_kv <= "
+                f"{FWD_MASKED_MAX_BLOCK_KV_FLOAT64} (ptxas spilled its serving variant at 128)")
     return None
 
 
