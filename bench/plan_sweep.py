@@ -80,7 +80,7 @@ FAMILIES = {
     "flash_fwd_serving_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_serving_masked",),
                                  ALL_DTYPES, SIMT_DIMS,
                                  {"CUFLASH_FWD_SERVING": None, "CUFLASH_MASKS": None}, None),
-    "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv", ("flash_bwd_dkdv_masked",
+    "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
                                                             "flash_bwd_dq_masked"),
                          ALL_DTYPES, SIMT_DIMS, {"CUFLASH_MASKS": None}, None),
 }

@@ -75,10 +75,14 @@ def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=Non
                                  tensor_cores=runtime.tensor_cores)
 
 
-def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None):
-    """(dkdv, dq, preprocess) plans: flash_bwd_dq runs with dkdv's tiles (one module)."""
-    plan = runtime.plan("flash_bwd_dkdv", d, dv, dtype, block_q, block_kv)
-    dq_plan = runtime.plan("flash_bwd_dq", d, dv, dtype, plan.block_q, plan.block_kv)
+def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None, masked=False):
+    """(dkdv, dq, preprocess) plans: flash_bwd_dq runs with dkdv's tiles (one module).
+
+    ``masked``: the plans of flash_bwd_dkdv_masked / flash_bwd_dq_masked (the features).
+    """
+    suffix = "_masked" if masked else ""
+    plan = runtime.plan("flash_bwd_dkdv" + suffix, d, dv, dtype, block_q, block_kv)
+    dq_plan = runtime.plan("flash_bwd_dq" + suffix, d, dv, dtype, plan.block_q, plan.block_kv)
     pre_plan = runtime.plan("flash_bwd_preprocess", d, dv, dtype)
     return plan, dq_plan, pre_plan
 

@@ -325,7 +325,8 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic):
     xp = runtime.xp
     dtype, acc = spec.dtype, _acc_dtype(spec.dtype)
     Nq, Nk, d, dv = spec.Nq, spec.Nk, spec.d, spec.dv
-    plan, dq_plan, pre_plan = _plans(runtime, d, dv, dtype, spec.block_q, spec.block_kv)
+    plan, dq_plan, pre_plan = _plans(runtime, d, dv, dtype, spec.block_q, spec.block_kv,
+                                     masked=True)
     B, H = problem_dims(spec.lead)
     Hk, group = kv_heads_for_kernel(spec)
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
