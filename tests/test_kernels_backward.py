@@ -603,6 +603,11 @@ def test_tc_refusals_name_the_reason_and_what_fits():
     assert tiling.plan_flash_bwd(64, 64, "float16", tensor_cores=False).kernel == "flash_bwd_dkdv"
     p = tiling.plan_flash_bwd(192, 192, "float16", 32, 128)  # two passes instead of a spill
     assert p.kernel == "flash_bwd_tc" and kernels.plan_defines(p)["CUFLASH_BWD_PASSES"] == 2
+    # plans the sweep found spilling although the array model accepts them (d != dv included)
+    for bq, bkv, d, dv in sorted(tiling.BWD_TC_PTXAS_SPILLS):
+        with pytest.raises(ValueError, match="ptxas spills this plan"):
+            tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv)
+    assert tiling.plan("flash_bwd_tc", 96, 96, "float16", 128, 64).block_q == 128  # clean there
 
 
 def test_tc_shared_bytes_exact():
