@@ -301,18 +301,21 @@ def test_float64_dq_register_cap():
         assert -(-p.block_q * d // tiling.BWD_THREADS) <= tiling.BWD_MAX_DQ_ACC_FLOAT64
 
 
-@pytest.mark.parametrize("bq,bkv,needle", [
-    (24, 32, "does not support block_q=24"),
-    (64, 32, "budget is"),            # float64 d=128: 231936 B > the nominal sm_80 166912 B
-    (32, 128, "accumulator registers"),
+@pytest.mark.parametrize("bq,bkv,d,needle", [
+    (24, 32, 128, "does not support block_q=24"),
+    # float64 d=48, 128 x 64: within the register limits (48 dQ doubles), 283648 B of shared
+    # memory > even an H100's 232448 B
+    (128, 64, 48, "budget is"),
+    (32, 128, 128, "accumulator registers"),
+    (64, 16, 128, "float64 dQ accumulators"),  # 64 doubles of dQ per thread (issue 12)
 ])
-def test_unsupported_tiles_refused(kernel_backend, bq, bkv, needle, rng):
+def test_unsupported_tiles_refused(kernel_backend, bq, bkv, d, needle, rng):
     if needle == "budget is":
         limit = tiling.device_smem_limit(kernel_backend.name)[0]
-        need = tiling.kernel_tiling("flash_bwd_dkdv").shared_bytes(bq, bkv, 128, 128, 8)
-        if need <= limit:  # an H100 (227 KB) takes it
+        need = tiling.kernel_tiling("flash_bwd_dkdv").shared_bytes(bq, bkv, d, d, 8)
+        if need <= limit:
             pytest.skip(f"{need} B fit this device's {limit} B of shared memory")
-    q, k, v = oracle.qkv(rng, (1, 9, 128), (1, 9, 128), dtype="float64")
+    q, k, v = oracle.qkv(rng, (1, 9, d), (1, 9, d), dtype="float64")
     o, lse = _fwd_from_oracle(q, k, v, False, "float64")
     with pytest.raises(ValueError, match=needle):
         _run_bwd(kernel_backend, o, q, k, v, o, lse, block_q=bq, block_kv=bkv)
