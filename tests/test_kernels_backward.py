@@ -611,6 +611,11 @@ def test_tc_refusals_name_the_reason_and_what_fits():
         with pytest.raises(ValueError, match="ptxas spills this plan"):
             tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv)
     assert tiling.plan("flash_bwd_tc", 96, 96, "float16", 128, 64).block_q == 128  # clean there
+    assert len(tiling.BWD_TC_PTXAS_SPILLS) > 100 and all(d != dv for _, _, d, dv in
+                                                          tiling.bwd_tc.BWD_TC_EDGE_SPILLS)
+    # a default that ptxas spilled (d=128, dv=160 on sm_86's 99 KB: 32 x 64) is skipped
+    p = tiling.plan_flash_bwd(128, 160, "bfloat16", limit=tiling.EMULATOR_ARCHES["sm_86"])
+    assert (p.block_q, p.block_kv, 128, 160) not in tiling.BWD_TC_PTXAS_SPILLS
 
 
 def test_tc_shared_bytes_exact():

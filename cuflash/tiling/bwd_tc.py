@@ -1,5 +1,6 @@
 """flash_bwd_tc (float16/bfloat16 backward on tensor cores), the backward's kernel choice (:func:`plan_flash_bwd`) and its traffic model."""
 from .core import MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register
+from ._bwd_tc_spills import BWD_TC_EDGE_SPILLS
 from .fwd import TC_DTYPES, _refuse_off_tensor_cores
 
 
@@ -51,7 +52,7 @@ def _bwd_tc_budget(passes):
 # 128, 64 and 64, 128 (two passes, 144 of the 152 array floats), where d = dv = 96 with the
 # same array count compiled clean.
 BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 64, 224, 224),
-                                 (128, 64, 128, 64), (128, 64, 64, 128)})
+                                 (128, 64, 128, 64), (128, 64, 64, 128)}) | BWD_TC_EDGE_SPILLS
 
 
 def bwd_tc_layout(bq, bkv, d, dv):
