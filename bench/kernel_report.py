@@ -91,8 +91,7 @@ def _defines(options):
 
 
 # kernels launched with another kernel's plan (cuflash/_launch_masks.py, _launch_serving.py)
-_PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked",
-               "flash_bwd_dkdv_masked": "flash_bwd_dkdv_masked", "flash_bwd_dq_masked": "flash_bwd_dq_masked"}
+_PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked"}
 
 
 def launch_size(kernel, options, ptx):
@@ -420,7 +419,6 @@ def bwd_model_line(row):
     """The model line of one backward kernel row (flash_bwd_tc; sm_90 rows only), or None."""
     if row["kernel"] != "flash_bwd_tc" or row["arch"] != 90:
         return None
-    from cuflash import tiling
     v = dict(kv.split("=") for kv in row["variant"].split() if "=" in kv)
     Br, Bc, d, dv = int(v["Br"]), int(v["Bc"]), int(v["d"]), int(v["dv"])
     st = tc_step(Br, Bc, d, dv)

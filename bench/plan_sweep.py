@@ -17,6 +17,7 @@ Usage::
     python bench/plan_sweep.py                      # every family and architecture, summary
     python bench/plan_sweep.py --write              # ... and store bench/results/plan_sweep.json
     python bench/plan_sweep.py --families flash_fwd_tc --arch 90
+    python bench/plan_sweep.py --bwd-tc-edge        # flash_bwd_tc d != dv near its budget
 """
 import argparse
 import concurrent.futures as cf
@@ -132,6 +133,47 @@ def _accepted_at(family, arch):
     return out
 
 
+# flash_bwd_tc with d != dv near its register budget (cuflash/tiling/_bwd_tc_spills.py): every
+# float16 plan of the pairs outside TC_ASYM_DIMS whose register arrays are within EDGE_SLACK
+# floats of the budget, as the planner accepted them before the spills found here were refused.
+EDGE_RESULTS = ROOT / "bench" / "results" / "bwd_tc_edge_sweep.json"
+EDGE_SLACK = 16
+
+
+def bwd_tc_edge_plans():
+    """[(plan, compiled arch)] of the flash_bwd_tc edge sweep.
+
+    Call :func:`forget_edge_spills` first to enumerate the plans that sweep refused since.
+    """
+    from cuflash.tiling import bwd_tc
+    jobs = {}
+    for arch in (80, 86, 89, 90):
+        limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
+        for d in TC_DIMS:
+            for dv in TC_DIMS:
+                if d == dv or (d, dv) in TC_ASYM_DIMS:
+                    continue
+                for bq in tiling.BWD_TC_TILE_CHOICES:
+                    for bkv in tiling.BWD_TC_TILE_CHOICES:
+                        try:
+                            p = tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv, limit=limit,
+                                            limit_source=f"sm_{arch}")
+                        except ValueError:
+                            continue
+                        _, mt, passes, qs = bwd_tc.bwd_tc_layout(bq, bkv, d, dv)
+                        slack = bwd_tc._bwd_tc_budget(passes) - bwd_tc._bwd_tc_arrays(
+                            bq, d, dv, mt, passes, qs)
+                        if slack <= EDGE_SLACK:
+                            jobs.setdefault((COMPILED_FOR[arch], d, dv, bq, bkv), p)
+    return [(p, key[0]) for key, p in sorted(jobs.items())]
+
+
+def forget_edge_spills():
+    """Let this process's planner accept the plans the edge sweep refused (to sweep them again)."""
+    from cuflash.tiling import bwd_tc
+    bwd_tc.BWD_TC_PTXAS_SPILLS = bwd_tc.BWD_TC_PTXAS_SPILLS - bwd_tc.BWD_TC_EDGE_SPILLS
+
+
 def plan_key(family, plan, arch):
     return f"{family} {plan.dtype} d={plan.d} dv={plan.dv} {plan.block_q}x{plan.block_kv} sm_{arch}"
 
@@ -180,7 +222,12 @@ def main(argv=None):
     ap.add_argument("--write", action="store_true",
                     help=f"store the rows and source hashes in {RESULTS.relative_to(ROOT)} "
                          "(needs the default --families and --arch)")
+    ap.add_argument("--bwd-tc-edge", action="store_true",
+                    help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
+                         f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
     args = ap.parse_args(argv)
+    if args.bwd_tc_edge:
+        return edge_sweep(args.jobs)
     if args.write and set(args.arch) != set(ARCHS):
         ap.error("--write records whole families: leave --arch at its default")
     ok, why = _nvrtc.is_available()
@@ -220,6 +267,23 @@ def main(argv=None):
         RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
         print(f"wrote {RESULTS}")
     return 1 if failing else 0
+
+
+def edge_sweep(jobs):
+    """Compile the flash_bwd_tc edge plans (the worker processes inherit forget_edge_spills)."""
+    forget_edge_spills()
+    todo = [("flash_bwd_tc", p, arch) for p, arch in bwd_tc_edge_plans()]
+    print(f"{len(todo)} compiles", file=sys.stderr)
+    with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
+        rows = list(ex.map(compile_plan, todo, chunksize=4))
+    bad_rows = [r for r in rows if bad(r)]
+    for r in bad_rows:
+        print(f"{r['key']}: {bad(r)}")
+    print(f"{len(rows)} plans compiled, {len(bad_rows)} spill")
+    EDGE_RESULTS.write_text(json.dumps({"command": "python bench/plan_sweep.py --bwd-tc-edge",
+                                        "rows": sorted(rows, key=lambda r: r["key"])},
+                                       indent=0, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":

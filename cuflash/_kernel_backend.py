@@ -100,7 +100,7 @@ def api(runtime, limit_text, cache_text):
 
     def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
                         heads=1, num_splits=1, bias_shape=None, window=None):
-        """The model with flash_fwd's tiles and shared memory (nominal sm_80 limit).
+        """The model with flash_fwd's tiles {limit}.
 
         See Also ``cuflash.memory_analysis``; the extra keys are described in
         ``cuflash._launch_fwd.memory_analysis``.
@@ -116,15 +116,13 @@ def api(runtime, limit_text, cache_text):
         return _launch_fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
 
     def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
-        """Compile the default-tile kernels into the emulator's cache now (``CUFLASH_CACHE_DIR``).
+        """Compile the default-tile kernels {cache}.
 
         See Also ``cuflash.precompile``.
         """
         return _precompile.precompile(runtime(), dtypes, head_dims, progress)
 
-    memory_analysis.__doc__ = memory_analysis.__doc__.replace(
-        "and shared memory (nominal sm_80 limit)", limit_text)
-    precompile.__doc__ = precompile.__doc__.replace(
-        "into the emulator's cache now (``CUFLASH_CACHE_DIR``)", cache_text)
+    memory_analysis.__doc__ = memory_analysis.__doc__.replace("{limit}", limit_text)
+    precompile.__doc__ = precompile.__doc__.replace("{cache}", cache_text)
     made = locals()
     return {name: made[name] for name in NAMES}

@@ -50,8 +50,14 @@ def test_public_functions_are_documented_and_their_examples_run(name):
     doc = inspect.getdoc(fn)
     for section in ("Parameters", "Returns"):
         assert f"{section}\n" + "-" * len(section) in doc, f"cuflash.{name}: no {section} section"
+    # every parameter named on a header line of the Parameters section ("a, b : type")
+    params = doc.split("Parameters\n----------\n", 1)[1].split("\n\n", 1)[0]
+    documented = set()
+    for line in params.splitlines():
+        if line and not line.startswith(" "):
+            documented.update(n.strip() for n in line.split(" : ")[0].split(","))
     for p in inspect.signature(fn).parameters:
-        assert p in doc, f"cuflash.{name}: parameter {p} is not documented"
+        assert p in documented, f"cuflash.{name}: parameter {p} is not documented"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in doctest.DocTestFinder().find(fn, name, globs={}):
         runner.run(test)

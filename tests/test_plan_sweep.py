@@ -46,6 +46,22 @@ def test_every_accepted_plan_was_compiled_without_spills(family):
     assert n > 0
 
 
+def test_bwd_tc_edge_spills_are_the_recorded_ones_and_refused():
+    """tiling's BWD_TC_EDGE_SPILLS is exactly what the edge sweep's record says spilled, and
+    the planner refuses each of those plans at the limits they were compiled for."""
+    from cuflash import tiling
+    from cuflash.tiling import bwd_tc
+    rows = json.loads(SWEEP.EDGE_RESULTS.read_text())["rows"]
+    assert len(rows) > 1000
+    spilled = [r for r in rows if SWEEP.bad(r)]
+    assert {(r["block_q"], r["block_kv"], r["d"], r["dv"]) for r in spilled} == \
+        set(bwd_tc.BWD_TC_EDGE_SPILLS)
+    for r in spilled:
+        with pytest.raises(ValueError, match="ptxas spills this plan"):
+            tiling.plan("flash_bwd_tc", r["d"], r["dv"], r["dtype"], r["block_q"], r["block_kv"],
+                        limit=tiling.EMULATOR_ARCHES[f"sm_{r['arch']}"])
+
+
 def test_sweep_rule_sees_spills():
     """The check itself: a row with spill bytes, a stack frame or a compile error is bad."""
     ok = {"kernels": {"k": {"registers": 255, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}}}

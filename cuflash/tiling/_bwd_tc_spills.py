@@ -5,7 +5,9 @@ Found by compiling every float16 flash_bwd_tc plan with d != dv (multiples of 16
 whose register arrays are within 16 floats of the budget, for sm_80 (the limits of sm_80,
 86 and 89) and sm_90: 1,410 compiles, 108 spilled 4-44 B (these 102 tile/shape pairs; float16
 and bfloat16 spilled alike in the smaller d != dv sample of bench/plan_sweep.py).  Rows:
-bench/results/bwd_tc_edge_sweep.json.  Refused on every architecture.
+bench/results/bwd_tc_edge_sweep.json (``python bench/plan_sweep.py --bwd-tc-edge``;
+tests/test_plan_sweep.py holds this set equal to that record's spills).  Refused on every
+architecture.
 """
 BWD_TC_EDGE_SPILLS = frozenset({
     (16, 16, 64, 240), (16, 16, 64, 256), (16, 16, 224, 80), (16, 16, 256, 64), (16, 16, 256, 240),

@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .core import KernelTiling, _dtype_name, _fits, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
+from .core import KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
 
 
 # --------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit, li
         why = why.split(": ", 1)[-1].split(". Supported")[0].split(". (block_q")[0]
     else:
         bq, bkv = block_q or 16, block_kv or 16
-        why = (t.check(bq, bkv, d, dv) or
+        why = (_why_not(t, bq, bkv, d, dv, acc) or
                f"supported block_q: {list(t.block_q_choices)}, block_kv: "
                f"{list(t.block_kv_choices)}")
     asked = ", ".join(f"{n}={v}" for n, v in (("block_q", block_q), ("block_kv", block_kv))
