@@ -84,6 +84,19 @@ FAMILIES = {
     "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
                                                             "flash_bwd_dq_masked"),
                          ALL_DTYPES, SIMT_DIMS, {"CUFLASH_MASKS": None}, None),
+    # ... and on the tensor-core forward (flash_fwd_tc.cu with -DCUFLASH_MASKS)
+    "flash_fwd_tc_masked": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
+                            ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),
+                            {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
+    "flash_fwd_tf32_masked": ("flash_fwd_tc.cu", "flash_fwd_tf32_masked", ("flash_fwd_tf32_masked",),
+                              ("float32",), tuple((d, d) for d in TC_DIMS),
+                              {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
+    "flash_fwd_tc_masked_asym": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
+                                 ("float16", "bfloat16"), TC_ASYM_DIMS, {"CUFLASH_MASKS": None},
+                                 (80, 86, 89, 90)),
+    "flash_fwd_tf32_masked_asym": ("flash_fwd_tc.cu", "flash_fwd_tf32_masked",
+                                   ("flash_fwd_tf32_masked",), ("float32",), TC_ASYM_DIMS,
+                                   {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
 }
 
 

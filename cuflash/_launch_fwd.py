@@ -22,7 +22,7 @@ from ._validate import check_attention_inputs, check_positive_int
 from ._validate_serving import check_num_splits
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
-           "kernels_needed"]
+           "kernels_needed", "tc_scale", "aligned_copies"]
 
 
 def _build(runtime, spec, q, k, v, kernel=None):
@@ -35,19 +35,8 @@ def _build(runtime, spec, q, k, v, kernel=None):
     xp = runtime.xp
     plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
     out_shape, lse_shape = spec.out_shape, spec.lse_shape
-    scale, q_transform = spec.scale, None
-    if plan.kernel in tiling.TC_KERNELS and (scale < 0 or scale == 0):
-        # the tensor-core kernels fold scale * log2(e) into the exponent and take the row max
-        # of the raw logits: that needs scale > 0.  softmax(s * q.k) = softmax(-s * (-q).k)
-        # exactly; scale 0 makes every logit 0 * (q.k), as does q * 0 with scale 1.
-        if scale < 0:
-            scale = -scale
-            def q_transform(x):
-                return xp.ascontiguousarray(xp.negative(x))
-        else:
-            scale = 1.0
-            def q_transform(x):
-                return xp.ascontiguousarray(x * 0)
+    scale, q_transform = tc_scale(xp, plan, spec.scale)
+    if q_transform is not None:
         q = q_transform(q)
         record_copy("scaled copy", q)
     dtype, lse_dtype = spec.dtype, spec.lse_dtype
@@ -106,6 +95,40 @@ def _build(runtime, spec, q, k, v, kernel=None):
     return run
 
 
+def tc_scale(xp, plan, scale):
+    """``(scale, q_transform)`` for a plan: the tensor-core kernels need scale > 0.
+
+    They fold scale * log2(e) into the exponent and take the row max of the raw logits.
+    softmax(s * q.k) = softmax(-s * (-q).k) exactly; scale 0 makes every logit 0 * (q.k), as
+    does q * 0 with scale 1.  ``q_transform`` (None: q as it is) makes the q to launch with.
+    """
+    if plan.kernel not in tiling.TC_KERNELS + tiling.TC_MASKED_KERNELS or scale > 0:
+        return scale, None
+    if scale < 0:
+        def negate(x):
+            return xp.ascontiguousarray(xp.negative(x))
+        return -scale, negate
+
+    def zero(x):
+        return xp.ascontiguousarray(x * 0)
+    return 1.0, zero
+
+
+def aligned_copies(runtime, q, k, v):
+    """q, k, v as they are where cp.async can read their rows aligned, else contiguous copies."""
+    xp = runtime.xp
+    out = []
+    for x in (q, k, v):
+        if x.flags.c_contiguous and x.strides[-1] == x.itemsize and \
+                aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
+            out.append(x)
+        else:
+            c = xp.ascontiguousarray(x)
+            record_copy("aligned copy", c)
+            out.append(c)
+    return out
+
+
 def dense_serving_fields(spec, problems):
     """The FwdParams fields of the serving problems (fwd_problem.cuh), neutral for a dense call."""
     return dict(lse_sr=1, n_out_rows=problems * spec.Nq, n_splits=1, split_tiles=1,
@@ -116,17 +139,7 @@ def dense_serving_fields(spec, problems):
 
 def _misaligned(runtime, spec, q, k, v, kernel):
     """An input view whose rows cp.async cannot read aligned: run on contiguous copies."""
-    xp = runtime.xp
-    copies = []
-    for x in (q, k, v):
-        if x.flags.c_contiguous and x.strides[-1] == x.itemsize and \
-                aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
-            copies.append(x)
-        else:
-            c = xp.ascontiguousarray(x)
-            record_copy("aligned copy", c)
-            copies.append(c)
-    q, k, v = copies
+    q, k, v = aligned_copies(runtime, q, k, v)
     return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
 
 

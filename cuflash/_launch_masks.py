@@ -1,10 +1,13 @@
 """Launching the SIMT kernels with the logit features: bias (and dbias), sliding window,
 ALiBi, softcap and Philox dropout (``-DCUFLASH_MASKS``: ``flash_fwd_masked``,
-``flash_bwd_dkdv_masked``, ``flash_bwd_dq_masked``; ``kernels_cu/masks.cuh``).
+``flash_bwd_dkdv_masked``, ``flash_bwd_dq_masked``; ``kernels_cu/masks.cuh``), and
+the forward on tensor cores (``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``;
+``kernels_cu/flash_fwd_tc.cu``) wherever the plain forward runs there.
 
 The backends send a call here when it names any feature (:func:`wanted`); a
-plain call never comes here and pays nothing for the features.  Every dtype
-runs the SIMT kernels (the tensor-core kernels do not take the features yet).
+plain call never comes here and pays nothing for the features.  The backward
+with features runs the SIMT kernels for every dtype (the tensor-core backward
+does not take the features yet).
 
 As in the plain launchers, the first call of a kind validates, plans,
 compiles and packs the parameter block (the ``mask_*`` fields of
@@ -33,7 +36,7 @@ does for inputs); its dbias is then accumulated at that size and summed on the h
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (_collapse, _elem_strides, alloc_output, cached_call, contiguous_strides,
+from ._launch import (_collapse, _elem_strides, aligned16, alloc_output, cached_call, contiguous_strides,
                       flatten_lead, fold_grid, kv_heads_for_kernel, launch, make_params,
                       pointer_arg, problem_dims, record_copy)
 from ._validate import check_attention_inputs, check_backward_inputs
@@ -170,11 +173,23 @@ def _strides(runtime, spec, ms, acc):
 # --------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------
-def _build_fwd(runtime, spec, ms, q, k, v):
-    """The prepared masked forward: ``run(q, k, v, bias, slopes, seed) -> (o, lse)``."""
+def _build_fwd(runtime, spec, ms, q, k, v, kernel=None):
+    """The prepared masked forward: ``run(q, k, v, bias, slopes, seed) -> (o, lse)``.
+
+    The kernel is planned as the plain forward's (:func:`cuflash.tiling.plan_flash_fwd` with
+    ``masked=True``): flash_fwd_tc_masked (float16/bfloat16) or flash_fwd_tf32_masked
+    (float32) on tensor cores where the plain call would run there, else flash_fwd_masked;
+    ``kernel`` forces one of them (tests).
+    """
+    from ._launch_fwd import aligned_copies, dense_serving_fields, tc_scale
     xp = runtime.xp
     acc = _acc_dtype(spec.dtype)
-    plan = runtime.plan("flash_fwd_masked", spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel,
+                            masked=True)
+    scale, q_transform = tc_scale(xp, plan, spec.scale)
+    if q_transform is not None:
+        q = q_transform(q)
+        record_copy("scaled copy", q)
     out_shape, lse_shape = spec.out_shape, spec.lse_shape
     dtype, lse_dtype = spec.dtype, spec.lse_dtype
     B, H = problem_dims(spec.lead)
@@ -191,31 +206,40 @@ def _build_fwd(runtime, spec, ms, q, k, v):
     o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
     l_sb, l_sh = contiguous_strides(lead, (spec.Nq,))
     n_tiles = -(-spec.Nq // plan.block_q)
-    name = "flash_fwd_masked"
+    name = plan.kernel
     grid = fold_grid(n_tiles, H, B, f"{name} (Nq={spec.Nq}, block_q={plan.block_q})")
     block, smem = (plan.threads,), plan.shared_bytes
-    fn = kernels.get_function(runtime, _FWD_FILE, name,
+    fn = kernels.get_function(runtime, kernels.KERNEL_SOURCES[name], name,
                               dict(kernels.plan_defines(plan), **_MASKS), smem)
-    from ._launch_fwd import dense_serving_fields
     bias_st, slope_st = _strides(runtime, spec, ms, acc)
     fields = dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], o_sb=o_sb, o_sh=o_sh, o_sr=spec.dv,
-        lse_sb=l_sb, lse_sh=l_sh, scale=spec.scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
+        lse_sb=l_sb, lse_sh=l_sh, scale=scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
         group=spec.group, causal=int(spec.causal is not None),
         causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
         n_tiles=n_tiles, **dense_serving_fields(spec, B * H),
         **mask_fields(spec, ms, bias_st, slope_st))
     blocks = _SeedBlocks(runtime, "FwdParams", fields, ms)
     emulator, rt_name = runtime.name == "emulator", runtime.name
+    needs_align = name in tiling.TC_MASKED_KERNELS  # cp.async copies 16 bytes
 
     def run(q, k, v, bias, slopes, seed):
+        q_in = q
+        if q_transform is not None:
+            q = q_transform(q)
         if copy_q:
             q = flatten_lead(runtime, q, lead)[0]
         if copy_k:
             k = flatten_lead(runtime, k, lead, grouped)[0]
         if copy_v:
             v = flatten_lead(runtime, v, lead, grouped)[0]
+        if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
+            # rows cp.async cannot read aligned (a rare view): contiguous copies, planned
+            # afresh on every such call
+            qc, kc, vc = aligned_copies(runtime, q_in, k, v)
+            return _build_fwd(runtime, spec, ms, qc, kc, vc, kernel)(qc, kc, vc, bias, slopes,
+                                                                      seed)
         if emulator:
             q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         b_arr, s_arr = _feature_args(runtime, spec, ms, acc, bias, slopes)
@@ -275,9 +299,11 @@ def check_masks_seed(seed):
     check_dropout(0.5, seed)
 
 
-def flash_fwd_masked(runtime, q, k, v, spec, ms):
-    """The masked forward for a validated call (tests call it with a race-checked runtime)."""
-    return _build_fwd(runtime, spec, ms, q, k, v)(q, k, v, ms.bias, ms.alibi_slopes, ms.seed)
+def flash_fwd_masked(runtime, q, k, v, spec, ms, kernel=None):
+    """The masked forward for a validated call (tests call it with a race-checked runtime, and
+    ``kernel`` to force flash_fwd_masked, flash_fwd_tc_masked or flash_fwd_tf32_masked)."""
+    return _build_fwd(runtime, spec, ms, q, k, v, kernel)(q, k, v, ms.bias, ms.alibi_slopes,
+                                                          ms.seed)
 
 
 # --------------------------------------------------------------------------

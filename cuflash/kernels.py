@@ -106,6 +106,8 @@ KERNEL_SOURCES = {
     "flash_bwd_dq_convert": "flash_bwd.cu",
     # the logit features (bias, window, ALiBi, softcap, dropout): -DCUFLASH_MASKS
     "flash_fwd_masked": "flash_fwd.cu",
+    "flash_fwd_tc_masked": "flash_fwd_tc.cu",
+    "flash_fwd_tf32_masked": "flash_fwd_tc.cu",
     "flash_fwd_serving_masked": "flash_fwd.cu",
     "flash_bwd_dkdv_masked": "flash_bwd.cu",
     "flash_bwd_dq_masked": "flash_bwd.cu",
@@ -210,12 +212,13 @@ class Runtime:
         return tiling.plan(kernel, d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
                            limit_source=self.smem_source)
 
-    def plan_fwd(self, d, dv, dtype, block_q=None, block_kv=None, kernel=None):
-        """:func:`cuflash.tiling.plan_flash_fwd` (which forward kernel, which tiles) here."""
+    def plan_fwd(self, d, dv, dtype, block_q=None, block_kv=None, kernel=None, masked=False):
+        """:func:`cuflash.tiling.plan_flash_fwd` (which forward kernel, which tiles) here;
+        ``masked``: a call with logit features (their kernels)."""
         if kernel is None and not self.tensor_cores:
-            kernel = "flash_fwd"
+            kernel = "flash_fwd_masked" if masked else "flash_fwd"
         return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
-                                     limit_source=self.smem_source, kernel=kernel)
+                                     limit_source=self.smem_source, kernel=kernel, masked=masked)
 
     def synchronize(self):
         """Wait for the device (GPU: the current stream); nothing on the emulator."""
@@ -467,4 +470,9 @@ def compile_variants():
     p = tiling.plan("flash_fwd", 128, 128, "bfloat16", 8, None, limit=sm80)   # serving + features
     out["flash_fwd.cu"].append(build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None,
                                                   CUFLASH_MASKS=None)))
+    # ... on the tensor-core forward: flash_fwd_tc_masked and flash_fwd_tf32_masked, defaults
+    for kernel, dt, d in (("flash_fwd_tc_masked", "float16", 128), ("flash_fwd_tc_masked", "bfloat16", 64),
+                          ("flash_fwd_tf32_masked", "float32", 64)):
+        p = tiling.plan(kernel, d, d, dt, limit=sm80)
+        out["flash_fwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
     return out

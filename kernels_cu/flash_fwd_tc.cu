@@ -50,7 +50,25 @@
 // Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV, CUFLASH_THREADS (32 * warps).
 // Launch: grid ceil(Nq / block_q) * H * B (folded), CUFLASH_THREADS threads, dynamic shared
-// memory from cuflash.tiling ("flash_fwd_tc" / "flash_fwd_tf32").  Arguments as flash_fwd.
+// memory from cuflash.tiling ("flash_fwd_tc" / "flash_fwd_tf32", the _masked kernels under their own
+// names).  Arguments as flash_fwd (the _masked kernels: as flash_fwd_masked).
+//
+// Logit features (compiled with -DCUFLASH_MASKS: kernels flash_fwd_tc_masked and
+// flash_fwd_tf32_masked, two more arguments Bias and Slopes as flash_fwd_masked; masks.cuh):
+// bias, sliding window, ALiBi, softcap and Philox dropout on the S fragments.
+//   * logit terms (softcap, bias, ALiBi) on every tile: s -> logit(scale * s) of masks.cuh,
+//     and the softmax then runs on scaled logits (c = log2(e) instead of scale * log2(e));
+//   * the visible keys of a row are one interval [lo, hi) (causal and window): tiles left of
+//     the first row's band and right of the last row's are never loaded, and the interval
+//     test runs only on tiles that cross some row's lo or hi (or hold rows past Nq) -- there
+//     a masked logit becomes -inf before its bias is read, so the bias is read once per
+//     visible (row, key), as in flash_fwd_masked;
+//   * dropout: lanes t and t ^ 1 hold keys 4m .. 4m + 3 of rows g and g + 8 between them
+//     (one Philox block per row and m); each draws the block of one row -- g for even t,
+//     g + 8 for odd t -- and passes the two words its partner needs by two shuffles: one
+//     Philox block per four logits.  Dropped P become 0 in the P V product only (l and lse
+//     are those of the undropped softmax), and 1 / (1 - p) multiplies O at the end with
+//     1 / l (P stays <= 2^kLazy in 16-bit: no overflow for p near 1).
 //
 // Limits: d, dv multiples of 16, <= 256; block_q = warps * 16 * kMT, block_kv a multiple of
 // 16; register arrays grow with block_kv and dv (cuflash.tiling refuses the tiles that would
@@ -63,6 +81,9 @@
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
+#ifdef CUFLASH_MASKS
+#include "masks.cuh"
+#endif
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
     !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
@@ -71,10 +92,18 @@
 
 #if defined(CUFLASH_DTYPE_F32)
 #define CUFLASH_TF32 1
+#ifdef CUFLASH_MASKS
+#define CUFLASH_FWD_TC_KERNEL flash_fwd_tf32_masked
+#else
 #define CUFLASH_FWD_TC_KERNEL flash_fwd_tf32
+#endif
 #else
 #define CUFLASH_TF32 0
+#ifdef CUFLASH_MASKS
+#define CUFLASH_FWD_TC_KERNEL flash_fwd_tc_masked
+#else
 #define CUFLASH_FWD_TC_KERNEL flash_fwd_tc
+#endif
 #endif
 
 constexpr int kD = CUFLASH_HEAD_DIM;
@@ -367,13 +396,127 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 }
 #endif
 
+#ifdef CUFLASH_MASKS
+// ------------------------------------------------------------- logit features
+// The call's features, read once per thread.
+struct TcFeatures {
+    const float* bias;       // the (b, h) slice of the bias, or nullptr
+    long long bias_sr, bias_sc;
+    float neg_slope;         // -ALiBi slope (0: none)
+    float cap, inv_cap;      // softcap (0: none)
+    float scale;
+    int moff;                // Nk - Nq: the window's and ALiBi's alignment
+    int lo_off, hi_off;      // row i sees keys clamp(i + lo_off, 0, Nk) <= j < clamp(i + hi_off, 0, Nk)
+    bool xform;              // any logit term: the tile's logits are transformed
+};
+
+// lo_off and hi_off of TcFeatures: masks.cuh's cuflash_window_range as two offsets, clamped
+// to [-Nq, Nk + 1] (which changes no clamped result for 0 <= i < Nq), so that the per-row
+// bounds are two 32-bit adds and clamps (Nq + Nk + 1 < 2^31).
+__device__ __forceinline__ int tc_clamp_off(long long x, int Nq, int Nk) {
+    return (int)(x < -Nq ? -Nq : (x > Nk + 1 ? Nk + 1 : x));
+}
+__device__ __forceinline__ void tc_window_offsets(const FwdParams& p, int Nq, int Nk, TcFeatures& f) {
+    long long lo = -(long long)Nq, hi = (long long)Nk + 1;
+    if (p.mask_window & CUFLASH_WINDOW_LEFT) lo = (long long)p.mask_offset - p.mask_window_left;
+    if (p.causal) hi = (long long)p.causal_offset + 1;
+    if (p.mask_window & CUFLASH_WINDOW_RIGHT) {
+        const long long r = (long long)p.mask_offset + p.mask_window_right + 1;
+        hi = r < hi ? r : hi;
+    }
+    f.lo_off = tc_clamp_off(lo, Nq, Nk);
+    f.hi_off = tc_clamp_off(hi, Nq, Nk);
+}
+
+// The tile's logits s (keys k0 + 8 nt + 2t + e1 of rows q0 + r, r = row0 + 16 mt + g + 8 rr)
+// -> logit(scale * s) (xform) and, with kMask, -inf outside each row's visible keys [lo, hi);
+// rows past the problem (r >= rows_q) see no key.  Without kMask every row sees the whole
+// tile (the caller checked).
+template <bool kMask>
+__device__ __forceinline__ void tc_features(float (&s)[kMT][kNT][4], const TcFeatures& f, int q0, int row0, int rows_q,
+                                            int Nk, int k0, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = row0 + mt * 16 + g + 8 * rr;
+            const bool valid = r < rows_q;
+            const int i = q0 + (valid ? r : 0);  // a row past the problem reads no bias
+            int lo = 0, hi = 0;
+            if (kMask && valid) {
+                lo = min(max(i + f.lo_off, 0), Nk);
+                hi = min(max(i + f.hi_off, 0), Nk);
+            }
+            MaskRow mr;
+            mr.bias = f.bias != nullptr ? f.bias + i * f.bias_sr : nullptr;
+            mr.bias_sc = f.bias_sc;
+            mr.neg_slope = f.neg_slope;
+            mr.pos = i + f.moff;
+            mr.cap = f.cap;
+            mr.inv_cap = f.inv_cap;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e1 = 0; e1 < 2; ++e1) {
+                    const int j = k0 + nt * 8 + 2 * t + e1;
+                    float& x = s[mt][nt][2 * rr + e1];
+                    float th;
+                    if (kMask) {
+                        if (j >= lo && j < hi) {
+                            if (f.xform) x = mr.logit(x * f.scale, j, th);
+                        } else {
+                            x = -INFINITY;
+                        }
+                    } else {
+                        x = mr.logit(x * f.scale, j, th);
+                    }
+                }
+        }
+}
+
+// Dropout of the tile's P (in s), keys k0 + 8 nt + 2t + e1 of rows i0 + 16 mt + g + 8 rr:
+// element (b, h, i, j) is kept iff word j & 3 of philox((j >> 2, i, h, b), key) >= threshold
+// (philox.cuh).  Lanes t and t ^ 1 share the blocks of keys 4m .. 4m + 3 (m = (k0 + 8 nt) / 4
+// + t / 2): the even lane draws row g's, the odd lane row g + 8's, and each sends the other
+// the two words it needs (xor-1 shuffles).  Kept P stay as they are (1 / (1 - p) is applied
+// to O at the end), dropped ones become 0 (also a NaN, as flash_fwd_masked).
+__device__ __forceinline__ void tc_dropout(float (&s)[kMT][kNT][4], const DropoutKey& dk, int b,
+                                           int h, int i0, int k0, int g, int t) {
+    const bool odd = (t & 1) != 0;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        const int i_own = i0 + mt * 16 + g + (odd ? 8 : 0);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            uint32_t w[4];
+            cuflash_dropout_block(w, dk.k0, dk.k1, b, h, i_own, (k0 + nt * 8) / 4 + (t >> 1));
+            // the even lane (row g) needs words 0, 1 of row g's block and of row g + 8's; the
+            // odd lane words 2, 3 of both
+            const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[2], 1);
+            const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? w[1] : w[3], 1);
+            const uint32_t x0 = odd ? r0 : w[0], x1 = odd ? r1 : w[1];    // row g
+            const uint32_t y0 = odd ? w[2] : r0, y1 = odd ? w[3] : r1;    // row g + 8
+            float* e = s[mt][nt];
+            e[0] = x0 >= dk.threshold ? e[0] : 0.0f;
+            e[1] = x1 >= dk.threshold ? e[1] : 0.0f;
+            e[2] = y0 >= dk.threshold ? e[2] : 0.0f;
+            e[3] = y1 >= dk.threshold ? e[3] : 0.0f;
+        }
+    }
+}
+#define CUFLASH_TC_MASK_ARGS , const float* __restrict__ Bias, const float* __restrict__ Slopes
+#else
+#define CUFLASH_TC_MASK_ARGS
+#endif
+
 // ------------------------------------------------------------- the kernel
 // __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
 // specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
 // planner's register budget assumes up to 255.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-    elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P)
+    elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P
+    CUFLASH_TC_MASK_ARGS)
 {
     CUFLASH_DYNAMIC_SHARED(elem_t, smem);
     elem_t* Qs = smem;                // (kBr, kQS)       Q_i
@@ -386,7 +529,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const int Nq = p.Nq, Nk = p.Nk, causal = p.causal, off = p.causal_offset;
     // scale * log2(e), rounded once; the launcher passes scale >= 0 (a negative scale arrives
     // as -scale with -Q), so the row max of the raw logits is the max of the scaled ones
+#ifdef CUFLASH_MASKS
+    // with a logit term the tile's logits arrive scaled (tc_features): the exponent's factor is
+    // log2(e) alone
+    TcFeatures feat;
+    feat.cap = (float)p.mask_softcap;
+    feat.inv_cap = p.mask_softcap > 0 ? (float)(1.0 / p.mask_softcap) : 0.0f;
+    feat.scale = (float)p.scale;
+    feat.moff = p.mask_offset;
+    feat.bias_sr = p.mask_bias_sr;
+    feat.bias_sc = p.mask_bias_sc;
+    tc_window_offsets(p, Nq, Nk, feat);
+    const float c = (float)((p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi ? 1.0 : p.scale)
+                            * 1.4426950408889634);
+#else
     const float c = (float)(p.scale * 1.4426950408889634);
+#endif
     const float lazy = kLazy / c;  // the reference max moves when exceeded by more (c = 0: never)
 #if CUFLASH_TF32
     // 0xffffe000 from a run-time value (Nq >= 0 always), so that ptxas cannot fold it (see split)
@@ -414,19 +572,38 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         const long long last = (long long)(q0 + rows_q - 1) + off + 1;
         kv_end = (int)(last < 0 ? 0 : (last > Nk ? Nk : last));
     }
-    const int n_kv = (kv_end + kBc - 1) / kBc;
+#ifdef CUFLASH_MASKS
+    // the rows' key intervals [lo, hi) grow with the row: the tile loads the keys from the
+    // first row's lo to the last row's hi, and needs the interval test where a tile starts
+    // before the last row's lo or ends after the first row's hi (or holds rows past Nq)
+    int lo_first, hi_first, lo_last, hi_last;
+    cuflash_window_range(p, q0, p.mask_offset, Nk, causal ? (long long)q0 + off + 1 : (long long)Nk,
+                         lo_first, hi_first);
+    cuflash_window_range(p, q0 + rows_q - 1, p.mask_offset, Nk, kv_end, lo_last, hi_last);
+    const int kv_begin = hi_last > lo_first ? lo_first : 0;
+    kv_end = hi_last > lo_first ? hi_last : 0;
+    const int j0 = kv_begin / kBc;  // first K/V tile
+    const bool mask_rows = rows_q < kBr;
+    feat.bias = p.mask_has_bias ? Bias + b * p.mask_bias_sb + h * p.mask_bias_sh : nullptr;
+    feat.neg_slope = p.mask_has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
+    feat.xform = p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi;
+    const DropoutKey drop = cuflash_dropout_key(p);
+#else
+    constexpr int j0 = 0;
     // tiles ending at or before mask_from need no mask: the block's first row sees all their
     // keys (causal), and they end before Nk
     const int mask_from = causal ? (int)max(0ll, min((long long)Nk, (long long)q0 + off + 1)) : Nk;
+#endif
+    const int n_kv = (kv_end + kBc - 1) / kBc;
     const int row0 = warp * kRowsW;  // the warp's first row in the tile
 
     // -- Q_i and the first K/V tile: one cp.async group
     const TileCopy<kBc, kD, kKS> kcopy(tid, k_sr);
     const TileCopy<kBc, kDv, kVS> vcopy(tid, v_sr);
     TileCopy<kBr, kD, kQS>(tid, q_sr).issue(Qs, Qb, rows_q);
-    if (n_kv > 0) {
-        kcopy.issue(Ks, Kb, min(kBc, Nk));
-        vcopy.issue(Vs, Vb, min(kBc, Nk));
+    if (n_kv > j0) {
+        kcopy.issue(Ks, Kb + (long long)j0 * kBc * k_sr, min(kBc, Nk - j0 * kBc));
+        vcopy.issue(Vs, Vb + (long long)j0 * kBc * v_sr, min(kBc, Nk - j0 * kBc));
     }
     cp_async_commit();
 
@@ -447,8 +624,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     uint32_t qreg[kQInRegs ? kMT : 1][kQInRegs ? kD / 16 : 1][4];
 #endif
 
-    for (int j = 0; j < n_kv; ++j) {
-        const int stage = j & 1, k0 = j * kBc;
+    for (int j = j0; j < n_kv; ++j) {
+        const int stage = (j - j0) & 1, k0 = j * kBc;
         cp_async_wait<0>();  // this thread's copies of tile j (and, first, Q_i) have landed
         // Everyone's copies of tile j are visible, and every warp is done with tile j - 1,
         // whose stage the prefetch below overwrites.
@@ -472,7 +649,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         compute_s(s, Qw, Kt, g, t, hi_mask);
 #else
         if (kQInRegs) {
-            if (j == 0) {
+            if (j == j0) {
 #pragma unroll
                 for (int mt = 0; mt < (kQInRegs ? kMT : 0); ++mt)
 #pragma unroll
@@ -489,6 +666,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         }
 #endif
 
+#ifdef CUFLASH_MASKS
+        // -- logit terms on every tile, the interval test only where some row's band ends
+        if (k0 < lo_last || k0 + kBc > hi_first || mask_rows)
+            tc_features<true>(s, feat, q0, row0, rows_q, Nk, k0, g, t);
+        else if (feat.xform)
+            tc_features<false>(s, feat, q0, row0, rows_q, Nk, k0, g, t);
+#else
         // -- masks, only on tiles that cross the causal diagonal or the end of the keys
         if (!CUFLASH_FWD_INTERIOR_ONLY && k0 + kBc > mask_from) {
 #pragma unroll
@@ -506,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                             if (nt * 8 + e1 >= end) s[mt][nt][2 * rr + e1] = -INFINITY;
                 }
         }
+#endif
 
         // -- online softmax against a lazily moved reference max: P = 2^(S c - mc) with mc = m c
         // for the row's reference m (raw logits).  m moves up to the row max -- rescaling the
@@ -561,6 +746,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                     s[mt][nt][e] = cuflash_exp2(fmaf(s[mt][nt][e], c, -mc_i[mt][e >> 1]));
                     l_i[mt][e >> 1] += s[mt][nt][e];
                 }
+#ifdef CUFLASH_MASKS
+        if (drop.on) tc_dropout(s, drop, b + p.mask_drop_b0, h, q0 + row0, k0, g, t);
+#endif
 
         // -- O += P V_j
 #if CUFLASH_TF32
@@ -585,7 +773,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
             if (row < rows_q) {
                 const int i = q0 + row;
                 const bool empty = l == 0.0f;
-                const float inv = empty ? 0.0f : __fdividef(1.0f, l);  // MUFU.RCP: no division subroutine
+#ifdef CUFLASH_MASKS
+                const float num = drop.on ? drop.scale : 1.0f;  // dropout's 1 / (1 - p)
+#else
+                const float num = 1.0f;
+#endif
+                const float inv = empty ? 0.0f : __fdividef(num, l);  // MUFU.RCP: no division subroutine
                 elem_t* orow = Ob + i * P->o_sr;
 #if CUFLASH_TF32
 #pragma unroll

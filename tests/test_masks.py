@@ -107,17 +107,28 @@ def test_dropout_fraction_is_p(p):
     assert np.all(np.abs(per_head - p) <= 0.05 * p + 0.005), per_head
 
 
-def test_dropout_mask_read_back_from_every_backend(backend):
+@pytest.mark.parametrize("dtype,Nk,kernel", [
+    ("float32", 40, "flash_fwd_masked"),           # d = 40: the SIMT kernel
+    ("float32", 48, "flash_fwd_tf32_masked"),      # d = 48: tensor cores, shared Philox blocks
+    ("float16", 48, "flash_fwd_tc_masked"),
+])
+def test_dropout_mask_read_back_from_every_backend(backend, dtype, Nk, kernel):
     """With q = 0 (uniform P = 1/Nk) and v = I, o = keep / ((1 - p) Nk): every backend
-    drops exactly the elements of cuflash.dropout_mask for the seed."""
-    B, H, Nq, Nk, p, seed = 2, 3, 19, 40, 0.3, 987654321987
-    q = np.zeros((B, H, Nq, Nk), np.float32)
-    k = np.ones((B, H, Nk, Nk), np.float32)
-    v = np.broadcast_to(np.eye(Nk, dtype=np.float32), (B, H, Nk, Nk)).copy()
-    o, _ = _forward(backend, q, k, v, dict(dropout_p=p, seed=seed))
+    (and on the emulator each forward kernel) drops exactly the elements of
+    cuflash.dropout_mask for the seed."""
+    from cuflash import _launch
+    B, H, Nq, p, seed = 2, 3, 19, 0.3, 987654321987
+    q = np.zeros((B, H, Nq, Nk), dtype)
+    k = np.ones((B, H, Nk, Nk), dtype)
+    v = np.broadcast_to(np.eye(Nk, dtype=dtype), (B, H, Nk, Nk)).copy()
+    with _launch.observe_launches() as seen:
+        o, _ = _forward(backend, q, k, v, dict(dropout_p=p, seed=seed))
+    if backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == [kernel]
     keep = cuflash.dropout_mask((B, H, Nq, Nk), p, seed)
     np.testing.assert_array_equal(o != 0, keep)
-    np.testing.assert_allclose(o[keep], 1.0 / ((1 - p) * Nk), rtol=1e-6)
+    np.testing.assert_allclose(o[keep].astype(np.float64), 1.0 / ((1 - p) * Nk),
+                               rtol=1e-6 if dtype == "float32" else 1e-3)
 
 
 # --------------------------------------------------------------------------
@@ -180,6 +191,65 @@ def test_forward_against_oracle(backend, case, rng):
     if dtype in ("float32", "float64"):
         oracle.assert_rel_close(backend.to_numpy(sp), oracle.attention(
             q, k, v, None, causal, **feat)[2], dtype, "p")
+
+
+# The tensor-core forward with several Q and K/V tiles (explicit small tiles): window bands
+# that skip tiles on both sides, interior tiles (every row sees the whole tile: the logit
+# terms without the interval test), the last Q tile's rows past Nq, Nq > Nk with rows that
+# see no key, GQA, every feature at once.  (dtype, q shape, k shape, causal, features, kernel)
+TC_FWD_CASES = [
+    ("float16", (2, 4, 128, 32), (2, 2, 128, 32), False,
+     dict(window=(50, 50), bias=(4, 128, 128), alibi_slopes=(2, 4), softcap=5.0, dropout_p=0.2),
+     "flash_fwd_tc_masked"),
+    ("float32", (1, 2, 45, 32), (1, 2, 100, 32), "bottom_right",
+     dict(window=(20, None), bias=(45, 100), softcap=3.0), "flash_fwd_tf32_masked"),
+    ("bfloat16", (2, 2, 100, 16), (2, 2, 60, 16), "bottom_right",
+     dict(window=(3, 0), dropout_p=0.3, alibi_slopes=(2,)), "flash_fwd_tc_masked"),
+    ("float32", (2, 2, 64, 16), (2, 2, 96, 16), False, dict(bias=(2, 1, 1, 96)),
+     "flash_fwd_tf32_masked"),
+]
+
+
+@pytest.mark.parametrize("case", TC_FWD_CASES, ids=lambda c: _fwd_id(c[:5]))
+def test_tensor_core_forward_with_features(kernel_backend, case, rng):
+    """flash_fwd_tc_masked / flash_fwd_tf32_masked over several tiles against the oracle
+    (block_q=32, block_kv=16), with the kernel named by the launch."""
+    from cuflash import _launch
+    dtype, qs, ks, causal, feat, kernel = case
+    feat = _materialise(rng, feat, dtype)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    with _launch.observe_launches() as seen:
+        o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal, block_q=32, block_kv=16)
+    if kernel_backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == [kernel]
+    oracle.check_forward(o, q, k, v, None, causal, lse=lse, **feat)
+    ref_lse = oracle.attention(q, k, v, None, causal, **feat)[1]
+    blind = np.isneginf(ref_lse)
+    assert np.all(o.astype(np.float64)[blind] == 0) and np.all(np.isneginf(lse[blind]))
+    assert blind.any() == (dtype == "bfloat16")  # the Nq > Nk case has blind rows
+
+
+# The SIMT forward with features, for the dtypes whose calls now run on tensor cores
+SIMT_FWD_CASES = [c for c in FWD_CASES if c[0] != "float64"][::3]
+
+
+@pytest.mark.parametrize("case", SIMT_FWD_CASES, ids=_fwd_id)
+def test_simt_forward_with_features(case, rng):
+    """flash_fwd_masked (forced) on the emulator for float32/float16/bfloat16 feature calls,
+    which the planner sends to the tensor-core kernels (sm_75 and odd head dims run it)."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, emulator_backend
+    require_backend("emulator")
+    dtype, qs, ks, causal, feat = case
+    feat = _materialise(rng, feat, dtype)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    spec = _validate.check_attention_inputs(q, k, v, causal=causal)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    with _launch.observe_launches() as seen, poisoned_outputs():
+        o, lse = _launch_masks.flash_fwd_masked(emulator_backend.runtime(), q, k, v, spec, ms,
+                                                kernel="flash_fwd_masked")
+    assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
+    oracle.check_forward(o, q, k, v, None, causal, lse=lse, **feat)
 
 
 def test_window_rows_that_see_no_key(backend, rng):
@@ -391,7 +461,8 @@ def _all_features(rng, H, Nq, Nk, dtype="float32"):
 
 
 def test_race_check_masked_kernels(rng):
-    """flash_fwd_masked and the masked backward (both dQ paths, dbias atomics) under TSan."""
+    """flash_fwd_masked, flash_fwd_tf32_masked, flash_fwd_tc_masked and the masked backward
+    (both dQ paths, dbias atomics) under TSan."""
     from conftest import require_backend
     from cuflash import _launch_masks, _validate, _validate_masks, kernels
     require_backend("emulator")
@@ -400,8 +471,16 @@ def test_race_check_masked_kernels(rng):
     feat = _all_features(rng, 2, 20, 37)
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
     ms = _validate_masks.check_masks(spec, q, **feat)
-    o, lse = _launch_masks.flash_fwd_masked(rt, q, k, v, spec, ms)   # RaceError on a race
-    oracle.check_forward(o, q, k, v, None, True, lse=lse, **feat)
+    for kernel in ("flash_fwd_masked", "flash_fwd_tf32_masked"):     # RaceError on a race
+        o, lse = _launch_masks.flash_fwd_masked(rt, q, k, v, spec, ms, kernel=kernel)
+        oracle.check_forward(o, q, k, v, None, True, lse=lse, **feat)
+    q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
+    spec16 = _validate.check_attention_inputs(q16, k16, v16, causal=True, block_q=16,
+                                              block_kv=16)
+    o16, lse16 = _launch_masks.flash_fwd_masked(rt, q16, k16, v16, spec16,
+                                                _validate_masks.check_masks(spec16, q16, **feat),
+                                                kernel="flash_fwd_tc_masked")
+    oracle.check_forward(o16, q16, k16, v16, None, True, lse=lse16, **feat)
     do = oracle.randn(rng, o.shape, "float32")
     bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
                                             block_kv=16)
@@ -443,11 +522,23 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
     (o, lse), seen = _counted(kernel_backend, lambda: _forward(
         kernel_backend, q, k, v, feat, causal=causal or False))
     rt = emulator_backend.runtime()
-    plan = rt.plan("flash_fwd", d, d, "float32")
+    plan = rt.plan_fwd(d, d, "float32", masked=True)
     want = tiling.flash_fwd_masked_traffic(B, H, Nq, Nk, d, d, "float32", plan.block_q,
-                                           plan.block_kv, causal, window, bias is not None, alibi)
-    assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
+                                           plan.block_kv, causal, window, bias is not None, alibi,
+                                           threads=plan.threads)
+    assert [e["kernel"] for e in seen] == ["flash_fwd_tf32_masked"]
     assert (seen[0]["global_bytes_read"], seen[0]["global_bytes_written"]) == want
+    # the SIMT kernel, forced: its own tiles and threads
+    from cuflash import _launch_masks, _validate, _validate_masks
+    spec = _validate.check_attention_inputs(q, k, v, causal=causal or False)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    _, seen = _counted(kernel_backend, lambda: _launch_masks.flash_fwd_masked(
+        rt, q, k, v, spec, ms, kernel="flash_fwd_masked"))
+    sp = rt.plan("flash_fwd_masked", d, d, "float32")
+    assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
+    assert (seen[0]["global_bytes_read"], seen[0]["global_bytes_written"]) == \
+        tiling.flash_fwd_masked_traffic(B, H, Nq, Nk, d, d, "float32", sp.block_q, sp.block_kv,
+                                        causal, window, bias is not None, alibi)
     do = oracle.randn(rng, o.shape, "float32")
     bp = rt.plan("flash_bwd_dkdv", d, d, "float32")
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")

@@ -147,8 +147,14 @@ TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
 TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
 
 
+def _tc_base(kernel):
+    """The plain kernel of a tensor-core forward (flash_fwd_tc_masked -> flash_fwd_tc)."""
+    return kernel[:-len("_masked")] if kernel.endswith("_masked") else kernel
+
+
 def tc_rows_per_warp(kernel, bq, bkv, d, dv):
     """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
+    kernel = _tc_base(kernel)
     if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[kernel]
             and bkv + dv <= TC_MAX_ACC_REGS_32_ROWS[kernel]):
         return 32
@@ -167,7 +173,7 @@ def _tc_threads(kernel):
 
 
 def tc_strides(kernel, d, dv):
-    if kernel == "flash_fwd_tf32":
+    if _tc_base(kernel) == "flash_fwd_tf32":
         return d + (16 if d % 32 == 0 else 0), d + (16 if d % 32 == 0 else 0), dv + 4, 4
     return d + 8, d + 8, dv + 8, 2
 
@@ -194,9 +200,9 @@ def _tc_check(kernel):
         if max(d, dv) > 256:
             return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
         n = tc_acc_regs(kernel, bq, bkv, d, dv)
-        if n > TC_MAX_ACC_REGS[kernel]:
+        if n > TC_MAX_ACC_REGS[_tc_base(kernel)]:
             return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
-                    f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[kernel]}: "
+                    f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[_tc_base(kernel)]}: "
                     "more would spill to local memory)")
         return None
     return check
@@ -207,7 +213,7 @@ def _tc_preferences(kernel):
     # MMAs), the longest K/V tile those 32 rows can hold; above d = 128, 4 warps of 16 rows
     def prefs(d, dv, acc):
         dm = max(d, dv)
-        if kernel == "flash_fwd_tf32":
+        if _tc_base(kernel) == "flash_fwd_tf32":
             if dm <= 96:
                 return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
             if dm <= 128:
@@ -221,7 +227,12 @@ def _tc_preferences(kernel):
     return prefs
 
 
-for _k in TC_KERNELS:
+# flash_fwd_tc_masked / flash_fwd_tf32_masked (-DCUFLASH_MASKS): the logit features on the
+# tensor-core forward (kernels_cu/flash_fwd_tc.cu), planned with the plain kernels' tiles and
+# rules; their own names so that the spill sweep (bench/plan_sweep.py) holds them separately.
+TC_MASKED_KERNELS = ("flash_fwd_tc_masked", "flash_fwd_tf32_masked")
+
+for _k in TC_KERNELS + TC_MASKED_KERNELS:
     register(KernelTiling(
         name=_k,
         block_q_choices=(16, 32, 64, 128),
@@ -234,18 +245,20 @@ for _k in TC_KERNELS:
     ))
 
 
-def tc_kernel_for(dtype):
-    """The tensor-core forward kernel of a dtype name, or None (float64)."""
+def tc_kernel_for(dtype, masked=False):
+    """The tensor-core forward kernel of a dtype name (its ``_masked`` variant with the logit
+    features), or None (float64)."""
     name = _dtype_name(dtype)
+    suffix = "_masked" if masked else ""
     if name in TC_DTYPES:
-        return "flash_fwd_tc"
+        return "flash_fwd_tc" + suffix
     if name in TF32_DTYPES:
-        return "flash_fwd_tf32"
+        return "flash_fwd_tf32" + suffix
     return None
 
 
 def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
-                   limit_source="unlimited", kernel=None):
+                   limit_source="unlimited", kernel=None, masked=False):
     """The forward's plan: which kernel (tensor cores or the SIMT flash_fwd) with which tiles.
 
     float16/bfloat16 run on tensor cores (flash_fwd_tc), float32 as 3xTF32 on tensor cores
@@ -255,8 +268,10 @@ def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     takes every dtype, head dims up to 256 and tiles of multiples of 8/4.  Explicit sizes
     are honoured by whichever kernel runs, or refused by flash_fwd's rules.  ``kernel``
     forces one kernel ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32"; tests use it).
+    ``masked``: the call has logit features -- the same choice between their kernels
+    (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_fwd_masked).
     """
-    tc_name = tc_kernel_for(dtype)
+    tc_name = tc_kernel_for(dtype, masked)
     if kernel is None:
         if tc_name is not None:
             tc = kernel_tiling(tc_name)
@@ -272,9 +287,9 @@ def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
             else:
                 _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
                                          limit_source, None)
-        kernel = "flash_fwd"
-    if kernel in TC_KERNELS and kernel != tc_name:
-        want = TC_DTYPES if kernel == "flash_fwd_tc" else TF32_DTYPES
+        kernel = "flash_fwd_masked" if masked else "flash_fwd"
+    if kernel in TC_KERNELS + TC_MASKED_KERNELS and kernel != tc_name:
+        want = TC_DTYPES if _tc_base(kernel) == "flash_fwd_tc" else TF32_DTYPES
         raise ValueError(f"{kernel} runs {want} only, got {_dtype_name(dtype)}")
     return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
 

@@ -45,15 +45,16 @@ def _fwd_tile_keys(lo, hi, q0, rows, Nk, block_kv, causal_end):
 
 
 def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None,
-                             window=None, bias=False, alibi=False):
-    """Exact global bytes (read, written) of flash_fwd_masked for one dense launch.
+                             window=None, bias=False, alibi=False, threads=None):
+    """Exact global bytes (read, written) of flash_fwd_masked (and of flash_fwd_tc_masked /
+    flash_fwd_tf32_masked, with their ``threads``) for one dense launch.
 
     Per query head and Q tile: the Q tile; the K and V rows of the KV tiles
     from the one holding the first row's first visible key to the one holding
     the last row's last visible key (tiles left and right of the window's band
     are never loaded); with a bias, one element (compute type) per visible
-    (row, key); with ALiBi, one slope per thread (4 * block_q per block); O and
-    lse once.
+    (row, key); with ALiBi, one slope per thread (``threads`` per block:
+    flash_fwd_masked's 4 * block_q by default); O and lse once.
     """
     isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
     acc = accumulator_bytes(dtype)
@@ -73,7 +74,7 @@ def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_
     if bias:
         read += bh * int(seen.sum()) * acc
     if alibi:
-        read += bh * n_tiles * 4 * block_q * acc
+        read += bh * n_tiles * (4 * block_q if threads is None else threads) * acc
     written = bh * (Nq * dv * isz + Nq * acc)
     return read, written
 
