@@ -84,6 +84,14 @@ FAMILIES = {
     "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
                                                             "flash_bwd_dq_masked"),
                          ALL_DTYPES, SIMT_DIMS, {"CUFLASH_MASKS": None}, None),
+    # ... on the tensor-core backward (flash_bwd_tc.cu with -DCUFLASH_MASKS, main kernel)
+    "flash_bwd_tc_masked": ("flash_bwd_tc.cu", "flash_bwd_tc_masked", ("flash_bwd_tc_masked",),
+                            ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),
+                            {"CUFLASH_BWD_TC_MAIN": None, "CUFLASH_MASKS": None}, (80, 86, 89, 90)),
+    "flash_bwd_tc_masked_asym": ("flash_bwd_tc.cu", "flash_bwd_tc_masked", ("flash_bwd_tc_masked",),
+                                 ("float16", "bfloat16"), TC_ASYM_DIMS,
+                                 {"CUFLASH_BWD_TC_MAIN": None, "CUFLASH_MASKS": None},
+                                 (80, 86, 89, 90)),
     # ... and on the tensor-core forward (flash_fwd_tc.cu with -DCUFLASH_MASKS)
     "flash_fwd_tc_masked": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
                             ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),

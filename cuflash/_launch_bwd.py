@@ -68,11 +68,12 @@ def _acc_dtype(dtype):
     return np.dtype(np.float64) if tiling.accumulator_bytes(dtype) == 8 else np.dtype(np.float32)
 
 
-def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=None):
-    """The main backward kernel's plan on this runtime (flash_bwd_tc or flash_bwd_dkdv)."""
+def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=None, masked=False):
+    """The main backward kernel's plan on this runtime (flash_bwd_tc or flash_bwd_dkdv; with
+    ``masked``, their _masked kernels)."""
     return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                  limit_source=runtime.smem_source, kernel=kernel,
-                                 tensor_cores=runtime.tensor_cores)
+                                 tensor_cores=runtime.tensor_cores, masked=masked)
 
 
 def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None, masked=False):
@@ -88,13 +89,16 @@ def _plans(runtime, d, dv, dtype, block_q=None, block_kv=None, masked=False):
 
 
 def _tc_requests(plan):
-    """The two modules of the tensor-core backward: helpers (dtype, d, dv) and the main kernel."""
+    """The two modules of the tensor-core backward: helpers (dtype, d, dv) and the main kernel
+    (flash_bwd_tc, or flash_bwd_tc_masked with -DCUFLASH_MASKS; the helpers are the same)."""
     main = kernels.plan_defines(plan)
     main["CUFLASH_BWD_TC_MAIN"] = None
+    if plan.kernel == "flash_bwd_tc_masked":
+        main["CUFLASH_MASKS"] = None
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
                "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_TC_FILE, "flash_bwd_tc_preprocess", helpers, 0),
-            (_TC_FILE, "flash_bwd_tc", main, plan.shared_bytes),
+            (_TC_FILE, plan.kernel, main, plan.shared_bytes),
             (_TC_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
 
 

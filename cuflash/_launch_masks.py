@@ -344,16 +344,25 @@ def _dbias_target(spec, ms):
     return shape, (int(sb), int(st[nl - 1]), int(st[-2]), int(st[-1])), mode, summed
 
 
-def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic):
-    """The prepared masked backward: ``run(do, q, k, v, o, lse, bias, slopes, seed)``."""
-    from ._launch_bwd import _plans
+def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
+    """The prepared masked backward: ``run(do, q, k, v, o, lse, bias, slopes, seed)``.
+
+    float16/bfloat16 run flash_bwd_tc_masked where the plain call would run flash_bwd_tc
+    (:mod:`cuflash._launch_masks_tc`), everything else the SIMT kernels below;
+    ``kernel`` ("flash_bwd_tc_masked" or "flash_bwd_dkdv_masked") forces one (tests).
+    """
+    from ._launch_bwd import _plans, plan_backward
     from .reference import sum_to_shape
     xp = runtime.xp
     dtype, acc = spec.dtype, _acc_dtype(spec.dtype)
     Nq, Nk, d, dv = spec.Nq, spec.Nk, spec.d, spec.dv
+    main = plan_backward(runtime, d, dv, dtype, spec.block_q, spec.block_kv, kernel, masked=True)
+    B, H = problem_dims(spec.lead)
+    if main.kernel == "flash_bwd_tc_masked" and Nq and Nk and B * H:
+        from ._launch_masks_tc import build_bwd_tc
+        return build_bwd_tc(runtime, spec, ms, main, do, q, k, v, o, deterministic)
     plan, dq_plan, pre_plan = _plans(runtime, d, dv, dtype, spec.block_q, spec.block_kv,
                                      masked=True)
-    B, H = problem_dims(spec.lead)
     Hk, group = kv_heads_for_kernel(spec)
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     want_db = ms.return_dbias
@@ -504,9 +513,10 @@ def tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_
     return run(do, q, k, v, o, lse, bias, alibi_slopes, seed)
 
 
-def flash_bwd_masked(runtime, do, q, k, v, o, lse, spec, ms, deterministic=False):
-    """The masked backward for a validated call (tests call it with a race-checked runtime)."""
-    return _build_bwd(runtime, spec, ms, do, q, k, v, o, bool(deterministic))(
+def flash_bwd_masked(runtime, do, q, k, v, o, lse, spec, ms, deterministic=False, kernel=None):
+    """The masked backward for a validated call (tests call it with a race-checked runtime, and
+    ``kernel`` to force flash_bwd_tc_masked or flash_bwd_dkdv_masked)."""
+    return _build_bwd(runtime, spec, ms, do, q, k, v, o, bool(deterministic), kernel)(
         do, q, k, v, o, lse, ms.bias, ms.alibi_slopes, ms.seed)
 
 

@@ -111,6 +111,7 @@ KERNEL_SOURCES = {
     "flash_fwd_serving_masked": "flash_fwd.cu",
     "flash_bwd_dkdv_masked": "flash_bwd.cu",
     "flash_bwd_dq_masked": "flash_bwd.cu",
+    "flash_bwd_tc_masked": "flash_bwd_tc.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
@@ -475,4 +476,10 @@ def compile_variants():
                           ("flash_fwd_tf32_masked", "float32", 64)):
         p = tiling.plan(kernel, d, d, dt, limit=sm80)
         out["flash_fwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
+    # ... and on the tensor-core backward (flash_bwd_tc_masked, its own module): defaults at
+    # d = 64 (query split) and d = 128 (two passes)
+    for dt, d in (("float16", 64), ("bfloat16", 128)):
+        p = tiling.plan("flash_bwd_tc_masked", d, d, dt, limit=sm80)
+        out["flash_bwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None,
+                                                         CUFLASH_BWD_TC_MAIN=None)))
     return out

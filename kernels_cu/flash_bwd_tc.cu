@@ -78,6 +78,22 @@
 // program order (applied in that order: portable.cuh, gred_add); the convert kernel sums
 // the slices in slice order -> bitwise repeatable.
 //
+// Logit features (compiled with -DCUFLASH_MASKS and -DCUFLASH_BWD_TC_MAIN: kernel
+// flash_bwd_tc_masked, three more arguments Bias, Slopes, dBias as flash_bwd_dkdv_masked;
+// masks.cuh; the helpers are the plain ones): with the logits s = softcap(scale Q K^T) + bias
+// + ALiBi of the forward and P = exp(s - lse), masked by causal and window,
+//     dV += (P * keep)^T dO (1 / (1 - p) applied to dV at the end), dP = dO V^T * keep / (1-p)
+//     dS = P * (dP - D);  dbias += dS (pass 0);  softcap: dS *= 1 - tanh^2 before dK and dQ.
+// A row's visible keys are the band i + lo_off <= j < i + hi_off (and j < Nk): Q tiles whose
+// rows see no key of K_j are never loaded (both sides); the band test runs only on tile
+// pairs that cross it, hold keys past Nk or rows past Nq (there no bias is read).  P is kept
+// undropped in pp (dS needs it) with the keep bits of the dropout beside it; 1 - tanh^2 is
+// kept as float16 pairs (dS is rounded to the input dtype right after).  Dropout in the
+// transposed layout: the four lanes g = 4a .. 4a + 3 of one t hold the four keys of a Philox
+// block for each of their queries 2t, 2t + 1 and key rows g, g + 8 -- four blocks, one drawn
+// by each lane, word w = g & 3 passed around by three xor shuffles: one Philox block per
+// four logits.  dbias: stored (each element by its one block) or, broadcast, atomically added.
+//
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
 // CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), all from cuflash.tiling
@@ -90,6 +106,15 @@
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
+#ifdef CUFLASH_MASKS
+#include "masks.cuh"
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
+#define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
+    const float* __restrict__ Slopes, float* __restrict__ dBias
+#else
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc
+#define CUFLASH_BWD_TC_MASK_ARGS
+#endif
 
 // Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
 // builds only the preprocess and convert kernels (they need just the dtype, d and dv);
@@ -267,13 +292,40 @@ flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__
 
 #endif  // !CUFLASH_BWD_TC_MAIN
 
+#if !defined(CUFLASH_BWD_TC_HELPERS) && defined(CUFLASH_MASKS)
+// ------------------------------------------------------------------------------------------
+// The band of visible keys as two offsets: query i sees key j (0 <= i < Nq, 0 <= j < Nk) iff
+// lo_off <= j - i < hi_off (causal: j <= i + causal_offset; window: i + off - left <= j <=
+// i + off + right, off = Nk - Nq).  Clamped to [-Nq, Nk] (j - i lies in (-Nq, Nk)) so that
+// they stay 32-bit.
+struct BwdBand {
+    int lo_off, hi_off;
+    __device__ __forceinline__ BwdBand(const BwdParams& p) {
+        long long lo = -(long long)p.Nq, hi = p.Nk;
+        if (p.mask_window & CUFLASH_WINDOW_LEFT) lo = (long long)p.mask_offset - p.mask_window_left;
+        if (p.causal) hi = (long long)p.causal_offset + 1;
+        if (p.mask_window & CUFLASH_WINDOW_RIGHT) {
+            const long long r = (long long)p.mask_offset + p.mask_window_right + 1;
+            hi = r < hi ? r : hi;
+        }
+        lo_off = (int)(lo < -p.Nq ? -p.Nq : (lo > p.Nk ? p.Nk : lo));
+        hi_off = (int)(hi < -p.Nq ? -p.Nq : (hi > p.Nk ? p.Nk : hi));
+    }
+};
+
+// One of four words by a run-time index without a dynamic register index (local memory).
+__device__ __forceinline__ uint32_t sel4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int i) {
+    return (i & 2) ? ((i & 1) ? w3 : w2) : ((i & 1) ? w1 : w0);
+}
+#endif
+
 #ifndef CUFLASH_BWD_TC_HELPERS
 // ------------------------------------------------------------------------------------------
 // dK, dV, and dQ by float32 reds.  grid n_kv_blocks * Hk * B (folded), kThreads threads.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
-             const elem_t* __restrict__ dO, float* __restrict__ ws, elem_t* __restrict__ dK,
-             elem_t* __restrict__ dV, const BwdParams* __restrict__ P) {
+CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+                      const elem_t* __restrict__ dO, float* __restrict__ ws, elem_t* __restrict__ dK,
+                      elem_t* __restrict__ dV, const BwdParams* __restrict__ P CUFLASH_BWD_TC_MASK_ARGS) {
     CUFLASH_DYNAMIC_SHARED(elem_t, smem);
     elem_t* Ks = smem;                        // (Bc, d+8)        K_j, resident
     elem_t* Vs = Ks + kBc * kKS;              // (Bc, dv+8)       V_j, resident
@@ -302,17 +354,36 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
     const int qh = warp % kQS;                // query half (S^T, dP^T) and column slice (dK, dV)
     const int kw0 = (warp / kQS) * kMT * 16;  // this warp's first key in the tile
     const int qw0 = qh * kBrw;                // this warp's first query of the tile
+#ifdef CUFLASH_MASKS
+    const BwdBand band(p);
+    const bool xform = p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi;
+    const float cap = (float)p.mask_softcap;
+    const float inv_cap = p.mask_softcap > 0 ? (float)(1.0 / p.mask_softcap) : 0.0f;
+    const DropoutKey drop = cuflash_dropout_key(p);
+    const float dv_scale = drop.on ? drop.scale : 1.0f;  // dropout's 1 / (1 - p), on dV
+    const int w4 = g & 3;                     // this lane's word of a shared Philox block
+#endif
 
     for (int jt = fi.tile; jt < p.n_kv_tiles; jt += p.n_kv_blocks) {
         const int kv0 = jt * kBc;
         const int kv_rows = min(kBc, Nk - kv0);
         // causal: Q tiles before the one holding row kv0 - off see no key of this tile
-        int it0 = 0;
+        int it0 = 0, it1 = n_q_tiles;
+#ifdef CUFLASH_MASKS
+        {   // the band: rows kv0 - hi_off + 1 .. kv0 + kv_rows - 1 - lo_off see keys of the tile
+            const long long i_min = (long long)kv0 - band.hi_off + 1;
+            const long long i_max = (long long)kv0 + kv_rows - 1 - band.lo_off;
+            it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
+            it1 = i_max < 0 ? 0 : (i_max >= Nq ? n_q_tiles : (int)(i_max / kBr) + 1);
+            if (it1 < it0) it1 = it0;
+        }
+#else
         if (causal) {
             const long long i_min = (long long)kv0 - off;
             it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
         }
-        const int n_i = n_q_tiles - it0;
+#endif
+        const int n_i = it1 - it0;
         const int T = group * n_i;            // (head, Q tile) pairs this block visits
         elem_t* dKt = dK + (bhk * Nk + kv0) * kD;
         elem_t* dVt = dV + (bhk * Nk + kv0) * kDv;
@@ -373,9 +444,49 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                 const elem_t* dOt = dOs + buf * kBr * kVS;
                 const float* lse_t = lse_s + buf * kBr;
                 const float* D_t = D_s + buf * kBr;
+#ifdef CUFLASH_MASKS
+                // the band test where the tile pair crosses it, or holds keys past Nk or rows
+                // past Nq (whose bias must not be read)
+                const int rows_q = min(kBr, Nq - q0);
+                const bool need_mask = kv_rows < kBc || rows_q < kBr ||
+                                       kv0 - (q0 + rows_q - 1) < band.lo_off || kv0 + kBc - 1 - q0 >= band.hi_off;
+                const float* bias_h = p.mask_has_bias ? Bias + b * p.mask_bias_sb + h * p.mask_bias_sh : nullptr;
+                const float neg_slope = p.mask_has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
+                float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
+                uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
+                // dropout keep bits, bit 4 (mt kNQ + n) + e of element (mt, n, e): at most 64
+                // (cuflash.tiling keeps kMT * kNQ <= 16 for the masked kernel)
+                static_assert(kMT * kNQ <= 16, "the masked backward keeps 64 dropout bits");
+                unsigned long long keep = ~0ull;
+                // dropout, before S^T (the bits depend on the indices only, and few registers
+                // are live here): element e = 2 hh + eq (key row g + 8 hh, query 2t + eq) of
+                // (mt, n) takes word w4 = g & 3 of the block of (query, keys 4m .. 4m + 3)
+                // that lane w4 = e of the four drew; this lane draws block w4 and gets the
+                // other three by xor shuffles over lanes 4, 8, 12 apart
+                if (drop.on) {
+#pragma unroll 1
+                    for (int mn = 0; mn < kMT * kNQ; ++mn) {  // (rolled: one Philox block per step)
+                            const int mt = mn / kNQ, n = mn % kNQ;
+                            uint32_t blk[4];
+                            cuflash_dropout_block(blk, drop.k0, drop.k1, b + p.mask_drop_b0, h,
+                                                  q0 + qw0 + n * 8 + 2 * t + (w4 & 1),
+                                                  (kv0 + kw0 + mt * 16 + 8 * (w4 >> 1)) / 4 + (g >> 2));
+                            const uint32_t own = sel4(blk[0], blk[1], blk[2], blk[3], w4);
+                            const uint32_t r1 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 1), 4);
+                            const uint32_t r2 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 2), 8);
+                            const uint32_t r3 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 3), 12);
+                            unsigned long long dropped = 0;
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                dropped |= (unsigned long long)(sel4(own, r1, r2, r3, w4 ^ e) < drop.threshold) << e;
+                            keep &= ~(dropped << (4 * mn));
+                    }
+                }
+#else
                 // the mask is needed only where the tile crosses the causal boundary or
                 // holds keys past Nk (zero-filled rows of K_j would give s = 0, not -inf)
                 const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);
+#endif
                 const int slice = pass * kQS + qh;  // this warp's dK / dV column slice
 
                 // -- S^T = K_w Q_i^T
@@ -413,6 +524,36 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                     const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
+#ifdef CUFLASH_MASKS
+                        float th[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
+                            const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
+                            const int dd = key - qry;
+                            const bool vis = !need_mask || (key < Nk && qry < Nq && dd >= band.lo_off &&
+                                                            dd < band.hi_off);
+                            float x = -INFINITY;
+                            if (vis) {
+                                if (xform) {
+                                    MaskRow mr;
+                                    mr.bias = bias_h != nullptr ? bias_h + qry * p.mask_bias_sr : nullptr;
+                                    mr.bias_sc = p.mask_bias_sc;
+                                    mr.neg_slope = neg_slope;
+                                    mr.pos = qry + p.mask_offset;
+                                    mr.cap = cap;
+                                    mr.inv_cap = inv_cap;
+                                    x = mr.logit(s[mt][n][e] * (float)p.scale, key, th[e]) * CUFLASH_LOG2E;
+                                } else {
+                                    x = s[mt][n][e] * scale_log2;
+                                }
+                                x -= (e & 1) ? l2.y : l2.x;
+                            }
+                            s[mt][n][e] = cuflash_exp2(x);
+                        }
+                        dsc[mt][n][0] = cvt_pack2<__half>(1.0f - th[0] * th[0], 1.0f - th[1] * th[1]);
+                        dsc[mt][n][1] = cvt_pack2<__half>(1.0f - th[2] * th[2], 1.0f - th[3] * th[3]);
+#else
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
@@ -423,10 +564,20 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                             }
                             s[mt][n][e] = cuflash_exp2(x);
                         }
+#endif
                         pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
                         pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
                     }
                 }
+#ifdef CUFLASH_MASKS
+                // P^T with the dropped elements zeroed (dV's A operand): pair hf of (mt, n)
+                auto kept = [&](int mt, int n, int hf) -> uint32_t {
+                    const uint32_t k = (uint32_t)(keep >> ((mt * kNQ + n) * 4 + 2 * hf));
+                    return pp[mt][n][hf] & (((k & 1u) ? 0xffffu : 0u) | ((k & 2u) ? 0xffff0000u : 0u));
+                };
+#else
+                auto kept = [&](int mt, int n, int hf) -> uint32_t { return pp[mt][n][hf]; };
+#endif
                 // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers
                 if (kQS == 1) {
 #pragma unroll
@@ -434,10 +585,10 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                         uint32_t a[kMT][4];
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
-                            a[mt][0] = pp[mt][2 * kc][0];
-                            a[mt][1] = pp[mt][2 * kc][1];
-                            a[mt][2] = pp[mt][2 * kc + 1][0];
-                            a[mt][3] = pp[mt][2 * kc + 1][1];
+                            a[mt][0] = kept(mt, 2 * kc, 0);
+                            a[mt][1] = kept(mt, 2 * kc, 1);
+                            a[mt][2] = kept(mt, 2 * kc + 1, 0);
+                            a[mt][3] = kept(mt, 2 * kc + 1, 1);
                         }
                         mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
                     }
@@ -448,8 +599,8 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
 #pragma unroll
                         for (int kc = 0; kc < kBrw / 16; ++kc)
                             store_pair_tile(Ps + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
-                                            pp[mt][2 * kc][0], pp[mt][2 * kc][1], pp[mt][2 * kc + 1][0],
-                                            pp[mt][2 * kc + 1][1]);
+                                            kept(mt, 2 * kc, 0), kept(mt, 2 * kc, 1), kept(mt, 2 * kc + 1, 0),
+                                            kept(mt, 2 * kc + 1, 1));
                 }
                 // -- dP^T = V_w dO_i^T
                 float dp[kMT][kNQ][4];
@@ -486,8 +637,39 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                         for (int hh = 0; hh < 2; ++hh) {
                             float p0, p1;
                             unpack2<elem_t>(pp[mt][n][hh], p0, p1);
+#ifdef CUFLASH_MASKS
+                            float dp0 = dp[mt][n][2 * hh], dp1 = dp[mt][n][2 * hh + 1];
+                            if (drop.on) {  // dP of the dropped product: keep / (1 - p)
+                                const uint32_t k = (uint32_t)(keep >> ((mt * kNQ + n) * 4 + 2 * hh));
+                                dp0 = (k & 1u) ? dp0 * drop.scale : 0.0f;
+                                dp1 = (k & 2u) ? dp1 * drop.scale : 0.0f;
+                            }
+                            float ds0 = p0 * (dp0 - dd.x), ds1 = p1 * (dp1 - dd.y);
+                            if (pass == 0 && p.mask_dbias) {  // dbias = dS, visible elements only
+                                const int key = kv0 + kw0 + mt * 16 + g + 8 * hh;
+#pragma unroll
+                                for (int eq = 0; eq < 2; ++eq) {
+                                    const int qry = q0 + qw0 + n * 8 + 2 * t + eq;
+                                    const int dd2 = key - qry;
+                                    if (!need_mask || (key < Nk && qry < Nq && dd2 >= band.lo_off && dd2 < band.hi_off)) {
+                                        float* dst = dbias_h + qry * p.mask_dbias_sr + key * p.mask_dbias_sc;
+                                        if (p.mask_dbias == 1) gstore(dst, eq ? ds1 : ds0);
+                                        else gatomic_add(dst, eq ? ds1 : ds0);
+                                    }
+                                }
+                            }
+                            if (cap > 0.0f) {  // d softcap(x) / dx = 1 - tanh^2
+                                float f0, f1;
+                                unpack2<__half>(dsc[mt][n][hh], f0, f1);
+                                ds0 *= f0;
+                                ds1 *= f1;
+                            }
+                            dp[mt][n][2 * hh] = ds0;
+                            dp[mt][n][2 * hh + 1] = ds1;
+#else
                             dp[mt][n][2 * hh] = p0 * (dp[mt][n][2 * hh] - dd.x);
                             dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);
+#endif
                         }
                 }
                 // -- dS^T to dSs (for dQ; with the query split also for dK); without the split
@@ -595,8 +777,14 @@ flash_bwd_tc(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const e
                             for (int n = 0; n < 2 * kVC; ++n) {
                                 const int col = slice * kVC * 16 + n * 8 + 2 * t;
                                 if (kSlices == 1 || col < kDv)
+#ifdef CUFLASH_MASKS
+                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * dv_scale,
+                                                             dv[mt][n][2 * hh + 1] * dv_scale));
+#else
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
+#endif
                             }
                         }
                     }

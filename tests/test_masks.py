@@ -252,6 +252,67 @@ def test_simt_forward_with_features(case, rng):
     oracle.check_forward(o, q, k, v, None, causal, lse=lse, **feat)
 
 
+# The tensor-core backward (flash_bwd_tc_masked) over several tiles in each of its layouts:
+# one warp of 16 keys (32 x 16), the query split of a warp pair (32 x 32), 32 keys per warp
+# (32 x 64), two passes over the head dims (d = 96, 64 x 32); dbias stored (a full bias) and
+# added (broadcast).  (dtype, q shape, k shape, causal, features, block_q, block_kv, det)
+TC_BWD_CASES = [
+    ("float16", (2, 4, 64, 32), (2, 2, 80, 32), "bottom_right",
+     dict(window=(20, 5), bias=(2, 4, 64, 80), alibi_slopes=(4,), softcap=4.0, dropout_p=0.2),
+     32, 16, False),
+    ("bfloat16", (1, 2, 50, 32), (1, 2, 70, 32), False,
+     dict(bias=(2, 1, 70), window=(None, 10)), 32, 32, True),
+    ("float16", (1, 2, 70, 96), (1, 2, 40, 96), "top_left",
+     dict(softcap=2.5, bias=(70, 40)), 64, 32, False),
+    ("float16", (2, 2, 45, 32), (2, 1, 130, 32), False,
+     dict(dropout_p=0.35, alibi_slopes=(2, 2), window=(40, 40)), 32, 64, True),
+]
+
+
+def _tc_bwd_id(c):
+    return _fwd_id(c[:5]) + f"-{c[5]}x{c[6]}" + ("-det" if c[7] else "-atomic")
+
+
+@pytest.mark.parametrize("case", TC_BWD_CASES, ids=_tc_bwd_id)
+def test_tensor_core_backward_with_features(kernel_backend, case, rng):
+    """flash_bwd_tc_masked against the oracle (gradients and dbias), named by the launches."""
+    from cuflash import _launch
+    dtype, qs, ks, causal, feat, bq, bkv, det = case
+    feat = _materialise(rng, feat, dtype)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
+    do = oracle.randn(rng, o.shape, dtype)
+    db = "bias" in feat
+    with _launch.observe_launches() as seen:
+        grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
+                          block_q=bq, block_kv=bkv, deterministic=det, return_dbias=db)
+    if kernel_backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_masked",
+                                               "flash_bwd_tc_dq_convert"]
+    oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
+
+
+def test_simt_backward_with_features(rng):
+    """flash_bwd_dkdv_masked (forced) on a float16 feature call (the planner sends it to
+    flash_bwd_tc_masked): both dQ paths, dbias."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, emulator_backend
+    require_backend("emulator")
+    q, k, v = oracle.qkv(rng, (2, 2, 37, 32), (2, 2, 45, 32), dtype="float16")
+    feat = dict(bias=rng.standard_normal((2, 37, 45)).astype(np.float32), window=(9, 4),
+                softcap=3.0, dropout_p=0.2, seed=5)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, "float16")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
+    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
+    for det in (False, True):
+        with _launch.observe_launches() as seen:
+            grads = _launch_masks.flash_bwd_masked(emulator_backend.runtime(), do, q, k, v, o, lse,
+                                                   spec, ms, det, kernel="flash_bwd_dkdv_masked")
+        assert "flash_bwd_dkdv_masked" in [e["kernel"] for e in seen]
+        oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+
+
 def test_window_rows_that_see_no_key(backend, rng):
     """A window right of the keys (Nq > Nk bottom-right) and a band that misses: 0, -inf."""
     q, k, v = oracle.qkv(rng, (2, 40, 32), (2, 25, 32), dtype="float32")
@@ -328,12 +389,14 @@ def test_backward_against_oracle(backend, case, rng):
                           **feat)
 
 
-def test_forward_then_backward_with_dropout(backend, rng):
-    """The backward regenerates the forward's dropout mask from (dropout_p, seed)."""
-    q, k, v = oracle.qkv(rng, (2, 2, 33, 32), (2, 2, 39, 32), dtype="float32")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_forward_then_backward_with_dropout(backend, rng, dtype):
+    """The backward regenerates the forward's dropout mask from (dropout_p, seed) (float16:
+    both on tensor cores, whose lanes share Philox blocks in different layouts)."""
+    q, k, v = oracle.qkv(rng, (2, 2, 33, 32), (2, 2, 39, 32), dtype=dtype)
     feat = dict(dropout_p=0.3, seed=77, bias=rng.standard_normal((33, 39)).astype(np.float32))
     o, lse = _forward(backend, q, k, v, feat, causal=True)
-    do = oracle.randn(rng, o.shape, "float32")
+    do = oracle.randn(rng, o.shape, dtype)
     grads = _backward(backend, do, q, k, v, o, lse, feat, causal=True, return_dbias=True)
     oracle.check_backward(grads, do, q, k, v, None, True, **feat)
     # another seed is another mask: the gradients differ
@@ -461,8 +524,8 @@ def _all_features(rng, H, Nq, Nk, dtype="float32"):
 
 
 def test_race_check_masked_kernels(rng):
-    """flash_fwd_masked, flash_fwd_tf32_masked, flash_fwd_tc_masked and the masked backward
-    (both dQ paths, dbias atomics) under TSan."""
+    """flash_fwd_masked, flash_fwd_tf32_masked, flash_fwd_tc_masked, the masked backward
+    (both dQ paths, dbias atomics) and flash_bwd_tc_masked (both dQ paths) under TSan."""
     from conftest import require_backend
     from cuflash import _launch_masks, _validate, _validate_masks, kernels
     require_backend("emulator")
@@ -488,6 +551,15 @@ def test_race_check_masked_kernels(rng):
     for det in (True, False):
         grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, bspec, bms, det)
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+        # the tensor-core backward in float16 (dbias atomics: the bias is broadcast over rows)
+        do16 = do.astype(np.float16)
+        bspec16 = _validate.check_backward_inputs(do16, q16, k16, v16, o16, lse16, causal=True,
+                                                  block_q=16, block_kv=16)
+        grads16 = _launch_masks.flash_bwd_masked(
+            rt, do16, q16, k16, v16, o16, lse16, bspec16,
+            _validate_masks.check_masks(bspec16, q16, return_dbias=True, **feat), det,
+            kernel="flash_bwd_tc_masked")
+        oracle.check_backward(grads16, do16, q16, k16, v16, None, True, **feat)
 
 
 def _counted(kernel_backend, fn):
@@ -551,6 +623,56 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
         assert got == tiling.flash_bwd_masked_traffic(
             B, H, Hk, Nq, Nk, d, d, "float32", bp.block_q, bp.block_kv, causal, window,
             bias is not None, alibi, db, det), [e["kernel"] for e in seen]
+
+
+@pytest.mark.parametrize("causal,window,bias,alibi", [
+    (None, (10, 5), None, False),
+    ("bottom_right", (10, None), (77, 130), True),
+    ("top_left", (3, 20), (2, 1, 1, 77), True),
+    (None, (0, 0), (2, 4, 60, 60), False),
+])
+def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, alibi):
+    """float16 with features: flash_fwd_tc_masked and flash_bwd_tc_masked read and write what
+    their models say (window-skipped tiles never loaded, the bias per visible element and
+    pass, dbias stored or added), on both dQ paths."""
+    if kernel_backend.name != "emulator":
+        pytest.skip("byte counters are the emulator's")
+    from cuflash import _launch_bwd, emulator_backend, tiling
+    B, H, Hk, d = 2, 4, 2, 32
+    Nq, Nk = {(77, 130): (77, 130), (2, 1, 1, 77): (130, 77)}.get(bias, (77, 130))
+    if window == (0, 0):
+        Nq = Nk = 60
+    q, k, v = oracle.qkv(rng, (B, H, Nq, d), (B, Hk, Nk, d), dtype="float16")
+    feat = dict(window=window)
+    if bias is not None:
+        feat["bias"] = rng.standard_normal(bias).astype(np.float32)
+    if alibi:
+        feat["alibi_slopes"] = np.full(H, 0.1, np.float32)
+    (o, lse), seen = _counted(kernel_backend, lambda: _forward(
+        kernel_backend, q, k, v, feat, causal=causal or False))
+    rt = emulator_backend.runtime()
+    fp = rt.plan_fwd(d, d, "float16", masked=True)
+    assert [e["kernel"] for e in seen] == ["flash_fwd_tc_masked"]
+    assert (seen[0]["global_bytes_read"], seen[0]["global_bytes_written"]) == \
+        tiling.flash_fwd_masked_traffic(B, H, Nq, Nk, d, d, "float16", fp.block_q, fp.block_kv,
+                                        causal, window, bias is not None, alibi,
+                                        threads=fp.threads)
+    do = oracle.randn(rng, o.shape, "float16")
+    bp = _launch_bwd.plan_backward(rt, d, d, "float16", masked=True)
+    passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
+    db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
+    for det in (True, False):
+        _, seen = _counted(kernel_backend, lambda: _backward(
+            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
+            deterministic=det, return_dbias=bias is not None))
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_masked",
+                                               "flash_bwd_tc_dq_convert"]
+        got = (sum(e["global_bytes_read"] for e in seen),
+               sum(e["global_bytes_written"] for e in seen))
+        splits = _launch_bwd.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
+        assert got == tiling.flash_bwd_tc_masked_traffic(
+            B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
+            bias is not None, alibi, db, splits)
 
 
 def test_window_cost_grows_with_the_window_not_nk():

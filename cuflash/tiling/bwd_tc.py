@@ -55,8 +55,34 @@ BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 6
                                  (128, 64, 128, 64), (128, 64, 64, 128)}) | BWD_TC_EDGE_SPILLS
 
 
-def bwd_tc_layout(bq, bkv, d, dv):
+# flash_bwd_tc_masked (-DCUFLASH_MASKS: the logit features): besides the arrays above it keeps
+# 1 - tanh^2 of the softcap as float16 pairs (as many registers as P^T: mt * block_q / qs / 4)
+# and ~16 registers of feature state (band, softcap, dropout key and keep bits, bias and dbias
+# pointers), so its arrays (P^T counted twice) are held to a lower budget.  Measured with NVRTC
+# 13.0 for sm_80, every feature compiled in: 128 and 144 array floats compiled clean (d = 64 at
+# 64 x 64 query split: 237 registers; d = 128 at 16 x 64: 248; two passes at d = 256, 16 x 64:
+# 255), 160 spilled 16-28 B (d = 128 at 32 x 64; d = 96 at 64 x 64), 192 spilled 24-104 B (the
+# plain defaults at d = 64 and 128).  Its dropout keeps one bit per element of P^T in 64 bits.
+BWD_TC_MASKED_ARRAY_BUDGET = 144
+BWD_TC_MASKED_MAX_BITS = 64
+# (block_q, block_kv, d, dv) of flash_bwd_tc_masked that ptxas spills although the budget
+# accepts them (bench/plan_sweep.py)
+BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
+
+
+def _bwd_tc_masked_arrays(bq, d, dv, mt, passes, qs=1):
+    return _bwd_tc_arrays(bq, d, dv, mt, passes, qs) + mt * (bq // qs // 4)
+
+
+def _bwd_tc_masked_fits(bq, d, dv, mt, passes, qs=1):
+    return (_bwd_tc_masked_arrays(bq, d, dv, mt, passes, qs) <= BWD_TC_MASKED_ARRAY_BUDGET
+            and mt * bq // qs // 2 <= BWD_TC_MASKED_MAX_BITS)
+
+
+def bwd_tc_layout(bq, bkv, d, dv, masked=False):
     """``(warps, keys per warp // 16, passes, query split)`` of flash_bwd_tc, or a str saying why not.
+
+    ``masked``: of flash_bwd_tc_masked (the same choices under its register budget).
 
     In order of preference: 32 keys per warp (mt = 2; half the Q/dO fragment reads per key
     of 16) when its register arrays fit and the tile has at least 64 keys; else 32 keys
@@ -69,9 +95,11 @@ def bwd_tc_layout(bq, bkv, d, dv):
         return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
     if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
         return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
-    if (bq, bkv, d, dv) in BWD_TC_PTXAS_SPILLS:
+    if (bq, bkv, d, dv) in (BWD_TC_MASKED_PTXAS_SPILLS if masked else BWD_TC_PTXAS_SPILLS):
         return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills this plan "
                 "(bench/plan_sweep.py) although its register arrays fit the budget")
+    if masked:
+        return _bwd_tc_masked_layout(bq, bkv, d, dv)
     if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
         return bkv // 32, 2, 1, 1
     if bkv >= 32 and bq % 32 == 0 and _bwd_tc_arrays(bq, d, dv, 2, 1, 2) <= _bwd_tc_budget(1):
@@ -85,37 +113,53 @@ def bwd_tc_layout(bq, bkv, d, dv):
             "which ptxas spills)")
 
 
-def _bwd_tc_qsplit(bq, bkv, d, dv):
-    lay = bwd_tc_layout(bq, bkv, d, dv)
+def _bwd_tc_masked_layout(bq, bkv, d, dv):
+    """bwd_tc_layout's choices, in its order, under flash_bwd_tc_masked's budget."""
+    if bkv >= 64 and _bwd_tc_masked_fits(bq, d, dv, 2, 1):
+        return bkv // 32, 2, 1, 1
+    if bkv >= 32 and bq % 32 == 0 and _bwd_tc_masked_fits(bq, d, dv, 2, 1, 2):
+        return bkv // 16, 2, 1, 2
+    for passes in (1, 2):
+        if _bwd_tc_masked_fits(bq, d, dv, 1, passes):
+            return bkv // 16, 1, passes, 1
+    need = _bwd_tc_masked_arrays(bq, d, dv, 1, 2)
+    return (f"block_q={bq} with d={d}, dv={dv} needs {need} register floats per thread in the "
+            f"backward with logit features (P^T, 1 - tanh^2 of the softcap, dP^T and half of dK, "
+            f"dV in two passes; limit {BWD_TC_MASKED_ARRAY_BUDGET}, beyond which ptxas spills)")
+
+
+def _bwd_tc_qsplit(bq, bkv, d, dv, masked=False):
+    lay = bwd_tc_layout(bq, bkv, d, dv, masked)
     return 1 if isinstance(lay, str) else lay[3]
 
 
-def _bwd_tc_shared(bq, bkv, d, dv, acc):
-    ps = bkv * (bq + 8) if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else 0
-    return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
-                + bkv * (bq + 8) + ps) + 16 * bq
+def _bwd_tc_fns(masked):
+    """The KernelTiling functions of flash_bwd_tc (``masked``: of flash_bwd_tc_masked)."""
+    def shared(bq, bkv, d, dv, acc):
+        ps = bkv * (bq + 8) if _bwd_tc_qsplit(bq, bkv, d, dv, masked) == 2 else 0
+        return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
+                    + bkv * (bq + 8) + ps) + 16 * bq
 
+    def layout_text(bq, bkv, d, dv, acc):
+        ps = f" + Ps[{bkv}][{bq + 8}]" if _bwd_tc_qsplit(bq, bkv, d, dv, masked) == 2 else ""
+        return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
+                f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}]{ps}, float lse2_s[2][{bq}] + "
+                f"D_s[2][{bq}]")
 
-def _bwd_tc_layout_text(bq, bkv, d, dv, acc):
-    ps = f" + Ps[{bkv}][{bq + 8}]" if _bwd_tc_qsplit(bq, bkv, d, dv) == 2 else ""
-    return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
-            f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}]{ps}, float lse2_s[2][{bq}] + D_s[2][{bq}]")
+    def check(bq, bkv, d, dv):
+        lay = bwd_tc_layout(bq, bkv, d, dv, masked)
+        return lay if isinstance(lay, str) else None
 
+    def threads(bq, bkv, d, dv):
+        lay = bwd_tc_layout(bq, bkv, d, dv, masked)
+        return 32 * lay[0] if not isinstance(lay, str) else 32
 
-def _bwd_tc_check(bq, bkv, d, dv):
-    lay = bwd_tc_layout(bq, bkv, d, dv)
-    return lay if isinstance(lay, str) else None
-
-
-def _bwd_tc_threads(bq, bkv, d, dv):
-    lay = bwd_tc_layout(bq, bkv, d, dv)
-    return 32 * lay[0] if not isinstance(lay, str) else 32
-
-
-def _bwd_tc_defines(bq, bkv, d, dv):
-    lay = bwd_tc_layout(bq, bkv, d, dv)
-    return ({"CUFLASH_BWD_PASSES": lay[2], "CUFLASH_BWD_QSPLIT": lay[3]}
-            if not isinstance(lay, str) else {})
+    def defines(bq, bkv, d, dv):
+        lay = bwd_tc_layout(bq, bkv, d, dv, masked)
+        return ({"CUFLASH_BWD_PASSES": lay[2], "CUFLASH_BWD_QSPLIT": lay[3]}
+                if not isinstance(lay, str) else {})
+    return dict(shared_bytes=shared, layout=layout_text, check=check, threads=threads,
+                defines=defines)
 
 
 def _bwd_tc_preferences(d, dv, acc):
@@ -131,17 +175,14 @@ def _bwd_tc_preferences(d, dv, acc):
     return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
 
 
-register(KernelTiling(
-    name="flash_bwd_tc",
-    block_q_choices=BWD_TC_TILE_CHOICES,
-    block_kv_choices=BWD_TC_TILE_CHOICES,
-    shared_bytes=_bwd_tc_shared,
-    threads=_bwd_tc_threads,
-    preferences=_bwd_tc_preferences,
-    layout=_bwd_tc_layout_text,
-    check=_bwd_tc_check,
-    defines=_bwd_tc_defines,
-))
+for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
+    register(KernelTiling(
+        name=_name,
+        block_q_choices=BWD_TC_TILE_CHOICES,
+        block_kv_choices=BWD_TC_TILE_CHOICES,
+        preferences=_bwd_tc_preferences,
+        **_bwd_tc_fns(_masked),
+    ))
 
 # the helpers of flash_bwd_tc.cu (their own module: dtype, d, dv only); no shared memory
 for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
@@ -157,33 +198,35 @@ for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
 
 
 def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
-                   limit_source="unlimited", kernel=None, tensor_cores=True):
+                   limit_source="unlimited", kernel=None, tensor_cores=True, masked=False):
     """The backward's plan: flash_bwd_tc (tensor cores) or flash_bwd_dkdv (SIMT), with tiles.
 
     float16/bfloat16 run flash_bwd_tc when ``tensor_cores`` (sm_80+), the head dims are
     multiples of 16 and any explicit tiles are ones it takes; everything else (and what
     does not fit the limit there) runs the SIMT kernels of flash_bwd.cu.  ``kernel``
-    forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).
+    forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).  ``masked``: a call with
+    logit features -- the same choice between flash_bwd_tc_masked and flash_bwd_dkdv_masked.
     """
     name = _dtype_name(dtype)
+    tc_name = "flash_bwd_tc_masked" if masked else "flash_bwd_tc"
     if kernel is None:
-        tc = kernel_tiling("flash_bwd_tc")
+        tc = kernel_tiling(tc_name)
         if tensor_cores and name in TC_DTYPES:
             if ((block_q is None or block_q in tc.block_q_choices)
                     and (block_kv is None or block_kv in tc.block_kv_choices)
                     and d % 16 == 0 and dv % 16 == 0):
                 try:
-                    return plan("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit=limit,
+                    return plan(tc_name, d, dv, dtype, block_q, block_kv, limit=limit,
                                 limit_source=limit_source)
                 except ValueError as e:
-                    _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv,
+                    _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv,
                                              limit, limit_source, str(e))
             elif d % 16 == 0 and dv % 16 == 0:
-                _refuse_off_tensor_cores("flash_bwd_tc", d, dv, dtype, block_q, block_kv, limit,
+                _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
                                          limit_source, None)
-        kernel = "flash_bwd_dkdv"
-    if kernel == "flash_bwd_tc" and name not in TC_DTYPES:
-        raise ValueError(f"flash_bwd_tc runs {TC_DTYPES} only, got {name}")
+        kernel = "flash_bwd_dkdv_masked" if masked else "flash_bwd_dkdv"
+    if kernel in ("flash_bwd_tc", "flash_bwd_tc_masked") and name not in TC_DTYPES:
+        raise ValueError(f"{kernel} runs {TC_DTYPES} only, got {name}")
     return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
 
 

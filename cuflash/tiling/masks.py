@@ -161,3 +161,70 @@ def flash_bwd_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block
             read += bh * seen * acc
         written += bh * Nq * d * isz
     return read, written
+
+
+def _band_offsets(Nq, Nk, causal, window):
+    """(lo_off, hi_off): query i sees key j iff lo_off <= j - i < hi_off (and 0 <= j < Nk), the
+    band of flash_bwd_tc_masked (kernels_cu/flash_bwd_tc.cu, BwdBand)."""
+    lo, hi = -Nq, Nk
+    left, right = (-1, -1) if window is None else (-1 if s is None else s for s in window)
+    if left >= 0:
+        lo = Nk - Nq - left
+    if causal is not None:
+        hi = (Nk - Nq if causal == "bottom_right" else 0) + 1
+    if right >= 0:
+        hi = min(hi, Nk - Nq + right + 1)
+    return max(-Nq, min(Nk, lo)), max(-Nq, min(Nk, hi))
+
+
+def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
+                                threads, passes=1, causal=None, window=None, bias=False,
+                                alibi=False, dbias=None, n_splits=1):
+    """Exact global bytes (read, written) of a backward call on flash_bwd_tc_masked.
+
+    flash_bwd_tc_preprocess, flash_bwd_tc_masked and flash_bwd_tc_dq_convert, 16-bit
+    inputs: as :func:`cuflash.tiling.flash_bwd_tc_traffic`, with the Q tiles of a KV tile
+    limited to those whose rows' bands reach it (both sides), the Q/dO tiles loaded once per
+    pass (``passes``: 2 for the two-pass layouts), and the features: a bias element (float32)
+    per visible (row, key) and pass; one ALiBi slope per thread, (Q tile, head) step and
+    pass; ``dbias`` "store" (a write per visible element) or "atomic" (a read and a write).
+    """
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    lo_off, hi_off = _band_offsets(Nq, Nk, causal, window)
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    nq_pad = nq_t * block_q
+    lo, hi = visible_keys(Nq, Nk, causal, window)
+    seen = int(np.maximum(hi - lo, 0).sum())
+    read = bh * (Nq * (2 * dv * 2 + 4))
+    written = bh * (nq_pad * 8 + n_splits * Nq * d * 4)
+    steps = 0
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        kv_rows = min(block_kv, Nk - kv0)
+        i_min, i_max = kv0 - hi_off + 1, kv0 + kv_rows - 1 - lo_off
+        it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        it1 = 0 if i_max < 0 else (nq_t if i_max >= Nq else i_max // block_q + 1)
+        it1 = max(it1, it0)
+        written += bhk * kv_rows * (d + dv) * 2
+        if it1 == it0:
+            continue
+        q_rows = min(Nq, it1 * block_q) - it0 * block_q
+        steps += group * (it1 - it0)
+        read += bhk * kv_rows * (d + dv) * 2
+        read += passes * bhk * group * (q_rows * (d + dv) * 2 + (it1 - it0) * block_q * 8)
+        read += bhk * group * q_rows * d * 4
+        written += bhk * group * q_rows * d * 4
+    if bias:
+        read += passes * bh * seen * 4
+    if alibi:
+        read += passes * bhk * steps * threads * 4
+    if dbias == "store":
+        written += bh * seen * 4
+    elif dbias == "atomic":
+        read += bh * seen * 4
+        written += bh * seen * 4
+    read += n_splits * bh * Nq * d * 4
+    written += bh * Nq * d * 2
+    return read, written
