@@ -54,7 +54,7 @@ from ._validate import check_backward_inputs
 from .reference import sum_to_shape
 
 __all__ = ["tiled_attention_backward", "flash_bwd", "kv_heads_for_kernel", "kernels_needed",
-           "plan_backward", "dq_splits"]
+           "plan_backward", "dq_splits", "tc_setup"]
 
 _FILE = "flash_bwd.cu"
 _TC_FILE = "flash_bwd_tc.cu"
@@ -179,6 +179,54 @@ def _aligned_inputs(arrays, strides):
     return all(aligned16(x, s) for x, s in zip(arrays, strides))
 
 
+class _TcSetup:
+    """What one tensor-core backward call needs besides its kernels (:func:`tc_setup`)."""
+
+
+def tc_setup(runtime, spec, plan, q, k, v, o, do, deterministic):
+    """The shapes, strides, workspace, grids and BwdParams fields of a tensor-core backward
+    call (flash_bwd_tc, and flash_bwd_tc_masked with the features' fields added)."""
+    Nq, Nk, d = spec.Nq, spec.Nk, spec.d
+    B, H = problem_dims(spec.lead)
+    Hk, group = kv_heads_for_kernel(spec)
+    t = _TcSetup()
+    t.want, t.summed, t.alloc_shape = _outputs(spec, q, k, v, Hk)
+    grouped = group > 1
+    t.groups_of = (False, grouped, grouped, False, False)
+    flat = [flatten_lead(runtime, x, spec.lead, gr) for x, gr in zip((q, k, v, o, do), t.groups_of)]
+    t.strides = [st for _, st in flat]
+    t.copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
+    qs, ks, vs, os_, dos = t.strides
+    bq, bkv = plan.block_q, plan.block_kv
+    n_q_tiles, n_kv_tiles = -(-Nq // bq), -(-Nk // bkv)
+    nq_pad = n_q_tiles * bq
+    n_splits = dq_splits(runtime, plan, n_kv_tiles, B * Hk, deterministic)
+    n_kv_blocks = n_splits if deterministic else n_kv_tiles
+    n_rows = B * H * Nq
+    rows_pad = B * H * nq_pad
+    t.ws_size = 2 * rows_pad + n_splits * n_rows * d  # lse2, D, then the dQ accumulator slices
+    # preprocess: a GPU gets blocks of 64 rows; the emulator (which starts every block's
+    # threads) one block per head
+    pre_rows = 64 if runtime.name == "cuda" else nq_pad
+    n_pre = -(-nq_pad // pre_rows)
+    t.fields = dict(
+        q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
+        v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
+        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d,
+        dq_accum_offset=2 * rows_pad, scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
+        causal=int(spec.causal is not None),
+        causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
+        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
+        d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
+        n_kv_blocks=n_kv_blocks)
+    what = f"the backward (Nq={Nq}, Nk={Nk})"
+    t.pre_grid = fold_grid(n_pre, H, B, what)
+    t.main_grid = fold_grid(n_kv_blocks, Hk, B, what)
+    t.conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),
+                               _CONVERT_BLOCKS.get(runtime.name, 4)))
+    return t
+
+
 def _build(runtime, spec, do, q, k, v, o, deterministic, kernel=None):
     """The prepared backward: ``run(do, q, k, v, o, lse) -> (dq, dk, dv)``."""
     main = plan_backward(runtime, spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
@@ -191,53 +239,21 @@ def _build_tc(runtime, spec, plan, do, q, k, v, o, deterministic, kernel):
     """The tensor-core backward (flash_bwd_tc.cu) for float16/bfloat16."""
     xp = runtime.xp
     dtype = spec.dtype
-    Nq, Nk, d = spec.Nq, spec.Nk, spec.d
     B, H = problem_dims(spec.lead)
-    Hk, group = kv_heads_for_kernel(spec)
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
-    if Nq == 0 or Nk == 0 or B * H == 0:
+    if spec.Nq == 0 or spec.Nk == 0 or B * H == 0:
         def run_empty(do, q, k, v, o, lse):
             return (xp.zeros(q_shape, dtype), xp.zeros(k_shape, dtype), xp.zeros(v_shape, dtype))
         return run_empty
 
     lead = spec.lead
-    want, summed, alloc_shape = _outputs(spec, q, k, v, Hk)
-    grouped = group > 1
-    groups_of = (False, grouped, grouped, False, False)
-    flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
-    strides = [st for _, st in flat]
-    copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
-    qs, ks, vs, os_, dos = strides
-
-    bq, bkv = plan.block_q, plan.block_kv
-    n_q_tiles, n_kv_tiles = -(-Nq // bq), -(-Nk // bkv)
-    nq_pad = n_q_tiles * bq
-    n_splits = dq_splits(runtime, plan, n_kv_tiles, B * Hk, deterministic)
-    n_kv_blocks = n_splits if deterministic else n_kv_tiles
-    n_rows = B * H * Nq
-    rows_pad = B * H * nq_pad
-    ws_size = 2 * rows_pad + n_splits * n_rows * d  # lse2, D, then the dQ accumulator slices
-    # preprocess: a GPU gets blocks of 64 rows; the emulator (which starts every block's
-    # threads) one block per head
-    pre_rows = 64 if runtime.name == "cuda" else nq_pad
-    n_pre = -(-nq_pad // pre_rows)
-    params = make_params(
-        runtime, "BwdParams",
-        q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
-        v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
-        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d,
-        dq_accum_offset=2 * rows_pad, scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
-        causal=int(spec.causal is not None),
-        causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
-        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
-        d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
-        n_kv_blocks=n_kv_blocks)
+    t = tc_setup(runtime, spec, plan, q, k, v, o, do, deterministic)
+    want, summed, alloc_shape = t.want, t.summed, t.alloc_shape
+    groups_of, strides, copies = t.groups_of, t.strides, t.copies
+    ws_size = t.ws_size
+    params = make_params(runtime, "BwdParams", **t.fields)
     pre, main, conv = kernels.get_functions(runtime, _tc_requests(plan))
-    what = f"the backward (Nq={Nq}, Nk={Nk})"
-    pre_grid = fold_grid(n_pre, H, B, what)
-    main_grid = fold_grid(n_kv_blocks, Hk, B, what)
-    conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),
-                             _CONVERT_BLOCKS.get(runtime.name, 4)))
+    pre_grid, main_grid, conv_blocks = t.pre_grid, t.main_grid, t.conv_blocks
     rt_name = runtime.name
     emulator = rt_name == "emulator"
     sum_back = _sum_back(xp, _acc_dtype(dtype), dtype, want, summed)

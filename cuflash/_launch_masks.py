@@ -40,9 +40,9 @@ from ._launch import (_collapse, _elem_strides, aligned16, alloc_output, cached_
                       flatten_lead, fold_grid, kv_heads_for_kernel, launch, make_params,
                       pointer_arg, problem_dims, record_copy)
 from ._validate import check_attention_inputs, check_backward_inputs
-from ._validate_masks import check_masks, mask_key
+from ._validate_masks import check_masks
 
-__all__ = ["wanted", "tiled_attention", "tiled_attention_backward", "mask_fields",
+__all__ = ["wanted", "tiled_attention", "tiled_attention_backward", "mask_fields", "dbias_fields", "dbias_result",
            "flash_fwd_masked", "flash_bwd_masked", "memory_analysis"]
 
 _FWD_FILE, _BWD_FILE = "flash_fwd.cu", "flash_bwd.cu"
@@ -344,6 +344,16 @@ def _dbias_target(spec, ms):
     return shape, (int(sb), int(st[nl - 1]), int(st[-2]), int(st[-1])), mode, summed
 
 
+def dbias_fields(spec, ms):
+    """``(BwdParams fields, accumulator shape, summed)`` of the call's dbias (``{}, None,
+    None`` without ``return_dbias``): see :func:`_dbias_target`."""
+    if not ms.return_dbias:
+        return {}, None, None
+    shape, st, mode, summed = _dbias_target(spec, ms)
+    return (dict(mask_dbias=mode, mask_dbias_sb=st[0], mask_dbias_sh=st[1], mask_dbias_sr=st[2],
+                 mask_dbias_sc=st[3]), shape, summed)
+
+
 def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     """The prepared masked backward: ``run(do, q, k, v, o, lse, bias, slopes, seed)``.
 
@@ -402,12 +412,7 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     n_q_tiles = -(-Nq // dq_plan.block_q)
     n_kv_tiles = -(-Nk // plan.block_kv)
     bias_st, slope_st = _strides(runtime, spec, ms, acc)
-    db_fields = {}
-    db_shape = db_mode = db_summed = None
-    if want_db:
-        db_shape, db_st, db_mode, db_summed = _dbias_target(spec, ms)
-        db_fields = dict(mask_dbias=db_mode, mask_dbias_sb=db_st[0], mask_dbias_sh=db_st[1],
-                         mask_dbias_sr=db_st[2], mask_dbias_sc=db_st[3])
+    db_fields, db_shape, db_summed = dbias_fields(spec, ms)
     fields = dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
@@ -475,13 +480,20 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
         else:
             launch(rt_name, fn, name, grid, block,
                    (q_, k_, v_, do_, lse, ws, dq, params, b_arr, s_arr), smem)
-        out = (sum_back(dq, "dq"), sum_back(dk, "dk"), sum_back(dv_, "dv"))
-        if want_db:
-            if db_summed:
-                db = sum_to_shape(db, ms.bias_shape)
-            out += (xp.ascontiguousarray(db.reshape(ms.bias_shape).astype(bias_dtype)),)
-        return out
+        return (sum_back(dq, "dq"), sum_back(dk, "dk"), sum_back(dv_, "dv")) + \
+            dbias_result(xp, ms, db, db_summed)
     return run
+
+
+def dbias_result(xp, ms, db, summed):
+    """``(dbias,)`` from the kernels' accumulator ``db`` (summed over the batch axes it spans
+    when ``summed``), in the bias's shape and dtype; ``()`` without ``return_dbias``."""
+    if not ms.return_dbias:
+        return ()
+    from .reference import sum_to_shape
+    if summed:
+        db = sum_to_shape(db, ms.bias_shape)
+    return (xp.ascontiguousarray(db.reshape(ms.bias_shape).astype(ms.bias.dtype)),)
 
 
 def tiled_attention_backward(runtime, do, q, k, v, o, lse, scale, causal, block_q, block_kv,

@@ -569,28 +569,38 @@ def _counted(kernel_backend, fn):
     return out, seen
 
 
-@pytest.mark.parametrize("causal,window,bias,alibi", [
+def _traffic_case(rng, window, bias, alibi, dtype):
+    """(B, H, Hk, d, Nq, Nk, q, k, v, features) of a traffic test: GQA 4/2, the lengths the
+    bias names (or 60 x 60 for the one-key window)."""
+    B, H, Hk, d = 2, 4, 2, 32
+    Nq, Nk = {(77, 130): (77, 130), (2, 1, 1, 77): (130, 77)}.get(bias, (77, 130))
+    if window == (0, 0):
+        Nq = Nk = 60
+    q, k, v = oracle.qkv(rng, (B, H, Nq, d), (B, Hk, Nk, d), dtype=dtype)
+    feat = dict(window=window)
+    if bias is not None:
+        feat["bias"] = rng.standard_normal(bias).astype(np.float32)
+    if alibi:
+        feat["alibi_slopes"] = np.full(H, 0.1, np.float32)
+    return B, H, Hk, d, Nq, Nk, q, k, v, feat
+
+
+TRAFFIC_CASES = [
     (None, (10, 5), None, False),
     ("bottom_right", (10, None), (77, 130), True),
     ("top_left", (3, 20), (2, 1, 1, 77), True),
     (None, (0, 0), (2, 4, 60, 60), False),
-])
+]
+
+
+@pytest.mark.parametrize("causal,window,bias,alibi", TRAFFIC_CASES)
 def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, alibi):
     """The emulator's byte counters equal the model: window-skipped tiles never loaded, the
     bias read per visible element, dbias stored (full bias) or added (broadcast)."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
-    B, H, Hk, d = 2, 4, 2, 32
-    Nq, Nk = {(77, 130): (77, 130), (2, 1, 1, 77): (130, 77)}.get(bias, (77, 130))
-    if window == (0, 0):
-        Nq = Nk = 60
-    q, k, v = oracle.qkv(rng, (B, H, Nq, d), (B, Hk, Nk, d), dtype="float32")
-    feat = dict(window=window)
-    if bias is not None:
-        feat["bias"] = rng.standard_normal(bias).astype(np.float32)
-    if alibi:
-        feat["alibi_slopes"] = np.full(H, 0.1, np.float32)
+    B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, bias, alibi, "float32")
     (o, lse), seen = _counted(kernel_backend, lambda: _forward(
         kernel_backend, q, k, v, feat, causal=causal or False))
     rt = emulator_backend.runtime()
@@ -625,12 +635,7 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
             bias is not None, alibi, db, det), [e["kernel"] for e in seen]
 
 
-@pytest.mark.parametrize("causal,window,bias,alibi", [
-    (None, (10, 5), None, False),
-    ("bottom_right", (10, None), (77, 130), True),
-    ("top_left", (3, 20), (2, 1, 1, 77), True),
-    (None, (0, 0), (2, 4, 60, 60), False),
-])
+@pytest.mark.parametrize("causal,window,bias,alibi", TRAFFIC_CASES)
 def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, alibi):
     """float16 with features: flash_fwd_tc_masked and flash_bwd_tc_masked read and write what
     their models say (window-skipped tiles never loaded, the bias per visible element and
@@ -638,16 +643,7 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import _launch_bwd, emulator_backend, tiling
-    B, H, Hk, d = 2, 4, 2, 32
-    Nq, Nk = {(77, 130): (77, 130), (2, 1, 1, 77): (130, 77)}.get(bias, (77, 130))
-    if window == (0, 0):
-        Nq = Nk = 60
-    q, k, v = oracle.qkv(rng, (B, H, Nq, d), (B, Hk, Nk, d), dtype="float16")
-    feat = dict(window=window)
-    if bias is not None:
-        feat["bias"] = rng.standard_normal(bias).astype(np.float32)
-    if alibi:
-        feat["alibi_slopes"] = np.full(H, 0.1, np.float32)
+    B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, bias, alibi, "float16")
     (o, lse), seen = _counted(kernel_backend, lambda: _forward(
         kernel_backend, q, k, v, feat, causal=causal or False))
     rt = emulator_backend.runtime()
@@ -696,7 +692,6 @@ def test_backward_window_skips_tiles(kernel_backend, rng):
     """A narrow window: the backward kernels load few K/V (dq) and Q (dkdv) tiles."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
-    from cuflash import tiling
     q, k, v = oracle.qkv(rng, (1, 1, 512, 32), (1, 1, 512, 32), dtype="float32")
     o, lse, _ = oracle.attention(q, k, v, None, True, window=(8, 0))
     o, lse = o.astype(np.float32), lse.astype(np.float32)
