@@ -1,6 +1,7 @@
 """The planner accepts no tensor-core plan that spills registers (issue 12).
 
-cuflash.tiling accepts flash_fwd_tc / flash_fwd_tf32 / flash_bwd_tf32 plans from a register
+cuflash.tiling accepts flash_fwd_tc / flash_fwd_tf32 / flash_bwd_tf32 plans (and the _masked
+kernels of the logit features: flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked) from a register
 budget (and gives a plan 16 query rows per warp instead of 32 where 32 would not fit).  Here
 the largest accepted plans of each kind -- the most accumulator registers with 32 and with 16
 rows per warp, the largest head dim -- are compiled with NVRTC for sm_80 and must report no
@@ -12,6 +13,7 @@ import os
 import pytest
 
 from cuflash import _nvrtc, tiling
+from cuflash.tiling import bwd_tc
 
 ok, why = _nvrtc.is_available()
 if not ok and os.environ.get("CI"):
@@ -28,11 +30,22 @@ def _largest_plans():
     spec.loader.exec_module(sweep)
     picks = []
     for kernel, dtype in (("flash_fwd_tc", "float16"), ("flash_fwd_tf32", "float32"),
-                          ("flash_bwd_tf32", "float32")):
+                          ("flash_bwd_tf32", "float32"), ("flash_fwd_tc_masked", "float16"),
+                          ("flash_fwd_tf32_masked", "float32"), ("flash_bwd_tc_masked", "float16")):
         plans = [p for p in sweep.accepted_plans(kernel, 80) if p.dtype == dtype]
         if kernel == "flash_bwd_tf32":
             key = lambda p: ((p.d + p.dv) // 2 + p.block_q, p.block_kv, p.d)  # noqa: E731
             classes = {None: plans}
+        elif kernel == "flash_bwd_tc_masked":
+            # the most register-array floats, per layout (passes, query split)
+            def key(p):
+                w, mt, passes, qs = bwd_tc.bwd_tc_layout(p.block_q, p.block_kv, p.d, p.dv, True)
+                return (bwd_tc._bwd_tc_masked_arrays(p.block_q, p.d, p.dv, mt, passes, qs),
+                        p.block_kv, p.d)
+            classes = {}
+            for p in plans:
+                classes.setdefault(bwd_tc.bwd_tc_layout(p.block_q, p.block_kv, p.d, p.dv, True)[2:],
+                                   []).append(p)
         else:
             key = lambda p: (tiling.tc_acc_regs(p.kernel, p.block_q, p.block_kv, p.d, p.dv),  # noqa: E731
                              p.block_kv, p.d)

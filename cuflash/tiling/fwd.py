@@ -3,6 +3,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._fwd_tc_masked_spills import FWD_TC_MASKED_SPILLS, FWD_TF32_MASKED_SPILLS
 from .core import KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
 
 
@@ -199,6 +200,10 @@ def _tc_check(kernel):
             return f"{kernel} needs d and dv multiples of 16, got d={d}, dv={dv}"
         if max(d, dv) > 256:
             return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
+        if (bq, bkv, d, dv) in TC_MASKED_PTXAS_SPILLS.get(kernel, ()):
+            return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills {kernel} "
+                    "here (bench/plan_sweep.py) although the plain kernel's register budget "
+                    "accepts it")
         n = tc_acc_regs(kernel, bq, bkv, d, dv)
         if n > TC_MAX_ACC_REGS[_tc_base(kernel)]:
             return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
@@ -231,6 +236,9 @@ def _tc_preferences(kernel):
 # tensor-core forward (kernels_cu/flash_fwd_tc.cu), planned with the plain kernels' tiles and
 # rules; their own names so that the spill sweep (bench/plan_sweep.py) holds them separately.
 TC_MASKED_KERNELS = ("flash_fwd_tc_masked", "flash_fwd_tf32_masked")
+# the plans of those that ptxas spills (cuflash/tiling/_fwd_tc_masked_spills.py): refused
+TC_MASKED_PTXAS_SPILLS = {"flash_fwd_tc_masked": FWD_TC_MASKED_SPILLS,
+                          "flash_fwd_tf32_masked": FWD_TF32_MASKED_SPILLS}
 
 for _k in TC_KERNELS + TC_MASKED_KERNELS:
     register(KernelTiling(
