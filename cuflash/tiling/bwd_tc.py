@@ -66,8 +66,16 @@ BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 6
 BWD_TC_MASKED_ARRAY_BUDGET = 144
 BWD_TC_MASKED_MAX_BITS = 64
 # (block_q, block_kv, d, dv) of flash_bwd_tc_masked that ptxas spills although the budget
-# accepts them (bench/plan_sweep.py)
-BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
+# accepts them: bench/plan_sweep.py compiled every plan the budget accepts (families
+# flash_bwd_tc_masked and its d != dv sample, float16 and bfloat16, sm_80 for the limits of
+# sm_80/86/89 and sm_90: 860 compiles); 26 spilled 4-156 B -- block_q = 128 at d = 16 (one
+# warp of 16 keys against 128 queries: 64 keep bits and 16 query tiles of P^T), d = 80 at
+# 64 x 32..128 and d = 192, dv = 128 at 64 x 32 / 64 x 128 (sm_90) -- refused on every
+# architecture.  Rows: bench/results/plan_sweep.json.
+BWD_TC_MASKED_PTXAS_SPILLS = frozenset({
+    (64, 32, 80, 80), (64, 64, 80, 80), (64, 128, 80, 80), (64, 32, 192, 128), (64, 128, 192, 128),
+    (128, 16, 16, 16), (128, 32, 16, 16), (128, 64, 16, 16), (128, 128, 16, 16),
+})
 
 
 def _bwd_tc_masked_arrays(bq, d, dv, mt, passes, qs=1):
