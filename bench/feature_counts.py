@@ -34,17 +34,15 @@ from cuflash.tiling import bwd_tc  # noqa: E402
 
 KERNELS_CU = ROOT / "kernels_cu"
 
-LOGIT = """        th = 0;
-        if (cap != acc_t(0)) {
-            th = acc_tanh(s * inv_cap);
-            s = cap * th;
-        }
-        if (bias != nullptr) s += gload(bias + (long long)j * bias_sc);
-        if (neg_slope != acc_t(0)) {
-            const int dist = pos - j;
-            s += neg_slope * (acc_t)(dist < 0 ? -dist : dist);
-        }
-        return s;"""
+
+def _logit_body():
+    """MaskRow::logit's body as masks.cuh has it (from ``th = 0;`` to ``return s;``)."""
+    text = (KERNELS_CU / "masks.cuh").read_text()
+    begin = text.index("        th = 0;\n")
+    return text[begin:text.index("        return s;", begin) + len("        return s;")]
+
+
+LOGIT = _logit_body()
 # MaskRow::logit with one term kept
 TERMS = {
     "none": "        th = 0;\n        return s;",

@@ -43,7 +43,7 @@ __all__ = [
     "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output",
     "output_hook", "track_allocations", "observe_launches", "launch", "params_dtype",
     "make_params", "fold_grid", "cached_call", "MAX_GRID_X", "data_ptr", "aligned16",
-    "kv_heads_for_kernel",
+    "aligned_copies", "kv_heads_for_kernel",
 ]
 
 # CUDA's limit on gridDim.x (y and z: 65535, which is why batch/heads are folded into x)
@@ -331,6 +331,22 @@ def aligned16(x, strides):
     that are whole multiples of 16 bytes (8 elements of a 16-bit type, 4 of float32).
     """
     return data_ptr(x) % 16 == 0 and all((s * x.itemsize) % 16 == 0 for s in strides)
+
+
+def aligned_copies(xp, arrays):
+    """``arrays`` as they are where 16-byte copies can read their rows (C-contiguous, aligned
+    start and rows), else fresh C-contiguous copies -- also of a contiguous view that starts
+    off a 16-byte boundary, which ``ascontiguousarray`` would return unchanged."""
+    out = []
+    for x in arrays:
+        if x.flags.c_contiguous and x.strides[-1] == x.itemsize and \
+                aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
+            out.append(x)
+        else:
+            c = x.copy()  # C order, a new allocation (aligned by the allocator)
+            record_copy("aligned copy", c)
+            out.append(c)
+    return out
 
 
 # --------------------------------------------------------------------------

@@ -47,9 +47,8 @@ a grouped-query (or MQA: one kv head) group are summed inside the dkdv block.
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (aligned16, alloc_output, cached_call, flatten_lead, fold_grid,
-                      kv_heads_for_kernel, launch, make_params, pointer_arg, problem_dims,
-                      record_copy)
+from ._launch import (aligned16, aligned_copies, alloc_output, cached_call, flatten_lead, fold_grid,
+                      kv_heads_for_kernel, launch, make_params, pointer_arg, problem_dims)
 from ._validate import check_backward_inputs
 from .reference import sum_to_shape
 
@@ -287,16 +286,7 @@ def _build_tc(runtime, spec, plan, do, q, k, v, o, deterministic, kernel):
 
 def _misaligned(runtime, spec, ins, lse, deterministic, kernel):
     """Inputs whose rows 16-byte copies cannot read aligned: run on contiguous copies."""
-    xp = runtime.xp
-    out = []
-    for x in ins:
-        if x.flags.c_contiguous and aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
-            out.append(x)
-        else:
-            c = xp.ascontiguousarray(x)
-            record_copy("aligned copy", c)
-            out.append(c)
-    q, k, v, o, do = out
+    q, k, v, o, do = aligned_copies(runtime.xp, ins)
     key = _key(do, q, k, v, o, lse, spec.scale, spec.causal, spec.block_q, spec.block_kv,
                deterministic, kernel)
     run = cached_call(runtime, key,

@@ -15,14 +15,14 @@ are the kernel versions of the reference's.
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (aligned16, alloc_output, cached_call, contiguous_strides, flatten_lead,
+from ._launch import (aligned16, aligned_copies, alloc_output, cached_call, contiguous_strides, flatten_lead,
                       fold_grid, kv_heads_for_kernel, launch, make_params, pointer_arg,
                       problem_dims, record_copy, track_allocations)
 from ._validate import check_attention_inputs, check_positive_int
 from ._validate_serving import check_num_splits
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
-           "kernels_needed", "tc_scale", "aligned_copies"]
+           "kernels_needed", "tc_scale"]
 
 
 def _build(runtime, spec, q, k, v, kernel=None):
@@ -114,21 +114,6 @@ def tc_scale(xp, plan, scale):
     return 1.0, zero
 
 
-def aligned_copies(runtime, q, k, v):
-    """q, k, v as they are where cp.async can read their rows aligned, else contiguous copies."""
-    xp = runtime.xp
-    out = []
-    for x in (q, k, v):
-        if x.flags.c_contiguous and x.strides[-1] == x.itemsize and \
-                aligned16(x, [s // x.itemsize for s in x.strides[:-1]]):
-            out.append(x)
-        else:
-            c = xp.ascontiguousarray(x)
-            record_copy("aligned copy", c)
-            out.append(c)
-    return out
-
-
 def dense_serving_fields(spec, problems):
     """The FwdParams fields of the serving problems (fwd_problem.cuh), neutral for a dense call."""
     return dict(lse_sr=1, n_out_rows=problems * spec.Nq, n_splits=1, split_tiles=1,
@@ -139,7 +124,7 @@ def dense_serving_fields(spec, problems):
 
 def _misaligned(runtime, spec, q, k, v, kernel):
     """An input view whose rows cp.async cannot read aligned: run on contiguous copies."""
-    q, k, v = aligned_copies(runtime, q, k, v)
+    q, k, v = aligned_copies(runtime.xp, (q, k, v))
     return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
 
 

@@ -6,8 +6,9 @@ the forward on tensor cores (``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``;
 
 The backends send a call here when it names any feature (:func:`wanted`); a
 plain call never comes here and pays nothing for the features.  The backward
-with features runs the SIMT kernels for every dtype (the tensor-core backward
-does not take the features yet).
+with features runs ``flash_bwd_tc_masked`` for float16/bfloat16 where the plain
+call would run ``flash_bwd_tc`` (:mod:`cuflash._launch_masks_tc`), the SIMT
+kernels otherwise (float32's ``flash_bwd_tf32`` does not take the features).
 
 As in the plain launchers, the first call of a kind validates, plans,
 compiles and packs the parameter block (the ``mask_*`` fields of
@@ -36,7 +37,7 @@ does for inputs); its dbias is then accumulated at that size and summed on the h
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import (_collapse, _elem_strides, aligned16, alloc_output, cached_call, contiguous_strides,
+from ._launch import (_collapse, _elem_strides, aligned16, aligned_copies, alloc_output, cached_call, contiguous_strides,
                       flatten_lead, fold_grid, kv_heads_for_kernel, launch, make_params,
                       pointer_arg, problem_dims, record_copy)
 from ._validate import check_attention_inputs, check_backward_inputs
@@ -181,7 +182,7 @@ def _build_fwd(runtime, spec, ms, q, k, v, kernel=None):
     (float32) on tensor cores where the plain call would run there, else flash_fwd_masked;
     ``kernel`` forces one of them (tests).
     """
-    from ._launch_fwd import aligned_copies, dense_serving_fields, tc_scale
+    from ._launch_fwd import dense_serving_fields, tc_scale
     xp = runtime.xp
     acc = _acc_dtype(spec.dtype)
     plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel,
@@ -237,7 +238,7 @@ def _build_fwd(runtime, spec, ms, q, k, v, kernel=None):
         if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
             # rows cp.async cannot read aligned (a rare view): contiguous copies, planned
             # afresh on every such call
-            qc, kc, vc = aligned_copies(runtime, q_in, k, v)
+            qc, kc, vc = aligned_copies(xp, (q_in, k, v))
             return _build_fwd(runtime, spec, ms, qc, kc, vc, kernel)(qc, kc, vc, bias, slopes,
                                                                       seed)
         if emulator:

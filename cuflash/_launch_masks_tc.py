@@ -14,7 +14,7 @@ atomics for a broadcast bias -- then converted to the bias's dtype.
 import numpy as np
 
 from . import kernels, tiling
-from ._launch import alloc_output, flatten_lead, launch, pointer_arg, record_copy
+from ._launch import aligned_copies, alloc_output, flatten_lead, launch, pointer_arg
 from ._launch_bwd import _aligned_inputs, _sum_back, _tc_requests, tc_setup
 from ._launch_masks import (_dummy, _feature_args, _SeedBlocks, _strides, dbias_fields,
                             dbias_result, mask_fields)
@@ -50,13 +50,7 @@ def build_bwd_tc(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         if not _aligned_inputs(ins, strides):
             # rows 16-byte copies cannot read aligned (a rare view): contiguous copies,
             # planned afresh on every such call
-            cont = []
-            for x in (q, k, v, o, do):
-                c = xp.ascontiguousarray(x)
-                if c is not x:
-                    record_copy("aligned copy", c)
-                cont.append(c)
-            qc, kc, vc, oc, doc = cont
+            qc, kc, vc, oc, doc = aligned_copies(xp, (q, k, v, o, do))
             return build_bwd_tc(runtime, spec, ms, plan, doc, qc, kc, vc, oc, deterministic)(
                 doc, qc, kc, vc, oc, lse, bias, slopes, seed)
         if emulator:

@@ -326,6 +326,27 @@ def test_tensor_core_kernel_misaligned_view(kernel_backend, rng):
     oracle.check_forward(kernel_backend.to_numpy(o), q, k, v)
 
 
+def test_contiguous_view_off_a_16_byte_boundary(kernel_backend, rng):
+    """A C-contiguous view starting 2 bytes into its buffer (ascontiguousarray returns it
+    unchanged): the forward, the masked forward and both backwards copy it once and run
+    (they recursed on such a view before)."""
+    buf = oracle.randn(rng, (3 * 50 * 64 + 1,), "float16")
+    k = buf[1:].reshape(3, 50, 64)
+    assert k.flags.c_contiguous and k.ctypes.data % 16 != 0
+    q = oracle.randn(rng, (3, 33, 64), "float16")
+    v = oracle.randn(rng, (3, 50, 64), "float16")
+    a = kernel_backend.asarray
+    for feat in ({}, {"softcap": 3.0}):
+        o, lse = cuflash.tiled_attention(a(q), a(k), a(v), return_lse=True,
+                                         backend=kernel_backend.name, **feat)
+        o, lse = kernel_backend.to_numpy(o), kernel_backend.to_numpy(lse)
+        oracle.check_forward(o, q, k, v, lse=lse, **feat)
+        do = oracle.randn(rng, o.shape, "float16")
+        g = cuflash.tiled_attention_backward(a(do), a(q), a(k), a(v), a(o), a(lse),
+                                             backend=kernel_backend.name, **feat)
+        oracle.check_backward(tuple(kernel_backend.to_numpy(x) for x in g), do, q, k, v, **feat)
+
+
 # --------------------------------------------------------------------------
 # online_softmax_rows against the reference
 # --------------------------------------------------------------------------
