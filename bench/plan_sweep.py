@@ -8,7 +8,8 @@ NVRTC (``--ptxas-options=-v``) and its registers, spill stores/loads and stack f
 from ptxas' report.  No GPU needed; ~1-4 s per compile.
 
 ``--write`` stores the rows of the swept families in ``bench/results/plan_sweep.json``, each
-with a hash of its kernel source and the headers it includes; ``tests/test_plan_sweep.py``
+with a hash of its kernel source and the headers it includes, as the family compiles them
+(conditionals on the families' own defines resolved: ``source_hash``); ``tests/test_plan_sweep.py``
 (CI) re-enumerates the accepted plans of every recorded family and fails when one is missing
 from that file, spills there, or its sources changed since (rerun this script then).  ``tests/test_tc_plans.py`` compiles the largest plans live on every CI run.
 
@@ -108,8 +109,81 @@ FAMILIES = {
 }
 
 
-def source_hash(fname):
-    """sha256 of a kernel file and every kernels_cu header it includes (recursively)."""
+# The -D names that select code regions of a family (FAMILIES' extra defines).  The hash of a
+# family resolves #if / #ifdef on these names, so an edit inside a region that the family
+# does not compile (e.g. -DCUFLASH_MASKS code, for the plain kernels) does not invalidate its
+# sweep.  Every other conditional is hashed as it stands, both branches (conservative).
+REGION_DEFINES = frozenset(k for f in FAMILIES.values() for k in f[5])
+_DIRECTIVE = re.compile(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif|define|undef)\b(.*)")
+_TERM = re.compile(r"(!?)\s*defined\s*(?:\(\s*(\w+)\s*\)|(\w+))")
+
+
+class _Unresolvable(Exception):
+    """A file the region resolver cannot follow: hash it whole."""
+
+
+def _condition(kind, expr, defined):
+    """True / False for a condition over REGION_DEFINES only (terms joined by &&), else None."""
+    expr = expr.split("//")[0].strip()
+    if kind in ("ifdef", "ifndef"):
+        if expr not in REGION_DEFINES:
+            return None
+        return (expr in defined) == (kind == "ifdef")
+    val = True
+    for term in expr.split("&&"):
+        m = _TERM.fullmatch(term.strip())
+        if m is None or (m[2] or m[3]) not in REGION_DEFINES:
+            return None
+        val = val and (((m[2] or m[3]) in defined) != bool(m[1]))
+    return val
+
+
+def resolve_regions(text, defined):
+    """``text`` with the conditionals over REGION_DEFINES resolved for the names in ``defined``
+    (their directive lines and untaken branches dropped); every other line kept as it stands."""
+    out, stack = [], []   # stack: None (kept verbatim) or [taking, taken_before]
+    active = lambda: all(f is None or f[0] for f in stack)  # noqa: E731
+    for line in text.splitlines():
+        m = _DIRECTIVE.match(line)
+        kind = m[1] if m else None
+        if kind in ("define", "undef") and m[2].split() and m[2].split()[0] in REGION_DEFINES:
+            raise _Unresolvable(line)
+        if kind in ("ifdef", "ifndef", "if"):
+            outer = active()
+            val = _condition(kind, m[2], defined)
+            if val is None:
+                stack.append(None)
+                if outer:
+                    out.append(line)
+            else:
+                stack.append([val, val])
+            continue
+        if kind in ("elif", "else", "endif") and stack and stack[-1] is not None:
+            frame = stack[-1]
+            if kind == "endif":
+                stack.pop()
+            elif kind == "else":
+                frame[0], frame[1] = not frame[1], True
+            else:
+                val = _condition("if", m[2], defined)
+                if val is None:
+                    raise _Unresolvable(line)
+                frame[0] = val and not frame[1]
+                frame[1] = frame[1] or val
+            continue
+        if kind == "endif" and stack:
+            stack.pop()
+        if active():
+            out.append(line)
+    return "\n".join(out)
+
+
+def source_hash(fname, defines=()):
+    """sha256 of a kernel file and every kernels_cu header it includes (recursively), as
+    compiled with the -D names ``defines``: conditionals over REGION_DEFINES resolved (only the
+    code such a build can see counts), all else as written.  A file the resolver cannot follow
+    (one that #defines a region name, an #elif it cannot evaluate) is hashed whole."""
+    defined = frozenset(defines)
     seen, todo, h = set(), [fname], hashlib.sha256()
     while todo:
         f = todo.pop(0)
@@ -117,9 +191,18 @@ def source_hash(fname):
             continue
         seen.add(f)
         text = (ROOT / "kernels_cu" / f).read_text()
+        try:
+            text = resolve_regions(text, defined)
+        except _Unresolvable:
+            pass
         h.update(f.encode() + b"\0" + text.encode())
         todo += re.findall(r'#include\s+"([^"]+)"', text)
     return h.hexdigest()
+
+
+def family_hash(family):
+    """source_hash of a family's kernel file under the family's region defines."""
+    return source_hash(FAMILIES[family][0], FAMILIES[family][5])
 
 
 def accepted_plans(family, arch):
@@ -283,7 +366,7 @@ def main(argv=None):
         for fam in args.families:
             doc["families"][fam] = {
                 "nvrtc": ".".join(map(str, _nvrtc.version())),
-                "source_hash": source_hash(FAMILIES[fam][0]),
+                "source_hash": family_hash(fam),
                 "rows": sorted((r for r in rows if r["family"] == fam), key=lambda r: r["key"])}
         RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
         print(f"wrote {RESULTS}")

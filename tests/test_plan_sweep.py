@@ -33,7 +33,7 @@ def test_every_accepted_plan_was_compiled_without_spills(family):
     fam = _record().get(family)
     rerun = f"python bench/plan_sweep.py --families {family} --write"
     assert fam is not None, f"{family} was never swept: {rerun}"
-    assert fam["source_hash"] == SWEEP.source_hash(SWEEP.FAMILIES[family][0]), (
+    assert fam["source_hash"] == SWEEP.family_hash(family), (
         f"the kernel sources of {family} changed since its sweep: {rerun}")
     rows = {r["key"]: r for r in fam["rows"]}
     n = 0
@@ -80,3 +80,47 @@ def test_source_hash_follows_included_headers(tmp_path, monkeypatch):
     h1 = SWEEP.source_hash("a.cu")
     (tmp_path / "kernels_cu" / "b.cuh").write_text("int y;\n")
     assert SWEEP.source_hash("a.cu") != h1
+
+
+def test_source_hash_resolves_region_defines_only(tmp_path, monkeypatch):
+    """An edit inside a region a family does not compile leaves its hash; an edit in code it
+    compiles, or under a condition the resolver does not evaluate, changes it."""
+    kdir = tmp_path / "kernels_cu"
+    kdir.mkdir()
+    monkeypatch.setattr(SWEEP, "ROOT", tmp_path)
+    text = ("int a;\n#ifdef CUFLASH_MASKS\n#include \"m.cuh\"\nint masked;\n#else\nint plain;\n"
+            "#endif  // CUFLASH_MASKS\n#if defined(CUFLASH_DTYPE_F16)\nint f16;\n#endif\n"
+            "#if !defined(CUFLASH_BWD_TC_MAIN) && defined(CUFLASH_MASKS)\nint helpers;\n#endif\n")
+    (kdir / "m.cuh").write_text("int m;\n")
+
+    def hashes(src, header="int m;\n"):
+        (kdir / "a.cu").write_text(src)
+        (kdir / "m.cuh").write_text(header)
+        return (SWEEP.source_hash("a.cu"), SWEEP.source_hash("a.cu", ["CUFLASH_MASKS"]))
+
+    plain, masked = hashes(text)
+    assert plain != masked
+    # masked-only code and the header only it includes: the plain hash stays
+    p2, m2 = hashes(text.replace("int masked;", "int masked2;"), "int m2;\n")
+    assert p2 == plain and m2 != masked
+    p3, m3 = hashes(text.replace("int plain;", "int plain2;"))
+    assert p3 != plain and m3 == masked
+    # a condition on another name is hashed as written for both
+    p4, m4 = hashes(text.replace("int f16;", "int f16b;"))
+    assert p4 != plain and m4 != masked
+    # a compound condition over region names is evaluated
+    p5, m5 = hashes(text.replace("int helpers;", "int helpers2;"))
+    assert p5 == plain and m5 != masked
+    resolved = SWEEP.resolve_regions(text, {"CUFLASH_MASKS"})
+    assert "int masked;" in resolved and "int plain;" not in resolved and "#ifdef" not in resolved
+    assert "#if defined(CUFLASH_DTYPE_F16)" in resolved and "int f16;" in resolved
+
+
+def test_region_defines_are_not_plan_defines():
+    """The resolver evaluates the region names from FAMILIES' extra defines alone: no plan's own
+    defines may set one."""
+    from cuflash import kernels
+    for family in SWEEP.FAMILIES:
+        for arch in SWEEP.ARCHS:
+            for plan in SWEEP.accepted_plans(family, arch):
+                assert not set(kernels.plan_defines(plan)) & SWEEP.REGION_DEFINES, family
