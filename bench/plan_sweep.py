@@ -113,7 +113,8 @@ FAMILIES = {
 # family resolves #if / #ifdef on these names, so an edit inside a region that the family
 # does not compile (e.g. -DCUFLASH_MASKS code, for the plain kernels) does not invalidate its
 # sweep.  Every other conditional is hashed as it stands, both branches (conservative).
-REGION_DEFINES = frozenset(k for f in FAMILIES.values() for k in f[5])
+# CUFLASH_BWD_TC_HELPERS (flash_bwd_tc.cu's helper-kernel build) is one no sweep compile sets.
+REGION_DEFINES = frozenset(k for f in FAMILIES.values() for k in f[5]) | {"CUFLASH_BWD_TC_HELPERS"}
 _DIRECTIVE = re.compile(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif|define|undef)\b(.*)")
 _TERM = re.compile(r"(!?)\s*defined\s*(?:\(\s*(\w+)\s*\)|(\w+))")
 
