@@ -139,6 +139,16 @@ def _condition(kind, expr, defined):
     return val
 
 
+_LEXEMES = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def strip_comments(text):
+    """``text`` without its // and /* */ comments (string and character literals kept whole):
+    a comment edit compiles to the same kernel."""
+    return _LEXEMES.sub(lambda m: m[0] if m[0][0] in "\"'" else
+                        ("\n" * m[0].count("\n") or " "), text)
+
+
 def resolve_regions(text, defined):
     """``text`` with the conditionals over REGION_DEFINES resolved for the names in ``defined``
     (their directive lines and untaken branches dropped); every other line kept as it stands."""
@@ -181,8 +191,8 @@ def resolve_regions(text, defined):
 
 def source_hash(fname, defines=()):
     """sha256 of a kernel file and every kernels_cu header it includes (recursively), as
-    compiled with the -D names ``defines``: conditionals over REGION_DEFINES resolved (only the
-    code such a build can see counts), all else as written.  A file the resolver cannot follow
+    compiled with the -D names ``defines``: comments dropped, conditionals over REGION_DEFINES
+    resolved (only the code such a build can see counts), all else as written.  A file the resolver cannot follow
     (one that #defines a region name, an #elif it cannot evaluate) is hashed whole."""
     defined = frozenset(defines)
     seen, todo, h = set(), [fname], hashlib.sha256()
@@ -191,7 +201,7 @@ def source_hash(fname, defines=()):
         if f in seen or not (ROOT / "kernels_cu" / f).exists():
             continue
         seen.add(f)
-        text = (ROOT / "kernels_cu" / f).read_text()
+        text = strip_comments((ROOT / "kernels_cu" / f).read_text())
         try:
             text = resolve_regions(text, defined)
         except _Unresolvable:

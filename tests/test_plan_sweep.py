@@ -124,3 +124,19 @@ def test_region_defines_are_not_plan_defines():
         for arch in SWEEP.ARCHS:
             for plan in SWEEP.accepted_plans(family, arch):
                 assert not set(kernels.plan_defines(plan)) & SWEEP.REGION_DEFINES, family
+
+
+def test_source_hash_ignores_comments_only(tmp_path, monkeypatch):
+    """A comment edit leaves the hash; an edit of code or of a string literal changes it."""
+    kdir = tmp_path / "kernels_cu"
+    kdir.mkdir()
+    monkeypatch.setattr(SWEEP, "ROOT", tmp_path)
+
+    def h(text):
+        (kdir / "a.cu").write_text(text)
+        return SWEEP.source_hash("a.cu")
+
+    base = h('int a; // one\n/* two\n lines */ asm("x // y");\n')
+    assert h('int a; // ONE\n/* other\n words */ asm("x // y");\n') == base
+    assert h('int b; // one\n/* two\n lines */ asm("x // y");\n') != base
+    assert h('int a; // one\n/* two\n lines */ asm("x // z");\n') != base
