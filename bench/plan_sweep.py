@@ -143,10 +143,11 @@ _LEXEMES = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.
 
 
 def strip_comments(text):
-    """``text`` without its // and /* */ comments (string and character literals kept whole):
-    a comment edit compiles to the same kernel."""
-    return _LEXEMES.sub(lambda m: m[0] if m[0][0] in "\"'" else
+    """``text`` without its // and /* */ comments (string and character literals kept whole),
+    trailing blanks and blank lines: a comment edit compiles to the same kernel."""
+    text = _LEXEMES.sub(lambda m: m[0] if m[0][0] in "\"'" else
                         ("\n" * m[0].count("\n") or " "), text)
+    return "\n".join(ln.rstrip() for ln in text.splitlines() if ln.strip())
 
 
 def resolve_regions(text, defined):

@@ -77,23 +77,11 @@ def dtype_define(dtype):
         raise TypeError(f"no kernel for dtype {name}; supported: {sorted(_DTYPE_DEFINES)}")
 
 
-# NVRTC diagnostics silenced for one build only: flash_bwd_tc.cu's main kernel with the logit
-# features (-DCUFLASH_BWD_TC_MAIN -DCUFLASH_MASKS) declares `causal` and `off` for the plain
-# path's mask, which its band test replaces (#177, "declared but never referenced": no code).
-# The source fix waits for the next edit of flash_bwd_tc.cu, which has to rerun that file's
-# spill sweep (1,784 compiles) anyway.
-_SUPPRESSED = {("CUFLASH_BWD_TC_MAIN", "CUFLASH_MASKS"): ("--diag-suppress=177",)}
-
-
 @functools.lru_cache(maxsize=4096)
 def _build_options(items):
     opts = ["-std=c++17", f"-I{kernel_dir()}"]
     for key, val in items:
         opts.append(f"-D{key}" if val is None else f"-D{key}={val}")
-    names = {key for key, _ in items}
-    for need, extra in _SUPPRESSED.items():
-        if names.issuperset(need):
-            opts.extend(extra)
     return tuple(opts)
 
 

@@ -86,13 +86,21 @@
 //     dS = P * (dP - D);  dbias += dS (pass 0);  softcap: dS *= 1 - tanh^2 before dK and dQ.
 // A row's visible keys are the band i + lo_off <= j < i + hi_off (and j < Nk): Q tiles whose
 // rows see no key of K_j are never loaded (both sides); the band test runs only on tile
-// pairs that cross it, hold keys past Nk or rows past Nq (there no bias is read).  P is kept
-// undropped in pp (dS needs it) with the keep bits of the dropout beside it; 1 - tanh^2 is
-// kept as float16 pairs (dS is rounded to the input dtype right after).  Dropout in the
-// transposed layout: the four lanes g = 4a .. 4a + 3 of one t hold the four keys of a Philox
-// block for each of their queries 2t, 2t + 1 and key rows g, g + 8 -- four blocks, one drawn
-// by each lane, word w = g & 3 passed around by three xor shuffles: one Philox block per
-// four logits.  dbias: stored (each element by its one block) or, broadcast, atomically added.
+// pairs that cross it, hold keys past Nk or rows past Nq.  Each feature is a loop of its own
+// over the tile's S^T elements behind one uniform branch per tile (no per-element test of
+// what the call has): softcap by 1 - 2 / (1 + 2^x) (one MUFU.EX2, one MUFU.RCP), the bias
+// from a row pointer per query and keys at constant offsets when its key stride is 1 and
+// the tile lies inside [0, Nq) x [0, Nk) (else 64-bit offsets per key, rows and keys past
+// the ends clamped to in-bounds elements that the band test drops), ALiBi's distance in
+// float from a per-lane base.  P is kept undropped in pp (dS needs it) with the keep bits
+// of the dropout beside it; 1 - tanh^2 is kept as float16 pairs (dS is rounded to the
+// input dtype right after).  Dropout in the transposed layout: the four lanes g = 4a .. 4a
+// + 3 of one t hold the four keys of a Philox block for each of their queries 2t, 2t + 1
+// and key rows g, g + 8 -- four blocks, one drawn by each lane, which compares its four
+// words; two xor shuffles give every lane the sixteen bits, of which it keeps its word's
+// four: one Philox block per four logits.  dbias (= dS before softcap's derivative): every
+// element of a visited tile pair inside [0, Nq) x [0, Nk) (0 outside the band) stored by
+// its one block or, broadcast, atomically added.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -108,6 +116,7 @@
 #include "params.cuh"
 #ifdef CUFLASH_MASKS
 #include "masks.cuh"
+#include "fast_math.cuh"
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
@@ -313,10 +322,11 @@ struct BwdBand {
     }
 };
 
-// One of four words by a run-time index without a dynamic register index (local memory).
-__device__ __forceinline__ uint32_t sel4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int i) {
-    return (i & 2) ? ((i & 1) ? w3 : w2) : ((i & 1) ? w1 : w0);
+// dropout's 1 / (1 - p) on dV (1 without dropout)
+__device__ __forceinline__ float dv_scale(const BwdParams& p) {
+    return p.mask_dropout != 0 ? (float)p.mask_drop_scale : 1.0f;
 }
+
 #endif
 
 #ifndef CUFLASH_BWD_TC_HELPERS
@@ -339,7 +349,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const BwdParams& p = *P;
+#ifdef CUFLASH_MASKS
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group;  // (causal: part of the band below)
+#else
     const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
+#endif
     const int nq_pad = p.nq_pad;
     const float scale_log2 = (float)p.scale * CUFLASH_LOG2E;
     const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
@@ -356,11 +370,6 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const int qw0 = qh * kBrw;                // this warp's first query of the tile
 #ifdef CUFLASH_MASKS
     const BwdBand band(p);
-    const bool xform = p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi;
-    const float cap = (float)p.mask_softcap;
-    const float inv_cap = p.mask_softcap > 0 ? (float)(1.0 / p.mask_softcap) : 0.0f;
-    const DropoutKey drop = cuflash_dropout_key(p);
-    const float dv_scale = drop.on ? drop.scale : 1.0f;  // dropout's 1 / (1 - p), on dV
     const int w4 = g & 3;                     // this lane's word of a shared Philox block
 #endif
 
@@ -448,11 +457,26 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // the band test where the tile pair crosses it, or holds keys past Nk or rows
                 // past Nq (whose bias must not be read)
                 const int rows_q = min(kBr, Nq - q0);
+                const bool tile_edge = kv_rows < kBc || rows_q < kBr;  // rows / keys past the ends
                 const bool need_mask = kv_rows < kBc || rows_q < kBr ||
                                        kv0 - (q0 + rows_q - 1) < band.lo_off || kv0 + kBc - 1 - q0 >= band.hi_off;
-                const float* bias_h = p.mask_has_bias ? Bias + b * p.mask_bias_sb + h * p.mask_bias_sh : nullptr;
-                const float neg_slope = p.mask_has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
-                float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
+                const int qa = q0 + qw0 + 2 * t;      // this lane's queries: qa + 8 n + eq
+                const int ka = kv0 + kw0 + g;         // and keys: ka + 16 mt + 8 hh
+                // The call's features, read from the parameter block on every tile (cached
+                // loads) rather than held in registers across the loop; every branch on them
+                // below is taken per tile, each feature's work a loop of its own over the
+                // tile's elements (fully unrolled, no per-element test of what the call has).
+                const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
+                const bool has_alibi = p.mask_has_alibi != 0;
+                const int db_mode = p.mask_dbias;     // dbias: 0 none, 1 stored, 2 added atomically
+                // with logit terms the exponent is 2^(log2(e) s - lse2), s = softcap(scale S) +
+                // bias + ALiBi as the forward computes it; without, the plain 2^(scale log2(e)
+                // S - lse2)
+                const float c_exp = (has_cap || has_bias || has_alibi) ? CUFLASH_LOG2E : scale_log2;
+                const float scale = (float)p.scale, cap = (float)p.mask_softcap;
+                // softcap: tanh(scale S / c) = 1 - 2 / (1 + 2^(S cap_k)), cap_k = 2 log2(e) scale / c
+                const float cap_k = has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
+                const DropoutKey drop = cuflash_dropout_key(p);
                 uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
                 // dropout keep bits, bit 4 (mt kNQ + n) + e of element (mt, n, e): at most 64
                 // (cuflash.tiling keeps kMT * kNQ <= 16 for the masked kernel)
@@ -461,8 +485,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // dropout, before S^T (the bits depend on the indices only, and few registers
                 // are live here): element e = 2 hh + eq (key row g + 8 hh, query 2t + eq) of
                 // (mt, n) takes word w4 = g & 3 of the block of (query, keys 4m .. 4m + 3)
-                // that lane w4 = e of the four drew; this lane draws block w4 and gets the
-                // other three by xor shuffles over lanes 4, 8, 12 apart
+                // that lane w4 = e of the four drew; this lane draws block w4, compares its
+                // four words and the four lanes swap the bits (two xor shuffles)
                 if (drop.on) {
 #pragma unroll 1
                     for (int mn = 0; mn < kMT * kNQ; ++mn) {  // (rolled: one Philox block per step)
@@ -471,14 +495,17 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             cuflash_dropout_block(blk, drop.k0, drop.k1, b + p.mask_drop_b0, h,
                                                   q0 + qw0 + n * 8 + 2 * t + (w4 & 1),
                                                   (kv0 + kw0 + mt * 16 + 8 * (w4 >> 1)) / 4 + (g >> 2));
-                            const uint32_t own = sel4(blk[0], blk[1], blk[2], blk[3], w4);
-                            const uint32_t r1 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 1), 4);
-                            const uint32_t r2 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 2), 8);
-                            const uint32_t r3 = __shfl_xor_sync(0xffffffffu, sel4(blk[0], blk[1], blk[2], blk[3], w4 ^ 3), 12);
-                            unsigned long long dropped = 0;
-#pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                dropped |= (unsigned long long)(sel4(own, r1, r2, r3, w4 ^ e) < drop.threshold) << e;
+                            // this block's four dropped bits, gathered over the four lanes by
+                            // two xor shuffles: v holds lane e's bits at 4e .. 4e + 3; element
+                            // e takes bit w4 of lane e's -- bits 4e + w4 -- packed to bits e
+                            // by one multiply (0x249 = 1 + 2^3 + 2^6 + 2^9: no carries)
+                            uint32_t v = ((uint32_t)(blk[0] < drop.threshold) |
+                                          ((uint32_t)(blk[1] < drop.threshold) << 1) |
+                                          ((uint32_t)(blk[2] < drop.threshold) << 2) |
+                                          ((uint32_t)(blk[3] < drop.threshold) << 3)) << (4 * w4);
+                            v |= __shfl_xor_sync(0xffffffffu, v, 4);
+                            v |= __shfl_xor_sync(0xffffffffu, v, 8);
+                            const unsigned long long dropped = ((((v >> w4) & 0x1111u) * 0x249u) >> 9) & 0xfu;
                             keep &= ~(dropped << (4 * mn));
                     }
                 }
@@ -519,40 +546,99 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // 16-bit pairs -- the A operand of dV += P^T dO as it stands, and half the
                 // registers of float P while dP^T is computed (P is rounded there anyway)
                 uint32_t pp[kMT][kNQ][2];
+#ifdef CUFLASH_MASKS
+                // the logit terms, in the forward's order: softcap, bias, ALiBi
+                if (has_cap) {
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n) {
+                            float th[4];
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                th[e] = cuflash_tanh_exp2(s[mt][n][e] * cap_k);
+                                s[mt][n][e] = cap * th[e];
+                            }
+                            dsc[mt][n][0] = cvt_pack2<__half>(1.0f - th[0] * th[0], 1.0f - th[1] * th[1]);
+                            dsc[mt][n][1] = cvt_pack2<__half>(1.0f - th[2] * th[2], 1.0f - th[3] * th[3]);
+                        }
+                } else if (has_bias || has_alibi) {
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale;
+                }
+                if (has_bias) {
+                    const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
+                    const long long sr = p.mask_bias_sr;
+                    if (p.mask_bias_sc == 1 && !tile_edge) {
+                        // keys contiguous, tile inside [0, Nq) x [0, Nk): a row pointer per
+                        // query by 64-bit adds, every key at a constant offset from it -- per
+                        // element the load (immediate offset) and the add
+                        const float* row = bias_h + qa * sr + ka;
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n) {
+                            const float* row1 = row + sr;
+#pragma unroll
+                            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                                for (int hh = 0; hh < 2; ++hh) {
+                                    s[mt][n][2 * hh] += gload(row + mt * 16 + 8 * hh);
+                                    s[mt][n][2 * hh + 1] += gload(row1 + mt * 16 + 8 * hh);
+                                }
+                            row += 8 * sr;
+                        }
+                    } else {
+                        // any strides: a row pointer per query, 64-bit key offsets per
+                        // element (no arrays held: registers).  Rows past Nq and keys past Nk
+                        // read row Nq - 1 / key Nk - 1 (in bounds); the band test drops them.
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+                            for (int eq = 0; eq < 2; ++eq) {
+                                const float* row = bias_h + (long long)min(qa + n * 8 + eq, Nq - 1) * sr;
+#pragma unroll
+                                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                                    for (int hh = 0; hh < 2; ++hh)
+                                        s[mt][n][2 * hh + eq] +=
+                                            gload(row + (long long)min(ka + mt * 16 + 8 * hh, Nk - 1) * p.mask_bias_sc);
+                            }
+                    }
+                }
+                if (has_alibi) {
+                    // -slope |i + off - j|: the distance in float, a per-lane base plus each
+                    // element's constant (exact while |i + off - j| < 2^24)
+                    const float ns = -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh);
+                    const float base = (float)(qa + p.mask_offset - ka);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                s[mt][n][e] += ns * fabsf(base + (float)(n * 8 + (e & 1) - mt * 16 - 8 * (e >> 1)));
+                }
+#endif
 #pragma unroll
                 for (int n = 0; n < kNQ; ++n) {
                     const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
 #ifdef CUFLASH_MASKS
-                        float th[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
-                            const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
-                            const int dd = key - qry;
-                            const bool vis = !need_mask || (key < Nk && qry < Nq && dd >= band.lo_off &&
-                                                            dd < band.hi_off);
-                            float x = -INFINITY;
-                            if (vis) {
-                                if (xform) {
-                                    MaskRow mr;
-                                    mr.bias = bias_h != nullptr ? bias_h + qry * p.mask_bias_sr : nullptr;
-                                    mr.bias_sc = p.mask_bias_sc;
-                                    mr.neg_slope = neg_slope;
-                                    mr.pos = qry + p.mask_offset;
-                                    mr.cap = cap;
-                                    mr.inv_cap = inv_cap;
-                                    x = mr.logit(s[mt][n][e] * (float)p.scale, key, th[e]) * CUFLASH_LOG2E;
-                                } else {
-                                    x = s[mt][n][e] * scale_log2;
-                                }
-                                x -= (e & 1) ? l2.y : l2.x;
+                            float x = s[mt][n][e] * c_exp - ((e & 1) ? l2.y : l2.x);
+                            if (need_mask) {  // the band, keys past Nk, rows past Nq
+                                const int key = ka + mt * 16 + 8 * (e >> 1);
+                                const int qry = qa + n * 8 + (e & 1);
+                                const int dd = key - qry;
+                                if (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off) x = -INFINITY;
                             }
                             s[mt][n][e] = cuflash_exp2(x);
                         }
-                        dsc[mt][n][0] = cvt_pack2<__half>(1.0f - th[0] * th[0], 1.0f - th[1] * th[1]);
-                        dsc[mt][n][1] = cvt_pack2<__half>(1.0f - th[2] * th[2], 1.0f - th[3] * th[3]);
 #else
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
@@ -644,34 +730,70 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 dp0 = (k & 1u) ? dp0 * drop.scale : 0.0f;
                                 dp1 = (k & 2u) ? dp1 * drop.scale : 0.0f;
                             }
-                            float ds0 = p0 * (dp0 - dd.x), ds1 = p1 * (dp1 - dd.y);
-                            if (pass == 0 && p.mask_dbias) {  // dbias = dS, visible elements only
-                                const int key = kv0 + kw0 + mt * 16 + g + 8 * hh;
-#pragma unroll
-                                for (int eq = 0; eq < 2; ++eq) {
-                                    const int qry = q0 + qw0 + n * 8 + 2 * t + eq;
-                                    const int dd2 = key - qry;
-                                    if (!need_mask || (key < Nk && qry < Nq && dd2 >= band.lo_off && dd2 < band.hi_off)) {
-                                        float* dst = dbias_h + qry * p.mask_dbias_sr + key * p.mask_dbias_sc;
-                                        if (p.mask_dbias == 1) gstore(dst, eq ? ds1 : ds0);
-                                        else gatomic_add(dst, eq ? ds1 : ds0);
-                                    }
-                                }
-                            }
-                            if (cap > 0.0f) {  // d softcap(x) / dx = 1 - tanh^2
-                                float f0, f1;
-                                unpack2<__half>(dsc[mt][n][hh], f0, f1);
-                                ds0 *= f0;
-                                ds1 *= f1;
-                            }
-                            dp[mt][n][2 * hh] = ds0;
-                            dp[mt][n][2 * hh + 1] = ds1;
+                            dp[mt][n][2 * hh] = p0 * (dp0 - dd.x);
+                            dp[mt][n][2 * hh + 1] = p1 * (dp1 - dd.y);
 #else
                             dp[mt][n][2 * hh] = p0 * (dp[mt][n][2 * hh] - dd.x);
                             dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);
 #endif
                         }
                 }
+#ifdef CUFLASH_MASKS
+                // -- dbias = dS (pass 0), before softcap's derivative: every element of the
+                // tile pair inside [0, Nq) x [0, Nk) -- those outside the band have P = 0, so
+                // dS = 0, what the zeroed dbias holds (stored, or added for a broadcast bias)
+                if (pass == 0 && db_mode != 0) {
+                    float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
+                    const long long sr = p.mask_dbias_sr;
+                    const bool fast = p.mask_dbias_sc == 1 && !tile_edge;
+                    // inlined at each call with constant arguments.  fast: keys contiguous and
+                    // the tile inside the ends -- a row pointer by 64-bit adds, every key at a
+                    // constant offset, no test; else any strides, each element tested and
+                    // addressed on its own
+                    auto dbias_tile = [&](bool atomic, bool fast) {
+                        float* row = dbias_h + qa * sr + (fast ? ka : 0);
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n) {
+#pragma unroll
+                            for (int eq = 0; eq < 2; ++eq) {
+                                float* r = row + eq * sr;
+                                if (!fast && qa + n * 8 + eq >= Nq) continue;
+#pragma unroll
+                                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                                    for (int hh = 0; hh < 2; ++hh) {
+                                        if (!fast && ka + mt * 16 + 8 * hh >= Nk) continue;
+                                        float* dst = fast ? r + mt * 16 + 8 * hh
+                                                          : r + (long long)(ka + mt * 16 + 8 * hh) * p.mask_dbias_sc;
+                                        if (atomic) gatomic_add(dst, dp[mt][n][2 * hh + eq]);
+                                        else gstore(dst, dp[mt][n][2 * hh + eq]);
+                                    }
+                            }
+                            row += 8 * sr;
+                        }
+                    };
+                    if (fast) {
+                        if (db_mode == 1) dbias_tile(false, true);
+                        else dbias_tile(true, true);
+                    } else {
+                        if (db_mode == 1) dbias_tile(false, false);
+                        else dbias_tile(true, false);
+                    }
+                }
+                if (has_cap) {  // d softcap(x) / dx = 1 - tanh^2
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+                            for (int hh = 0; hh < 2; ++hh) {
+                                float f0, f1;
+                                unpack2<__half>(dsc[mt][n][hh], f0, f1);
+                                dp[mt][n][2 * hh] *= f0;
+                                dp[mt][n][2 * hh + 1] *= f1;
+                            }
+                }
+#endif
                 // -- dS^T to dSs (for dQ; with the query split also for dK); without the split
                 // dK_w += dS^T Q_i right here, A from registers
 #pragma unroll
@@ -779,8 +901,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 if (kSlices == 1 || col < kDv)
 #ifdef CUFLASH_MASKS
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
-                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * dv_scale,
-                                                             dv[mt][n][2 * hh + 1] * dv_scale));
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * dv_scale(p),
+                                                             dv[mt][n][2 * hh + 1] * dv_scale(p)));
 #else
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));

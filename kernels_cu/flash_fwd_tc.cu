@@ -56,8 +56,14 @@
 // Logit features (compiled with -DCUFLASH_MASKS: kernels flash_fwd_tc_masked and
 // flash_fwd_tf32_masked, two more arguments Bias and Slopes as flash_fwd_masked; masks.cuh):
 // bias, sliding window, ALiBi, softcap and Philox dropout on the S fragments.
-//   * logit terms (softcap, bias, ALiBi) on every tile: s -> logit(scale * s) of masks.cuh,
-//     and the softmax then runs on scaled logits (c = log2(e) instead of scale * log2(e));
+//   * logit terms (softcap, bias, ALiBi) on every tile: s -> softcap(scale * s) + bias +
+//     ALiBi as masks.cuh defines them, each term a loop of its own over the tile behind one
+//     uniform branch (tc_features), and the softmax then runs on scaled logits (c = log2(e)
+//     instead of scale * log2(e)).  softcap's tanh is 1 - 2 / (1 + 2^x) (fast_math.cuh) in
+//     float16 / bfloat16, tanhf in float32; ALiBi's distance is a float from a per-lane base;
+//     an interior tile's bias with contiguous keys comes from a row pointer per row at
+//     constant offsets, else element by element; the features' parameters are read per
+//     tile (tc_features_of), not held in registers across the K/V loop;
 //   * the visible keys of a row are one interval [lo, hi) (causal and window): tiles left of
 //     the first row's band and right of the last row's are never loaded, and the interval
 //     test runs only on tiles that cross some row's lo or hi (or hold rows past Nq) -- there
@@ -83,6 +89,7 @@
 #include "params.cuh"
 #ifdef CUFLASH_MASKS
 #include "masks.cuh"
+#include "fast_math.cuh"
 #endif
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
@@ -400,15 +407,28 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 // ------------------------------------------------------------- logit features
 // The call's features, read once per thread.
 struct TcFeatures {
-    const float* bias;       // the (b, h) slice of the bias, or nullptr
+    const float* bias;       // the (b, h) slice of the bias (has_bias)
     long long bias_sr, bias_sc;
-    float neg_slope;         // -ALiBi slope (0: none)
-    float cap, inv_cap;      // softcap (0: none)
+    float neg_slope;         // -ALiBi slope (has_alibi)
+    float cap, inv_cap;      // softcap
+    float cap_k;             // 2 log2(e) scale / softcap (cuflash_tanh_exp2's argument factor)
     float scale;
     int moff;                // Nk - Nq: the window's and ALiBi's alignment
     int lo_off, hi_off;      // row i sees keys clamp(i + lo_off, 0, Nk) <= j < clamp(i + hi_off, 0, Nk)
+    bool has_cap, has_bias, has_alibi;
     bool xform;              // any logit term: the tile's logits are transformed
 };
+
+// softcap: raw logit x -> cap tanh(scale x / cap).  float16 / bfloat16: 1 - 2 / (1 + 2^y)
+// (fast_math.cuh, error ~3e-7 cap, under the 16-bit rounding of P); float32 (3xTF32) keeps
+// tanhf, held to float32 accuracy.
+__device__ __forceinline__ float tc_softcap(float x, const TcFeatures& f) {
+#if CUFLASH_TF32
+    return f.cap * tanhf(x * f.scale * f.inv_cap);
+#else
+    return f.cap * cuflash_tanh_exp2(x * f.cap_k);
+#endif
+}
 
 // lo_off and hi_off of TcFeatures: masks.cuh's cuflash_window_range as two offsets, clamped
 // to [-Nq, Nk + 1] (which changes no clamped result for 0 <= i < Nq), so that the per-row
@@ -428,50 +448,96 @@ __device__ __forceinline__ void tc_window_offsets(const FwdParams& p, int Nq, in
     f.hi_off = tc_clamp_off(hi, Nq, Nk);
 }
 
+// The call's features for one tile, read from the parameter block there (cached loads)
+// rather than held in registers across the K/V loop, which left ptxas short of registers.
+__device__ __forceinline__ TcFeatures tc_features_of(const FwdParams& p, const float* Bias, int b, int h,
+                                                     float neg_slope) {
+    TcFeatures f;
+    f.has_cap = p.mask_softcap > 0;
+    f.has_bias = p.mask_has_bias != 0;
+    f.has_alibi = p.mask_has_alibi != 0;
+    f.xform = f.has_cap || f.has_bias || f.has_alibi;
+    f.bias = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
+    f.bias_sr = p.mask_bias_sr;
+    f.bias_sc = p.mask_bias_sc;
+    f.neg_slope = neg_slope;
+    f.cap = (float)p.mask_softcap;
+    f.inv_cap = f.has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
+    f.cap_k = f.has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
+    f.scale = (float)p.scale;
+    f.moff = p.mask_offset;
+    tc_window_offsets(p, p.Nq, p.Nk, f);
+    return f;
+}
+
 // The tile's logits s (keys k0 + 8 nt + 2t + e1 of rows q0 + r, r = row0 + 16 mt + g + 8 rr)
-// -> logit(scale * s) (xform) and, with kMask, -inf outside each row's visible keys [lo, hi);
-// rows past the problem (r >= rows_q) see no key.  Without kMask every row sees the whole
-// tile (the caller checked).
+// -> softcap(scale * s) + bias + ALiBi (xform) and, with kMask, -inf outside each row's
+// visible keys [lo, hi); rows past the problem (r >= rows_q) see no key.  Without kMask every
+// row sees the whole tile (the caller checked).  Each feature is a loop of its own over the
+// tile behind one branch on what the call has (uniform: no per-element test of it); the bias
+// of an interior tile with contiguous keys is read from a row pointer per row at constant
+// offsets, else element by element (visible elements only).
 template <bool kMask>
 __device__ __forceinline__ void tc_features(float (&s)[kMT][kNT][4], const TcFeatures& f, int q0, int row0, int rows_q,
                                             int Nk, int k0, int g, int t) {
+    if (f.xform) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const int r = row0 + mt * 16 + g + 8 * rr;
-            const bool valid = r < rows_q;
-            const int i = q0 + (valid ? r : 0);  // a row past the problem reads no bias
-            int lo = 0, hi = 0;
-            if (kMask && valid) {
-                lo = min(max(i + f.lo_off, 0), Nk);
-                hi = min(max(i + f.hi_off, 0), Nk);
-            }
-            MaskRow mr;
-            mr.bias = f.bias != nullptr ? f.bias + i * f.bias_sr : nullptr;
-            mr.bias_sc = f.bias_sc;
-            mr.neg_slope = f.neg_slope;
-            mr.pos = i + f.moff;
-            mr.cap = f.cap;
-            mr.inv_cap = f.inv_cap;
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e1 = 0; e1 < 2; ++e1) {
-                    const int j = k0 + nt * 8 + 2 * t + e1;
-                    float& x = s[mt][nt][2 * rr + e1];
-                    float th;
-                    if (kMask) {
-                        if (j >= lo && j < hi) {
-                            if (f.xform) x = mr.logit(x * f.scale, j, th);
-                        } else {
-                            x = -INFINITY;
-                        }
-                    } else {
-                        x = mr.logit(x * f.scale, j, th);
-                    }
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] = f.has_cap ? tc_softcap(s[mt][nt][e], f) : s[mt][nt][e] * f.scale;
+    }
+    const bool bias_rows = !kMask && f.has_bias && f.bias_sc == 1;
+    if (bias_rows) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const float* row = f.bias + (long long)(q0 + row0 + mt * 16 + g + 8 * rr) * f.bias_sr + k0 + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1) s[mt][nt][2 * rr + e1] += gload(row + nt * 8 + e1);
+            }
+    } else if (kMask || f.has_bias) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int r = row0 + mt * 16 + g + 8 * rr;
+                const bool valid = r < rows_q;
+                const int i = q0 + (valid ? r : 0);  // a row past the problem reads no bias
+                int lo = 0, hi = 0;
+                if (kMask && valid) {
+                    lo = min(max(i + f.lo_off, 0), Nk);
+                    hi = min(max(i + f.hi_off, 0), Nk);
                 }
-        }
+                const float* brow = f.bias + (long long)i * f.bias_sr;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; ++e1) {
+                        const int j = k0 + nt * 8 + 2 * t + e1;
+                        float& x = s[mt][nt][2 * rr + e1];
+                        if (kMask && !(j >= lo && j < hi)) x = -INFINITY;
+                        else if (f.has_bias) x += gload(brow + (long long)j * f.bias_sc);
+                    }
+            }
+    }
+    if (f.has_alibi) {
+        // -slope |i + off - j|: the distance in float, a per-lane base plus each element's
+        // constant (exact while |i + off - j| < 2^24); -inf stays -inf
+        const float base = (float)(q0 + row0 + g + f.moff - k0 - 2 * t);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] += f.neg_slope * fabsf(base + (float)(mt * 16 + 8 * (e >> 1) - nt * 8 - (e & 1)));
+    }
 }
 
 // Dropout of the tile's P (in s), keys k0 + 8 nt + 2t + e1 of rows i0 + 16 mt + g + 8 rr:
@@ -532,14 +598,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #ifdef CUFLASH_MASKS
     // with a logit term the tile's logits arrive scaled (tc_features): the exponent's factor is
     // log2(e) alone
-    TcFeatures feat;
-    feat.cap = (float)p.mask_softcap;
-    feat.inv_cap = p.mask_softcap > 0 ? (float)(1.0 / p.mask_softcap) : 0.0f;
-    feat.scale = (float)p.scale;
-    feat.moff = p.mask_offset;
-    feat.bias_sr = p.mask_bias_sr;
-    feat.bias_sc = p.mask_bias_sc;
-    tc_window_offsets(p, Nq, Nk, feat);
     const float c = (float)((p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi ? 1.0 : p.scale)
                             * 1.4426950408889634);
 #else
@@ -584,9 +642,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     kv_end = hi_last > lo_first ? hi_last : 0;
     const int j0 = kv_begin / kBc;  // first K/V tile
     const bool mask_rows = rows_q < kBr;
-    feat.bias = p.mask_has_bias ? Bias + b * p.mask_bias_sb + h * p.mask_bias_sh : nullptr;
-    feat.neg_slope = p.mask_has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
-    feat.xform = p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi;
+    // the ALiBi slope once per thread (the rest of TcFeatures is read per tile: tc_features_of)
+    const float neg_slope = p.mask_has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
     const DropoutKey drop = cuflash_dropout_key(p);
 #else
     constexpr int j0 = 0;
@@ -668,10 +725,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 
 #ifdef CUFLASH_MASKS
         // -- logit terms on every tile, the interval test only where some row's band ends
-        if (k0 < lo_last || k0 + kBc > hi_first || mask_rows)
-            tc_features<true>(s, feat, q0, row0, rows_q, Nk, k0, g, t);
-        else if (feat.xform)
-            tc_features<false>(s, feat, q0, row0, rows_q, Nk, k0, g, t);
+        if (k0 < lo_last || k0 + kBc > hi_first || mask_rows) {
+            tc_features<true>(s, tc_features_of(p, Bias, b, h, neg_slope), q0, row0, rows_q, Nk, k0, g, t);
+        } else if (p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi) {
+            tc_features<false>(s, tc_features_of(p, Bias, b, h, neg_slope), q0, row0, rows_q, Nk, k0, g, t);
+        }
 #else
         // -- masks, only on tiles that cross the causal diagonal or the end of the keys
         if (!CUFLASH_FWD_INTERIOR_ONLY && k0 + kBc > mask_from) {

@@ -127,7 +127,8 @@ def test_region_defines_are_not_plan_defines():
 
 
 def test_source_hash_ignores_comments_only(tmp_path, monkeypatch):
-    """A comment edit leaves the hash; an edit of code or of a string literal changes it."""
+    """A comment edit (lines added or removed too) leaves the hash; an edit of code or of a
+    string literal changes it."""
     kdir = tmp_path / "kernels_cu"
     kdir.mkdir()
     monkeypatch.setattr(SWEEP, "ROOT", tmp_path)
@@ -138,5 +139,6 @@ def test_source_hash_ignores_comments_only(tmp_path, monkeypatch):
 
     base = h('int a; // one\n/* two\n lines */ asm("x // y");\n')
     assert h('int a; // ONE\n/* other\n words */ asm("x // y");\n') == base
+    assert h('// a new comment line\nint a;  \n\n/* two\n lines */ asm("x // y");\n') == base
     assert h('int b; // one\n/* two\n lines */ asm("x // y");\n') != base
     assert h('int a; // one\n/* two\n lines */ asm("x // z");\n') != base

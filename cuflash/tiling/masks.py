@@ -186,8 +186,11 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
     inputs: as :func:`cuflash.tiling.flash_bwd_tc_traffic`, with the Q tiles of a KV tile
     limited to those whose rows' bands reach it (both sides), the Q/dO tiles loaded once per
     pass (``passes``: 2 for the two-pass layouts), and the features: a bias element (float32)
-    per visible (row, key) and pass; one ALiBi slope per thread, (Q tile, head) step and
-    pass; ``dbias`` "store" (a write per visible element) or "atomic" (a read and a write).
+    per element of every visited (Q tile, K/V tile) pair and pass -- rows past Nq and keys
+    past Nk read an in-bounds element in their place, elements outside the band are read and
+    then dropped; one ALiBi slope per thread, (Q tile, head) step and pass; ``dbias``
+    "store" (a write) or "atomic" (a read and a write) per element of a visited pair inside
+    [0, Nq) x [0, Nk) (0 outside the band).
     """
     bh, bhk = batch * heads, batch * kv_heads
     group = heads // kv_heads if kv_heads else 1
@@ -195,11 +198,9 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
     nq_t = -(-Nq // block_q) if Nq else 0
     nk_t = -(-Nk // block_kv) if Nk else 0
     nq_pad = nq_t * block_q
-    lo, hi = visible_keys(Nq, Nk, causal, window)
-    seen = int(np.maximum(hi - lo, 0).sum())
     read = bh * (Nq * (2 * dv * 2 + 4))
     written = bh * (nq_pad * 8 + n_splits * Nq * d * 4)
-    steps = 0
+    steps = in_range = 0
     for j in range(nk_t):
         kv0 = j * block_kv
         kv_rows = min(block_kv, Nk - kv0)
@@ -212,19 +213,20 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
             continue
         q_rows = min(Nq, it1 * block_q) - it0 * block_q
         steps += group * (it1 - it0)
+        in_range += group * q_rows * kv_rows
         read += bhk * kv_rows * (d + dv) * 2
         read += passes * bhk * group * (q_rows * (d + dv) * 2 + (it1 - it0) * block_q * 8)
         read += bhk * group * q_rows * d * 4
         written += bhk * group * q_rows * d * 4
     if bias:
-        read += passes * bh * seen * 4
+        read += passes * bhk * steps * block_q * block_kv * 4
     if alibi:
         read += passes * bhk * steps * threads * 4
     if dbias == "store":
-        written += bh * seen * 4
+        written += bhk * in_range * 4
     elif dbias == "atomic":
-        read += bh * seen * 4
-        written += bh * seen * 4
+        read += bhk * in_range * 4
+        written += bhk * in_range * 4
     read += n_splits * bh * Nq * d * 4
     written += bh * Nq * d * 2
     return read, written
