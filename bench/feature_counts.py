@@ -4,18 +4,21 @@ The masked kernels (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_mas
 every feature behind run-time flags, so one compile holds all of them.  To count one
 feature, this script compiles text variants of the kernel sources in a temporary folder:
 
-* "none": the interior-tile path only (no band test), the logit terms reduced to the scale,
-  no dropout (and in the backward no dbias, no softcap derivative);
-* one variant per feature with just that feature's code put back (masks.cuh's
-  ``MaskRow::logit`` keeps only its softcap / bias / ALiBi lines; dropout and dbias their
-  blocks); "boundary tile" is the band test's path of the forward (window, causal).
+* "none": the interior-tile path only (no band test) with every feature flag of the call a
+  constant false -- the plain path;
+* one variant per feature with that feature's flag a constant true (the bias, and dbias,
+  with contiguous keys: their row-pointer paths); "boundary tile" is the band test's path
+  of the forward (window, causal) with no feature.
 
 For each variant NVRTC compiles a cubin for sm_80 and ``cuobjdump -sass`` gives the main
 loop's static instruction count (:mod:`cuflash._sass`: the loop with the most HMMA); the
 difference to "none", divided by the logits a lane handles per loop trip, is the feature's
-cost per logit in issue slots.  Static counts: they count each instruction of the loop once
-(rolled inner loops once), say nothing about stalls, and the variants are text edits that
-must still match the sources (each edit asserts it found its text).
+cost per logit in issue slots.  The backward's rolled inner loops are unrolled in every
+variant (and in its plain row), so that each instruction of the loop is counted as often as
+one trip executes it (the forward's main loop has none; the backward's dQ loop over a warp's
+output tiles keeps a run-time trip count and is counted once).  Static counts still say
+nothing about stalls, and the variants are text edits that must still match the sources
+(each edit asserts it found its text).
 
 Usage::
 
@@ -35,22 +38,13 @@ from cuflash.tiling import bwd_tc  # noqa: E402
 KERNELS_CU = ROOT / "kernels_cu"
 
 
-def _logit_body():
-    """MaskRow::logit's body as masks.cuh has it (from ``th = 0;`` to ``return s;``)."""
-    text = (KERNELS_CU / "masks.cuh").read_text()
-    begin = text.index("        th = 0;\n")
-    return text[begin:text.index("        return s;", begin) + len("        return s;")]
+class _Total(int):
+    """A loop total that also carries its HMMA count (printed beside it)."""
 
-
-LOGIT = _logit_body()
-# MaskRow::logit with one term kept
-TERMS = {
-    "none": "        th = 0;\n        return s;",
-    "softcap": LOGIT.split("        if (bias")[0] + "        return s;",
-    "bias": "        th = 0;\n        if (bias != nullptr) s += gload(bias + (long long)j * bias_sc);\n"
-            "        return s;",
-    "alibi": "        th = 0;\n" + LOGIT.split("gload(bias + (long long)j * bias_sc);\n")[1],
-}
+    def __new__(cls, total, hmma):
+        obj = super().__new__(cls, total)
+        obj.hmma = hmma
+        return obj
 
 
 def _variant(tmp, tag, edits):
@@ -77,20 +71,31 @@ def forward(tmp, kernel, dtype, d):
     fn = "flash_fwd_tc.cu"
     plan = tiling.plan(kernel, d, d, dtype)
     masks = {"CUFLASH_MASKS": None}
-    interior = [(fn, "if (k0 < lo_last || k0 + kBc > hi_first || mask_rows)", "if (false)"),
-                (fn, "else if (feat.xform)", "else if (true)")]
-    nodrop = [(fn, "if (drop.on) tc_dropout(", "if (false) tc_dropout(")]
-    rows = {}
-    for term in ("none", "bias", "alibi", "softcap"):
-        rows[term] = _loop_count(_variant(tmp, f"f{kernel}{term}", interior + nodrop + [
-            ("masks.cuh", LOGIT, TERMS[term])]), fn, plan, masks)["total"]
-    rows["dropout"] = _loop_count(_variant(tmp, f"f{kernel}drop", interior + [
-        ("masks.cuh", LOGIT, TERMS["none"])]), fn, plan, masks)["total"]
-    rows["boundary tile (band test)"] = _loop_count(_variant(tmp, f"f{kernel}band", [
-        (fn, "if (k0 < lo_last || k0 + kBc > hi_first || mask_rows)", "if (true)"),
-        (fn, "else if (feat.xform)", "else if (false)")] + nodrop + [
-        ("masks.cuh", LOGIT, TERMS["none"])]), fn, plan, masks)["total"]
-    plain = _loop_count(KERNELS_CU, fn, tiling.plan(kernel[:-len("_masked")], d, d, dtype), {})
+    band = "if (k0 < lo_last || k0 + kBc > hi_first || mask_rows) {"
+    any_term = "} else if (p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi) {"
+    flags = ("    f.has_cap = p.mask_softcap > 0;\n    f.has_bias = p.mask_has_bias != 0;\n"
+             "    f.has_alibi = p.mask_has_alibi != 0;\n")
+
+    def only(cap=False, bias=False, alibi=False, drop=False, boundary=False):
+        """The call's feature flags as constants (read and branched on per tile);
+        the bias's keys contiguous; an interior tile, or with ``boundary`` the band test's."""
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        edits = [(fn, band, "if (true) {" if boundary else "if (false) {"),
+                 (fn, any_term, f"}} else if ({b(cap or bias or alibi)}) {{"),
+                 (fn, flags, f"    f.has_cap = {b(cap)};\n    f.has_bias = {b(bias)};\n"
+                             f"    f.has_alibi = {b(alibi)};\n"),
+                 (fn, "f.has_bias && f.bias_sc == 1;", "f.has_bias;")]
+        if not drop:
+            edits.append((fn, "if (drop.on) tc_dropout(", "if (false) tc_dropout("))
+        return edits
+
+    variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
+                "softcap": only(cap=True), "dropout": only(drop=True),
+                "boundary tile (band test)": only(boundary=True)}
+    rows = {name: _loop_count(_variant(tmp, f"f{kernel}{dtype}{d}-{i}", edits), fn, plan, masks)["total"]
+            for i, (name, edits) in enumerate(variants.items())}
+    plain = _loop_count(KERNELS_CU, fn, tiling.plan(kernel[:-len("_masked")], d, d, dtype,
+                                                    plan.block_q, plan.block_kv), {})
     logits = plan.block_q // (plan.threads // 32) * plan.block_kv // 32
     return plan, logits, plain, rows
 
@@ -99,28 +104,41 @@ def backward(tmp, dtype, d):
     fn = "flash_bwd_tc.cu"
     plan = tiling.plan("flash_bwd_tc_masked", d, d, dtype)
     extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
-    interior = [(fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
+    # the rolled loops (S^T and dP^T over d / dv, the dropout's Philox blocks, dQ's k-steps)
+    # unrolled, so that the loop's static count is what one trip executes
+    interior = [(fn, "#pragma unroll 1\n", "#pragma unroll\n"),
+                (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
                  "const bool need_mask = false && kv_rows < kBc || rows_q < kBr ||"),
-                (fn, "const bool xform = p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi;",
-                 "const bool xform = true;")]
-    nodrop = [(fn, "                if (drop.on) {\n#pragma unroll 1",
-               "                if (false) {\n#pragma unroll 1"),
-              (fn, "if (drop.on) {  // dP of the dropped product",
-               "if (false) {  // dP of the dropped product")]
-    nodb = [(fn, "if (pass == 0 && p.mask_dbias) {", "if (false) {")]
-    nocap = [(fn, "if (cap > 0.0f) {  // d softcap", "if (false) {  // d softcap")]
-    rows = {}
-    for term in ("none", "bias", "alibi"):
-        rows[term] = _loop_count(_variant(tmp, f"b{term}", interior + nodrop + nodb + nocap + [
-            ("masks.cuh", LOGIT, TERMS[term])]), fn, plan, extra)["total"]
-    rows["softcap (and its derivative)"] = _loop_count(_variant(tmp, "bcap", interior + nodrop + nodb + [
-        ("masks.cuh", LOGIT, TERMS["softcap"])]), fn, plan, extra)["total"]
-    rows["dropout"] = _loop_count(_variant(tmp, "bdrop", interior + nodb + nocap + [
-        ("masks.cuh", LOGIT, TERMS["none"])]), fn, plan, extra)["total"]
-    rows["bias + dbias"] = _loop_count(_variant(tmp, "bdb", interior + nodrop + nocap + [
-        ("masks.cuh", LOGIT, TERMS["bias"])]), fn, plan, extra)["total"]
-    plain = _loop_count(KERNELS_CU, fn, tiling.plan("flash_bwd_tc", d, d, dtype, plan.block_q,
-                                                    plan.block_kv),
+                (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
+                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;")]
+    flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
+             "                const bool has_alibi = p.mask_has_alibi != 0;\n"
+             "                const int db_mode = p.mask_dbias;")
+
+    def only(cap=False, bias=False, alibi=False, db=0, drop=False):
+        """The call's feature flags as constants (the kernel reads them once per call and
+        branches on them per tile, so each feature's code is what a call with it runs)."""
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        edits = interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
+                                        f"                const bool has_alibi = {b(alibi)};\n"
+                                        f"                const int db_mode = {db};")]
+        if not drop:
+            edits += [(fn, "                if (drop.on) {\n#pragma unroll\n",
+                       "                if (false) {\n#pragma unroll\n"),
+                      (fn, "if (drop.on) {  // dP of the dropped product",
+                       "if (false) {  // dP of the dropped product")]
+        return edits
+
+    variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
+                "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
+                "bias + dbias (stored)": only(bias=True, db=1),
+                "bias + dbias (atomic adds)": only(bias=True, db=2)}
+    mixes = {name: _loop_count(_variant(tmp, f"b{i}", edits), fn, plan, extra)
+             for i, (name, edits) in enumerate(variants.items())}
+    rows = {name: m["total"] for name, m in mixes.items()}
+    rows["none"] = _Total(rows["none"], mixes["none"]["HMMA"])
+    plain = _loop_count(_variant(tmp, "bplain", interior[:1]), fn,
+                        tiling.plan("flash_bwd_tc", d, d, dtype, plan.block_q, plan.block_kv),
                         {"CUFLASH_BWD_TC_MAIN": None})
     _, mt, _, qs = bwd_tc.bwd_tc_layout(plan.block_q, plan.block_kv, d, d, True)
     logits = mt * 16 * (plan.block_q // qs) // 32
@@ -141,6 +159,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         results = [forward(tmp, "flash_fwd_tc_masked", "float16", 128),
+                   forward(tmp, "flash_fwd_tc_masked", "float16", 64),
                    forward(tmp, "flash_fwd_tf32_masked", "float32", 64),
                    backward(tmp, "float16", 64)]
     for plan, logits, plain, rows in results:
@@ -151,9 +170,30 @@ def main():
         base = rows["none"]
         for name, n in rows.items():
             add = n - base
-            print(f"| | | | {name} | {n} | {add:+d} | {add / logits:.1f} | "
+            shown = f"{n} (HMMA {n.hmma})" if hasattr(n, "hmma") else f"{n}"
+            print(f"| | | | {name} | {shown} | {add:+d} | {add / logits:.1f} | "
                   f"{100 * add / base:+.0f}% |")
+    both(results[1], results[3])
     return 0
+
+
+def both(fwd, bwd):
+    """The issue's measure: a feature's share of forward + backward, here in issue slots per
+    logit (float16 d=64: the forward and the backward at the same head dim)."""
+    (_, fl, _, fr), (_, bl, _, br) = fwd, bwd
+    f0, b0 = fr["none"] / fl, br["none"] / bl
+    print()
+    print(f"Forward + backward, float16 d=64, per logit: {f0:.1f} + {b0:.1f} = {f0 + b0:.1f} "
+          "instructions without features.")
+    print()
+    print("| feature | forward | backward | together | vs forward + backward without it |")
+    print("|---|---|---|---|---|")
+    pairs = {"bias": ("bias", "bias"), "bias + dbias (stored)": ("bias", "bias + dbias (stored)"),
+             "ALiBi": ("alibi", "alibi"), "softcap": ("softcap", "softcap (and its derivative)"),
+             "dropout": ("dropout", "dropout")}
+    for name, (fk, bk) in pairs.items():
+        fa, ba = (fr[fk] - fr["none"]) / fl, (br[bk] - br["none"]) / bl
+        print(f"| {name} | {fa:.1f} | {ba:.1f} | {fa + ba:.1f} | {100 * (fa + ba) / (f0 + b0):+.0f}% |")
 
 
 if __name__ == "__main__":
