@@ -1,7 +1,8 @@
 """What each logit feature adds to the tensor-core kernels' main loop, counted in SASS (no GPU).
 
-The masked kernels (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked) take
-every feature behind run-time flags, so one compile holds all of them.  To count one
+The masked kernels (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked,
+flash_bwd_tf32_masked) take every feature behind run-time flags, so one compile holds all of
+them.  To count one
 feature, this script compiles text variants of the kernel sources in a temporary folder:
 
 * "none": the interior-tile path only (no band test) with every feature flag of the call a
@@ -145,6 +146,39 @@ def backward(tmp, dtype, d):
     return plan, logits, plain, rows
 
 
+def backward_tf32(tmp, d):
+    """flash_bwd_tf32_masked (float32): the features per element behind uniform branches."""
+    fn = "flash_bwd_tf32.cu"
+    plan = tiling.plan("flash_bwd_tf32_masked", d, d, "float32")
+    extra = {"CUFLASH_MASKS": None}
+    interior = [(fn, "#pragma unroll 1\n", "#pragma unroll\n"),
+                (fn, "const bool need_mask = kv_rows < kBc ||", "const bool need_mask = false && kv_rows < kBc ||")]
+    flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
+             "            const bool has_alibi = p.mask_has_alibi != 0;\n")
+
+    def only(cap=False, bias=False, alibi=False, db=0, drop=False):
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        edits = interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
+                                        f"            const bool has_alibi = {b(alibi)};\n"),
+                            (fn, "const int db_mode = p.mask_dbias;", f"const int db_mode = {db};")]
+        if not drop:
+            edits += [(fn, "        if (drop.on) {\n", "        if (false) {\n"),
+                      (fn, "const float dpv = drop.on ?", "const float dpv = false ?")]
+        return edits
+
+    variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
+                "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
+                "bias + dbias (stored)": only(bias=True, db=1)}
+    mixes = {name: _loop_count(_variant(tmp, f"t{i}", edits), fn, plan, extra)
+             for i, (name, edits) in enumerate(variants.items())}
+    rows = {name: m["total"] for name, m in mixes.items()}
+    rows["none"] = _Total(rows["none"], mixes["none"]["HMMA"])
+    plain = _loop_count(_variant(tmp, "tplain", interior[:1]), fn,
+                        tiling.plan("flash_bwd_tf32", d, d, "float32", plan.block_q, plan.block_kv), {})
+    logits = 16 * plan.block_q // 32
+    return plan, logits, plain, rows
+
+
 def main():
     ok, why = _nvrtc.is_available()
     if not ok:
@@ -161,7 +195,8 @@ def main():
         results = [forward(tmp, "flash_fwd_tc_masked", "float16", 128),
                    forward(tmp, "flash_fwd_tc_masked", "float16", 64),
                    forward(tmp, "flash_fwd_tf32_masked", "float32", 64),
-                   backward(tmp, "float16", 64)]
+                   backward(tmp, "float16", 64),
+                   backward_tf32(tmp, 64)]
     for plan, logits, plain, rows in results:
         what = f"{plan.kernel} {plan.dtype} d={plan.d}"
         tiles = f"{plan.block_q} x {plan.block_kv}, {plan.threads} threads"

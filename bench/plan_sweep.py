@@ -93,6 +93,13 @@ FAMILIES = {
                                  ("float16", "bfloat16"), TC_ASYM_DIMS,
                                  {"CUFLASH_BWD_TC_MAIN": None, "CUFLASH_MASKS": None},
                                  (80, 86, 89, 90)),
+    # ... on float32's tensor-core backward (flash_bwd_tf32.cu with -DCUFLASH_MASKS)
+    "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", "flash_bwd_tf32_masked", ("flash_bwd_tf32_masked",),
+                              ("float32",), tuple((d, d) for d in TC_DIMS), {"CUFLASH_MASKS": None},
+                              (80, 86, 89, 90)),
+    "flash_bwd_tf32_masked_asym": ("flash_bwd_tf32.cu", "flash_bwd_tf32_masked",
+                                   ("flash_bwd_tf32_masked",), ("float32",), TC_ASYM_DIMS,
+                                   {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
     # ... and on the tensor-core forward (flash_fwd_tc.cu with -DCUFLASH_MASKS)
     "flash_fwd_tc_masked": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
                             ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),

@@ -7,8 +7,9 @@ the forward on tensor cores (``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``;
 The backends send a call here when it names any feature (:func:`wanted`); a
 plain call never comes here and pays nothing for the features.  The backward
 with features runs ``flash_bwd_tc_masked`` for float16/bfloat16 where the plain
-call would run ``flash_bwd_tc`` (:mod:`cuflash._launch_masks_tc`), the SIMT
-kernels otherwise (float32's ``flash_bwd_tf32`` does not take the features).
+call would run ``flash_bwd_tc`` (:mod:`cuflash._launch_masks_tc`), float32's
+``flash_bwd_tf32_masked`` where the plain call would run ``flash_bwd_tf32``, the
+SIMT kernels otherwise.
 
 As in the plain launchers, the first call of a kind validates, plans,
 compiles and packs the parameter block (the ``mask_*`` fields of
@@ -359,8 +360,10 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     """The prepared masked backward: ``run(do, q, k, v, o, lse, bias, slopes, seed)``.
 
     float16/bfloat16 run flash_bwd_tc_masked where the plain call would run flash_bwd_tc
-    (:mod:`cuflash._launch_masks_tc`), everything else the SIMT kernels below;
-    ``kernel`` ("flash_bwd_tc_masked" or "flash_bwd_dkdv_masked") forces one (tests).
+    (:mod:`cuflash._launch_masks_tc`), everything else the SIMT kernels below -- float32 on
+    the atomic path of a GPU with tensor cores with flash_bwd_tf32_masked (3xTF32) in place of
+    flash_bwd_dkdv_masked, as the plain call runs flash_bwd_tf32; ``kernel``
+    ("flash_bwd_tc_masked" or "flash_bwd_dkdv_masked") forces one (tests).
     """
     from ._launch_bwd import _plans, plan_backward
     from .reference import sum_to_shape
@@ -404,6 +407,15 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     groups_of = (False, grouped, grouped, False, False)
 
     atomic = not deterministic and dtype != np.float64
+    # float32 on the atomic path: flash_bwd_tf32_masked (3xTF32 tensor cores) replaces
+    # flash_bwd_dkdv_masked where it plans (cp.async reads 16-byte rows: element strides of
+    # q, k, v, do multiples of 4), as in the plain backward
+    tf32 = None
+    if atomic and kernel is None and runtime.tensor_cores and \
+            not any(st % 4 for st in qs + ks + vs + dos):
+        tf32 = tiling.plan_bwd_tf32(d, dv, dtype, spec.block_q, spec.block_kv,
+                                    limit=runtime.smem_limit, limit_source=runtime.smem_source,
+                                    masked=True)
     n_rows = B * H * Nq
     ws_size = n_rows * (1 + d) if atomic else n_rows  # D, then the float32 dQ accumulator
     pre_rows = pre_plan.block_q
@@ -411,7 +423,7 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
         pre_rows = -(-Nq // pre_rows) * pre_rows
     n_pre = -(-Nq // pre_rows)
     n_q_tiles = -(-Nq // dq_plan.block_q)
-    n_kv_tiles = -(-Nk // plan.block_kv)
+    n_kv_tiles = -(-Nk // (tf32 or plan).block_kv)
     bias_st, slope_st = _strides(runtime, spec, ms, acc)
     db_fields, db_shape, db_summed = dbias_fields(spec, ms)
     fields = dict(
@@ -429,15 +441,18 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     defines = dict(kernels.plan_defines(plan), **_MASKS)
     last = ("flash_bwd_dq_convert", 0) if atomic else ("flash_bwd_dq_masked",
                                                        dq_plan.shared_bytes)
+    dkdv_plan, dkdv_request = (
+        (tf32, ("flash_bwd_tf32.cu", tf32.kernel, dict(kernels.plan_defines(tf32), **_MASKS),
+                tf32.shared_bytes)) if tf32 is not None else
+        (plan, (_BWD_FILE, "flash_bwd_dkdv_masked", defines, plan.shared_bytes)))
     pre, dkdv, fin = kernels.get_functions(runtime, [
-        (_BWD_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
-        (_BWD_FILE, "flash_bwd_dkdv_masked", defines, plan.shared_bytes),
+        (_BWD_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes), dkdv_request,
         (_BWD_FILE, last[0], defines, last[1])])
     what = f"the backward (Nq={Nq}, Nk={Nk})"
     pre_launch = (pre, "flash_bwd_preprocess", fold_grid(n_pre, H, B, what),
                   (pre_plan.threads,), pre_plan.shared_bytes)
-    dkdv_launch = (dkdv, "flash_bwd_dkdv_masked", fold_grid(n_kv_tiles, Hk, B, what),
-                   (plan.threads,), plan.shared_bytes)
+    dkdv_launch = (dkdv, dkdv_request[1], fold_grid(n_kv_tiles, Hk, B, what),
+                   (dkdv_plan.threads,), dkdv_plan.shared_bytes)
     if atomic:
         nblk = max(1, min(-(-n_rows * d // tiling.BWD_THREADS),
                           _CONVERT_BLOCKS.get(runtime.name, 4)))
@@ -461,6 +476,12 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
         if emulator:
             ins = [pointer_arg(runtime, x) for x in ins]
         q_, k_, v_, o_, do_ = ins
+        if tf32 is not None and not all(aligned16(x, st) for x, st in
+                                        ((q_, qs), (k_, ks), (v_, vs), (do_, dos))):
+            # a view starting off a 16-byte boundary: contiguous copies, planned afresh
+            qc, kc, vc, oc, doc = aligned_copies(xp, (q, k, v, o, do))
+            return _build_bwd(runtime, spec, ms, doc, qc, kc, vc, oc, deterministic)(
+                doc, qc, kc, vc, oc, lse, bias, slopes, seed)
         if lse.dtype != acc or not lse.flags.c_contiguous:
             lse = xp.ascontiguousarray(lse, dtype=acc)
         b_arr, s_arr = _feature_args(runtime, spec, ms, acc, bias, slopes)

@@ -112,6 +112,7 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv_masked": "flash_bwd.cu",
     "flash_bwd_dq_masked": "flash_bwd.cu",
     "flash_bwd_tc_masked": "flash_bwd_tc.cu",
+    "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
@@ -482,4 +483,9 @@ def compile_variants():
         p = tiling.plan("flash_bwd_tc_masked", d, d, dt, limit=sm80)
         out["flash_bwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None,
                                                          CUFLASH_BWD_TC_MAIN=None)))
+    # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
+    for d in (64, 128):
+        p = tiling.plan("flash_bwd_tf32_masked", d, d, "float32", limit=sm80)
+        out.setdefault("flash_bwd_tf32.cu", []).append(
+            build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
     return out

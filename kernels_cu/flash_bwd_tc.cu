@@ -115,7 +115,7 @@
 #include "dtype.cuh"
 #include "params.cuh"
 #ifdef CUFLASH_MASKS
-#include "masks.cuh"
+#include "bwd_masks.cuh"
 #include "fast_math.cuh"
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
@@ -301,34 +301,6 @@ flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__
 
 #endif  // !CUFLASH_BWD_TC_MAIN
 
-#if !defined(CUFLASH_BWD_TC_HELPERS) && defined(CUFLASH_MASKS)
-// ------------------------------------------------------------------------------------------
-// The band of visible keys as two offsets: query i sees key j (0 <= i < Nq, 0 <= j < Nk) iff
-// lo_off <= j - i < hi_off (causal: j <= i + causal_offset; window: i + off - left <= j <=
-// i + off + right, off = Nk - Nq).  Clamped to [-Nq, Nk] (j - i lies in (-Nq, Nk)) so that
-// they stay 32-bit.
-struct BwdBand {
-    int lo_off, hi_off;
-    __device__ __forceinline__ BwdBand(const BwdParams& p) {
-        long long lo = -(long long)p.Nq, hi = p.Nk;
-        if (p.mask_window & CUFLASH_WINDOW_LEFT) lo = (long long)p.mask_offset - p.mask_window_left;
-        if (p.causal) hi = (long long)p.causal_offset + 1;
-        if (p.mask_window & CUFLASH_WINDOW_RIGHT) {
-            const long long r = (long long)p.mask_offset + p.mask_window_right + 1;
-            hi = r < hi ? r : hi;
-        }
-        lo_off = (int)(lo < -p.Nq ? -p.Nq : (lo > p.Nk ? p.Nk : lo));
-        hi_off = (int)(hi < -p.Nq ? -p.Nq : (hi > p.Nk ? p.Nk : hi));
-    }
-};
-
-// dropout's 1 / (1 - p) on dV (1 without dropout)
-__device__ __forceinline__ float dv_scale(const BwdParams& p) {
-    return p.mask_dropout != 0 ? (float)p.mask_drop_scale : 1.0f;
-}
-
-#endif
-
 #ifndef CUFLASH_BWD_TC_HELPERS
 // ------------------------------------------------------------------------------------------
 // dK, dV, and dQ by float32 reds.  grid n_kv_blocks * Hk * B (folded), kThreads threads.
@@ -491,21 +463,9 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll 1
                     for (int mn = 0; mn < kMT * kNQ; ++mn) {  // (rolled: one Philox block per step)
                             const int mt = mn / kNQ, n = mn % kNQ;
-                            uint32_t blk[4];
-                            cuflash_dropout_block(blk, drop.k0, drop.k1, b + p.mask_drop_b0, h,
-                                                  q0 + qw0 + n * 8 + 2 * t + (w4 & 1),
-                                                  (kv0 + kw0 + mt * 16 + 8 * (w4 >> 1)) / 4 + (g >> 2));
-                            // this block's four dropped bits, gathered over the four lanes by
-                            // two xor shuffles: v holds lane e's bits at 4e .. 4e + 3; element
-                            // e takes bit w4 of lane e's -- bits 4e + w4 -- packed to bits e
-                            // by one multiply (0x249 = 1 + 2^3 + 2^6 + 2^9: no carries)
-                            uint32_t v = ((uint32_t)(blk[0] < drop.threshold) |
-                                          ((uint32_t)(blk[1] < drop.threshold) << 1) |
-                                          ((uint32_t)(blk[2] < drop.threshold) << 2) |
-                                          ((uint32_t)(blk[3] < drop.threshold) << 3)) << (4 * w4);
-                            v |= __shfl_xor_sync(0xffffffffu, v, 4);
-                            v |= __shfl_xor_sync(0xffffffffu, v, 8);
-                            const unsigned long long dropped = ((((v >> w4) & 0x1111u) * 0x249u) >> 9) & 0xfu;
+                            const unsigned long long dropped = bwd_dropped_bits(
+                                drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8 + 2 * t,
+                                (kv0 + kw0 + mt * 16) / 4 + (g >> 2), w4);
                             keep &= ~(dropped << (4 * mn));
                     }
                 }

@@ -46,6 +46,15 @@
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
+#ifdef CUFLASH_MASKS
+#include "bwd_masks.cuh"
+#define CUFLASH_BWD_TF32_KERNEL flash_bwd_tf32_masked
+#define CUFLASH_BWD_TF32_MASK_ARGS , const float* __restrict__ Bias, \
+    const float* __restrict__ Slopes, float* __restrict__ dBias
+#else
+#define CUFLASH_BWD_TF32_KERNEL flash_bwd_tf32
+#define CUFLASH_BWD_TF32_MASK_ARGS
+#endif
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
     !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
@@ -208,11 +217,11 @@ __device__ __forceinline__ void store_xb(float* base, long long row_stride, cons
 // __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
 // specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
 // planner's register budget assumes up to 255.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
+extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNEL(
     const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
     const float* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ D,
     float* __restrict__ dK, float* __restrict__ dV, float* __restrict__ dq_accum_ws,
-    const BwdParams* __restrict__ P)
+    const BwdParams* __restrict__ P CUFLASH_BWD_TF32_MASK_ARGS)
 {
     CUFLASH_DYNAMIC_SHARED(float, smem);
     float* Ks = smem;                    // (Bc, kKS)       K_j, resident
@@ -226,7 +235,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const BwdParams& p = *P;
+#ifdef CUFLASH_MASKS
+    const int Nq = p.Nq, Nk = p.Nk, group = p.group;  // (causal: part of the band)
+#else
     const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
+#endif
     const float scale = (float)p.scale;
     const float c = (float)(p.scale * 1.4426950408889634);  // scale * log2(e)
     const uint32_t hm = 0xffffe000u | (uint32_t)(Nq < 0);  // run-time value (Nq >= 0): see split
@@ -241,14 +254,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
     load_tile<kBc, kDv, kVS>(Vs, V + b * p.v_sb + hk * p.v_sh + kv0 * p.v_sr, p.v_sr, kv_rows, tid);
     // (one group with the first Q tile below; K_j, V_j are read after its barrier)
 
+    const int n_q_tiles = (Nq + kBr - 1) / kBr;
+#ifdef CUFLASH_MASKS
+    // the band: rows kv0 - hi_off + 1 .. kv0 + kv_rows - 1 - lo_off see keys of this tile; Q
+    // tiles outside it are never loaded (both sides)
+    const BwdBand band(p);
+    int it0, it1;
+    {
+        const long long i_min = (long long)kv0 - band.hi_off + 1;
+        const long long i_max = (long long)kv0 + kv_rows - 1 - band.lo_off;
+        it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
+        it1 = i_max < 0 ? 0 : (i_max >= Nq ? n_q_tiles : (int)(i_max / kBr) + 1);
+        if (it1 < it0) it1 = it0;
+    }
+    const int per_head = it1 - it0;
+#else
     // causal: the first query that sees key kv0 is kv0 - off; earlier Q tiles are skipped
     int it0 = 0;
     if (causal) {
         const long long i_min = (long long)kv0 - off;
         it0 = i_min <= 0 ? 0 : (i_min >= Nq ? (Nq + kBr - 1) / kBr : (int)(i_min / kBr));
     }
-    const int n_q_tiles = (Nq + kBr - 1) / kBr;
     const int per_head = n_q_tiles - it0;  // Q tiles per query head of the group
+#endif
     const int n_steps = group * per_head;  // (head, Q tile) steps of this block
 
     // step s -> query head hk * group + s / per_head, Q tile it0 + s % per_head
@@ -292,6 +320,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
         const float* lse2 = lse2s + stage * kBr;
         const float* Dt = Dsm + stage * kBr;
 
+#ifdef CUFLASH_MASKS
+        // The call's features, read per step from the parameter block (not held in registers
+        // across the loop); the band test only where the tile pair crosses it, holds keys
+        // past Nk or rows past Nq.
+        const int rows_q = min(kBr, Nq - q0);
+        const bool need_mask = kv_rows < kBc || rows_q < kBr || kv0 - (q0 + rows_q - 1) < band.lo_off ||
+                               kv0 + kBc - 1 - q0 >= band.hi_off;
+        const DropoutKey drop = cuflash_dropout_key(p);
+        static_assert(kNQ <= 16, "the masked backward keeps 64 dropout bits");
+        // dropped bits, bit 4 nq + e of element (nq, e); drawn before S^T (indices only)
+        unsigned long long dropped = 0;
+        if (drop.on) {
+#pragma unroll 1
+            for (int nq = 0; nq < kNQ; ++nq)  // (rolled: one Philox block per step)
+                dropped |= (unsigned long long)bwd_dropped_bits(drop, b + p.mask_drop_b0, h,
+                                                                q0 + nq * 8 + 2 * t,
+                                                                key0 / 4 + (g >> 2), g & 3)
+                           << (4 * nq);
+        }
+#endif
         // -- S^T = K_w Q_i^T, dP^T = V_w dO_i^T
         float st[kNQ][4], dpt[kNQ][4];
 #pragma unroll
@@ -300,6 +348,61 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
         mma_abt<kD, kKS, kQS>(st, Kw, Qt, g, t, hm);
         mma_abt<kDv, kVS, kOS>(dpt, Vw, dOt, g, t, hm);
 
+#ifdef CUFLASH_MASKS
+        // -- per element, in the forward's order: s = softcap(scale S) + bias + ALiBi (each
+        //    behind a uniform branch), P^T = 2^(s log2 e - lse2) (the band test where needed),
+        //    dS^T = P^T (dP^T keep / (1 - p) - D), dbias = dS^T (inside [0, Nq) x [0, Nk)),
+        //    softcap's 1 - tanh^2; P^T with the dropped elements zeroed for dV.  float32
+        //    throughout: tanhf, the bias from each element's own address.
+        {
+            const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
+            const bool has_alibi = p.mask_has_alibi != 0;
+            const bool xform = has_cap || has_bias || has_alibi;
+            const float ce = xform ? 1.4426950408889634f : c;
+            const float cap = (float)p.mask_softcap;
+            const float inv_cap = has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
+            const float ns = has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
+            const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
+            float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
+            const int db_mode = p.mask_dbias;
+#pragma unroll
+            for (int nq = 0; nq < kNQ; ++nq) {
+                float l2[2], dd[2];
+                lds2(l2, lse2 + nq * 8 + 2 * t);
+                lds2(dd, Dt + nq * 8 + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + g + 8 * (e >> 1), q = q0 + nq * 8 + 2 * t + (e & 1);
+                    float sv = st[nq][e], th = 0.0f;
+                    if (has_cap) {
+                        th = tanhf(sv * scale * inv_cap);
+                        sv = cap * th;
+                    } else if (xform) {
+                        sv *= scale;
+                    }
+                    if (has_bias)  // rows past Nq / keys past Nk: an in-bounds element, dropped below
+                        sv += gload(bias_h + (long long)min(q, Nq - 1) * p.mask_bias_sr +
+                                    (long long)min(key, Nk - 1) * p.mask_bias_sc);
+                    if (has_alibi) sv += ns * fabsf((float)(q + p.mask_offset - key));
+                    float x = sv * ce - l2[e & 1];
+                    if (need_mask && (key >= Nk || q >= Nq || key - q < band.lo_off || key - q >= band.hi_off))
+                        x = -INFINITY;
+                    const float pv = cuflash_exp2(x);
+                    const bool kept = ((dropped >> (4 * nq + e)) & 1) == 0;
+                    const float dpv = drop.on ? (kept ? dpt[nq][e] * drop.scale : 0.0f) : dpt[nq][e];
+                    float ds = pv * (dpv - dd[e & 1]);
+                    if (db_mode != 0 && key < Nk && q < Nq) {  // dbias = dS (0 outside the band)
+                        float* dst = dbias_h + (long long)q * p.mask_dbias_sr + (long long)key * p.mask_dbias_sc;
+                        if (db_mode == 1) gstore(dst, ds);
+                        else gatomic_add(dst, ds);
+                    }
+                    if (has_cap) ds *= 1.0f - th * th;
+                    st[nq][e] = kept ? pv : 0.0f;
+                    dpt[nq][e] = ds;
+                }
+            }
+        }
+#else
         // -- P^T = 2^(S^T c - lse2), masked only on tiles that cross the diagonal or the ends;
         //    dS^T = P^T (dP^T - D)
         const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);
@@ -319,6 +422,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
                 dpt[nq][e] = pv * (dpt[nq][e] - dd[e & 1]);
             }
         }
+#endif
 
         // -- dV_w += P^T dO_i, dK_w += dS^T Q_i (scale applied at the end)
         mma_xb<kDv, kOS>(dv, st, dOt, g, t, hm);
@@ -377,5 +481,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) flash_bwd_tf32(
     const size_t row0 = ((size_t)b * p.Hk + hk) * Nk + kv0 + warp * 16;
     const int rows = kv_rows - warp * 16;
     store_xb<kD>(dK + row0 * kD, kD, dk, g, t, rows, scale);
+#ifdef CUFLASH_MASKS
+    store_xb<kDv>(dV + row0 * kDv, kDv, dv, g, t, rows, dv_scale(p));  // dropout's 1 / (1 - p)
+#else
     store_xb<kDv>(dV + row0 * kDv, kDv, dv, g, t, rows, 1.0f);
+#endif
 }

@@ -292,6 +292,40 @@ def test_tensor_core_backward_with_features(kernel_backend, case, rng):
     oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
+# float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
+# and Q tiles: dbias stored (a full bias) and added (broadcast), GQA, Nq > Nk with a band that
+# skips Q tiles on both sides, dropout with softcap and ALiBi (causal).  (q shape, k shape,
+# causal, features, block_q, block_kv)
+TF32_BWD_CASES = [
+    ((2, 4, 64, 32), (2, 2, 80, 32), "bottom_right",
+     dict(window=(20, 5), bias=(2, 4, 64, 80), alibi_slopes=(4,), softcap=4.0, dropout_p=0.2),
+     16, 32),
+    ((1, 2, 90, 64), (1, 2, 50, 64), False, dict(bias=(2, 1, 50), window=(12, 6)), 32, 32),
+    ((2, 2, 45, 32), (2, 1, 70, 32), "top_left",
+     dict(dropout_p=0.35, alibi_slopes=(2, 2), softcap=2.0), 16, 64),
+]
+
+
+@pytest.mark.parametrize("case", TF32_BWD_CASES, ids=lambda c: _fwd_id(("float32",) + c[:4]) +
+                         f"-{c[4]}x{c[5]}")
+def test_tf32_backward_with_features(kernel_backend, case, rng):
+    """flash_bwd_tf32_masked against the oracle (gradients and dbias), named by the launches."""
+    from cuflash import _launch
+    qs, ks, causal, feat, bq, bkv = case
+    feat = _materialise(rng, feat, "float32")
+    q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
+    o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
+    do = oracle.randn(rng, o.shape, "float32")
+    db = "bias" in feat
+    with _launch.observe_launches() as seen:
+        grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
+                          block_q=bq, block_kv=bkv, return_dbias=db)
+    if kernel_backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == ["flash_bwd_preprocess", "flash_bwd_tf32_masked",
+                                               "flash_bwd_dq_convert"]
+    oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
+
+
 def test_simt_backward_with_features(rng):
     """flash_bwd_dkdv_masked (forced) on a float16 feature call (the planner sends it to
     flash_bwd_tc_masked): both dQ paths, dbias."""
@@ -525,9 +559,10 @@ def _all_features(rng, H, Nq, Nk, dtype="float32"):
 
 def test_race_check_masked_kernels(rng):
     """flash_fwd_masked, flash_fwd_tf32_masked, flash_fwd_tc_masked, the masked backward
-    (both dQ paths, dbias atomics) and flash_bwd_tc_masked (both dQ paths) under TSan."""
+    (both dQ paths, dbias atomics), flash_bwd_tf32_masked and flash_bwd_tc_masked (both dQ
+    paths) under TSan."""
     from conftest import require_backend
-    from cuflash import _launch_masks, _validate, _validate_masks, kernels
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 1, 37, 16), dtype="float32")
@@ -548,6 +583,19 @@ def test_race_check_masked_kernels(rng):
     bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
                                             block_kv=16)
     bms = _validate_masks.check_masks(bspec, q, return_dbias=True, **feat)
+    # float32 on the tensor cores (flash_bwd_tf32_masked: atomic dQ, d = 32, 32-key tiles)
+    qt, kt, vt = oracle.qkv(rng, (1, 2, 20, 32), (1, 1, 37, 32), dtype="float32")
+    ot, lset = cuflash.tiled_attention(qt, kt, vt, causal=True, return_lse=True,
+                                       backend="emulator", **feat)
+    dot = oracle.randn(rng, ot.shape, "float32")
+    tspec = _validate.check_backward_inputs(dot, qt, kt, vt, ot, lset, causal=True, block_q=16,
+                                            block_kv=32)
+    with _launch.observe_launches() as seen:
+        grads = _launch_masks.flash_bwd_masked(
+            rt, dot, qt, kt, vt, ot, lset, tspec,
+            _validate_masks.check_masks(tspec, qt, return_dbias=True, **feat), False)
+    assert "flash_bwd_tf32_masked" in [e["kernel"] for e in seen]
+    oracle.check_backward(grads, dot, qt, kt, vt, None, True, **feat)
     for det in (True, False):
         grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, bspec, bms, det)
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
@@ -624,15 +672,27 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
     do = oracle.randn(rng, o.shape, "float32")
     bp = rt.plan("flash_bwd_dkdv", d, d, "float32")
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
-    for det in (True, False):
-        _, seen = _counted(kernel_backend, lambda: _backward(
-            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
-            deterministic=det, return_dbias=bias is not None))
+    bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
+    bms = _validate_masks.check_masks(bspec, q, return_dbias=bias is not None, **feat)
+    for det in (True, False):   # the SIMT kernels (forced on the atomic path)
+        _, seen = _counted(kernel_backend, lambda: _launch_masks.flash_bwd_masked(
+            rt, do, q, k, v, o, lse, bspec, bms, det, kernel="flash_bwd_dkdv_masked"))
         got = (sum(e["global_bytes_read"] for e in seen),
                sum(e["global_bytes_written"] for e in seen))
         assert got == tiling.flash_bwd_masked_traffic(
             B, H, Hk, Nq, Nk, d, d, "float32", bp.block_q, bp.block_kv, causal, window,
             bias is not None, alibi, db, det), [e["kernel"] for e in seen]
+    # float32's default atomic path: flash_bwd_tf32_masked
+    _, seen = _counted(kernel_backend, lambda: _backward(
+        kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
+        return_dbias=bias is not None))
+    tp = tiling.plan_bwd_tf32(d, d, "float32", limit=rt.smem_limit, masked=True)
+    assert [e["kernel"] for e in seen] == ["flash_bwd_preprocess", "flash_bwd_tf32_masked",
+                                           "flash_bwd_dq_convert"]
+    assert (sum(e["global_bytes_read"] for e in seen),
+            sum(e["global_bytes_written"] for e in seen)) == tiling.flash_bwd_tf32_masked_traffic(
+        B, H, Hk, Nq, Nk, d, d, tp.block_q, tp.block_kv, tp.threads, causal, window,
+        bias is not None, alibi, db)
 
 
 @pytest.mark.parametrize("causal,window,bias,alibi", TRAFFIC_CASES)

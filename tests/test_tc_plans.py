@@ -1,7 +1,8 @@
 """The planner accepts no tensor-core plan that spills registers (issue 12).
 
 cuflash.tiling accepts flash_fwd_tc / flash_fwd_tf32 / flash_bwd_tf32 plans (and the _masked
-kernels of the logit features: flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked) from a register
+kernels of the logit features: flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked,
+flash_bwd_tf32_masked) from a register
 budget (and gives a plan 16 query rows per warp instead of 32 where 32 would not fit).  Here
 the largest accepted plans of each kind -- the most accumulator registers with 32 and with 16
 rows per warp, the largest head dim -- are compiled with NVRTC for sm_80 and must report no
@@ -31,9 +32,10 @@ def _largest_plans():
     picks = []
     for kernel, dtype in (("flash_fwd_tc", "float16"), ("flash_fwd_tf32", "float32"),
                           ("flash_bwd_tf32", "float32"), ("flash_fwd_tc_masked", "float16"),
-                          ("flash_fwd_tf32_masked", "float32"), ("flash_bwd_tc_masked", "float16")):
+                          ("flash_fwd_tf32_masked", "float32"), ("flash_bwd_tc_masked", "float16"),
+                          ("flash_bwd_tf32_masked", "float32")):
         plans = [p for p in sweep.accepted_plans(kernel, 80) if p.dtype == dtype]
-        if kernel == "flash_bwd_tf32":
+        if kernel in ("flash_bwd_tf32", "flash_bwd_tf32_masked"):
             key = lambda p: ((p.d + p.dv) // 2 + p.block_q, p.block_kv, p.d)  # noqa: E731
             classes = {None: plans}
         elif kernel == "flash_bwd_tc_masked":

@@ -245,34 +245,59 @@ def _bwd_tf32_preferences(d, dv, acc):
     return [(32, 64), (16, 64), (32, 32), (16, 32)]
 
 
-register(KernelTiling(
-    name="flash_bwd_tf32",
-    block_q_choices=(16, 32, 64),
-    block_kv_choices=(32, 64, 128),
-    shared_bytes=_bwd_tf32_shared,
-    threads=lambda bq, bkv, d, dv: 2 * bkv,
-    preferences=_bwd_tf32_preferences,
-    layout=_bwd_tf32_layout,
-    check=_bwd_tf32_check,
-))
+def _bwd_tf32_tiling(name, check):
+    """flash_bwd_tf32.cu's tiling (plain or masked: the same layout)."""
+    return KernelTiling(name=name, block_q_choices=(16, 32, 64), block_kv_choices=(32, 64, 128),
+                        shared_bytes=_bwd_tf32_shared, threads=lambda bq, bkv, d, dv: 2 * bkv,
+                        preferences=_bwd_tf32_preferences, layout=_bwd_tf32_layout, check=check)
+
+
+register(_bwd_tf32_tiling("flash_bwd_tf32", _bwd_tf32_check))
+
+
+# flash_bwd_tf32_masked: flash_bwd_tf32.cu with -DCUFLASH_MASKS (bias and dbias, window,
+# ALiBi, softcap, dropout on the S^T fragments, per element in float32), for float32 feature
+# calls on the atomic path in place of flash_bwd_dkdv_masked.  The same layout and register
+# budget; the (block_q, block_kv, d, dv) that ptxas spills are refused: bench/plan_sweep.py
+# compiled the 68 plans of families flash_bwd_tf32_masked and its d != dv sample (sm_80 for
+# sm_80/86/89, sm_90) with none refused, 8 spilled 8-36 B, all on sm_90 -- among them 64 x 64
+# at d = 64, so float32's masked default there is 32 x 64 (the plain kernel's 64 x 64).
+BWD_TF32_MASKED_PTXAS_SPILLS = frozenset({
+    (32, 32, 64, 128), (32, 32, 128, 64), (32, 64, 64, 128), (32, 64, 128, 64), (32, 128, 64, 128),
+    (32, 128, 96, 96), (32, 128, 128, 64), (64, 64, 64, 64),
+})
+
+
+def _bwd_tf32_masked_check(bq, bkv, d, dv):
+    why = _bwd_tf32_check(bq, bkv, d, dv)
+    if why is not None:
+        return why.replace("flash_bwd_tf32", "flash_bwd_tf32_masked")
+    if (bq, bkv, d, dv) in BWD_TF32_MASKED_PTXAS_SPILLS:
+        return (f"ptxas spills this plan of flash_bwd_tf32_masked (block_q={bq}, block_kv={bkv}, "
+                f"d={d}, dv={dv}: bench/results/plan_sweep.json)")
+    return None
+
+
+register(_bwd_tf32_tiling("flash_bwd_tf32_masked", _bwd_tf32_masked_check))
 
 
 def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
-                  limit_source="unlimited"):
-    """flash_bwd_tf32's plan for a float32 backward, or None where it does not apply.
+                  limit_source="unlimited", masked=False):
+    """flash_bwd_tf32's plan for a float32 backward (``masked``: flash_bwd_tf32_masked's, for a
+    call with logit features), or None where it does not apply.
 
     None for other dtypes, head dims it lacks, explicit tiles outside its choices or tiles that
     do not fit: the SIMT kernels of flash_bwd.cu run those.
     """
     if _dtype_name(dtype) not in TF32_DTYPES:
         return None
-    t = kernel_tiling("flash_bwd_tf32")
+    name = "flash_bwd_tf32_masked" if masked else "flash_bwd_tf32"
+    t = kernel_tiling(name)
     if ((block_q is not None and block_q not in t.block_q_choices)
             or (block_kv is not None and block_kv not in t.block_kv_choices)
-            or t.check(block_q or 16, block_kv or 32, d, dv) is not None):
+            or _bwd_tf32_check(block_q or 16, block_kv or 32, d, dv) is not None):
         return None
     try:
-        return plan("flash_bwd_tf32", d, dv, dtype, block_q, block_kv, limit=limit,
-                    limit_source=limit_source)
+        return plan(name, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
     except ValueError:
         return None

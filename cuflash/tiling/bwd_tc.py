@@ -69,19 +69,19 @@ BWD_TC_MASKED_MAX_BITS = 64
 # accepts them: bench/plan_sweep.py compiled every plan the budget accepts (families
 # flash_bwd_tc_masked and its d != dv sample, float16 and bfloat16, sm_80 for the limits of
 # sm_80/86/89 and sm_90: 860 compiles, with these refusals lifted).  With the feature loops
-# per tile (the sweep of 2026-11-23, night) 68 spilled 4-36 B: 4-16 B at 64 x 16..128 for d
-# = 48, 64, 80, 112, 144 and at 32 x 32..128 for the 64 <-> 128 pairs; 12-36 B at 128 x *
-# for d = 16 and 32 (one warp of 16 keys against 128 queries: 64 keep bits and 16 query
-# tiles of P^T) -- refused on every architecture (the defaults are not among them).  The
-# previous kernel refused 9 other pairs (d = 80, 192/128), clean now.  Rows:
+# per tile (the sweep of 2026-11-23, night) 52 spilled 4-112 B: at 64 x 32..128 for d = 112
+# and 144, at 32 x 32..128 for the 64 <-> 128 pairs, and at 128 x * for d = 16 and 32 (one
+# warp of 16 keys against 128 queries: 64 keep bits and 16 query tiles of P^T) -- refused on
+# every architecture (the defaults are not among them: d = 112 runs 32 x 128, was 64 x 128;
+# d = 80 now 64 x 128, was 32 x 128).  The previous kernel refused 9 pairs (d = 16 at 128 x *,
+# d = 80 and 192/128 at 64 x *), those at d = 80 and 192/128 clean now.  Rows:
 # bench/results/plan_sweep.json.
 BWD_TC_MASKED_PTXAS_SPILLS = frozenset({
-    (32, 32, 128, 64), (32, 64, 64, 128), (32, 64, 128, 64), (32, 128, 64, 128),
-    (32, 128, 128, 64), (64, 16, 80, 80), (64, 32, 48, 48), (64, 32, 64, 64), (64, 32, 112, 112),
-    (64, 32, 144, 144), (64, 64, 48, 48), (64, 64, 64, 64), (64, 64, 112, 112), (64, 64, 144, 144),
-    (64, 128, 48, 48), (64, 128, 64, 64), (64, 128, 112, 112), (64, 128, 144, 144),
-    (128, 16, 16, 16), (128, 16, 32, 32), (128, 32, 16, 16), (128, 32, 32, 32), (128, 64, 16, 16),
-    (128, 64, 32, 32), (128, 128, 16, 16), (128, 128, 32, 32),
+    (32, 32, 64, 128), (32, 32, 128, 64), (32, 64, 64, 128), (32, 128, 64, 128),
+    (64, 32, 112, 112), (64, 32, 144, 144), (64, 64, 112, 112), (64, 64, 144, 144),
+    (64, 128, 112, 112), (64, 128, 144, 144), (128, 16, 16, 16), (128, 16, 32, 32),
+    (128, 32, 16, 16), (128, 32, 32, 32), (128, 64, 16, 16), (128, 64, 32, 32), (128, 128, 16, 16),
+    (128, 128, 32, 32),
 })
 
 

@@ -230,3 +230,56 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
     read += n_splits * bh * Nq * d * 4
     written += bh * Nq * d * 2
     return read, written
+
+
+def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
+                                  threads, causal=None, window=None, bias=False, alibi=False,
+                                  dbias=None):
+    """Exact global bytes (read, written) of a float32 backward call on flash_bwd_tf32_masked.
+
+    flash_bwd_preprocess (O, dO read; D and the zeroed dQ accumulator written),
+    flash_bwd_tf32_masked and flash_bwd_dq_convert.  The main kernel loads K_j, V_j and
+    writes dK_j, dV_j for every KV tile; per (query head, Q tile) step -- the Q tiles whose
+    rows' bands reach the tile (both sides) -- the Q, dO rows inside Nq with their lse and
+    D, dQ added with one atomic (a read and a write) per element inside Nq; the features: a
+    bias element per element of every step's tile pair (rows past Nq and keys past Nk read an
+    in-bounds element in their place), one ALiBi slope per thread and step, ``dbias``
+    "store" (a write) or "atomic" (a read and a write) per element of a step's pair inside
+    [0, Nq) x [0, Nk).
+    """
+    bh, bhk = batch * heads, batch * kv_heads
+    group = heads // kv_heads if kv_heads else 1
+    lo_off, hi_off = _band_offsets(Nq, Nk, causal, window)
+    nq_t = -(-Nq // block_q) if Nq else 0
+    nk_t = -(-Nk // block_kv) if Nk else 0
+    read = bh * Nq * 2 * dv * 4                      # preprocess: O, dO
+    written = bh * Nq * 4 + bh * Nq * d * 4          # D, the zeroed dQ accumulator
+    steps = in_range = q_rows_all = 0
+    for j in range(nk_t):
+        kv0 = j * block_kv
+        kv_rows = min(block_kv, Nk - kv0)
+        read += bhk * kv_rows * (d + dv) * 4
+        written += bhk * kv_rows * (d + dv) * 4
+        i_min, i_max = kv0 - hi_off + 1, kv0 + kv_rows - 1 - lo_off
+        it0 = 0 if i_min <= 0 else (nq_t if i_min >= Nq else i_min // block_q)
+        it1 = 0 if i_max < 0 else (nq_t if i_max >= Nq else i_max // block_q + 1)
+        it1 = max(it1, it0)
+        q_rows = min(Nq, it1 * block_q) - it0 * block_q if it1 > it0 else 0
+        steps += group * (it1 - it0)
+        q_rows_all += group * q_rows
+        in_range += group * q_rows * kv_rows
+    read += bhk * q_rows_all * ((d + dv) * 4 + 8)    # Q, dO rows, lse, D
+    read += bhk * q_rows_all * d * 4                 # dQ atomics
+    written += bhk * q_rows_all * d * 4
+    if bias:
+        read += bhk * steps * block_q * block_kv * 4
+    if alibi:
+        read += bhk * steps * threads * 4
+    if dbias == "store":
+        written += bhk * in_range * 4
+    elif dbias == "atomic":
+        read += bhk * in_range * 4
+        written += bhk * in_range * 4
+    read += bh * Nq * d * 4                          # dq_convert
+    written += bh * Nq * d * 4
+    return read, written
