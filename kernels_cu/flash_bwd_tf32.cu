@@ -353,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
         //    behind a uniform branch), P^T = 2^(s log2 e - lse2) (the band test where needed),
         //    dS^T = P^T (dP^T keep / (1 - p) - D), dbias = dS^T (inside [0, Nq) x [0, Nk)),
         //    softcap's 1 - tanh^2; P^T with the dropped elements zeroed for dV.  float32
-        //    throughout: tanhf, the bias from each element's own address.
+        //    throughout (tanhf).
         {
             const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
             const bool has_alibi = p.mask_has_alibi != 0;
@@ -365,11 +365,22 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
             float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
             const int db_mode = p.mask_dbias;
+            // the lane's two keys' offsets once per step, a row pointer per query: per element
+            // one 64-bit add (bias keys clamped to Nk - 1, rows to Nq - 1: in-bounds reads)
+            const long long bk0 = (long long)min(key0 + g, Nk - 1) * p.mask_bias_sc;
+            const long long bk8 = (long long)min(key0 + g + 8, Nk - 1) * p.mask_bias_sc;
+            const long long dk0 = (long long)(key0 + g) * p.mask_dbias_sc;
+            const long long dk8 = (long long)(key0 + g + 8) * p.mask_dbias_sc;
 #pragma unroll
             for (int nq = 0; nq < kNQ; ++nq) {
                 float l2[2], dd[2];
                 lds2(l2, lse2 + nq * 8 + 2 * t);
                 lds2(dd, Dt + nq * 8 + 2 * t);
+                const int qa = q0 + nq * 8 + 2 * t;
+                const float* brow[2] = {bias_h + (long long)min(qa, Nq - 1) * p.mask_bias_sr,
+                                        bias_h + (long long)min(qa + 1, Nq - 1) * p.mask_bias_sr};
+                float* drow[2] = {dbias_h + (long long)qa * p.mask_dbias_sr,
+                                  dbias_h + (long long)(qa + 1) * p.mask_dbias_sr};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = key0 + g + 8 * (e >> 1), q = q0 + nq * 8 + 2 * t + (e & 1);
@@ -380,9 +391,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     } else if (xform) {
                         sv *= scale;
                     }
-                    if (has_bias)  // rows past Nq / keys past Nk: an in-bounds element, dropped below
-                        sv += gload(bias_h + (long long)min(q, Nq - 1) * p.mask_bias_sr +
-                                    (long long)min(key, Nk - 1) * p.mask_bias_sc);
+                    if (has_bias) sv += gload(brow[e & 1] + ((e >> 1) ? bk8 : bk0));
                     if (has_alibi) sv += ns * fabsf((float)(q + p.mask_offset - key));
                     float x = sv * ce - l2[e & 1];
                     if (need_mask && (key >= Nk || q >= Nq || key - q < band.lo_off || key - q >= band.hi_off))
@@ -392,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     const float dpv = drop.on ? (kept ? dpt[nq][e] * drop.scale : 0.0f) : dpt[nq][e];
                     float ds = pv * (dpv - dd[e & 1]);
                     if (db_mode != 0 && key < Nk && q < Nq) {  // dbias = dS (0 outside the band)
-                        float* dst = dbias_h + (long long)q * p.mask_dbias_sr + (long long)key * p.mask_dbias_sc;
+                        float* dst = drow[e & 1] + ((e >> 1) ? dk8 : dk0);
                         if (db_mode == 1) gstore(dst, ds);
                         else gatomic_add(dst, ds);
                     }
