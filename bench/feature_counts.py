@@ -39,15 +39,6 @@ from cuflash.tiling import bwd_tc  # noqa: E402
 KERNELS_CU = ROOT / "kernels_cu"
 
 
-class _Total(int):
-    """A loop total that also carries its HMMA count (printed beside it)."""
-
-    def __new__(cls, total, hmma):
-        obj = super().__new__(cls, total)
-        obj.hmma = hmma
-        return obj
-
-
 def _variant(tmp, tag, edits):
     d = Path(tmp) / tag
     shutil.copytree(KERNELS_CU, d)
@@ -66,6 +57,13 @@ def _loop_count(folder, fname, plan, extra, arch=80):
     ins = _sass.instructions(_sass.disassemble(res.cubin))
     name = next(k for k in ins if k == plan.kernel)
     return _sass.mix(ins[name], _sass.main_loop(ins[name]))
+
+
+def _count_variants(tmp, tag, fn, plan, extra, variants):
+    """{variant: main-loop total} of the text variants {name: edits}, and the HMMA of "none"."""
+    mixes = {name: _loop_count(_variant(tmp, f"{tag}{i}", edits), fn, plan, extra)
+             for i, (name, edits) in enumerate(variants.items())}
+    return {name: m["total"] for name, m in mixes.items()}, mixes["none"]["HMMA"]
 
 
 def forward(tmp, kernel, dtype, d):
@@ -93,12 +91,11 @@ def forward(tmp, kernel, dtype, d):
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap": only(cap=True), "dropout": only(drop=True),
                 "boundary tile (band test)": only(boundary=True)}
-    rows = {name: _loop_count(_variant(tmp, f"f{kernel}{dtype}{d}-{i}", edits), fn, plan, masks)["total"]
-            for i, (name, edits) in enumerate(variants.items())}
+    rows, hmma = _count_variants(tmp, f"f{kernel}{dtype}{d}-", fn, plan, masks, variants)
     plain = _loop_count(KERNELS_CU, fn, tiling.plan(kernel[:-len("_masked")], d, d, dtype,
                                                     plan.block_q, plan.block_kv), {})
     logits = plan.block_q // (plan.threads // 32) * plan.block_kv // 32
-    return plan, logits, plain, rows
+    return plan, logits, plain, rows, hmma
 
 
 def backward(tmp, dtype, d):
@@ -134,16 +131,13 @@ def backward(tmp, dtype, d):
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1),
                 "bias + dbias (atomic adds)": only(bias=True, db=2)}
-    mixes = {name: _loop_count(_variant(tmp, f"b{i}", edits), fn, plan, extra)
-             for i, (name, edits) in enumerate(variants.items())}
-    rows = {name: m["total"] for name, m in mixes.items()}
-    rows["none"] = _Total(rows["none"], mixes["none"]["HMMA"])
+    rows, hmma = _count_variants(tmp, "b", fn, plan, extra, variants)
     plain = _loop_count(_variant(tmp, "bplain", interior[:1]), fn,
                         tiling.plan("flash_bwd_tc", d, d, dtype, plan.block_q, plan.block_kv),
                         {"CUFLASH_BWD_TC_MAIN": None})
     _, mt, _, qs = bwd_tc.bwd_tc_layout(plan.block_q, plan.block_kv, d, d, True)
     logits = mt * 16 * (plan.block_q // qs) // 32
-    return plan, logits, plain, rows
+    return plan, logits, plain, rows, hmma
 
 
 def backward_tf32(tmp, d):
@@ -169,14 +163,11 @@ def backward_tf32(tmp, d):
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1)}
-    mixes = {name: _loop_count(_variant(tmp, f"t{i}", edits), fn, plan, extra)
-             for i, (name, edits) in enumerate(variants.items())}
-    rows = {name: m["total"] for name, m in mixes.items()}
-    rows["none"] = _Total(rows["none"], mixes["none"]["HMMA"])
+    rows, hmma = _count_variants(tmp, "t", fn, plan, extra, variants)
     plain = _loop_count(_variant(tmp, "tplain", interior[:1]), fn,
                         tiling.plan("flash_bwd_tf32", d, d, "float32", plan.block_q, plan.block_kv), {})
     logits = 16 * plan.block_q // 32
-    return plan, logits, plain, rows
+    return plan, logits, plain, rows, hmma
 
 
 def main():
@@ -197,7 +188,7 @@ def main():
                    forward(tmp, "flash_fwd_tf32_masked", "float32", 64),
                    backward(tmp, "float16", 64),
                    backward_tf32(tmp, 64)]
-    for plan, logits, plain, rows in results:
+    for plan, logits, plain, rows, hmma in results:
         what = f"{plan.kernel} {plan.dtype} d={plan.d}"
         tiles = f"{plan.block_q} x {plan.block_kv}, {plan.threads} threads"
         print(f"| {what} | {tiles} | {logits} | plain kernel (all its paths) | {plain['total']} "
@@ -205,7 +196,7 @@ def main():
         base = rows["none"]
         for name, n in rows.items():
             add = n - base
-            shown = f"{n} (HMMA {n.hmma})" if hasattr(n, "hmma") else f"{n}"
+            shown = f"{n} (HMMA {hmma})" if name == "none" else f"{n}"
             print(f"| | | | {name} | {shown} | {add:+d} | {add / logits:.1f} | "
                   f"{100 * add / base:+.0f}% |")
     both(results[1], results[3])
@@ -215,7 +206,7 @@ def main():
 def both(fwd, bwd):
     """The issue's measure: a feature's share of forward + backward, here in issue slots per
     logit (float16 d=64: the forward and the backward at the same head dim)."""
-    (_, fl, _, fr), (_, bl, _, br) = fwd, bwd
+    (_, fl, _, fr, _), (_, bl, _, br, _) = fwd, bwd
     f0, b0 = fr["none"] / fl, br["none"] / bl
     print()
     print(f"Forward + backward, float16 d=64, per logit: {f0:.1f} + {b0:.1f} = {f0 + b0:.1f} "

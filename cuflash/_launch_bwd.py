@@ -101,12 +101,14 @@ def _tc_requests(plan):
             (_TC_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
 
 
-def _tf32_plan(runtime, spec):
-    """flash_bwd_tf32's plan for this call (float32 on sm_80+), or None: flash_bwd_dkdv runs."""
+def _tf32_plan(runtime, spec, masked=False):
+    """flash_bwd_tf32's plan for this call (float32 on sm_80+; ``masked``: flash_bwd_tf32_masked's),
+    or None: flash_bwd_dkdv (flash_bwd_dkdv_masked) runs."""
     if not runtime.tensor_cores:
         return None
     return tiling.plan_bwd_tf32(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv,
-                                limit=runtime.smem_limit, limit_source=runtime.smem_source)
+                                limit=runtime.smem_limit, limit_source=runtime.smem_source,
+                                masked=masked)
 
 
 def kernels_needed(runtime, d, dv, dtype):

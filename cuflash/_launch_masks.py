@@ -365,7 +365,7 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     flash_bwd_dkdv_masked, as the plain call runs flash_bwd_tf32; ``kernel``
     ("flash_bwd_tc_masked" or "flash_bwd_dkdv_masked") forces one (tests).
     """
-    from ._launch_bwd import _plans, plan_backward
+    from ._launch_bwd import _plans, _tf32_plan, plan_backward
     from .reference import sum_to_shape
     xp = runtime.xp
     dtype, acc = spec.dtype, _acc_dtype(spec.dtype)
@@ -411,11 +411,8 @@ def _build_bwd(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     # flash_bwd_dkdv_masked where it plans (cp.async reads 16-byte rows: element strides of
     # q, k, v, do multiples of 4), as in the plain backward
     tf32 = None
-    if atomic and kernel is None and runtime.tensor_cores and \
-            not any(st % 4 for st in qs + ks + vs + dos):
-        tf32 = tiling.plan_bwd_tf32(d, dv, dtype, spec.block_q, spec.block_kv,
-                                    limit=runtime.smem_limit, limit_source=runtime.smem_source,
-                                    masked=True)
+    if atomic and kernel is None and not any(st % 4 for st in qs + ks + vs + dos):
+        tf32 = _tf32_plan(runtime, spec, masked=True)
     n_rows = B * H * Nq
     ws_size = n_rows * (1 + d) if atomic else n_rows  # D, then the float32 dQ accumulator
     pre_rows = pre_plan.block_q
