@@ -11,13 +11,21 @@ from ptxas' report.  No GPU needed; ~1-4 s per compile.
 with a hash of its kernel source and the headers it includes, as the family compiles them
 (conditionals on the families' own defines resolved: ``source_hash``); ``tests/test_plan_sweep.py``
 (CI) re-enumerates the accepted plans of every recorded family and fails when one is missing
-from that file, spills there, or its sources changed since (rerun this script then).  ``tests/test_tc_plans.py`` compiles the largest plans live on every CI run.
+from that file, spills there, or its sources changed since (rerun this script then).
+``tests/test_tc_plans.py`` compiles the largest plans live on every CI run.
+
+A plan that spills is refused by the planner with the reason (the refusal sets of
+``cuflash.tiling``, among them ``_asym_spills.py`` for the d != dv defaults); ``--missing``
+then compiles the plans those refusals made accepted (a default moves to the next preferred
+pair), and ``--lift-refusals`` sweeps with the refusal sets emptied, to derive them anew.
 
 Usage::
 
     python bench/plan_sweep.py                      # every family and architecture, summary
     python bench/plan_sweep.py --write              # ... and store bench/results/plan_sweep.json
     python bench/plan_sweep.py --families flash_fwd_tc --arch 90
+    python bench/plan_sweep.py --families flash_bwd_tc_asym --missing   # add the unswept plans
+    python bench/plan_sweep.py --families flash_bwd_tc_masked --lift-refusals --json rows.json
     python bench/plan_sweep.py --bwd-tc-edge        # flash_bwd_tc d != dv near its budget
 """
 import argparse
@@ -44,9 +52,10 @@ TC_DIMS = tuple(range(16, 257, 16))
 # SIMT head dims: the register arrays scale with ceil(dv / 4) and block_kv / 4, shared memory
 # with d and dv; these cover each size class up to the 256 limit, plus d != dv at both ends.
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
-# Tensor-core kernels with d != dv: a sample (every pair of multiples of 16 would be ~21,000
-# more compiles): MLA's 192/128, 64 <-> 128, 128 <-> 256 and both extremes.
-TC_ASYM_DIMS = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
+# Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
+# tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
+# of every pair would be ~48,000 compiles), so these families hold ~6,000 plans.
+TC_ASYM_DIMS = tuple((d, dv) for d in TC_DIMS for dv in TC_DIMS if d != dv)
 ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # family -> (source file, planned kernel, kernels checked in the module, dtypes, head dims,
@@ -274,7 +283,7 @@ def bwd_tc_edge_plans():
         limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
         for d in TC_DIMS:
             for dv in TC_DIMS:
-                if d == dv or (d, dv) in TC_ASYM_DIMS:
+                if d == dv or (d, dv) in tiling.TC_ASYM_SWEPT:
                     continue
                 for bq in tiling.BWD_TC_TILE_CHOICES:
                     for bkv in tiling.BWD_TC_TILE_CHOICES:
@@ -292,9 +301,24 @@ def bwd_tc_edge_plans():
 
 
 def forget_edge_spills():
-    """Let this process's planner accept the plans the edge sweep refused (to sweep them again)."""
+    """Let this process's planner accept the plans the edge sweep refused (to sweep them again),
+    and every tile pair of flash_bwd_tc at d != dv (the sweep predates the default-only rule
+    of tiling.TC_ASYM_SWEPT)."""
+    import dataclasses
     from cuflash.tiling import bwd_tc
     bwd_tc.BWD_TC_PTXAS_SPILLS = bwd_tc.BWD_TC_PTXAS_SPILLS - bwd_tc.BWD_TC_EDGE_SPILLS
+    tiling.register(dataclasses.replace(tiling.kernel_tiling("flash_bwd_tc"), asym_swept=None))
+
+
+def lift_refusals():
+    """Let this process's planner accept the plans refused because ptxas spilled them (the
+    refusal sets of cuflash.tiling), to compile them again and re-derive those sets."""
+    from cuflash.tiling import bwd, bwd_tc, core, fwd
+    core.ASYM_DEFAULT_SPILLS = {}
+    bwd_tc.BWD_TC_PTXAS_SPILLS = frozenset()
+    bwd_tc.BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
+    bwd.BWD_TF32_MASKED_PTXAS_SPILLS = frozenset()
+    fwd.TC_MASKED_PTXAS_SPILLS = {k: frozenset() for k in fwd.TC_MASKED_PTXAS_SPILLS}
 
 
 def plan_key(family, plan, arch):
@@ -345,19 +369,40 @@ def main(argv=None):
     ap.add_argument("--write", action="store_true",
                     help=f"store the rows and source hashes in {RESULTS.relative_to(ROOT)} "
                          "(needs the default --families and --arch)")
+    ap.add_argument("--missing", action="store_true",
+                    help="compile only the accepted plans that the record lacks (families whose "
+                         "record is of the current sources) and add them to it")
+    ap.add_argument("--lift-refusals", action="store_true",
+                    help="sweep with the planner's ptxas refusal sets emptied (to re-derive them; "
+                         "not with --write or --missing)")
     ap.add_argument("--bwd-tc-edge", action="store_true",
                     help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
                          f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
     args = ap.parse_args(argv)
     if args.bwd_tc_edge:
         return edge_sweep(args.jobs)
-    if args.write and set(args.arch) != set(ARCHS):
-        ap.error("--write records whole families: leave --arch at its default")
+    if (args.write or args.missing) and set(args.arch) != set(ARCHS):
+        ap.error("--write / --missing record whole families: leave --arch at its default")
+    if args.lift_refusals and (args.write or args.missing):
+        ap.error("--lift-refusals sweeps plans the planner refuses: not for the record")
+    if args.lift_refusals:
+        lift_refusals()
+    doc = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"families": {}}
     ok, why = _nvrtc.is_available()
     if not ok:
         print(f"NVRTC not available: {why}", file=sys.stderr)
         return 2
     todo = [(f, p, a) for f in args.families for a in args.arch for p in accepted_plans(f, a)]
+    if args.missing:
+        for fam in args.families:
+            rec = doc["families"].get(fam)
+            if rec is not None and rec["source_hash"] != family_hash(fam):
+                ap.error(f"{fam}: its sources changed since its record: sweep it whole (--write)")
+            if rec is not None and rec["nvrtc"] != ".".join(map(str, _nvrtc.version())):
+                ap.error(f"{fam}: recorded with NVRTC {rec['nvrtc']}: sweep it whole (--write)")
+        have = {r["key"] for fam in args.families
+                for r in doc["families"].get(fam, {"rows": []})["rows"]}
+        todo = [(f, p, a) for f, p, a in todo if plan_key(f, p, a) not in have]
     print(f"{len(todo)} compiles (NVRTC {'.'.join(map(str, _nvrtc.version()))}, {args.jobs} jobs)",
           file=sys.stderr)
     rows, t0 = [], time.perf_counter()
@@ -380,13 +425,15 @@ def main(argv=None):
     print(f"{len(rows)} plans compiled, {len(failing)} spill or fail")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if args.write:  # replaces the swept families' rows, keeps the others'
-        doc = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"families": {}}
+    if args.write or args.missing:  # --write replaces the swept families' rows, --missing adds
         for fam in args.families:
+            new = {r["key"]: r for r in rows if r["family"] == fam}
+            old = doc["families"].get(fam, {"rows": []})["rows"] if args.missing else []
             doc["families"][fam] = {
                 "nvrtc": ".".join(map(str, _nvrtc.version())),
                 "source_hash": family_hash(fam),
-                "rows": sorted((r for r in rows if r["family"] == fam), key=lambda r: r["key"])}
+                "rows": sorted([r for r in old if r["key"] not in new] + list(new.values()),
+                               key=lambda r: r["key"])}
         RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
         print(f"wrote {RESULTS}")
     return 1 if failing else 0

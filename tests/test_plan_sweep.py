@@ -1,7 +1,7 @@
 """Every tile plan the planner accepts was compiled without spills (issue 12).
 
 ``bench/plan_sweep.py --write`` compiles, per kernel family and architecture, every plan that
-``cuflash.tiling.plan`` accepts (~4,000 NVRTC compiles, too slow for CI) and records registers,
+``cuflash.tiling.plan`` accepts (~20,000 NVRTC compiles, too slow for CI) and records registers,
 spills and stack frames in ``bench/results/plan_sweep.json`` with a hash of each family's
 kernel source and the headers it includes.  Here the accepted plans are enumerated again
 (cheap: the planner only) and each must be in that record, spill-free, and the record must
@@ -13,6 +13,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,3 +143,88 @@ def test_source_hash_ignores_comments_only(tmp_path, monkeypatch):
     assert h('// a new comment line\nint a;  \n\n/* two\n lines */ asm("x // y");\n') == base
     assert h('int b; // one\n/* two\n lines */ asm("x // y");\n') != base
     assert h('int a; // one\n/* two\n lines */ asm("x // z");\n') != base
+
+
+# -- d != dv on the tensor-core kernels: every tile pair at tiling.TC_ASYM_SWEPT, the default
+# plan only elsewhere (so that the sweep, ~6,000 compiles instead of ~48,000, covers them all)
+_TC_KERNELS = {"flash_fwd_tc": "float16", "flash_fwd_tf32": "float32", "flash_bwd_tc": "bfloat16",
+               "flash_bwd_tf32": "float32", "flash_fwd_tc_masked": "float16",
+               "flash_fwd_tf32_masked": "float32", "flash_bwd_tc_masked": "float16",
+               "flash_bwd_tf32_masked": "float32"}
+
+
+@pytest.mark.parametrize("kernel", sorted(_TC_KERNELS))
+def test_unswept_d_ne_dv_takes_the_default_tiles_only(kernel):
+    from cuflash import tiling
+    dtype, limit = _TC_KERNELS[kernel], tiling.EMULATOR_ARCHES["sm_80"]
+    t = tiling.kernel_tiling(kernel)
+    assert t.asym_swept == tiling.TC_ASYM_SWEPT
+    plan = lambda d, dv, *tiles: tiling.plan(kernel, d, dv, dtype, *tiles, limit=limit,  # noqa: E731
+                                             limit_source="sm_80")
+    d, dv = 96, 64  # not in TC_ASYM_SWEPT; every kernel takes it
+    assert (d, dv) not in tiling.TC_ASYM_SWEPT
+    dflt = plan(d, dv)
+    assert plan(d, dv, dflt.block_q, dflt.block_kv).chosen == "explicit"
+    others = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
+              if (a, b) != (dflt.block_q, dflt.block_kv)]
+    refused = 0
+    for a, b in others:
+        try:
+            plan(d, dv, a, b)
+        except ValueError as e:
+            if "explicit tiles are taken only where ptxas was run" in str(e):
+                assert f"({dflt.block_q}, {dflt.block_kv}) (the default, sm_80)" in str(e)
+                refused += 1
+            continue
+        pytest.fail(f"{kernel} took {a}x{b} at d={d}, dv={dv}: not swept")
+    assert refused > 0
+    # a mixed request is taken when it resolves to the default
+    assert plan(d, dv, dflt.block_q, None).block_kv == dflt.block_kv
+    # the same tiles at d == dv and at a swept d != dv pair: taken, as every tile pair there
+    a, b = others[0]
+    for dd, ddv in ((64, 64), (128, 64)):
+        try:
+            plan(dd, ddv, a, b)
+        except ValueError as e:
+            assert "explicit tiles are taken only" not in str(e)
+
+
+def test_unswept_d_ne_dv_explicit_tiles_refused_through_the_api():
+    """The forward's tensor-core choice refuses them (and lists the default) before running,
+    rather than running them on the SIMT kernel."""
+    import cuflash
+    from cuflash import tiling
+    q = np.zeros((1, 1, 8, 96), np.float16)
+    v = np.zeros((1, 1, 8, 64), np.float16)
+    dflt = tiling.plan("flash_fwd_tc", 96, 64, "float16", limit=tiling.EMULATOR_ARCHES["sm_80"])
+    assert (dflt.block_q, dflt.block_kv) != (16, 16)
+    with pytest.raises(ValueError, match=r"explicit tiles are taken only where ptxas was run.*"
+                       rf"flash_fwd_tc takes here: \({dflt.block_q}, {dflt.block_kv}\)"):
+        cuflash.tiled_attention(q, q, v, backend="emulator", block_q=16, block_kv=16)
+
+
+def test_asym_default_spills_are_recorded_and_refused():
+    """Each default plan refused in tiling/_asym_spills.py spilled in the record of its kernel's
+    d != dv family, and the planner refuses it (the default moves on)."""
+    from cuflash import tiling
+    fams = {SWEEP.FAMILIES[f][1]: f for f in SWEEP.FAMILIES if f.endswith("_asym")}
+    record = _record()
+    n = 0
+    for kernel, plans in tiling.ASYM_DEFAULT_SPILLS.items():
+        spilled = {(r["block_q"], r["block_kv"], r["d"], r["dv"], r["arch"])
+                   for r in record[fams[kernel]]["rows"] if SWEEP.bad(r)}
+        for (bq, bkv, d, dv), archs in plans.items():
+            assert (d, dv) not in tiling.TC_ASYM_SWEPT and d != dv
+            for arch in (80, 90):
+                assert ((bq, bkv, d, dv, arch) in spilled) == (arch in archs), (kernel, bq, bkv, d, dv)
+                limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
+                assert tiling.sweep_arch(limit) == arch
+                try:
+                    tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv, limit=limit)
+                    assert arch not in archs, (kernel, bq, bkv, d, dv, arch)
+                except ValueError as e:  # refused where it spilled (or for another reason)
+                    assert arch not in archs or "ptxas spills this plan" in str(e)
+            with pytest.raises(ValueError, match="ptxas spills this plan"):  # no limit: any arch
+                tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv)
+            n += 1
+    assert n > 0

@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .core import KernelTiling, _dtype_name, accumulator_bytes, kernel_tiling, plan, register
+from .core import TC_ASYM_SWEPT, KernelTiling, _dtype_name, accumulator_bytes, kernel_tiling, plan, register
 from .fwd import TF32_DTYPES
 
 
@@ -249,7 +249,8 @@ def _bwd_tf32_tiling(name, check):
     """flash_bwd_tf32.cu's tiling (plain or masked: the same layout)."""
     return KernelTiling(name=name, block_q_choices=(16, 32, 64), block_kv_choices=(32, 64, 128),
                         shared_bytes=_bwd_tf32_shared, threads=lambda bq, bkv, d, dv: 2 * bkv,
-                        preferences=_bwd_tf32_preferences, layout=_bwd_tf32_layout, check=check)
+                        preferences=_bwd_tf32_preferences, layout=_bwd_tf32_layout, check=check,
+                        asym_swept=TC_ASYM_SWEPT)
 
 
 register(_bwd_tf32_tiling("flash_bwd_tf32", _bwd_tf32_check))

@@ -1,5 +1,5 @@
 """flash_bwd_tc (float16/bfloat16 backward on tensor cores), the backward's kernel choice (:func:`plan_flash_bwd`) and its traffic model."""
-from .core import MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register
+from .core import MAX_HEAD_DIM, TC_ASYM_SWEPT, KernelTiling, _dtype_name, kernel_tiling, plan, register
 from ._bwd_tc_spills import BWD_TC_EDGE_SPILLS
 from .fwd import TC_DTYPES, _refuse_off_tensor_cores
 
@@ -196,6 +196,7 @@ for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
         block_q_choices=BWD_TC_TILE_CHOICES,
         block_kv_choices=BWD_TC_TILE_CHOICES,
         preferences=_bwd_tc_preferences,
+        asym_swept=TC_ASYM_SWEPT,
         **_bwd_tc_fns(_masked),
     ))
 

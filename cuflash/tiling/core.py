@@ -5,6 +5,8 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
+from ._asym_spills import ASYM_DEFAULT_SPILLS
+
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -68,6 +70,10 @@ class KernelTiling:
     defines : callable(block_q, block_kv, d, dv) -> dict
         Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
         (:func:`cuflash.kernels.plan_defines` adds them); none by default.
+    asym_swept : tuple of (d, dv) or None
+        Set on the tensor-core kernels: with d != dv, every tile pair is accepted only at
+        these head-dim pairs, elsewhere only the default plan (:data:`TC_ASYM_SWEPT`).
+        None (the SIMT kernels): no such rule.
     """
     name: str
     block_q_choices: Tuple[int, ...]
@@ -80,6 +86,22 @@ class KernelTiling:
     check_acc: Callable = field(default=lambda bq, bkv, d, dv, acc: None)
     max_head_dim: int = MAX_HEAD_DIM
     defines: Callable = field(default=lambda bq, bkv, d, dv: {})
+    asym_swept: Tuple[Tuple[int, int], ...] = None
+
+    def default_only(self, d, dv):
+        """True where only the default tiles are accepted (see ``asym_swept``)."""
+        return self.asym_swept is not None and d != dv and (d, dv) not in self.asym_swept
+
+
+# The tensor-core kernels are compiled per (d, dv) and tile pair, and ptxas' register
+# allocation is not monotone in either (the d != dv edge sweep of flash_bwd_tc found 108 of
+# 1,410 plans near its register budget spilling): every accepted plan must have been compiled
+# (bench/plan_sweep.py, issue 12).  Every tile pair of every d != dv pair of multiples of 16
+# would be ~48,000 compiles (~9 hours on two cores); the sweep covers every tile pair of these
+# d != dv pairs (MLA's 192/128, 64 <-> 128, 128 <-> 256 and both extremes) and the default
+# plan of every other d != dv pair at every architecture's limit (~5,600 compiles).  So with
+# d != dv outside these pairs, explicit tiles are accepted only where they are the default.
+TC_ASYM_SWEPT = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
 
 
 @dataclass(frozen=True)
@@ -220,13 +242,31 @@ def split_slots(n_sms, threads):
     return int(n_sms) * max(1, -(-MIN_RESIDENT_WARPS // warps))
 
 
-def _why_not(t, bq, bkv, d, dv, acc):
-    """The kernel's own refusal of a tile pair (registers, head dims), or None."""
-    return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
+def sweep_arch(limit):
+    """The architecture whose compile the spill sweep (bench/plan_sweep.py) records for plans
+    at this shared-memory limit: 90 at sm_90's 227 KB and above, 80 below (sm_80, sm_86 and
+    sm_89 are compiled for sm_80); None without a limit (then every architecture counts)."""
+    if limit is None or limit == float("inf"):
+        return None
+    return 90 if limit >= EMULATOR_ARCHES["sm_90"] else 80
+
+
+def _why_not(t, bq, bkv, d, dv, acc, limit=None):
+    """The kernel's own refusal of a tile pair (registers, head dims; a ptxas spill recorded
+    for the architecture of ``limit``: :func:`sweep_arch`), or None."""
+    why = t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
+    archs = ASYM_DEFAULT_SPILLS.get(t.name, {}).get((bq, bkv, d, dv), ())
+    arch = sweep_arch(limit)
+    if why is None and archs and (arch is None or arch in archs):
+        on = "/".join(f"sm_{a}" for a in archs if arch is None or a == arch)
+        why = (f"ptxas spills this plan of {t.name} for {on} (block_q={bq}, block_kv={bkv}, d={d}, "
+               f"dv={dv}: bench/results/plan_sweep.json, cuflash/tiling/_asym_spills.py)")
+    return why
 
 
 def _fits(t, bq, bkv, d, dv, acc, limit):
-    return _why_not(t, bq, bkv, d, dv, acc) is None and t.shared_bytes(bq, bkv, d, dv, acc) <= limit
+    return (_why_not(t, bq, bkv, d, dv, acc, limit) is None
+            and t.shared_bytes(bq, bkv, d, dv, acc) <= limit)
 
 
 # Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
@@ -322,6 +362,10 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     fitting.sort(key=lambda ab: not _occupancy_ok(t, *ab, d, dv, acc, limit))
     if fitting and not _occupancy_ok(t, *fitting[0], d, dv, acc, limit) and chosen != "default":
         _refuse_low_occupancy(t, kernel, fitting[0], d, dv, acc, dtname, limit, lim_text)
+    if fitting and chosen != "default" and t.default_only(d, dv):
+        dflt = plan(kernel, d, dv, dtype, limit=limit, limit_source=limit_source)
+        if fitting[0] != (dflt.block_q, dflt.block_kv):
+            _refuse_unswept(kernel, fitting[0], d, dv, dtname, dflt)
     if fitting:
         bq, bkv = fitting[0]
         return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
@@ -331,7 +375,7 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                         limit_source=limit_source, chosen=chosen)
     # nothing fits: say why, with the budget and what would fit
     bq, bkv = pairs[0]
-    why = _why_not(t, bq, bkv, d, dv, acc)
+    why = _why_not(t, bq, bkv, d, dv, acc, lim)
     need = t.shared_bytes(bq, bkv, d, dv, acc)
     fitting = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
                if _fits(t, a, b, d, dv, acc, lim)]
@@ -342,6 +386,19 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: "
                      f"{reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
                      f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
+
+
+def _refuse_unswept(kernel, pair, d, dv, dtname, dflt):
+    """Raise for explicit tiles other than the default at a d != dv pair that the spill sweep
+    covers at its default plan only (TC_ASYM_SWEPT)."""
+    bq, bkv = pair
+    swept = ", ".join(f"{a}/{b}" for a, b in TC_ASYM_SWEPT)
+    raise ValueError(
+        f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: with d != dv, "
+        f"explicit tiles are taken only where ptxas was run on them (bench/plan_sweep.py: every "
+        f"tile pair at d/dv = {swept}; the default plan elsewhere), since an unchecked plan may "
+        f"spill registers and run many times slower. (block_q, block_kv) pairs that fit: "
+        f"({dflt.block_q}, {dflt.block_kv}) (the default, {dflt.limit_source})")
 
 
 def _refuse_low_occupancy(t, kernel, pair, d, dv, acc, dtname, limit, lim_text):

@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._fwd_tc_masked_spills import FWD_TC_MASKED_SPILLS, FWD_TF32_MASKED_SPILLS
-from .core import KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
+from .core import TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
 
 
 # --------------------------------------------------------------------------
@@ -250,6 +250,7 @@ for _k in TC_KERNELS + TC_MASKED_KERNELS:
         preferences=_tc_preferences(_k),
         layout=_tc_layout(_k),
         check=_tc_check(_k),
+        asym_swept=TC_ASYM_SWEPT,
     ))
 
 
@@ -320,13 +321,17 @@ def _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit, li
             and _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
     every = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
              if _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+    if every and t.default_only(d, dv):  # d != dv swept at the default plan only
+        dflt = plan(tc_name, d, dv, dtype, limit=limit, limit_source=limit_source)
+        every = [(dflt.block_q, dflt.block_kv)]
+        good = [ab for ab in good if ab in every]
     if not every:
         return  # no tensor-core plan at these head dims: the SIMT kernel is the only one
     if why is not None:  # plan()'s refusal: its reason, without the kernel and pair lists
         why = why.split(": ", 1)[-1].split(". Supported")[0].split(". (block_q")[0]
     else:
         bq, bkv = block_q or 16, block_kv or 16
-        why = (_why_not(t, bq, bkv, d, dv, acc) or
+        why = (_why_not(t, bq, bkv, d, dv, acc, lim) or
                f"supported block_q: {list(t.block_q_choices)}, block_kv: "
                f"{list(t.block_kv_choices)}")
     asked = ", ".join(f"{n}={v}" for n, v in (("block_q", block_q), ("block_kv", block_kv))
