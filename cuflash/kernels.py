@@ -429,11 +429,11 @@ def compile_variants():
         for d in (64, 128):
             add("flash_fwd_tc", dt, d)
     add("flash_fwd_tc", "float16", 256)
-    add("flash_fwd_tc", "bfloat16", 96, dv=32, bq=16, bkv=32)
+    add("flash_fwd_tc", "bfloat16", 128, dv=64, bq=16, bkv=32)  # d != dv: a pair swept at every tile
     for d in (64, 128):
         add("flash_fwd_tf32", "float32", d)
     add("flash_fwd_tf32", "float32", 256)
-    add("flash_fwd_tf32", "float32", 32, dv=96, bq=16, bkv=16)
+    add("flash_fwd_tf32", "float32", 64, dv=128, bq=16, bkv=16)
     # flash_bwd_tf32.cu: the default plans at d = 64 and 128, and dv != d
     for d in (64, 128):
         add("flash_bwd_tf32", "float32", d)
