@@ -619,7 +619,7 @@ def test_tc_refusals_name_the_reason_and_what_fits():
 
 
 def test_tc_shared_bytes_exact():
-    for d, dv, bq, bkv, qs in ((64, 64, 32, 128, 1), (128, 128, 64, 128, 2), (96, 32, 16, 32, 1)):
+    for d, dv, bq, bkv, qs in ((64, 64, 32, 128, 1), (128, 128, 64, 128, 2), (128, 64, 16, 32, 1)):
         p = tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv)
         assert tiling.bwd_tc_layout(bq, bkv, d, dv)[3] == qs
         ps = bkv * (bq + 8) if qs == 2 else 0  # P^T of the query split
