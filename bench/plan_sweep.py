@@ -49,8 +49,10 @@ ARCHS = (75, 80, 90)
 # instruction set: their plans are compiled for sm_80 (COMPILED_FOR), together with sm_80's.
 COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
 TC_DIMS = tuple(range(16, 257, 16))
-# SIMT head dims: the register arrays scale with ceil(dv / 4) and block_kv / 4, shared memory
-# with d and dv; these cover each size class up to the 256 limit, plus d != dv at both ends.
+# SIMT head dims: the kernels compile d and dv as constants and take every head dim in 1..256;
+# the sweep compiles these 8 pairs.  That is a sample, not the set of accepted plans: a random
+# sample of other head dims (--simt-sample, bench/results/simt_sample.json) found 28 of 592
+# plans spilling (issue 12 stays open for it).
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
 # Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
 # tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
@@ -375,12 +377,19 @@ def main(argv=None):
     ap.add_argument("--lift-refusals", action="store_true",
                     help="sweep with the planner's ptxas refusal sets emptied (to re-derive them; "
                          "not with --write or --missing)")
+    ap.add_argument("--simt-sample", type=int, metavar="N",
+                    help=f"instead: N random (d, dv) pairs outside SIMT_DIMS on the SIMT families "
+                         f"(float32, float64), each group's plan with the most accumulators and its "
+                         f"smallest, rows to {SIMT_SAMPLE.relative_to(ROOT)}")
+    ap.add_argument("--seed", type=int, default=20261124, help="of --simt-sample")
     ap.add_argument("--bwd-tc-edge", action="store_true",
                     help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
                          f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
     args = ap.parse_args(argv)
     if args.bwd_tc_edge:
         return edge_sweep(args.jobs)
+    if args.simt_sample:
+        return simt_sample(args.simt_sample, args.seed, args.jobs)
     if (args.write or args.missing) and set(args.arch) != set(ARCHS):
         ap.error("--write / --missing record whole families: leave --arch at its default")
     if args.lift_refusals and (args.write or args.missing):
@@ -437,6 +446,57 @@ def main(argv=None):
         RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
         print(f"wrote {RESULTS}")
     return 1 if failing else 0
+
+
+# The SIMT kernels compile d and dv as constants, like the tensor-core ones, but take every
+# head dim in 1..256: the sweep compiles them at SIMT_DIMS only.  This sample measures what that
+# leaves out (issue 12): random (d, dv) pairs, per (family, dtype, head dims, architecture) the
+# accepted plan with the most accumulator registers (block_kv / 4 + ceil(dv / 4)) and the smallest.
+SIMT_SAMPLE = ROOT / "bench" / "results" / "simt_sample.json"
+SIMT_FAMILIES = ("flash_fwd", "flash_fwd_serving", "flash_bwd", "flash_fwd_masked", "flash_bwd_masked")
+
+
+def simt_sample_jobs(n, seed):
+    """[(family, plan, arch)] of :func:`simt_sample` (the pairs drawn by ``seed``)."""
+    import random
+    rng = random.Random(seed)
+    pairs = set()
+    while len(pairs) < n:
+        d = rng.randint(1, 256)
+        dv = d if rng.random() < 0.5 else rng.randint(1, 256)
+        if (d, dv) not in SIMT_DIMS:
+            pairs.add((d, dv))
+    todo = []
+    for fam in SIMT_FAMILIES:
+        saved = FAMILIES[fam]
+        FAMILIES[fam] = saved[:3] + (("float32", "float64"), tuple(sorted(pairs))) + saved[5:]
+        try:
+            for arch in ARCHS:
+                groups = {}
+                for p in accepted_plans(fam, arch):
+                    groups.setdefault((p.dtype, p.d, p.dv), []).append(p)
+                for g in groups.values():
+                    g.sort(key=lambda p: (p.block_kv // 4 + (p.dv + 3) // 4, p.block_q * p.block_kv))
+                    todo += [(fam, p, arch) for p in ([g[0], g[-1]] if len(g) > 1 else g)]
+        finally:
+            FAMILIES[fam] = saved
+    return todo
+
+
+def simt_sample(n, seed, jobs):
+    todo = simt_sample_jobs(n, seed)
+    print(f"{len(todo)} compiles", file=sys.stderr)
+    with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
+        rows = list(ex.map(compile_plan, todo, chunksize=4))
+    bad_rows = [r for r in rows if bad(r)]
+    for r in bad_rows:
+        print(f"{r['key']}: {bad(r)}")
+    print(f"{len(rows)} plans compiled, {len(bad_rows)} spill")
+    SIMT_SAMPLE.write_text(json.dumps({"command": f"python bench/plan_sweep.py --simt-sample {n} "
+                                                  f"--seed {seed}",
+                                       "rows": sorted(rows, key=lambda r: r["key"])},
+                                      indent=0, sort_keys=True))
+    return 0
 
 
 def edge_sweep(jobs):
