@@ -483,8 +483,8 @@ def simt_sample_jobs(n, seed):
     return todo
 
 
-def simt_sample(n, seed, jobs):
-    todo = simt_sample_jobs(n, seed)
+def _side_sweep(todo, jobs, path, command):
+    """Compile ``todo``, print the spills, write every row to ``path`` (not the record)."""
     print(f"{len(todo)} compiles", file=sys.stderr)
     with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
         rows = list(ex.map(compile_plan, todo, chunksize=4))
@@ -492,28 +492,21 @@ def simt_sample(n, seed, jobs):
     for r in bad_rows:
         print(f"{r['key']}: {bad(r)}")
     print(f"{len(rows)} plans compiled, {len(bad_rows)} spill")
-    SIMT_SAMPLE.write_text(json.dumps({"command": f"python bench/plan_sweep.py --simt-sample {n} "
-                                                  f"--seed {seed}",
-                                       "rows": sorted(rows, key=lambda r: r["key"])},
-                                      indent=0, sort_keys=True))
+    path.write_text(json.dumps({"command": command, "rows": sorted(rows, key=lambda r: r["key"])},
+                               indent=0, sort_keys=True))
     return 0
+
+
+def simt_sample(n, seed, jobs):
+    return _side_sweep(simt_sample_jobs(n, seed), jobs, SIMT_SAMPLE,
+                       f"python bench/plan_sweep.py --simt-sample {n} --seed {seed}")
 
 
 def edge_sweep(jobs):
     """Compile the flash_bwd_tc edge plans (the worker processes inherit forget_edge_spills)."""
     forget_edge_spills()
-    todo = [("flash_bwd_tc", p, arch) for p, arch in bwd_tc_edge_plans()]
-    print(f"{len(todo)} compiles", file=sys.stderr)
-    with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
-        rows = list(ex.map(compile_plan, todo, chunksize=4))
-    bad_rows = [r for r in rows if bad(r)]
-    for r in bad_rows:
-        print(f"{r['key']}: {bad(r)}")
-    print(f"{len(rows)} plans compiled, {len(bad_rows)} spill")
-    EDGE_RESULTS.write_text(json.dumps({"command": "python bench/plan_sweep.py --bwd-tc-edge",
-                                        "rows": sorted(rows, key=lambda r: r["key"])},
-                                       indent=0, sort_keys=True))
-    return 0
+    return _side_sweep([("flash_bwd_tc", p, arch) for p, arch in bwd_tc_edge_plans()], jobs,
+                       EDGE_RESULTS, "python bench/plan_sweep.py --bwd-tc-edge")
 
 
 if __name__ == "__main__":
