@@ -52,7 +52,7 @@ TC_DIMS = tuple(range(16, 257, 16))
 # SIMT head dims: the kernels compile d and dv as constants and take every head dim in 1..256;
 # the sweep compiles these 8 pairs.  That is a sample, not the set of accepted plans: a random
 # sample of other head dims (--simt-sample, bench/results/simt_sample.json) found 28 of 592
-# plans spilling (issue 12 stays open for it).
+# plans spilling, and 25 of 1,183 default plans (--simt-defaults; all float64), issue 12.
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
 # Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
 # tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
@@ -381,7 +381,11 @@ def main(argv=None):
                     help=f"instead: N random (d, dv) pairs outside SIMT_DIMS on the SIMT families "
                          f"(float32, float64), each group's plan with the most accumulators and its "
                          f"smallest, rows to {SIMT_SAMPLE.relative_to(ROOT)}")
-    ap.add_argument("--seed", type=int, default=20261124, help="of --simt-sample")
+    ap.add_argument("--simt-defaults", type=int, metavar="N",
+                    help=f"instead: the default plans of the SIMT families (float16/32/64) at N "
+                         f"random (d, dv) pairs outside SIMT_DIMS, rows to "
+                         f"{SIMT_DEFAULTS.relative_to(ROOT)} (--seed 7 for the record)")
+    ap.add_argument("--seed", type=int, default=20261124, help="of --simt-sample / --simt-defaults")
     ap.add_argument("--bwd-tc-edge", action="store_true",
                     help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
                          f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
@@ -390,6 +394,8 @@ def main(argv=None):
         return edge_sweep(args.jobs)
     if args.simt_sample:
         return simt_sample(args.simt_sample, args.seed, args.jobs)
+    if args.simt_defaults:
+        return simt_sample(args.simt_defaults, args.seed, args.jobs, defaults=True)
     if (args.write or args.missing) and set(args.arch) != set(ARCHS):
         ap.error("--write / --missing record whole families: leave --arch at its default")
     if args.lift_refusals and (args.write or args.missing):
@@ -453,19 +459,43 @@ def main(argv=None):
 # leaves out (issue 12): random (d, dv) pairs, per (family, dtype, head dims, architecture) the
 # accepted plan with the most accumulator registers (block_kv / 4 + ceil(dv / 4)) and the smallest.
 SIMT_SAMPLE = ROOT / "bench" / "results" / "simt_sample.json"
+SIMT_DEFAULTS = ROOT / "bench" / "results" / "simt_default_sample.json"
 SIMT_FAMILIES = ("flash_fwd", "flash_fwd_serving", "flash_bwd", "flash_fwd_masked", "flash_bwd_masked")
 
 
-def simt_sample_jobs(n, seed):
-    """[(family, plan, arch)] of :func:`simt_sample` (the pairs drawn by ``seed``)."""
+def _random_pairs(n, seed, same):
+    """``n`` random (d, dv) pairs outside SIMT_DIMS, d == dv with probability ``same``."""
     import random
     rng = random.Random(seed)
     pairs = set()
     while len(pairs) < n:
         d = rng.randint(1, 256)
-        dv = d if rng.random() < 0.5 else rng.randint(1, 256)
+        dv = d if rng.random() < same else rng.randint(1, 256)
         if (d, dv) not in SIMT_DIMS:
             pairs.add((d, dv))
+    return sorted(pairs)
+
+
+def simt_default_jobs(n, seed):
+    """[(family, plan, arch)] of ``--simt-defaults``: the default plan of each SIMT family at
+    every architecture's limit, float16/32/64, at ``n`` random head-dim pairs."""
+    todo = {}
+    for fam in SIMT_FAMILIES:
+        for dt in ("float16", "float32", "float64"):
+            for d, dv in _random_pairs(n, seed, 0.6):
+                for a, c in COMPILED_FOR.items():
+                    try:
+                        p = tiling.plan(FAMILIES[fam][1], d, dv, dt,
+                                        limit=tiling.EMULATOR_ARCHES[f"sm_{a}"])
+                    except ValueError:
+                        continue
+                    todo.setdefault(plan_key(fam, p, c), (fam, p, c))
+    return list(todo.values())
+
+
+def simt_sample_jobs(n, seed):
+    """[(family, plan, arch)] of :func:`simt_sample` (the pairs drawn by ``seed``)."""
+    pairs = set(_random_pairs(n, seed, 0.5))
     todo = []
     for fam in SIMT_FAMILIES:
         saved = FAMILIES[fam]
@@ -497,7 +527,10 @@ def _side_sweep(todo, jobs, path, command):
     return 0
 
 
-def simt_sample(n, seed, jobs):
+def simt_sample(n, seed, jobs, defaults=False):
+    if defaults:
+        return _side_sweep(simt_default_jobs(n, seed), jobs, SIMT_DEFAULTS,
+                           f"python bench/plan_sweep.py --simt-defaults {n} --seed {seed}")
     return _side_sweep(simt_sample_jobs(n, seed), jobs, SIMT_SAMPLE,
                        f"python bench/plan_sweep.py --simt-sample {n} --seed {seed}")
 
