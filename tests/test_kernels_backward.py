@@ -301,6 +301,26 @@ def test_float64_dq_register_cap():
         assert -(-p.block_q * d // tiling.BWD_THREADS) <= tiling.BWD_MAX_DQ_ACC_FLOAT64
 
 
+def test_float64_dkdv_register_cap_when_d_differs_from_dv():
+    """float64 dK/dV with d != dv spilled from 54 doubles per thread (48 with the features) in
+    the issue-12 probes: the caps refuse them with the reason; d == dv keeps 64."""
+    cases = (("flash_bwd_dkdv", tiling.BWD_MAX_DKDV_ACC_FLOAT64_ASYM),
+             ("flash_bwd_dkdv_masked", tiling.BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED))
+    for kernel, cap in cases:
+        # 128 / 125 at 32 x 32: 32 + 32 doubles; 16 x 16: 16 + 16
+        with pytest.raises(ValueError, match=rf"64 float64 dK/dV accumulators.*limit {cap}"):
+            tiling.plan(kernel, 128, 125, "float64", 32, 32)
+        assert tiling.plan(kernel, 128, 125, "float64", 16, 16).block_kv == 16
+        assert tiling.plan(kernel, 128, 125, "float32", 32, 32).block_kv == 32
+        assert tiling.plan(kernel, 128, 128, "float64", 32, 32).block_kv == 32  # d == dv: 64
+        p = tiling.plan(kernel, 128, 125, "float64")  # the default moves under the cap
+        n = -(-p.block_kv * 128 // tiling.BWD_THREADS) + -(-p.block_kv * 125 // tiling.BWD_THREADS)
+        assert n <= cap
+    assert tiling.plan("flash_bwd_dkdv", 128, 64, "float64", 32, 32).block_kv == 32  # 48 doubles
+    with pytest.raises(ValueError, match="limit 32"):
+        tiling.plan("flash_bwd_dkdv_masked", 128, 64, "float64", 32, 32)
+
+
 @pytest.mark.parametrize("bq,bkv,d,needle", [
     (24, 32, 128, "does not support block_q=24"),
     # float64 d=48, 128 x 64: within the register limits (48 dQ doubles), 283648 B of shared

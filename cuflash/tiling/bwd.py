@@ -83,6 +83,28 @@ def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
     return None
 
 
+# float64 dK/dV with d != dv: the two accumulator arrays map their elements to (key, column)
+# through different divisions (by d and by dv), so ptxas keeps two sets of index values beside
+# the doubles.  Probed with NVRTC 13.0 for sm_80 and sm_90 at every accepted tile of 8 d != dv
+# pairs (128/125, 128/96, 254/230, 219/239, 73/150, 131/84, 31/64, 14/181; issue 12's SIMT
+# samples found their defaults spilling 4-708 B): flash_bwd_dkdv clean up to 50 doubles per
+# thread and spilling from 54, its masked build clean up to 32 and spilling from 48.  d == dv
+# keeps BWD_MAX_ACC (swept clean at 64 doubles).
+BWD_MAX_DKDV_ACC_FLOAT64_ASYM = 48
+BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED = 32
+
+
+def _bwd_dkdv_acc_check(limit, name):
+    def check(bq, bkv, d, dv, acc):
+        n = _per_thread(bkv * d) + _per_thread(bkv * dv)
+        if acc == 8 and d != dv and n > limit:
+            return (f"block_kv={bkv} with d={d} != dv={dv} needs {n} float64 dK/dV accumulators "
+                    f"per thread in {name} (limit {limit} doubles when d != dv: ptxas spills "
+                    "beyond it)")
+        return _bwd_dq_acc_check(bq, bkv, d, dv, acc)  # the same tiles also launch flash_bwd_dq
+    return check
+
+
 def _bwd_preferences(d, dv, acc):
     # best first; plan() takes the first that fits the device (all of these fit an
     # sm_80's 163 KB in float32; the last of each list fits 48 KB without opt-in)
@@ -105,7 +127,7 @@ FLASH_BWD_DKDV = register(KernelTiling(
     preferences=_bwd_preferences,
     layout=_bwd_layout(True),
     check=_bwd_dkdv_check,
-    check_acc=_bwd_dq_acc_check,  # the same tiles also launch flash_bwd_dq
+    check_acc=_bwd_dkdv_acc_check(BWD_MAX_DKDV_ACC_FLOAT64_ASYM, "flash_bwd_dkdv"),
 ))
 
 FLASH_BWD_DQ = register(KernelTiling(
@@ -123,9 +145,11 @@ FLASH_BWD_DQ = register(KernelTiling(
 # flash_bwd_dkdv_masked / flash_bwd_dq_masked (-DCUFLASH_MASKS): the same tiles, threads,
 # shared memory and limits, under their own names so that the feature builds are planned (and
 # swept) as what they are.  The sweep of every accepted plan with the features (family
-# flash_bwd_masked, 1,133 plans x 2 kernels, NVRTC 13.0) found no spill: no extra limit.
-for _plain in (FLASH_BWD_DKDV, FLASH_BWD_DQ):
-    register(replace(_plain, name=_plain.name + "_masked"))
+# flash_bwd_masked, 1,133 plans x 2 kernels, NVRTC 13.0) found no spill at its head dims; the
+# float64 dK/dV limit at d != dv is lower with the features (above).
+register(replace(FLASH_BWD_DKDV, name="flash_bwd_dkdv_masked", check_acc=_bwd_dkdv_acc_check(
+    BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED, "flash_bwd_dkdv_masked")))
+register(replace(FLASH_BWD_DQ, name="flash_bwd_dq_masked"))
 
 
 # D = rowsum(dO * O) in chunks of BWD_PRE_ROWS rows: one partial sum per (row, lane)
