@@ -51,7 +51,7 @@ COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
 TC_DIMS = tuple(range(16, 257, 16))
 # SIMT head dims: the kernels compile d and dv as constants and take every head dim in 1..256;
 # the sweep compiles these 8 pairs.  That is a sample, not the set of accepted plans: a random
-# sample of other head dims (--simt-sample, bench/results/simt_sample.json) finds 16 of 592
+# sample of other head dims (--simt-sample, bench/results/simt_sample.json) finds 10 of 592
 # plans spilling, and 7 of 1,176 default plans (--simt-defaults; all float64), issue 12.
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
 # Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every

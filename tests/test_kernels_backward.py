@@ -301,6 +301,22 @@ def test_float64_dq_register_cap():
         assert -(-p.block_q * d // tiling.BWD_THREADS) <= tiling.BWD_MAX_DQ_ACC_FLOAT64
 
 
+def test_dq_register_cap_at_head_dims_not_powers_of_two():
+    """float32 accumulators of dQ spilled from 56 per thread at head dims that are not powers
+    of two (issue 12 probes: d = 112 .. 239): capped at 48 there; 64 at d = 128 stays."""
+    cap = tiling.BWD_MAX_DQ_ACC_NON_POW2
+    for kernel in ("flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_masked"):
+        for dtype in ("float32", "float16"):
+            for d, bq in ((127, 64), (112, 64), (239, 32)):
+                with pytest.raises(ValueError, match=rf"dQ accumulators.*limit {cap} where d is not"):
+                    tiling.plan(kernel, d, d, dtype, bq, 16)
+            assert tiling.plan(kernel, 96, 96, dtype, 64, 16).block_q == 64    # 48 floats
+            assert tiling.plan(kernel, 128, 128, dtype, 64, 16).block_q == 64  # a power of two
+    for d in range(1, 257):  # the defaults never reach it
+        p = tiling.plan("flash_bwd_dkdv", d, d, "float32")
+        assert -(-p.block_q * d // tiling.BWD_THREADS) <= cap
+
+
 def test_float64_dkdv_register_cap_when_d_differs_from_dv():
     """float64 dK/dV with d != dv spilled from 54 doubles per thread (48 with the features) in
     the issue-12 probes: the caps refuse them with the reason; d == dv keeps 64."""

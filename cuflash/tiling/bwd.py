@@ -75,11 +75,24 @@ def _bwd_dq_check(bq, bkv, d, dv):
 BWD_MAX_DQ_ACC_FLOAT64 = 48
 
 
+# float32 accumulators (float32 and 16-bit inputs) of dQ at a head dim that is not a power of
+# two: the row/column split of a thread's dQ elements costs index registers that a power of two
+# makes shifts.  Probed (NVRTC 13.0, sm_80 and sm_90, d = 96 .. 250 at 40-64 floats per thread,
+# plain and masked; issue 12's SIMT sample found d = 127 and 239 spilling): spills from 56
+# floats (d = 112 masked; 60-64 at d = 120, 127, 239), none at 48-50.  Powers of two keep
+# BWD_MAX_ACC (64 floats at d = 128 and 256: swept clean).  The defaults stay below (<= 32).
+BWD_MAX_DQ_ACC_NON_POW2 = 48
+
+
 def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
     n = _per_thread(bq * d)
     if acc == 8 and n > BWD_MAX_DQ_ACC_FLOAT64:
         return (f"block_q={bq} with d={d} needs {n} float64 dQ accumulators per thread in "
                 f"flash_bwd_dq (limit {BWD_MAX_DQ_ACC_FLOAT64} doubles: ptxas spills 64)")
+    if acc == 4 and d & (d - 1) and n > BWD_MAX_DQ_ACC_NON_POW2:
+        return (f"block_q={bq} with d={d} needs {n} dQ accumulators per thread in flash_bwd_dq "
+                f"(limit {BWD_MAX_DQ_ACC_NON_POW2} where d is not a power of two: ptxas spills "
+                "beyond it)")
     return None
 
 
