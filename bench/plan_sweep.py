@@ -49,10 +49,15 @@ ARCHS = (75, 80, 90)
 # instruction set: their plans are compiled for sm_80 (COMPILED_FOR), together with sm_80's.
 COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
 TC_DIMS = tuple(range(16, 257, 16))
-# SIMT head dims: the kernels compile d and dv as constants and take every head dim in 1..256;
-# the sweep compiles these 8 pairs.  That is a sample, not the set of accepted plans: a random
-# sample of other head dims (--simt-sample, bench/results/simt_sample.json) finds 10 of 592
-# plans spilling, and 7 of 1,176 default plans (--simt-defaults; all float64), issue 12.
+# The SIMT forward (flash_fwd.cu) is compiled per head-dim class (tiling.simt_head_dim_class),
+# so its families hold every pair of classes: each tile pair where d == dv and at
+# tiling.SIMT_ASYM_SWEPT, the default plan at the other 88 (the planner takes no other there).
+SIMT_CLASS_DIMS = tuple((d, dv) for d in tiling.SIMT_HEAD_DIM_CLASSES
+                        for dv in tiling.SIMT_HEAD_DIM_CLASSES)
+# The SIMT backward (flash_bwd.cu) still compiles d and dv as constants and takes every head
+# dim in 1..256; the sweep compiles these 8 pairs.  That is a sample, not the set of accepted
+# plans: a random sample of other head dims (--simt-sample, bench/results/simt_sample.json)
+# finds plans spilling (issue 12, open for these kernels).
 SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
 # Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
 # tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
@@ -63,9 +68,9 @@ ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # family -> (source file, planned kernel, kernels checked in the module, dtypes, head dims,
 #            extra defines, architectures: None = every one)
 FAMILIES = {
-    "flash_fwd": ("flash_fwd.cu", "flash_fwd", ("flash_fwd",), ALL_DTYPES, SIMT_DIMS, {}, None),
+    "flash_fwd": ("flash_fwd.cu", "flash_fwd", ("flash_fwd",), ALL_DTYPES, SIMT_CLASS_DIMS, {}, None),
     "flash_fwd_serving": ("flash_fwd.cu", "flash_fwd", ("flash_fwd_serving",), ALL_DTYPES,
-                          SIMT_DIMS, {"CUFLASH_FWD_SERVING": None}, None),
+                          SIMT_CLASS_DIMS, {"CUFLASH_FWD_SERVING": None}, None),
     "flash_fwd_tc": ("flash_fwd_tc.cu", "flash_fwd_tc", ("flash_fwd_tc",), ("float16", "bfloat16"),
                      tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
     "flash_fwd_tf32": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
@@ -88,10 +93,10 @@ FAMILIES = {
     # the logit features (bias, window, ALiBi, softcap, dropout: -DCUFLASH_MASKS) build their
     # own kernels from the same sources, planned as flash_fwd_masked (flash_fwd's tiles with a
     # float64 register cap) and the backward's kernels (cuflash/_launch_masks.py)
-    "flash_fwd_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_masked",), ALL_DTYPES, SIMT_DIMS,
+    "flash_fwd_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_masked",), ALL_DTYPES, SIMT_CLASS_DIMS,
                          {"CUFLASH_MASKS": None}, None),
     "flash_fwd_serving_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_serving_masked",),
-                                 ALL_DTYPES, SIMT_DIMS,
+                                 ALL_DTYPES, SIMT_CLASS_DIMS,
                                  {"CUFLASH_FWD_SERVING": None, "CUFLASH_MASKS": None}, None),
     "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
                                                             "flash_bwd_dq_masked"),
@@ -208,19 +213,21 @@ def resolve_regions(text, defined):
     return "\n".join(out)
 
 
-def source_hash(fname, defines=()):
+def source_hash(fname, defines=(), kdir=None):
     """sha256 of a kernel file and every kernels_cu header it includes (recursively), as
     compiled with the -D names ``defines``: comments dropped, conditionals over REGION_DEFINES
     resolved (only the code such a build can see counts), all else as written.  A file the resolver cannot follow
-    (one that #defines a region name, an #elif it cannot evaluate) is hashed whole."""
+    (one that #defines a region name, an #elif it cannot evaluate) is hashed whole.
+    ``kdir``: another copy of kernels_cu (bench/plan_sweep_rehash.py), default this one."""
+    kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
     defined = frozenset(defines)
     seen, todo, h = set(), [fname], hashlib.sha256()
     while todo:
         f = todo.pop(0)
-        if f in seen or not (ROOT / "kernels_cu" / f).exists():
+        if f in seen or not (kdir / f).exists():
             continue
         seen.add(f)
-        text = strip_comments((ROOT / "kernels_cu" / f).read_text())
+        text = strip_comments((kdir / f).read_text())
         try:
             text = resolve_regions(text, defined)
         except _Unresolvable:
@@ -230,9 +237,9 @@ def source_hash(fname, defines=()):
     return h.hexdigest()
 
 
-def family_hash(family):
+def family_hash(family, kdir=None):
     """source_hash of a family's kernel file under the family's region defines."""
-    return source_hash(FAMILIES[family][0], FAMILIES[family][5])
+    return source_hash(FAMILIES[family][0], FAMILIES[family][5], kdir)
 
 
 def accepted_plans(family, arch):
@@ -324,23 +331,32 @@ def lift_refusals():
 
 
 def plan_key(family, plan, arch):
-    return f"{family} {plan.dtype} d={plan.d} dv={plan.dv} {plan.block_q}x{plan.block_kv} sm_{arch}"
+    """The record's key of a plan: what is compiled (its head dims are the compiled ones,
+    ``kd``/``kdv``: the class of d and dv on the SIMT forward)."""
+    return f"{family} {plan.dtype} d={plan.kd} dv={plan.kdv} {plan.block_q}x{plan.block_kv} sm_{arch}"
+
+
+def compile_family_plan(family, plan, arch, kdir=None):
+    """NVRTC's CompileResult of one plan of ``family`` for ``sm_{arch}`` (ptxas -v log),
+    from ``kdir`` (a kernels_cu directory; default this one's)."""
+    kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
+    fname, extra = FAMILIES[family][0], FAMILIES[family][5]
+    defines = dict(kernels.plan_defines(plan), **extra)
+    opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{kdir}",
+            *[o for o in kernels.build_options(defines) if not o.startswith("-I")])
+    return _nvrtc.compile((kdir / fname).read_text(), fname, opts)
 
 
 def compile_plan(job):
     """(family, plan, arch) -> row: registers, spill bytes, stack frame per checked kernel."""
     family, plan, arch = job
-    fname, _, checked, _, _, extra, _ = FAMILIES[family]
-    src = (ROOT / "kernels_cu" / fname).read_text()
-    defines = dict(kernels.plan_defines(plan), **extra)
-    opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{ROOT / 'kernels_cu'}",
-            *[o for o in kernels.build_options(defines) if not o.startswith("-I")])
+    checked = FAMILIES[family][2]
     t0 = time.perf_counter()
-    row = dict(key=plan_key(family, plan, arch), family=family, dtype=plan.dtype, d=plan.d,
-               dv=plan.dv, block_q=plan.block_q, block_kv=plan.block_kv, threads=plan.threads,
+    row = dict(key=plan_key(family, plan, arch), family=family, dtype=plan.dtype, d=plan.kd,
+               dv=plan.kdv, block_q=plan.block_q, block_kv=plan.block_kv, threads=plan.threads,
                shared_bytes=plan.shared_bytes, arch=arch)
     try:
-        res = _nvrtc.compile(src, fname, opts)
+        res = compile_family_plan(family, plan, arch)
     except _nvrtc.NVRTCError as e:
         row["error"] = e.log[-2000:]
         return row
@@ -454,13 +470,15 @@ def main(argv=None):
     return 1 if failing else 0
 
 
-# The SIMT kernels compile d and dv as constants, like the tensor-core ones, but take every
-# head dim in 1..256: the sweep compiles them at SIMT_DIMS only.  This sample measures what that
+# The SIMT backward compiles d and dv as constants, like the tensor-core kernels, but takes every
+# head dim in 1..256: the sweep compiles it at SIMT_DIMS only.  This sample measures what that
 # leaves out (issue 12): random (d, dv) pairs, per (family, dtype, head dims, architecture) the
 # accepted plan with the most accumulator registers (block_kv / 4 + ceil(dv / 4)) and the smallest.
 SIMT_SAMPLE = ROOT / "bench" / "results" / "simt_sample.json"
 SIMT_DEFAULTS = ROOT / "bench" / "results" / "simt_default_sample.json"
-SIMT_FAMILIES = ("flash_fwd", "flash_fwd_serving", "flash_bwd", "flash_fwd_masked", "flash_bwd_masked")
+# The forward families left this sample when flash_fwd.cu moved to head-dim classes (their
+# rows were dropped from the two records): only the backward's plans vary with every head dim.
+SIMT_FAMILIES = ("flash_bwd", "flash_bwd_masked")
 
 
 def _random_pairs(n, seed, same):

@@ -119,7 +119,7 @@ def dense_serving_fields(spec, problems):
     return dict(lse_sr=1, n_out_rows=problems * spec.Nq, n_splits=1, split_tiles=1,
                 q_period=max(spec.Nq, 1), causal_br=int(spec.causal == "bottom_right"),
                 total_q=0, total_k=0, seqlens_add=0, kv_capacity=spec.Nk, varlen=0,
-                kv_cache=0, page_size=0, num_pages=0, max_pages=0)
+                kv_cache=0, page_size=0, num_pages=0, max_pages=0, head_d=spec.d, head_dv=spec.dv)
 
 
 def _misaligned(runtime, spec, q, k, v, kernel):

@@ -115,7 +115,7 @@ def _build(runtime, g, num_splits):
         causal_br=int(g.causal == "bottom_right"), total_q=g.total_q, total_k=g.total_k,
         seqlens_add=g.seqlens_add, kv_capacity=g.kv_capacity, varlen=int(g.varlen),
         kv_cache=int(g.kv_cache), page_size=g.page_size, num_pages=g.num_pages,
-        max_pages=g.max_pages, **(masks or {}))
+        max_pages=g.max_pages, head_d=g.d, head_dv=g.dv, **(masks or {}))
     grid = fold_grid(n_tiles * num_splits, g.H, g.B,
                      f"{name} ({n_tiles} tiles x {num_splits} splits)")
     rt = runtime.name
@@ -275,7 +275,8 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits,
                                  kc_sr=kc[2], vc_sb=vc[0], vc_sh=vc[1], vc_sr=vc[2], B=spec.B,
                                  Hk=spec.Hk, Nnew=spec.Nnew, kv_capacity=spec.capacity,
                                  page_size=spec.page_size if spec.paged else 0,
-                                 num_pages=spec.num_pages, max_pages=spec.max_pages)}
+                                 num_pages=spec.num_pages, max_pages=spec.max_pages,
+                                 d=spec.d, dv=spec.dv)}
     g = _Geometry(B=spec.B, H=H_k, group_kernel=group_k, rows=rows, q_period=max(spec.Nq, 1),
                   Nk=spec.capacity, max_keys=spec.capacity, d=spec.d, dv=spec.dv,
                   dtype=spec.dtype, lse_dtype=spec.lse_dtype, scale=spec.scale,

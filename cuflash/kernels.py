@@ -129,13 +129,15 @@ def plan_defines(plan):
 
     The same names in every kernel: dtype, ``CUFLASH_HEAD_DIM`` (d),
     ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
-    ``CUFLASH_THREADS``.
+    ``CUFLASH_THREADS``.  The head dims are the plan's compiled ones (``kd``, ``kdv``): the
+    class of d and dv for the SIMT forward, which reads the call's own from its params.
     """
-    out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
-           "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BLOCK_Q": plan.block_q,
+    out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.kd,
+           "CUFLASH_HEAD_DIM_V": plan.kdv, "CUFLASH_BLOCK_Q": plan.block_q,
            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
     # kernel-specific defines of the plan (KernelTiling.defines, e.g. flash_bwd_tc's passes)
-    out.update(tiling.kernel_tiling(plan.kernel).defines(plan.block_q, plan.block_kv, plan.d, plan.dv))
+    out.update(tiling.kernel_tiling(plan.kernel).defines(plan.block_q, plan.block_kv, plan.kd,
+                                                         plan.kdv))
     return out
 
 

@@ -43,7 +43,16 @@
 //
 // Compile-time parameters (-D, built by cuflash/kernels.py from cuflash/tiling.py):
 //   CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16 | CUFLASH_DTYPE_F32 | CUFLASH_DTYPE_F64
-//   CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV
+//   CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV
+// Head-dim classes: CUFLASH_HEAD_DIM(_V) are the capacities kD >= d, kDv >= dv of a class
+// (cuflash.tiling.simt_head_dim_class: 8, 16, 32, 64, 96, ..., 256), not the call's own head
+// dims, which arrive at run time (FwdParams head_d, head_dv).  Why: one compile then serves
+// every head dim of its class, so the plan sweep (bench/plan_sweep.py) can compile every plan
+// the planner accepts -- ptxas' register allocation is not monotone in d, and a sample of
+// per-d compiles found spills at head dims the sweep never saw (issue 12).  Columns d..kD-1
+// of Qs/Ks and dv..kDv-1 of Vs are zero, so the loops keep their compile-time trip counts
+// (the class dims compile exactly as before) and the padded columns add exact zeros; only
+// the stores and global layouts use d and dv.
 // Launch: grid (ceil(Nq / block_q) * H * B) (tiles, heads and batch folded into x, see
 // params.cuh), block (4 * block_q), dynamic shared memory as computed by cuflash.tiling
 // (flash_fwd entry); sizes, strides, scale and the mask in a FwdParams block.
@@ -67,11 +76,22 @@ constexpr int kQStride = kD + 1;            // padded row strides (bank conflict
 constexpr int kKStride = kD + 1;
 constexpr int kPStride = kBc + 1;
 constexpr int kColsPerLane = kBc / 4;       // logits per lane
-constexpr int kOutPerLane = (kDv + 3) / 4;  // output columns per lane
+constexpr int kOutPerLane = (kDv + 3) / 4;  // output columns per lane (of the class)
 
 static_assert(kBr % 8 == 0 && kBr >= 8, "block_q must be a multiple of 8");
 static_assert(kBc % 4 == 0 && kBc >= 4, "block_kv must be a multiple of 4");
 static_assert(kD >= 1 && kD <= 256 && kDv >= 1 && kDv <= 256, "head dims 1..256");
+// The launcher guarantees 1 <= p.head_d <= kD and 1 <= p.head_dv <= kDv (the plan's class).
+
+// The column of element idx of a (rows, W) tile that thread tid loads (idx = tid + k * kThreads).
+// Where kThreads is a multiple of W it is tid % W on every iteration: written so, the column
+// test against the call's head dim (c < d) is loop-invariant and leaves the unrolled loads
+// (measured in SASS: 51 more instructions per KV tile in the main loop of float32 d = 64 when
+// the column was recomputed per element).
+template <int W>
+__device__ __forceinline__ int col_of(int idx, int tid) {
+    return kThreads % W == 0 ? tid % W : idx - (idx / W) * W;
+}
 
 // The forward for one block's problem (fwd_problem.cuh).  SPLIT: write the partial
 // output and lse of this block's KV-tile range instead of o and lse.
@@ -100,6 +120,7 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     if (q0 >= f.rows) return;  // varlen: a tile past this sequence's rows (whole block)
     const int rows_q = min(kBr, f.rows - q0);
     const long long q_sr = p.q_sr, o_sr = p.o_sr;
+    const int d = p.head_d, dv = p.head_dv;  // this call's head dims (<= kD, kDv)
     // This row's own bound: keys < row_end are visible (tiles past every row's bound are
     // never loaded: f.tile_hi).
     const int i = q0 + row;
@@ -120,10 +141,12 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     const int row_end = f.row_end(i);
 #endif
 
-    // -- load Q_i (rows past the problem's are zero; they are computed but never stored)
+    // -- load Q_i (rows past the problem's, and columns past d, are zero; such rows are
+    //    computed but never stored)
     for (int idx = tid; idx < kBr * kD; idx += kThreads) {
-        const int r = idx / kD, c = idx - (idx / kD) * kD;
-        Qs[r * kQStride + c] = r < rows_q ? to_acc(gload(f.Qb + (q0 + r) * q_sr + c)) : acc_t(0);
+        const int r = idx / kD, c = col_of<kD>(idx, tid);
+        Qs[r * kQStride + c] = r < rows_q && c < d ? to_acc(gload(f.Qb + (q0 + r) * q_sr + c))
+                                                   : acc_t(0);
     }
 
     acc_t m_i = -INFINITY;   // running max of this row
@@ -135,14 +158,17 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
     for (int j = f.tile_lo; j < f.tile_hi; ++j) {
         const int k0 = j * kBc;
         const int rows_k = min(kBc, Nk - k0);
-        // -- load K_j, V_j (rows past Nk are zero so that 0 * V never meets NaN)
+        // -- load K_j, V_j (rows past Nk are zero so that 0 * V never meets NaN; columns
+        //    past d and dv are zero, the class padding)
         for (int idx = tid; idx < kBc * kD; idx += kThreads) {
-            const int r = idx / kD, c = idx - (idx / kD) * kD;
-            Ks[r * kKStride + c] = r < rows_k ? to_acc(gload(f.k_row(K, p, k0 + r) + c)) : acc_t(0);
+            const int r = idx / kD, c = col_of<kD>(idx, tid);
+            Ks[r * kKStride + c] = r < rows_k && c < d ? to_acc(gload(f.k_row(K, p, k0 + r) + c))
+                                                       : acc_t(0);
         }
         for (int idx = tid; idx < kBc * kDv; idx += kThreads) {
-            const int r = idx / kDv, c = idx - (idx / kDv) * kDv;
-            Vs[r * kDv + c] = r < rows_k ? to_acc(gload(f.v_row(V, p, k0 + r) + c)) : acc_t(0);
+            const int r = idx / kDv, c = col_of<kDv>(idx, tid);
+            Vs[r * kDv + c] = r < rows_k && c < dv ? to_acc(gload(f.v_row(V, p, k0 + r) + c))
+                                                   : acc_t(0);
         }
         // Ks/Vs (and on the first tile Qs) are complete before any thread reads them.
         __syncthreads();
@@ -224,20 +250,20 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
             // this split's share, in the compute type (float32; double for float64), at the
             // row's lse element index
             const long long rho = f.lse0 + (long long)i * p.lse_sr;
-            acc_t* orow = sv.part + ((long long)f.split * p.n_out_rows + rho) * kDv;
+            acc_t* orow = sv.part + ((long long)f.split * p.n_out_rows + rho) * dv;
 #pragma unroll
             for (int u = 0; u < kOutPerLane; ++u) {
                 const int e = t + 4 * u;
-                if (e < kDv) gstore(orow + e, acc[u] * inv);
+                if (e < dv) gstore(orow + e, acc[u] * inv);
             }
-            acc_t* lse_part = sv.part + (long long)p.n_splits * p.n_out_rows * kDv;
+            acc_t* lse_part = sv.part + (long long)p.n_splits * p.n_out_rows * dv;
             if (t == 0) gstore(lse_part + f.split * p.n_out_rows + rho, lse);
         } else {
             elem_t* orow = f.Ob + i * o_sr;
 #pragma unroll
             for (int u = 0; u < kOutPerLane; ++u) {
                 const int e = t + 4 * u;
-                if (e < kDv) gstore(orow + e, from_acc(acc[u] * inv));
+                if (e < dv) gstore(orow + e, from_acc(acc[u] * inv));
             }
             if (t == 0) gstore(f.LSEb + (long long)i * p.lse_sr, lse);
         }
@@ -313,8 +339,9 @@ extern "C" __global__ void flash_fwd_combine(const acc_t* __restrict__ part,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long rows = P->n_out_rows;
     const int S = P->n_splits;
+    const int dv = P->head_dv;                       // partial and output rows: dv columns
     acc_t* w = smem + warp * S;                      // (S,) this warp's weights
-    const acc_t* lse_part = part + (long long)S * rows * kDv;
+    const acc_t* lse_part = part + (long long)S * rows * dv;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
     const acc_t ninf = -INFINITY;
     for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + warp; r < rows; r += warps) {
@@ -335,10 +362,10 @@ extern "C" __global__ void flash_fwd_combine(const acc_t* __restrict__ part,
         const bool empty = !(l > acc_t(0));
         for (int s = lane; s < S; s += 32) w[s] = empty ? acc_t(0) : acc_exp(w[s] - m) / l;
         __syncwarp();                                // the weights are visible to the warp
-        for (int c = lane; c < kDv; c += 32) {
+        for (int c = lane; c < dv; c += 32) {
             acc_t acc = 0;
-            for (int s = 0; s < S; ++s) acc += w[s] * gload(part + (s * rows + r) * kDv + c);
-            gstore(O + r * kDv + c, from_acc(acc));
+            for (int s = 0; s < S; ++s) acc += w[s] * gload(part + (s * rows + r) * dv + c);
+            gstore(O + r * dv + c, from_acc(acc));
         }
         if (lane == 0) gstore(LSE + r, empty ? ninf : m + acc_log(l));
         __syncwarp();                                // w read by every lane before reuse
@@ -358,12 +385,12 @@ extern "C" __global__ void flash_kv_append(const elem_t* __restrict__ k_new,
                                            const KVAppendParams* __restrict__ P) {
     const KVAppendParams& a = *P;
     const long long nk = (long long)a.B * a.Hk * a.Nnew;
-    const long long total = nk * (kD + kDv);
+    const long long total = nk * (a.d + a.dv);
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
-        const bool is_v = e >= nk * kD;
-        const int width = is_v ? kDv : kD;
-        const long long e2 = is_v ? e - nk * kD : e;
+        const bool is_v = e >= nk * a.d;
+        const int width = is_v ? a.dv : a.d;
+        const long long e2 = is_v ? e - nk * a.d : e;
         const int c = (int)(e2 % width);
         const long long rowi = e2 / width;           // (b, hk, n) of the new key
         const int n = (int)(rowi % a.Nnew);

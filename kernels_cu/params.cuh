@@ -67,6 +67,10 @@ struct FwdParams {
     int mask_drop_b0;                        // added to the batch index of the dropout mask
     int mask_pack;                           // serving: query heads packed per problem (GQA)
     int mask_pad0;
+    // -- the call's head dims, read by the SIMT forward (flash_fwd.cu), which is compiled for
+    //    their class (cuflash.tiling.simt_head_dim_class).  Last, so that no other field moved
+    //    when they were added: the kernels that do not read them compile as before --
+    int head_d, head_dv;
 };
 
 // flash_kv_append: k_new/v_new (B, Hk, Nnew, d/dv) written into the cache at positions
@@ -81,6 +85,7 @@ struct KVAppendParams {
     int page_size;                   // 0: contiguous
     int num_pages, max_pages;
     int pad0;
+    int d, dv;                       // head dims of k_new / v_new rows (last: see FwdParams)
 };
 
 // Backward kernels (flash_bwd*).  q/k/v/do/o by element strides as above; lse, D, dq, dk,

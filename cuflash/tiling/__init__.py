@@ -51,4 +51,5 @@ __all__ = [
     "TC_KERNELS", "TC_MASKED_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
     "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
+    "simt_head_dim_class", "SIMT_HEAD_DIM_CLASSES", "SIMT_ASYM_SWEPT",
 ]

@@ -71,9 +71,14 @@ class KernelTiling:
         Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
         (:func:`cuflash.kernels.plan_defines` adds them); none by default.
     asym_swept : tuple of (d, dv) or None
-        Set on the tensor-core kernels: with d != dv, every tile pair is accepted only at
-        these head-dim pairs, elsewhere only the default plan (:data:`TC_ASYM_SWEPT`).
-        None (the SIMT kernels): no such rule.
+        With d != dv, every tile pair is accepted only at these head-dim pairs, elsewhere
+        only the default plan (:data:`TC_ASYM_SWEPT`, :data:`SIMT_ASYM_SWEPT`: the pairs the
+        spill sweep compiles whole).  None: no such rule.
+    head_dim_class : callable(d) -> int, or None
+        Set on kernels compiled for a head-dim class rather than each head dim (the SIMT
+        forward, :func:`simt_head_dim_class`): every rule (shared memory, registers,
+        preferences, ``asym_swept``) is applied to the class of d and dv, and the plan's
+        ``kd``/``kdv`` are what it compiles.  None: compiled for d and dv themselves.
     """
     name: str
     block_q_choices: Tuple[int, ...]
@@ -87,9 +92,17 @@ class KernelTiling:
     max_head_dim: int = MAX_HEAD_DIM
     defines: Callable = field(default=lambda bq, bkv, d, dv: {})
     asym_swept: Tuple[Tuple[int, int], ...] = None
+    head_dim_class: Callable = None
+
+    def compiled_dims(self, d, dv):
+        """(d, dv) as this kernel compiles them: their classes, or themselves."""
+        if self.head_dim_class is None:
+            return d, dv
+        return self.head_dim_class(d), self.head_dim_class(dv)
 
     def default_only(self, d, dv):
         """True where only the default tiles are accepted (see ``asym_swept``)."""
+        d, dv = self.compiled_dims(d, dv)
         return self.asym_swept is not None and d != dv and (d, dv) not in self.asym_swept
 
 
@@ -102,6 +115,28 @@ class KernelTiling:
 # plan of every other d != dv pair at every architecture's limit (~5,600 compiles).  So with
 # d != dv outside these pairs, explicit tiles are accepted only where they are the default.
 TC_ASYM_SWEPT = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
+
+# Head-dim classes of the SIMT forward (flash_fwd.cu): a head dim d runs on the kernel compiled
+# for the smallest class >= d, its columns past d zero in shared memory.  Why: compiled per
+# head dim, these kernels had 256 x 256 (d, dv) pairs per tile plan, of which the spill sweep
+# could compile a sample only, and a random sample of the others found plans that spill
+# (issue 12); per class there are 100 pairs, all of them compiled.  The classes are the head
+# dims FlashAttention-2 instantiates (multiples of 32) plus 8 and 16, so small heads do not pay
+# 4x; a head dim between two classes computes on the padding (e.g. d = 80 on 96 columns: 20%
+# more FMAs and shared memory than a compile for 80), the common ones (32, 64, 96, 128, ...)
+# not at all.
+SIMT_HEAD_DIM_CLASSES = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
+# d != dv class pairs whose every tile pair the sweep compiles (the extremes); at the others
+# (88 of them) only the default plan is accepted, as on the tensor cores.
+SIMT_ASYM_SWEPT = ((16, 256), (256, 16))
+
+
+def simt_head_dim_class(d):
+    """The smallest of :data:`SIMT_HEAD_DIM_CLASSES` that holds head dim ``d`` (1..256)."""
+    for c in SIMT_HEAD_DIM_CLASSES:
+        if d <= c:
+            return c
+    raise ValueError(f"head dim {d} is above the largest class {SIMT_HEAD_DIM_CLASSES[-1]}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +154,8 @@ class TilePlan:
     limit: int
     limit_source: str
     chosen: str  # "explicit", "default" or "mixed"
+    kd: int      # head dims the kernel is compiled for (the class of d and dv, or d and dv:
+    kdv: int     # KernelTiling.head_dim_class); shared memory and threads are sized for them
 
     @property
     def needs_opt_in(self):
@@ -126,8 +163,10 @@ class TilePlan:
         return self.shared_bytes > STATIC_SMEM_LIMIT
 
     def describe(self):
+        cls = ("" if (self.kd, self.kdv) == (self.d, self.dv)
+               else f" (compiled for the head-dim class {self.kd}/{self.kdv})")
         return (f"{self.kernel}: block_q={self.block_q}, block_kv={self.block_kv}, "
-                f"d={self.d}, dv={self.dv}, {self.dtype}; {self.threads} threads, "
+                f"d={self.d}, dv={self.dv}{cls}, {self.dtype}; {self.threads} threads, "
                 f"{self.shared_bytes} B shared memory of {self.limit} B ({self.limit_source})")
 
 
@@ -325,6 +364,8 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     Returns
     -------
     TilePlan
+        For a kernel compiled per head-dim class (``KernelTiling.head_dim_class``), every
+        rule is checked at the classes of d and dv, which the plan's ``kd``/``kdv`` hold.
 
     Raises
     ------
@@ -347,6 +388,8 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
         if val is not None and val not in choices:
             raise ValueError(f"{kernel} does not support {name}={val}; supported {name}: "
                              f"{list(choices)} (shared-memory budget {lim_text})")
+    real = (d, dv)
+    d, dv = t.compiled_dims(d, dv)  # every rule below is the compiled kernel's
     if block_q is not None and block_kv is not None:
         pairs, chosen = [(block_q, block_kv)], "explicit"
     else:
@@ -365,14 +408,14 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     if fitting and chosen != "default" and t.default_only(d, dv):
         dflt = plan(kernel, d, dv, dtype, limit=limit, limit_source=limit_source)
         if fitting[0] != (dflt.block_q, dflt.block_kv):
-            _refuse_unswept(kernel, fitting[0], d, dv, dtname, dflt)
+            _refuse_unswept(t, fitting[0], real, dtname, dflt)
     if fitting:
         bq, bkv = fitting[0]
-        return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=d, dv=dv, dtype=dtname,
-                        acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
+        return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=real[0], dv=real[1],
+                        dtype=dtname, acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
                         shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
                         limit=int(limit) if limit is not None else -1,
-                        limit_source=limit_source, chosen=chosen)
+                        limit_source=limit_source, chosen=chosen, kd=d, kdv=dv)
     # nothing fits: say why, with the budget and what would fit
     bq, bkv = pairs[0]
     why = _why_not(t, bq, bkv, d, dv, acc, lim)
@@ -383,21 +426,24 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                 else "none at this head dim and dtype")
     reason = why if why else (f"needs {need} B of shared memory "
                               f"({t.layout(bq, bkv, d, dv, acc)}) but the budget is {lim_text}")
-    raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: "
-                     f"{reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
+    cls = "" if real == (d, dv) else f" (head-dim class {d}/{dv})"
+    raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={real[0]}, dv={real[1]}{cls}, "
+                     f"{dtname}: {reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
                      f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
 
 
-def _refuse_unswept(kernel, pair, d, dv, dtname, dflt):
+def _refuse_unswept(t, pair, real, dtname, dflt):
     """Raise for explicit tiles other than the default at a d != dv pair that the spill sweep
-    covers at its default plan only (TC_ASYM_SWEPT)."""
+    covers at its default plan only (KernelTiling.asym_swept)."""
     bq, bkv = pair
-    swept = ", ".join(f"{a}/{b}" for a, b in TC_ASYM_SWEPT)
+    swept = ", ".join(f"{a}/{b}" for a, b in t.asym_swept)
+    what = "head-dim classes" if t.head_dim_class else "d/dv"
     raise ValueError(
-        f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: with d != dv, "
-        f"explicit tiles are taken only where ptxas was run on them (bench/plan_sweep.py: every "
-        f"tile pair at d/dv = {swept}; the default plan elsewhere), since an unchecked plan may "
-        f"spill registers and run many times slower. (block_q, block_kv) pairs that fit: "
+        f"{t.name} with block_q={bq}, block_kv={bkv}, d={real[0]}, dv={real[1]}, {dtname}: with "
+        f"d != dv, explicit tiles are taken only where ptxas was run on them "
+        f"(bench/plan_sweep.py: every tile pair at {what} {swept}; the default plan elsewhere), "
+        f"since an unchecked plan may spill registers and run many times slower. "
+        f"(block_q, block_kv) pairs that fit: "
         f"({dflt.block_q}, {dflt.block_kv}) (the default, {dflt.limit_source})")
 
 

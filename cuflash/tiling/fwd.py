@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._fwd_tc_masked_spills import FWD_TC_MASKED_SPILLS, FWD_TF32_MASKED_SPILLS
-from .core import TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register
+from .core import SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register, simt_head_dim_class
 
 
 # --------------------------------------------------------------------------
@@ -51,6 +51,41 @@ def _fwd_preferences(d, dv, acc):
     return prefs
 
 
+# float64 plans of the SIMT forward that ptxas (NVRTC 13.0) spilled in the sweep of every
+# head-dim class pair (bench/plan_sweep.py; 13,764 plans, issue 12): 4-12 B each, 17 of them in
+# the serving kernel (flash_fwd_serving: its split partials at run-time dv need registers the
+# dense kernel does not; sm_75/80/90) and 21 in flash_fwd_masked (sm_90), all with dv's class
+# >= 192 (including the defaults that replaced refused ones, compiled in two more rounds).  (block_q, block_kv, d class, dv class), refused at every architecture (the serving
+# and dense kernels share one plan, so the dense kernel gives these up as well): the default
+# moves to the next preferred pair, which the sweep then compiled (--missing) until none spilled.
+SIMT_FWD_FLOAT64_SPILLS = {
+    "flash_fwd": frozenset({
+        (8, 8, 192, 224), (8, 8, 224, 256), (8, 8, 256, 224), (16, 8, 192, 224), (16, 8, 224, 256),
+        (16, 8, 256, 224), (16, 16, 16, 224), (32, 8, 96, 224), (32, 8, 192, 224), (32, 8, 224, 256),
+        (32, 8, 256, 224), (64, 8, 128, 224), (64, 32, 16, 256), (64, 64, 16, 256), (128, 8, 32, 224),
+        (128, 32, 16, 256), (128, 64, 16, 256),
+    }),
+    "flash_fwd_masked": frozenset({
+        (8, 16, 16, 256), (8, 16, 32, 256), (8, 16, 96, 256), (16, 16, 16, 256), (16, 16, 32, 256),
+        (16, 16, 64, 256), (16, 16, 96, 256), (16, 16, 160, 256), (16, 16, 192, 256), (16, 16, 224, 256),
+        (16, 32, 16, 224), (16, 32, 32, 224), (16, 32, 64, 224), (16, 32, 96, 192), (16, 32, 96, 224),
+        (16, 32, 128, 224), (16, 32, 160, 192), (32, 16, 16, 256), (32, 32, 224, 224), (64, 16, 16, 256),
+        (128, 16, 16, 256),
+    }),
+}
+
+
+def _fwd_spill_check(name, inner=None):
+    """check_acc of the SIMT forward kernel ``name``: the float64 plans ptxas spilled, refused."""
+    def check(bq, bkv, d, dv, acc):
+        if acc == 8 and (bq, bkv, d, dv) in SIMT_FWD_FLOAT64_SPILLS[name]:
+            return (f"ptxas spills this float64 plan of {name} (block_q={bq}, block_kv={bkv}, "
+                    f"head-dim classes {d}/{dv}; in the serving or dense kernel: "
+                    "bench/results/plan_sweep.json)")
+        return inner(bq, bkv, d, dv, acc) if inner is not None else None
+    return check
+
+
 FLASH_FWD = register(KernelTiling(
     name="flash_fwd",
     block_q_choices=(8, 16, 32, 64, 128),
@@ -60,6 +95,9 @@ FLASH_FWD = register(KernelTiling(
     preferences=_fwd_preferences,
     layout=_fwd_layout,
     check=_fwd_check,
+    check_acc=_fwd_spill_check("flash_fwd"),
+    asym_swept=SIMT_ASYM_SWEPT,
+    head_dim_class=simt_head_dim_class,
 ))
 
 # flash_fwd_masked and flash_fwd_serving_masked (-DCUFLASH_MASKS): flash_fwd's tiles, threads
@@ -90,7 +128,8 @@ def _fwd_masked_acc_check(bq, bkv, d, dv, acc):
     return None
 
 
-register(replace(FLASH_FWD, name="flash_fwd_masked", check_acc=_fwd_masked_acc_check))
+register(replace(FLASH_FWD, name="flash_fwd_masked",
+                 check_acc=_fwd_spill_check("flash_fwd_masked", _fwd_masked_acc_check)))
 
 
 def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):

@@ -1,0 +1,61 @@
+"""Instruction mix of one kernel plan, as compiled from a git revision and from this tree.
+
+For the "change one thing, count" step without a GPU: compiles the same plan of a sweep family
+(bench/plan_sweep.py FAMILIES) from ``--rev``'s kernels_cu and from the working tree, and prints
+the SASS instruction classes of the whole kernel and of its main loop (cuflash._sass: the loop
+with the most MMA, else FMA instructions) side by side, with registers and spills.
+
+Usage::
+
+    python bench/sass_diff.py --rev HEAD~1 --family flash_fwd --dtype float32 --d 64 \\
+        --tiles 64 32 --arch 90
+"""
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan_sweep as ps  # noqa: E402
+from plan_sweep_rehash import export_kernels  # noqa: E402
+from cuflash import _nvrtc, _sass, tiling  # noqa: E402
+
+
+def counts(res, kernel):
+    """(ptxas figures, whole-kernel mix, main-loop mix) of ``kernel`` in a CompileResult."""
+    instrs = _sass.instructions(_sass.disassemble(res.cubin))[kernel]
+    info = _nvrtc.parse_ptxas_info(res.log)[kernel]
+    return info, _sass.mix(instrs), _sass.mix(instrs, _sass.main_loop(instrs))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", required=True)
+    ap.add_argument("--family", required=True, choices=list(ps.FAMILIES))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--d", type=int, required=True)
+    ap.add_argument("--dv", type=int)
+    ap.add_argument("--tiles", type=int, nargs=2, metavar=("BQ", "BKV"))
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args(argv)
+    kernel = ps.FAMILIES[args.family][1]
+    checked = ps.FAMILIES[args.family][2][0]
+    bq, bkv = args.tiles or (None, None)
+    plan = tiling.plan(kernel, args.d, args.dv or args.d, args.dtype, bq, bkv,
+                       limit=tiling.EMULATOR_ARCHES[f"sm_{args.arch}"])
+    print(plan.describe())
+    with tempfile.TemporaryDirectory() as tmp:
+        old = counts(ps.compile_family_plan(args.family, plan, args.arch,
+                                            export_kernels(args.rev, tmp)), checked)
+    new = counts(ps.compile_family_plan(args.family, plan, args.arch), checked)
+    print(f"{checked} sm_{args.arch}: registers {old[0]['registers']} -> {new[0]['registers']}, "
+          f"spills {old[0]['spill_stores']} -> {new[0]['spill_stores']} B")
+    print(f"{'class':12s} {'kernel ' + args.rev:>16s} {'kernel now':>12s} {'loop ' + args.rev:>14s} "
+          f"{'loop now':>10s}")
+    for name in new[1]:
+        print(f"{name:12s} {old[1][name]:16d} {new[1][name]:12d} {old[2][name]:14d} {new[2][name]:10d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
