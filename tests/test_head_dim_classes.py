@@ -197,3 +197,15 @@ def test_float64_spills_of_the_class_sweep_are_recorded_and_refused():
                 tiling.plan(kernel, d, dv, "float64", bq, bkv)
             n += 1
     assert n == 38
+
+
+def test_race_check_forward_between_classes(rng):
+    """The zero-filled padding columns (d = dv = 12: class 16) under the race check."""
+    from cuflash import _launch_fwd, _validate, kernels
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k = oracle.randn(rng, (1, 2, 20, 12), "float32"), oracle.randn(rng, (1, 2, 37, 12), "float32")
+    v = oracle.randn(rng, (1, 2, 37, 12), "float32")
+    spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
+    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+    oracle.check_forward(o, q, k, v, None, True, lse=lse)
