@@ -49,16 +49,12 @@ ARCHS = (75, 80, 90)
 # instruction set: their plans are compiled for sm_80 (COMPILED_FOR), together with sm_80's.
 COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
 TC_DIMS = tuple(range(16, 257, 16))
-# The SIMT forward (flash_fwd.cu) is compiled per head-dim class (tiling.simt_head_dim_class),
-# so its families hold every pair of classes: each tile pair where d == dv and at
-# tiling.SIMT_ASYM_SWEPT, the default plan at the other 88 (the planner takes no other there).
+# The SIMT kernels (flash_fwd.cu, flash_bwd.cu) are compiled per head-dim class
+# (tiling.simt_head_dim_class), so their families hold every pair of classes: each tile pair
+# where d == dv and at tiling.SIMT_ASYM_SWEPT, the default plan at the other 88 (the planner
+# takes no other there).
 SIMT_CLASS_DIMS = tuple((d, dv) for d in tiling.SIMT_HEAD_DIM_CLASSES
                         for dv in tiling.SIMT_HEAD_DIM_CLASSES)
-# The SIMT backward (flash_bwd.cu) still compiles d and dv as constants and takes every head
-# dim in 1..256; the sweep compiles these 8 pairs.  That is a sample, not the set of accepted
-# plans: a random sample of other head dims (--simt-sample, bench/results/simt_sample.json)
-# finds plans spilling (issue 12, open for these kernels).
-SIMT_DIMS = ((7, 7), (32, 32), (64, 64), (128, 128), (192, 192), (256, 256), (16, 256), (256, 16))
 # Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
 # tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
 # of every pair would be ~48,000 compiles), so these families hold ~6,000 plans.
@@ -76,7 +72,7 @@ FAMILIES = {
     "flash_fwd_tf32": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
                        tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
     "flash_bwd": ("flash_bwd.cu", "flash_bwd_dkdv", ("flash_bwd_dkdv", "flash_bwd_dq"), ALL_DTYPES,
-                  SIMT_DIMS, {}, None),
+                  SIMT_CLASS_DIMS, {}, None),
     "flash_bwd_tc": ("flash_bwd_tc.cu", "flash_bwd_tc", ("flash_bwd_tc",), ("float16", "bfloat16"),
                      tuple((d, d) for d in TC_DIMS), {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
     "flash_bwd_tf32": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
@@ -100,7 +96,7 @@ FAMILIES = {
                                  {"CUFLASH_FWD_SERVING": None, "CUFLASH_MASKS": None}, None),
     "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
                                                             "flash_bwd_dq_masked"),
-                         ALL_DTYPES, SIMT_DIMS, {"CUFLASH_MASKS": None}, None),
+                         ALL_DTYPES, SIMT_CLASS_DIMS, {"CUFLASH_MASKS": None}, None),
     # ... on the tensor-core backward (flash_bwd_tc.cu with -DCUFLASH_MASKS, main kernel)
     "flash_bwd_tc_masked": ("flash_bwd_tc.cu", "flash_bwd_tc_masked", ("flash_bwd_tc_masked",),
                             ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),
@@ -328,11 +324,13 @@ def lift_refusals():
     bwd_tc.BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
     bwd.BWD_TF32_MASKED_PTXAS_SPILLS = frozenset()
     fwd.TC_MASKED_PTXAS_SPILLS = {k: frozenset() for k in fwd.TC_MASKED_PTXAS_SPILLS}
+    fwd.SIMT_FWD_FLOAT64_SPILLS = {k: frozenset() for k in fwd.SIMT_FWD_FLOAT64_SPILLS}
+    bwd.SIMT_BWD_SPILLS = {k: frozenset() for k in bwd.SIMT_BWD_SPILLS}
 
 
 def plan_key(family, plan, arch):
     """The record's key of a plan: what is compiled (its head dims are the compiled ones,
-    ``kd``/``kdv``: the class of d and dv on the SIMT forward)."""
+    ``kd``/``kdv``: the class of d and dv on the SIMT kernels)."""
     return f"{family} {plan.dtype} d={plan.kd} dv={plan.kdv} {plan.block_q}x{plan.block_kv} sm_{arch}"
 
 
@@ -393,25 +391,12 @@ def main(argv=None):
     ap.add_argument("--lift-refusals", action="store_true",
                     help="sweep with the planner's ptxas refusal sets emptied (to re-derive them; "
                          "not with --write or --missing)")
-    ap.add_argument("--simt-sample", type=int, metavar="N",
-                    help=f"instead: N random (d, dv) pairs outside SIMT_DIMS on the SIMT families "
-                         f"(float32, float64), each group's plan with the most accumulators and its "
-                         f"smallest, rows to {SIMT_SAMPLE.relative_to(ROOT)}")
-    ap.add_argument("--simt-defaults", type=int, metavar="N",
-                    help=f"instead: the default plans of the SIMT families (float16/32/64) at N "
-                         f"random (d, dv) pairs outside SIMT_DIMS, rows to "
-                         f"{SIMT_DEFAULTS.relative_to(ROOT)} (--seed 7 for the record)")
-    ap.add_argument("--seed", type=int, default=20261124, help="of --simt-sample / --simt-defaults")
     ap.add_argument("--bwd-tc-edge", action="store_true",
                     help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
                          f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
     args = ap.parse_args(argv)
     if args.bwd_tc_edge:
         return edge_sweep(args.jobs)
-    if args.simt_sample:
-        return simt_sample(args.simt_sample, args.seed, args.jobs)
-    if args.simt_defaults:
-        return simt_sample(args.simt_defaults, args.seed, args.jobs, defaults=True)
     if (args.write or args.missing) and set(args.arch) != set(ARCHS):
         ap.error("--write / --missing record whole families: leave --arch at its default")
     if args.lift_refusals and (args.write or args.missing):
@@ -470,67 +455,6 @@ def main(argv=None):
     return 1 if failing else 0
 
 
-# The SIMT backward compiles d and dv as constants, like the tensor-core kernels, but takes every
-# head dim in 1..256: the sweep compiles it at SIMT_DIMS only.  This sample measures what that
-# leaves out (issue 12): random (d, dv) pairs, per (family, dtype, head dims, architecture) the
-# accepted plan with the most accumulator registers (block_kv / 4 + ceil(dv / 4)) and the smallest.
-SIMT_SAMPLE = ROOT / "bench" / "results" / "simt_sample.json"
-SIMT_DEFAULTS = ROOT / "bench" / "results" / "simt_default_sample.json"
-# The forward families left this sample when flash_fwd.cu moved to head-dim classes (their
-# rows were dropped from the two records): only the backward's plans vary with every head dim.
-SIMT_FAMILIES = ("flash_bwd", "flash_bwd_masked")
-
-
-def _random_pairs(n, seed, same):
-    """``n`` random (d, dv) pairs outside SIMT_DIMS, d == dv with probability ``same``."""
-    import random
-    rng = random.Random(seed)
-    pairs = set()
-    while len(pairs) < n:
-        d = rng.randint(1, 256)
-        dv = d if rng.random() < same else rng.randint(1, 256)
-        if (d, dv) not in SIMT_DIMS:
-            pairs.add((d, dv))
-    return sorted(pairs)
-
-
-def simt_default_jobs(n, seed):
-    """[(family, plan, arch)] of ``--simt-defaults``: the default plan of each SIMT family at
-    every architecture's limit, float16/32/64, at ``n`` random head-dim pairs."""
-    todo = {}
-    for fam in SIMT_FAMILIES:
-        for dt in ("float16", "float32", "float64"):
-            for d, dv in _random_pairs(n, seed, 0.6):
-                for a, c in COMPILED_FOR.items():
-                    try:
-                        p = tiling.plan(FAMILIES[fam][1], d, dv, dt,
-                                        limit=tiling.EMULATOR_ARCHES[f"sm_{a}"])
-                    except ValueError:
-                        continue
-                    todo.setdefault(plan_key(fam, p, c), (fam, p, c))
-    return list(todo.values())
-
-
-def simt_sample_jobs(n, seed):
-    """[(family, plan, arch)] of :func:`simt_sample` (the pairs drawn by ``seed``)."""
-    pairs = set(_random_pairs(n, seed, 0.5))
-    todo = []
-    for fam in SIMT_FAMILIES:
-        saved = FAMILIES[fam]
-        FAMILIES[fam] = saved[:3] + (("float32", "float64"), tuple(sorted(pairs))) + saved[5:]
-        try:
-            for arch in ARCHS:
-                groups = {}
-                for p in accepted_plans(fam, arch):
-                    groups.setdefault((p.dtype, p.d, p.dv), []).append(p)
-                for g in groups.values():
-                    g.sort(key=lambda p: (p.block_kv // 4 + (p.dv + 3) // 4, p.block_q * p.block_kv))
-                    todo += [(fam, p, arch) for p in ([g[0], g[-1]] if len(g) > 1 else g)]
-        finally:
-            FAMILIES[fam] = saved
-    return todo
-
-
 def _side_sweep(todo, jobs, path, command):
     """Compile ``todo``, print the spills, write every row to ``path`` (not the record)."""
     print(f"{len(todo)} compiles", file=sys.stderr)
@@ -543,14 +467,6 @@ def _side_sweep(todo, jobs, path, command):
     path.write_text(json.dumps({"command": command, "rows": sorted(rows, key=lambda r: r["key"])},
                                indent=0, sort_keys=True))
     return 0
-
-
-def simt_sample(n, seed, jobs, defaults=False):
-    if defaults:
-        return _side_sweep(simt_default_jobs(n, seed), jobs, SIMT_DEFAULTS,
-                           f"python bench/plan_sweep.py --simt-defaults {n} --seed {seed}")
-    return _side_sweep(simt_sample_jobs(n, seed), jobs, SIMT_SAMPLE,
-                       f"python bench/plan_sweep.py --simt-sample {n} --seed {seed}")
 
 
 def edge_sweep(jobs):

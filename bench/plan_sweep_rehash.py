@@ -126,7 +126,9 @@ def main(argv=None):
             {"from": rec["source_hash"], "rev": rev, "identical_plans": len(rows)}]
         rec["source_hash"] = ps.family_hash(fam)
     if carried and not args.dry_run:
-        ps.RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
+        tmp = ps.RESULTS.with_suffix(".tmp")  # whole or not at all: a sweep may be reading it
+        tmp.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
+        tmp.replace(ps.RESULTS)
         print(f"wrote {ps.RESULTS}")
     return 0 if len(carried) == len(stale) else 1
 

@@ -213,7 +213,7 @@ def tc_setup(runtime, spec, plan, q, k, v, o, do, deterministic):
     t.fields = dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
-        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d,
+        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, head_d=d, head_dv=spec.dv,
         dq_accum_offset=2 * rows_pad, scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
@@ -342,7 +342,8 @@ def _build_simt(runtime, spec, do, q, k, v, o, deterministic, allow_tf32=True):
         runtime, "BwdParams",
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
-        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, dq_accum_offset=n_rows,
+        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, head_d=d, head_dv=dv,
+        dq_accum_offset=n_rows,
         scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),

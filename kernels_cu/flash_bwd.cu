@@ -52,8 +52,14 @@
 // Compile-time specialisation (-D, built by cuflash/kernels.py from a cuflash.tiling plan,
 // the same names as flash_fwd.cu):
 //   CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16 | CUFLASH_DTYPE_F32 | CUFLASH_DTYPE_F64
-//   CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc)
+//   CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc)
 //   CUFLASH_THREADS    threads per block (multiple of 32)
+// Head-dim classes (as flash_fwd.cu): CUFLASH_HEAD_DIM(_V) are the capacities of the class of
+// d and dv (cuflash.tiling); the call's own head dims arrive in BwdParams head_d, head_dv.
+// Columns past d (dv) of the shared tiles are zero, so every product over the class width
+// adds exact zeros and the loops keep their compile-time trip counts; the accumulators of
+// the padding columns are computed (zero) and never stored.  Global rows (dq, dk, dv, the
+// dQ accumulator) have d or dv elements.
 // Shared memory per block (bytes, computed by cuflash/tiling.py from the same formula):
 //   dkdv: sizeof(acc_t) * (Bc*(d+1) + Bc*(dv+1) + Br*(d+1) + Br*(dv+1) + 2*Br*Bc + 2*Br)
 //   dq:   sizeof(acc_t) * (Br*(d+1) + Br*(dv+1) + Bc*(d+1) + Bc*(dv+1) +   Br*Bc + 2*Br)
@@ -111,15 +117,19 @@ static_assert(HEAD_DIM >= 1 && HEAD_DIM <= 256 && HEAD_DIM_V >= 1 && HEAD_DIM_V 
 // elements each thread owns in a tile, rounded up
 #define PER_THREAD(n) (((n) + NUM_THREADS - 1) / NUM_THREADS)
 
-// Copy `rows` valid rows (of `cols` elements, row stride `sr` elements in global memory)
-// into a shared tile with row stride `ld`; rows rows..R-1 are zero-filled so that partial
-// tiles add nothing. Consecutive threads read consecutive elements of a row: coalesced.
+// Copy `rows` valid rows (of `n` <= cols elements, row stride `sr` elements in global
+// memory) into a shared tile of `cols` columns with row stride `ld`; rows rows..R-1 and
+// columns n..cols-1 are zero-filled so that partial tiles and the class padding add nothing.
+// Consecutive threads read consecutive elements of a row: coalesced.  Where NUM_THREADS is
+// a multiple of cols a thread's column is the same on every iteration (tid % cols), so the
+// column test is loop-invariant (as flash_fwd.cu's col_of).
 template <int R, int cols, int ld>
 __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const elem_t* __restrict__ src,
-                                          long long sr, int rows) {
+                                          long long sr, int rows, int n) {
     for (int e = threadIdx.x; e < R * cols; e += NUM_THREADS) {
-        const int r = e / cols, c = e - (e / cols) * cols;
-        dst[r * ld + c] = r < rows ? to_acc(gload(src + r * sr + c)) : acc_t(0);
+        const int r = e / cols;
+        const int c = NUM_THREADS % cols == 0 ? (int)threadIdx.x % cols : e - (e / cols) * cols;
+        dst[r * ld + c] = r < rows && c < n ? to_acc(gload(src + r * sr + c)) : acc_t(0);
     }
 }
 
@@ -146,6 +156,7 @@ extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const BwdParams& p = *P;
     const int Nq = p.Nq, rows_per_block = p.pre_rows, zero_dq = p.atomic_dq;
+    const int d = p.head_d, dv = p.head_dv;
     const long long o_sr = p.o_sr, do_sr = p.do_sr;
     float* dq_accum = dq_accum_ws + p.dq_accum_offset;
     const FoldedIndex fi = cuflash_fold_decode(p.n_pre_tiles, p.H);
@@ -159,12 +170,12 @@ extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
         for (int r = warp; r < rows; r += NUM_THREADS / 32) {
             const int i = i0 + r;
             acc_t part = 0;
-            for (int c = lane; c < HEAD_DIM_V; c += 32)
+            for (int c = lane; c < dv; c += 32)
                 part += to_acc(gload(Ob + i * o_sr + c)) * to_acc(gload(dOb + i * do_sr + c));
             red_s[r * 33 + lane] = part;
             if (zero_dq)
-                for (int c = lane; c < HEAD_DIM; c += 32)
-                    gstore(dq_accum + (bh * Nq + i) * HEAD_DIM + c, 0.0f);
+                for (int c = lane; c < d; c += 32)
+                    gstore(dq_accum + (bh * Nq + i) * d + c, 0.0f);
         }
         __syncthreads();  // all partials of the chunk are in red_s
         if (tid < rows) {
@@ -215,9 +226,10 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
     const int Hk = p.Hk, H = p.H;
     const int kv0 = fi.tile * Bc;
     const int kv_rows = min(Bc, Nk - kv0);
+    const int d = p.head_d, dv = p.head_dv;  // this call's head dims (<= HEAD_DIM, HEAD_DIM_V)
 
-    load_tile<Bc, HEAD_DIM, DP>(K_s, K + b * k_sb + hk * k_sh + kv0 * k_sr, k_sr, kv_rows);
-    load_tile<Bc, HEAD_DIM_V, DVP>(V_s, V + b * v_sb + hk * v_sh + kv0 * v_sr, v_sr, kv_rows);
+    load_tile<Bc, HEAD_DIM, DP>(K_s, K + b * k_sb + hk * k_sh + kv0 * k_sr, k_sr, kv_rows, d);
+    load_tile<Bc, HEAD_DIM_V, DVP>(V_s, V + b * v_sb + hk * v_sh + kv0 * v_sr, v_sr, kv_rows, dv);
     // (K_s, V_s are first read after the barrier that follows the first Q-tile load)
 
     acc_t dk_acc[PER_THREAD(Bc * HEAD_DIM)];    // dKj elements tid, tid + NUM_THREADS, ...
@@ -265,8 +277,8 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
         for (int it = it0; it < n_q_tiles; ++it) {
             const int q0 = it * Br;
             const int q_rows = min(Br, Nq - q0);
-            load_tile<Br, HEAD_DIM, DP>(Q_s, Qb + q0 * q_sr, q_sr, q_rows);
-            load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dOb + q0 * do_sr, do_sr, q_rows);
+            load_tile<Br, HEAD_DIM, DP>(Q_s, Qb + q0 * q_sr, q_sr, q_rows, d);
+            load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dOb + q0 * do_sr, do_sr, q_rows, dv);
             for (int r = tid; r < Br; r += NUM_THREADS) {
                 lse_s[r] = r < q_rows ? gload(LSE + bh * Nq + q0 + r) : acc_t(0);
                 D_s[r] = r < q_rows ? gload(D + bh * Nq + q0 + r) : acc_t(0);
@@ -350,28 +362,32 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
             if (atomic_dq) {
                 for (int e = tid; e < q_rows * HEAD_DIM; e += NUM_THREADS) {
                     const int r = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
+                    if (kk >= d) continue;   // the class padding: no dQ column there
                     acc_t acc = 0;
                     for (int c = 0; c < kv_rows; ++c) acc += dS_s[r * Bc + c] * K_s[c * DP + kk];
-                    gatomic_add(dq_accum + (bh * Nq + q0 + r) * HEAD_DIM + kk, (float)(scale * acc));
+                    gatomic_add(dq_accum + (bh * Nq + q0 + r) * d + kk, (float)(scale * acc));
                 }
             }
             __syncthreads();  // all reads of Q_s, dO_s, P_s, dS_s done before the next tile overwrites them
         }
     }
 
-    // -- write dKj = scale * sum dS^T Q and dVj (rows past Nk are not written)
+    // -- write dKj = scale * sum dS^T Q and dVj (rows past Nk and the class padding are not
+    //    written; global rows have d and dv elements)
     const size_t bhk = (size_t)b * Hk + hk;
-    elem_t* dk_tile = dK + (bhk * Nk + kv0) * HEAD_DIM;
-    elem_t* dv_tile = dV + (bhk * Nk + kv0) * HEAD_DIM_V;
+    elem_t* dk_tile = dK + (bhk * Nk + kv0) * d;
+    elem_t* dv_tile = dV + (bhk * Nk + kv0) * dv;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
-        if (e < kv_rows * HEAD_DIM) gstore(dk_tile + e, from_acc(scale * dk_acc[t]));
+        const int c = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
+        if (c < kv_rows && kk < d) gstore(dk_tile + c * d + kk, from_acc(scale * dk_acc[t]));
     }
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM_V); ++t) {
         const int e = tid + t * NUM_THREADS;
-        if (e < kv_rows * HEAD_DIM_V) gstore(dv_tile + e, from_acc(dv_acc[t]));
+        const int c = e / HEAD_DIM_V, kk = e - (e / HEAD_DIM_V) * HEAD_DIM_V;
+        if (c < kv_rows && kk < dv) gstore(dv_tile + c * dv + kk, from_acc(dv_acc[t]));
     }
 }
 
@@ -412,9 +428,10 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
     const int q_rows = min(Br, Nq - q0);
     const elem_t* Kb = K + b * k_sb + hk * k_sh;
     const elem_t* Vb = V + b * v_sb + hk * v_sh;
+    const int d = p.head_d, dv = p.head_dv;  // this call's head dims (<= HEAD_DIM, HEAD_DIM_V)
 
-    load_tile<Br, HEAD_DIM, DP>(Q_s, Q + b * q_sb + h * q_sh + q0 * q_sr, q_sr, q_rows);
-    load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + b * do_sb + h * do_sh + q0 * do_sr, do_sr, q_rows);
+    load_tile<Br, HEAD_DIM, DP>(Q_s, Q + b * q_sb + h * q_sh + q0 * q_sr, q_sr, q_rows, d);
+    load_tile<Br, HEAD_DIM_V, DVP>(dO_s, dO + b * do_sb + h * do_sh + q0 * do_sr, do_sr, q_rows, dv);
     for (int r = tid; r < Br; r += NUM_THREADS) {
         lse_s[r] = r < q_rows ? gload(LSE + bh * Nq + q0 + r) : acc_t(0);
         D_s[r] = r < q_rows ? gload(D + bh * Nq + q0 + r) : acc_t(0);
@@ -453,8 +470,8 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
     for (int jt = jt0; jt < n_kv_tiles; ++jt) {
         const int kv0 = jt * Bc;
         const int kv_rows = min(Bc, Nk - kv0);
-        load_tile<Bc, HEAD_DIM, DP>(K_s, Kb + kv0 * k_sr, k_sr, kv_rows);
-        load_tile<Bc, HEAD_DIM_V, DVP>(V_s, Vb + kv0 * v_sr, v_sr, kv_rows);
+        load_tile<Bc, HEAD_DIM, DP>(K_s, Kb + kv0 * k_sr, k_sr, kv_rows, d);
+        load_tile<Bc, HEAD_DIM_V, DVP>(V_s, Vb + kv0 * v_sr, v_sr, kv_rows, dv);
         __syncthreads();  // Kj, Vj (and, on the first pass, Qi, dOi, lse_i, D_i) are in smem
 
         // -- recompute P and dS = P * (dOi Vj^T - D_i) for this (Qi, Kj) tile
@@ -512,11 +529,12 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
         __syncthreads();  // reads of K_s, V_s, dS_s done before the next Kj, Vj overwrite them
     }
 
-    elem_t* dq_tile = dQ + (bh * Nq + q0) * HEAD_DIM;
+    elem_t* dq_tile = dQ + (bh * Nq + q0) * d;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
         const int e = tid + t * NUM_THREADS;
-        if (e < q_rows * HEAD_DIM) gstore(dq_tile + e, from_acc(scale * dq_acc[t]));
+        const int r = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
+        if (r < q_rows && kk < d) gstore(dq_tile + r * d + kk, from_acc(scale * dq_acc[t]));
     }
 }
 

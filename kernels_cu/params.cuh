@@ -137,6 +137,9 @@ struct BwdParams {
     int mask_pack;                           // serving: query heads packed per problem (GQA)
     long long mask_dbias_sb, mask_dbias_sh, mask_dbias_sr, mask_dbias_sc;  // dbias accumulator
     int mask_dbias;        // 0: no dbias; 1: each element stored once; 2: atomic adds (broadcast)
+    // -- the call's head dims, read by the SIMT backward (flash_bwd.cu), compiled for their
+    //    class; last, as in FwdParams --
+    int head_d, head_dv;
 };
 
 // blockIdx.x -> (tile, head, batch) for a grid of n_tiles * heads * batch blocks.

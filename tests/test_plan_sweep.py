@@ -228,32 +228,3 @@ def test_asym_default_spills_are_recorded_and_refused():
                 tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv)
             n += 1
     assert n > 0
-
-
-_SIMT_SAMPLES = {  # record -> (its jobs, spilling rows when recorded)
-    "simt_sample.json": (lambda: SWEEP.simt_sample_jobs(10, 20261124), 2),
-    "simt_default_sample.json": (lambda: SWEEP.simt_default_jobs(24, 7), 1),
-}
-
-
-@pytest.mark.parametrize("name", sorted(_SIMT_SAMPLES))
-def test_simt_sample_record_is_the_sample(name):
-    """bench/results/simt_sample.json holds the rows of ``--simt-sample 10`` (default seed),
-    simt_default_sample.json those of ``--simt-defaults 24 --seed 7``."""
-    rows = json.loads((SWEEP.RESULTS.parent / name).read_text())["rows"]
-    jobs, spilled = _SIMT_SAMPLES[name]
-    assert len(rows) > 200
-    assert sorted(r["key"] for r in rows) == sorted(SWEEP.plan_key(f, p, a) for f, p, a in jobs())
-    assert sum(1 for r in rows if SWEEP.bad(r)) == spilled
-
-
-@pytest.mark.xfail(strict=True, reason="issue 12, open: the SIMT backward is swept at SIMT_DIMS "
-                   "only, and random samples of other head dims spill (2 of 238 plans; 1 of "
-                   "459 default plans, all float64 flash_bwd_masked)")
-@pytest.mark.parametrize("name", sorted(_SIMT_SAMPLES))
-def test_simt_sample_outside_the_swept_head_dims_is_spill_free(name):
-    """Plans of the SIMT kernels at head dims the sweep does not compile must not spill.  Known
-    to fail (strict): when a fix makes the regenerated samples clean, this turns red until the
-    xfail (and the spill counts above) are updated."""
-    rows = json.loads((SWEEP.RESULTS.parent / name).read_text())["rows"]
-    assert [r["key"] for r in rows if SWEEP.bad(r)] == []

@@ -3,7 +3,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .core import TC_ASYM_SWEPT, KernelTiling, _dtype_name, accumulator_bytes, kernel_tiling, plan, register
+from .core import (SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, accumulator_bytes,
+                   kernel_tiling, plan, register, simt_head_dim_class)
 from .fwd import TF32_DTYPES
 
 
@@ -81,10 +82,46 @@ BWD_MAX_DQ_ACC_FLOAT64 = 48
 # plain and masked; issue 12's SIMT sample found d = 127 and 239 spilling): spills from 56
 # floats (d = 112 masked; 60-64 at d = 120, 127, 239), none at 48-50.  Powers of two keep
 # BWD_MAX_ACC (64 floats at d = 128 and 256: swept clean).  The defaults stay below (<= 32).
+# The planner applies these limits at the head-dim classes (d and dv below are classes: 96,
+# 160, 192 and 224 are the ones that are not powers of two); the class sweep checks them.
 BWD_MAX_DQ_ACC_NON_POW2 = 48
 
 
-def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
+# Plans of the SIMT backward that ptxas (NVRTC 13.0) spilled in the sweep of every head-dim
+# class pair (bench/plan_sweep.py, issue 12: 2,724 + 2,699 plans, then 22 + 36 in two --missing
+# rounds), per module build (flash_bwd: the plain kernels, flash_bwd_masked: -DCUFLASH_MASKS):
+# (accumulator bytes, block_q, block_kv, d class, dv class).  All are defaults at d != dv class
+# pairs with 28-32 dK/dV accumulators per thread against a non-power-of-two class (224); the
+# default moved on to 8 x 8.
+# flash_bwd_dkdv and flash_bwd_dq of a build launch with one plan's tiles, so a spill in either
+# refuses the tiles for both, at every architecture; a default moves to the next preferred pair,
+# which the sweep then compiled (--missing) until none spilled.
+SIMT_BWD_SPILLS = {
+    "flash_bwd": frozenset({  # all in flash_bwd_dkdv, the defaults (block_kv = 16)
+        (4, 16, 16, 256, 224), (4, 8, 16, 256, 224),  # 72 B (float16/bfloat16, sm_75/80), 16 B
+                                                      # (float32, sm_75/80), 4 B (sm_90)
+        (8, 16, 16, 128, 224), (8, 8, 16, 128, 224),  # float64: 8 B (sm_80)
+    }),
+    "flash_bwd_masked": frozenset({  # flash_bwd_dkdv_masked, the defaults (block_kv = 16)
+        (4, 16, 16, 224, 256), (4, 16, 16, 256, 224),  # 4-92 B (float16/bfloat16/float32,
+        (4, 8, 16, 224, 256), (4, 8, 16, 256, 224),    # sm_75/80/90)
+    }),
+}
+
+
+def _bwd_spill_check(build, bq, bkv, d, dv, acc):
+    if (acc, bq, bkv, d, dv) in SIMT_BWD_SPILLS[build]:
+        return (f"ptxas spills this {'float64' if acc == 8 else 'float32-accumulator'} plan of "
+                f"{build} (block_q={bq}, block_kv={bkv}, head-dim classes {d}/{dv}; in "
+                "flash_bwd_dkdv or flash_bwd_dq, which run with the same tiles: "
+                "bench/results/plan_sweep.json)")
+    return None
+
+
+def _bwd_dq_acc_check(bq, bkv, d, dv, acc, build="flash_bwd"):
+    spill = _bwd_spill_check(build, bq, bkv, d, dv, acc)
+    if spill is not None:
+        return spill
     n = _per_thread(bq * d)
     if acc == 8 and n > BWD_MAX_DQ_ACC_FLOAT64:
         return (f"block_q={bq} with d={d} needs {n} float64 dQ accumulators per thread in "
@@ -107,15 +144,20 @@ BWD_MAX_DKDV_ACC_FLOAT64_ASYM = 48
 BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED = 32
 
 
-def _bwd_dkdv_acc_check(limit, name):
+def _bwd_dkdv_acc_check(limit, name, build):
     def check(bq, bkv, d, dv, acc):
         n = _per_thread(bkv * d) + _per_thread(bkv * dv)
         if acc == 8 and d != dv and n > limit:
             return (f"block_kv={bkv} with d={d} != dv={dv} needs {n} float64 dK/dV accumulators "
                     f"per thread in {name} (limit {limit} doubles when d != dv: ptxas spills "
                     "beyond it)")
-        return _bwd_dq_acc_check(bq, bkv, d, dv, acc)  # the same tiles also launch flash_bwd_dq
+        # the same tiles also launch flash_bwd_dq
+        return _bwd_dq_acc_check(bq, bkv, d, dv, acc, build)
     return check
+
+
+def _bwd_dq_acc(build):
+    return lambda bq, bkv, d, dv, acc: _bwd_dq_acc_check(bq, bkv, d, dv, acc, build)
 
 
 def _bwd_preferences(d, dv, acc):
@@ -140,7 +182,9 @@ FLASH_BWD_DKDV = register(KernelTiling(
     preferences=_bwd_preferences,
     layout=_bwd_layout(True),
     check=_bwd_dkdv_check,
-    check_acc=_bwd_dkdv_acc_check(BWD_MAX_DKDV_ACC_FLOAT64_ASYM, "flash_bwd_dkdv"),
+    check_acc=_bwd_dkdv_acc_check(BWD_MAX_DKDV_ACC_FLOAT64_ASYM, "flash_bwd_dkdv", "flash_bwd"),
+    asym_swept=SIMT_ASYM_SWEPT,
+    head_dim_class=simt_head_dim_class,
 ))
 
 FLASH_BWD_DQ = register(KernelTiling(
@@ -152,17 +196,20 @@ FLASH_BWD_DQ = register(KernelTiling(
     preferences=_bwd_preferences,
     layout=_bwd_layout(False),
     check=_bwd_dq_check,
-    check_acc=_bwd_dq_acc_check,
+    check_acc=_bwd_dq_acc("flash_bwd"),
+    asym_swept=SIMT_ASYM_SWEPT,
+    head_dim_class=simt_head_dim_class,
 ))
 
 # flash_bwd_dkdv_masked / flash_bwd_dq_masked (-DCUFLASH_MASKS): the same tiles, threads,
 # shared memory and limits, under their own names so that the feature builds are planned (and
-# swept) as what they are.  The sweep of every accepted plan with the features (family
-# flash_bwd_masked, 1,133 plans x 2 kernels, NVRTC 13.0) found no spill at its head dims; the
-# float64 dK/dV limit at d != dv is lower with the features (above).
+# swept) as what they are.  The sweep of every accepted plan at every head-dim class pair
+# (family flash_bwd_masked, 2,699 plans x 2 kernels, NVRTC 13.0) refused the four in
+# SIMT_BWD_SPILLS; the float64 dK/dV limit at d != dv is lower with the features (above).
 register(replace(FLASH_BWD_DKDV, name="flash_bwd_dkdv_masked", check_acc=_bwd_dkdv_acc_check(
-    BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED, "flash_bwd_dkdv_masked")))
-register(replace(FLASH_BWD_DQ, name="flash_bwd_dq_masked"))
+    BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED, "flash_bwd_dkdv_masked", "flash_bwd_masked")))
+register(replace(FLASH_BWD_DQ, name="flash_bwd_dq_masked",
+                 check_acc=_bwd_dq_acc("flash_bwd_masked")))
 
 
 # D = rowsum(dO * O) in chunks of BWD_PRE_ROWS rows: one partial sum per (row, lane)
@@ -175,6 +222,7 @@ register(KernelTiling(
     threads=lambda bq, bkv, d, dv: BWD_THREADS,
     preferences=lambda d, dv, acc: [(BWD_PRE_ROWS, BWD_PRE_ROWS)],
     layout=lambda bq, bkv, d, dv, acc: f"{'double' if acc == 8 else 'float'} red_s[{bq}][33]",
+    head_dim_class=simt_head_dim_class,  # compiled into flash_bwd.cu's module
 ))
 
 
