@@ -20,6 +20,7 @@ import oracle
 from conftest import poisoned_outputs, require_backend
 from cuflash import _launch, tiling
 
+from test_masks import check_simt_masked_backward
 from test_plan_sweep import SWEEP
 SIMT_FWD_FAMILIES = ("flash_fwd", "flash_fwd_serving", "flash_fwd_masked", "flash_fwd_serving_masked")
 SIMT_BWD_FAMILIES = ("flash_bwd", "flash_bwd_masked")
@@ -259,25 +260,12 @@ def test_backward_between_classes_matches_oracle(kb, case, rng):
 def test_masked_backward_between_classes_matches_oracle(rng):
     """flash_bwd_dkdv_masked / flash_bwd_dq_masked (bias with dbias, window, softcap, dropout)
     at d = 20, dv = 12 (classes 32/16), both dQ paths."""
-    from cuflash import _launch_masks, _validate, _validate_masks, emulator_backend
-    require_backend("emulator")
     q = oracle.randn(rng, (2, 2, 30, 20), "float32")
     k = oracle.randn(rng, (2, 2, 43, 20), "float32")
     v = oracle.randn(rng, (2, 2, 43, 12), "float32")
     feat = dict(bias=oracle.randn(rng, (2, 1, 30, 43), "float32", scale=2.0), window=(9, 4),
                 softcap=2.5, dropout_p=0.2, seed=3)
-    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
-    do = oracle.randn(rng, o.shape, "float32")
-    spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
-    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
-    for det in (False, True):
-        with poisoned_outputs(), _launch.observe_launches() as seen:
-            grads = _launch_masks.flash_bwd_masked(emulator_backend.runtime(), do, q, k, v, o,
-                                                   lse, spec, ms, det,
-                                                   kernel="flash_bwd_dkdv_masked")
-        names = [e["kernel"] for e in seen]
-        assert "flash_bwd_dkdv_masked" in names and ("flash_bwd_dq_masked" in names) == det
-        oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+    check_simt_masked_backward(q, k, v, feat, rng)
 
 
 def test_race_check_backward_between_classes(rng):

@@ -326,25 +326,33 @@ def test_tf32_backward_with_features(kernel_backend, case, rng):
     oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
-def test_simt_backward_with_features(rng):
-    """flash_bwd_dkdv_masked (forced) on a float16 feature call (the planner sends it to
-    flash_bwd_tc_masked): both dQ paths, dbias."""
+def check_simt_masked_backward(q, k, v, feat, rng):
+    """flash_bwd_dkdv_masked forced on the emulator (outputs NaN-poisoned), both dQ paths, with
+    dbias: the gradients against the oracle, the launches named (flash_bwd_dq_masked only on
+    the deterministic path)."""
     from conftest import require_backend
     from cuflash import _launch, _launch_masks, _validate, _validate_masks, emulator_backend
     require_backend("emulator")
-    q, k, v = oracle.qkv(rng, (2, 2, 37, 32), (2, 2, 45, 32), dtype="float16")
-    feat = dict(bias=rng.standard_normal((2, 37, 45)).astype(np.float32), window=(9, 4),
-                softcap=3.0, dropout_p=0.2, seed=5)
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
-    do = oracle.randn(rng, o.shape, "float16")
+    do = oracle.randn(rng, o.shape, q.dtype)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
     ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
     for det in (False, True):
-        with _launch.observe_launches() as seen:
+        with poisoned_outputs(), _launch.observe_launches() as seen:
             grads = _launch_masks.flash_bwd_masked(emulator_backend.runtime(), do, q, k, v, o, lse,
                                                    spec, ms, det, kernel="flash_bwd_dkdv_masked")
-        assert "flash_bwd_dkdv_masked" in [e["kernel"] for e in seen]
+        names = [e["kernel"] for e in seen]
+        assert "flash_bwd_dkdv_masked" in names and ("flash_bwd_dq_masked" in names) == det
         oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+
+
+def test_simt_backward_with_features(rng):
+    """flash_bwd_dkdv_masked (forced) on a float16 feature call (the planner sends it to
+    flash_bwd_tc_masked): both dQ paths, dbias."""
+    q, k, v = oracle.qkv(rng, (2, 2, 37, 32), (2, 2, 45, 32), dtype="float16")
+    feat = dict(bias=rng.standard_normal((2, 37, 45)).astype(np.float32), window=(9, 4),
+                softcap=3.0, dropout_p=0.2, seed=5)
+    check_simt_masked_backward(q, k, v, feat, rng)
 
 
 def test_window_rows_that_see_no_key(backend, rng):
