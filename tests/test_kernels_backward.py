@@ -264,11 +264,14 @@ def test_default_tiles_fit_every_arch(arch):
 
 
 def test_shared_bytes_exact():
-    """The formula the kernel's pointer arithmetic implies, spelled out once more."""
-    for d, dv, bq, bkv in ((64, 64, 64, 64), (96, 32, 16, 32), (256, 256, 8, 16)):
+    """The formula the kernel's pointer arithmetic implies, spelled out once more, at the
+    head-dim classes the kernel is compiled for (d = 80 on 96 columns)."""
+    cls = tiling.simt_head_dim_class
+    for d, dv, bq, bkv in ((64, 64, 64, 64), (16, 256, 32, 16), (256, 256, 8, 16), (80, 80, 16, 32)):
         for acc, dt in ((4, "float32"), (8, "float64")):
             p = tiling.plan("flash_bwd_dkdv", d, dv, dt, bq, bkv)
-            want = acc * (bkv * (d + 1) + bkv * (dv + 1) + bq * (d + 1) + bq * (dv + 1)
+            kd, kdv = cls(d), cls(dv)
+            want = acc * (bkv * (kd + 1) + bkv * (kdv + 1) + bq * (kd + 1) + bq * (kdv + 1)
                           + bq * bkv + bq * bkv + bq + bq)
             assert p.shared_bytes == want
             assert tiling.plan("flash_bwd_dq", d, dv, dt, bq, bkv).shared_bytes == want - acc * bq * bkv
@@ -303,15 +306,18 @@ def test_float64_dq_register_cap():
 
 def test_dq_register_cap_at_head_dims_not_powers_of_two():
     """float32 accumulators of dQ spilled from 56 per thread at head dims that are not powers
-    of two (issue 12 probes: d = 112 .. 239): capped at 48 there; 64 at d = 128 stays."""
+    of two (issue 12 probes: d = 112 .. 239): capped at 48 there, applied to the head-dim
+    class (96, 160, 192, 224 are not powers of two); 64 at class 128 stays."""
     cap = tiling.BWD_MAX_DQ_ACC_NON_POW2
     for kernel in ("flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_dkdv_masked"):
         for dtype in ("float32", "float16"):
-            for d, bq in ((127, 64), (112, 64), (239, 32)):
+            for d, bq in ((224, 32), (200, 32), (193, 32)):  # class 224: 56 floats
                 with pytest.raises(ValueError, match=rf"dQ accumulators.*limit {cap} where d is not"):
                     tiling.plan(kernel, d, d, dtype, bq, 16)
             assert tiling.plan(kernel, 96, 96, dtype, 64, 16).block_q == 64    # 48 floats
+            assert tiling.plan(kernel, 192, 192, dtype, 32, 16).block_q == 32  # 48 floats
             assert tiling.plan(kernel, 128, 128, dtype, 64, 16).block_q == 64  # a power of two
+            assert tiling.plan(kernel, 127, 127, dtype, 64, 16).kd == 128      # ... its class
     for d in range(1, 257):  # the defaults never reach it
         p = tiling.plan("flash_bwd_dkdv", d, d, "float32")
         assert -(-p.block_q * d // tiling.BWD_THREADS) <= cap
@@ -323,25 +329,27 @@ def test_float64_dkdv_register_cap_when_d_differs_from_dv():
     cases = (("flash_bwd_dkdv", tiling.BWD_MAX_DKDV_ACC_FLOAT64_ASYM),
              ("flash_bwd_dkdv_masked", tiling.BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED))
     for kernel, cap in cases:
-        # 128 / 125 at 32 x 32: 32 + 32 doubles; 16 x 16: 16 + 16
-        with pytest.raises(ValueError, match=rf"64 float64 dK/dV accumulators.*limit {cap}"):
-            tiling.plan(kernel, 128, 125, "float64", 32, 32)
-        assert tiling.plan(kernel, 128, 125, "float64", 16, 16).block_kv == 16
-        assert tiling.plan(kernel, 128, 125, "float32", 32, 32).block_kv == 32
+        # classes 128 / 96 at 32 x 32: 32 + 24 doubles (the cap's reason comes before the
+        # default-only rule of d != dv classes outside tiling.SIMT_ASYM_SWEPT)
+        with pytest.raises(ValueError, match=rf"56 float64 dK/dV accumulators.*limit {cap}"):
+            tiling.plan(kernel, 128, 90, "float64", 32, 32)
         assert tiling.plan(kernel, 128, 128, "float64", 32, 32).block_kv == 32  # d == dv: 64
-        p = tiling.plan(kernel, 128, 125, "float64")  # the default moves under the cap
-        n = -(-p.block_kv * 128 // tiling.BWD_THREADS) + -(-p.block_kv * 125 // tiling.BWD_THREADS)
+        assert tiling.plan(kernel, 128, 127, "float64", 32, 32).kdv == 128  # ... at the class
+        check = tiling.kernel_tiling(kernel).check_acc
+        assert check(16, 16, 128, 96, 8) is None and check(32, 32, 128, 96, 4) is None
+        p = tiling.plan(kernel, 128, 90, "float64")  # the default moves under the cap
+        n = -(-p.block_kv * 128 // tiling.BWD_THREADS) + -(-p.block_kv * 96 // tiling.BWD_THREADS)
         assert n <= cap
-    assert tiling.plan("flash_bwd_dkdv", 128, 64, "float64", 32, 32).block_kv == 32  # 48 doubles
-    with pytest.raises(ValueError, match="limit 32"):
-        tiling.plan("flash_bwd_dkdv_masked", 128, 64, "float64", 32, 32)
+    # 128 / 64 at 32 x 32: 48 doubles, under the plain build's cap, above the masked one's
+    assert tiling.kernel_tiling("flash_bwd_dkdv").check_acc(32, 32, 128, 64, 8) is None
+    assert "limit 32" in tiling.kernel_tiling("flash_bwd_dkdv_masked").check_acc(32, 32, 128, 64, 8)
 
 
 @pytest.mark.parametrize("bq,bkv,d,needle", [
     (24, 32, 128, "does not support block_q=24"),
-    # float64 d=48, 128 x 64: within the register limits (48 dQ doubles), 283648 B of shared
+    # float64 d=32, 128 x 64: within the register limits (32 dQ doubles), 234496 B of shared
     # memory > even an H100's 232448 B
-    (128, 64, 48, "budget is"),
+    (128, 64, 32, "budget is"),
     (32, 128, 128, "accumulator registers"),
     (64, 16, 128, "float64 dQ accumulators"),  # 64 doubles of dQ per thread (issue 12)
 ])
