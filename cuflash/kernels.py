@@ -130,7 +130,7 @@ def plan_defines(plan):
     The same names in every kernel: dtype, ``CUFLASH_HEAD_DIM`` (d),
     ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
     ``CUFLASH_THREADS``.  The head dims are the plan's compiled ones (``kd``, ``kdv``): the
-    class of d and dv for the SIMT forward, which reads the call's own from its params.
+    class of d and dv for the SIMT kernels, which read the call's own from their params.
     """
     out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.kd,
            "CUFLASH_HEAD_DIM_V": plan.kdv, "CUFLASH_BLOCK_Q": plan.block_q,

@@ -76,7 +76,7 @@ class KernelTiling:
         spill sweep compiles whole).  None: no such rule.
     head_dim_class : callable(d) -> int, or None
         Set on kernels compiled for a head-dim class rather than each head dim (the SIMT
-        forward, :func:`simt_head_dim_class`): every rule (shared memory, registers,
+        forward and backward, :func:`simt_head_dim_class`): every rule (shared memory, registers,
         preferences, ``asym_swept``) is applied to the class of d and dv, and the plan's
         ``kd``/``kdv`` are what it compiles.  None: compiled for d and dv themselves.
     """
@@ -116,8 +116,8 @@ class KernelTiling:
 # d != dv outside these pairs, explicit tiles are accepted only where they are the default.
 TC_ASYM_SWEPT = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
 
-# Head-dim classes of the SIMT forward (flash_fwd.cu): a head dim d runs on the kernel compiled
-# for the smallest class >= d, its columns past d zero in shared memory.  Why: compiled per
+# Head-dim classes of the SIMT kernels (flash_fwd.cu, flash_bwd.cu): a head dim d runs on the
+# kernel compiled for the smallest class >= d, its columns past d zero in shared memory.  Why: compiled per
 # head dim, these kernels had 256 x 256 (d, dv) pairs per tile plan, of which the spill sweep
 # could compile a sample only, and a random sample of the others found plans that spill
 # (issue 12); per class there are 100 pairs, all of them compiled.  The classes are the head

@@ -4,7 +4,9 @@ from dataclasses import replace
 import numpy as np
 
 from ._fwd_tc_masked_spills import FWD_TC_MASKED_SPILLS, FWD_TF32_MASKED_SPILLS
-from .core import SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register, simt_head_dim_class
+from .core import (SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not,
+                   _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register,
+                   simt_head_dim_class)
 
 
 # --------------------------------------------------------------------------
@@ -55,9 +57,10 @@ def _fwd_preferences(d, dv, acc):
 # head-dim class pair (bench/plan_sweep.py; 13,764 plans, issue 12): 4-12 B each, 17 of them in
 # the serving kernel (flash_fwd_serving: its split partials at run-time dv need registers the
 # dense kernel does not; sm_75/80/90) and 21 in flash_fwd_masked (sm_90), all with dv's class
-# >= 192 (including the defaults that replaced refused ones, compiled in two more rounds).  (block_q, block_kv, d class, dv class), refused at every architecture (the serving
-# and dense kernels share one plan, so the dense kernel gives these up as well): the default
-# moves to the next preferred pair, which the sweep then compiled (--missing) until none spilled.
+# >= 192 (including the defaults that replaced refused ones, compiled in two more rounds).
+# (block_q, block_kv, d class, dv class), refused at every architecture (the serving and dense
+# kernels share one plan, so the dense kernel gives these up as well): the default moves to the
+# next preferred pair, which the sweep then compiled (--missing) until none spilled.
 SIMT_FWD_FLOAT64_SPILLS = {
     "flash_fwd": frozenset({
         (8, 8, 192, 224), (8, 8, 224, 256), (8, 8, 256, 224), (16, 8, 192, 224), (16, 8, 224, 256),
