@@ -14,7 +14,10 @@ What it does, in order:
    GQA (32 query heads on 8 key/value heads), forward only.
 3. **KV-cache decode** and 4. **varlen** batches, the serving calls
    (``cuflash/_bench_gpu_serving.py``, whose docstring describes them).
-5. **Host time per call** of a tiny problem, 200 calls without synchronising.
+5. **Logit features**: the plain call against each feature alone (bias,
+   dbias, ALiBi, softcap, dropout, a sliding window) and a table of window
+   widths (``cuflash/_bench_gpu_features.py``, whose docstring describes it).
+6. **Host time per call** of a tiny problem, 200 calls without synchronising.
 ``--sections`` picks among them (default: all).
 
 Methods: cuflash tiled (the FlashAttention kernels), cuflash standard (plain
@@ -43,6 +46,7 @@ import sys
 import tempfile
 import time
 
+from ._bench_gpu_features import window_sizes
 from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, judge
 from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, first_call,
                                  input_sets_needed, make_methods, make_set, measure, reason_of,
@@ -52,7 +56,7 @@ from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
 __all__ = ["main", "build_parser", "run", "flops"]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-SECTIONS = ("grid", "decode", "kvcache", "varlen", "host")
+SECTIONS = ("grid", "decode", "kvcache", "varlen", "features", "host")
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
@@ -61,11 +65,12 @@ DEFAULTS = {
     "cuda": dict(dims=[64, 128], seqlens=[512, 1024, 2048, 4096, 8192, 16384], tokens=16384,
                  hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 8192, 16384, 65536],
                  decode_dim=128, host_calls=200, check_n=257, kv_nq=[1, 4],
-                 kv_page_sizes=[16, 256], varlen_mean=[512, 2048], target_ms=50.0),
+                 kv_page_sizes=[16, 256], varlen_mean=[512, 2048], target_ms=50.0,
+                 feature_n=4096),
     # warm-up 0 on the emulator: the (untimed) first call is its warm-up
     "emulator": dict(dims=[16, 32], seqlens=[32, 64], tokens=64, hidden=32, reps=2, warmup=0,
                      decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33, kv_nq=[1, 4],
-                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0),
+                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0, feature_n=32),
 }
 # decode configurations (B, H, Hk) of the decode and KV-cache sections: MHA at batch 1 and 8,
 # GQA with 4 query heads per kv head (FlashAttention-2 on an H100: 0.36 ms for B1 H32 Nk=65536,
@@ -78,7 +83,7 @@ MIN_REPS_CUDA = 5
 
 
 # the cuflash method that must run in some case of these sections, else the run failed
-MAIN_METHOD = {"cuflash tiled": ("grid", "decode"), "cuflash kvcache": ("kvcache",),
+MAIN_METHOD = {"cuflash tiled": ("grid", "decode", "features"), "cuflash kvcache": ("kvcache",),
                "cuflash varlen": ("varlen",)}
 
 
@@ -111,18 +116,21 @@ def build_parser(prog=None):
         "(compile) time, decode shapes and host time per call; then the serving calls: a KV "
         "cache at decode time (contiguous and paged, GB/s of K/V read, against SDPA, "
         "flash-attn and vLLM when importable) and ragged varlen batches (against equal "
-        "lengths and flash-attn); tables, JSON and a plot. "
+        "lengths and flash-attn); the cost of each logit feature (bias, ALiBi, softcap, "
+        "dropout, windows) against the plain call; tables, JSON and a plot. "
         "Needs CuPy and a GPU (pip install \".[cuda12,bench]\" or \".[cuda13,bench]\", plus "
         "torch with CUDA for SDPA). --backend emulator runs tiny sizes on the CPU with the "
         "emulated kernels (defaults dims 16,32, seqlens 32,64, tokens 64, hidden 32, reps 2, "
         "warmup 0, decode-nk 32,128, host-calls 3, kv-page-sizes 4,16, varlen-mean 16, "
-        "target-ms 10; about a minute of CPU time, half of it the serving sections)."))
+        "target-ms 10, feature-n 32; a few minutes of CPU time, most of it the serving and "
+        "features sections)."))
     p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda",
                    help="where cuflash runs (default: %(default)s)")
     p.add_argument("--sections", type=choice_list(SECTIONS), default=list(SECTIONS),
                    help="comma-separated, of grid (FlashAttention-2's grid), decode (Nq = 1), "
                    "kvcache (attention_with_kvcache, contiguous and paged), varlen (ragged "
-                   "batches), host (host time per call); default: all")
+                   "batches), features (each logit feature against the plain call, and window "
+                   "widths), host (host time per call); default: all")
     p.add_argument("--dtypes", type=choice_list(DTYPES), default=["float16"],
                    help=f"comma-separated, of {','.join(DTYPES)} (default float16)")
     p.add_argument("--dims", type=int_list,
@@ -130,7 +138,8 @@ def build_parser(prog=None):
     p.add_argument("--seqlens", type=int_list, help=f"sequence lengths N ({dflt('seqlens')})")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="both",
                    help="causal cases of the grid (top-left mask, PyTorch's is_causal) and varlen "
-                   "(per sequence) sections (default: %(default)s)")
+                   "(per sequence) sections (default: %(default)s; the features section is "
+                   "non-causal)")
     p.add_argument("--modes", type=choice_list(MODES), default=list(MODES),
                    help="comma-separated, of fwd,bwd,fwdbwd, for the grid and varlen sections "
                    "(default: all)")
@@ -163,6 +172,12 @@ def build_parser(prog=None):
     p.add_argument("--varlen-mean", type=int_list,
                    help="mean sequence lengths of the varlen section: tokens // mean sequences "
                    f"of 1 to 2 x mean tokens ({dflt('varlen_mean')})")
+    p.add_argument("--feature-n", type=positive_int,
+                   help="queries and keys of the features section's problem; batch = tokens // "
+                   f"N, heads = hidden // d ({dflt('feature_n')})")
+    p.add_argument("--feature-windows", type=int_list,
+                   help="left widths w of the features section's window table, window=(w, 0) "
+                   "(default N/16,N/8,N/4,N/2 of --feature-n)")
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
@@ -197,10 +212,20 @@ def finish_args(parser, args):
     for d in args.dims:
         if args.hidden % d:
             parser.error(f"argument --hidden: {args.hidden} is not a multiple of head dim {d}")
-    for N in args.seqlens:
+    for N in args.seqlens if "grid" in args.sections else ():
         if N > args.tokens:
             parser.error(f"argument --seqlens: N={N} exceeds --tokens {args.tokens} "
                          "(tokens = batch x N)")
+    if "features" in args.sections:
+        if args.feature_n > args.tokens:
+            parser.error(f"argument --feature-n: {args.feature_n} exceeds --tokens {args.tokens} "
+                         "(tokens = batch x N)")
+        if args.feature_windows is None:
+            args.feature_windows = window_sizes(args.feature_n)
+        for w in args.feature_windows:
+            if w >= args.feature_n:  # (int_list refuses w < 1)
+                parser.error(f"argument --feature-windows: {w} is not in 1 .. feature-n - 1 "
+                             f"({args.feature_n - 1})")
     if "varlen" in args.sections:
         for mean in args.varlen_mean:
             if mean > args.tokens:
@@ -474,6 +499,9 @@ def run(args, log=_log):
             srv.run_kvcache()
         if "varlen" in sections:
             srv.run_varlen()
+    if "features" in sections:
+        from ._bench_gpu_features import run_features
+        run_features(bench)
     res["host_time"] = (bench.host_time(a.dtypes[0])
                         if a.host_calls and "host" in sections else [])
     res["checks"], res["cases"] = bench.checks, bench.cases

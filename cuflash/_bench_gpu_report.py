@@ -116,8 +116,9 @@ _NOTES = [
 
 
 def print_report(res, file=None):
-    """Print the header, the grid, decode, KV-cache and varlen tables with footnotes,
+    """Print the header, the grid, decode, KV-cache, varlen and features tables with footnotes,
     first-call times, host time per call and the correctness checks."""
+    from ._bench_gpu_features import print_features
     from ._bench_gpu_serving import print_serving
 
     def say(s=""):
@@ -139,6 +140,7 @@ def print_report(res, file=None):
         for n in _NOTES:
             say(f"- {n}")
     print_serving(res, say)
+    print_features(res, say)
     if res["footnotes"]:
         say()
         for f in res["footnotes"]:
@@ -151,6 +153,9 @@ def print_report(res, file=None):
 
 
 def _kind_text(k):
+    if k.get("section") == "features":
+        from ._bench_gpu_features import kind_text
+        return kind_text(k)
     from ._bench_gpu_serving import _kind_text as text  # knows the serving sections' kinds too
     return text(k)
 
