@@ -200,7 +200,7 @@ def test_window_table_divides_by_the_visible_fraction(featured):
 def test_every_feature_checked_with_and_without_gradients(featured):
     checks = [c for c in featured["res"]["checks"] if c["kind"].get("section") == "features"]
     assert sorted((c["kind"]["feature"], c["kind"]["grad"]) for c in checks) == sorted(
-        (f, g) for f in ALL for g in (False, True))
+        (f, g) for f in ["none"] + ALL for g in (False, True))
     for c in checks:
         assert c["status"] == "passed", c
         want = {"o"} | ({"dq", "dk", "dv"} if c["kind"]["grad"] else set())
