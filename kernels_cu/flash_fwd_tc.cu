@@ -306,12 +306,46 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
     }
 }
 #else
-__device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], const elem_t* Qw, int mt, int kk, int lane) {
-    ldmatrix_x4(a, Qw + (mt * 16 + (lane & 15)) * kQS + kk * 16 + (lane >> 4) * 8);
+// ldmatrix operands as one per-lane shared-memory address (the lane's row and column of the
+// fragment, computed once per block) plus a compile-time byte offset per fragment, which
+// ptxas folds into the instruction ([R+imm]).  Written as pointer + (lane terms + fragment
+// terms), ptxas recomputed each fragment's address from the lane index every tile (~90
+// integer instructions per K/V tile at d = 128: the constant part OR-ed into lane bits, then
+// multiplied by the row stride).  On the emulator the address is a byte pointer.
+#ifdef CUFLASH_EMULATOR
+typedef const unsigned char* saddr_t;
+__device__ __forceinline__ saddr_t saddr_of(const void* p) { return (saddr_t)p; }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4(r, a); }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4_trans(r, a); }
+#else
+typedef uint32_t saddr_t;
+__device__ __forceinline__ saddr_t saddr_of(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+#endif
+// The lanes' rows and columns: Q (x4: rows 0-15, columns 0 / 8), K (x4 = two n8 tiles: rows
+// 0-7 and 8-15 by lane bit 4, columns 0 / 8 by lane bit 3), V (x4.trans: rows 0-15, columns
+// 0 / 8 by lane bit 4); in elements from the tile's first row.
+__device__ __forceinline__ int q_lane_off(int lane) { return (lane & 15) * kQS + (lane >> 4) * 8; }
+__device__ __forceinline__ int k_lane_off(int lane) {
+    return ((lane & 7) + (lane >> 4) * 8) * kKS + ((lane >> 3) & 1) * 8;
+}
+__device__ __forceinline__ int v_lane_off(int lane) {
+    return ((lane & 7) + ((lane >> 3) & 1) * 8) * kVS + (lane >> 4) * 8;
+}
+// qa: the lane's address in the warp's Q rows
+__device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], saddr_t qa, int mt, int kk) {
+    ldsm_x4(a, qa + (mt * 16 * kQS + kk * 16) * kElem);
+}
+// ka: the lane's address in this stage's K tile
 template <class QFrag>
-__device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const QFrag& qfrag, const elem_t* Kt,
-                                          int lane) {
+__device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const QFrag& qfrag, saddr_t ka) {
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
         uint32_t a[kMT][4];
@@ -320,7 +354,7 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const QFrag& 
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {  // two n8 tiles per ldmatrix.x4
             uint32_t bb[4];
-            ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * kKS + kk * 16 + ((lane >> 3) & 1) * 8);
+            ldsm_x4(bb, ka + (np * 16 * kKS + kk * 16) * kElem);
             const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
@@ -376,8 +410,9 @@ __device__ __forceinline__ uint32_t pack_p(float lo, float hi) {
     return pack2<elem_t>(lo, hi);
 #endif
 }
+// va: the lane's address in this stage's V tile
 __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float (&p)[kMT][kNT][4],
-                                           const elem_t* Vt, int lane) {
+                                           saddr_t va) {
 #pragma unroll
     for (int kc = 0; kc < kBc / 16; ++kc) {  // P's n8 tiles 2kc, 2kc + 1 form the A operand
         uint32_t a[kMT][4];
@@ -391,7 +426,7 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 #pragma unroll
         for (int np = 0; np < kOT / 2; ++np) {
             uint32_t bb[4];
-            ldmatrix_x4_trans(bb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kVS + np * 16 + (lane >> 4) * 8);
+            ldsm_x4_trans(bb, va + (kc * 16 * kVS + np * 16) * kElem);
             const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
@@ -679,6 +714,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const elem_t* Qw = Qs + row0 * kQS;
 #if !CUFLASH_TF32
     uint32_t qreg[kQInRegs ? kMT : 1][kQInRegs ? kD / 16 : 1][4];
+    // the lane's ldmatrix addresses: Q_w, and K / V of stage 0 (stage 1 is a tile further on)
+    const saddr_t qa = saddr_of(Qw + q_lane_off(lane));
+    const saddr_t ka0 = saddr_of(Ks + k_lane_off(lane)), va0 = saddr_of(Vs + v_lane_off(lane));
 #endif
 
     for (int j = j0; j < n_kv; ++j) {
@@ -693,8 +731,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
             TileCopy<kBc, kDv, kVS>(tid, v_sr).issue(Vs + (stage ^ 1) * kBc * kVS, Vb + k1 * v_sr, min(kBc, Nk - k1));
         }
         cp_async_commit();  // (possibly empty) group of tile j + 1
-        const elem_t* Kt = Ks + stage * kBc * kKS;
-        const elem_t* Vt = Vs + stage * kBc * kVS;
+#if CUFLASH_TF32
+        const float* Kt = Ks + stage * kBc * kKS;
+        const float* Vt = Vs + stage * kBc * kVS;
+#else
+        const saddr_t ka = ka0 + stage * (kBc * kKS * kElem), va = va0 + stage * (kBc * kVS * kElem);
+#endif
 
         // -- S = Q_w K_j^T (raw logits)
         float s[kMT][kNT][4];
@@ -710,16 +752,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #pragma unroll
                 for (int mt = 0; mt < (kQInRegs ? kMT : 0); ++mt)
 #pragma unroll
-                    for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(qreg[mt][kk], Qw, mt, kk, lane);
+                    for (int kk = 0; kk < kD / 16; ++kk) load_q_frag(qreg[mt][kk], qa, mt, kk);
             }
             compute_s(s, [&](uint32_t (&a)[4], int mt, int kk) {
                 a[0] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][0];
                 a[1] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][1];
                 a[2] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][2];
                 a[3] = qreg[kQInRegs ? mt : 0][kQInRegs ? kk : 0][3];
-            }, Kt, lane);
+            }, ka);
         } else {
-            compute_s(s, [&](uint32_t (&a)[4], int mt, int kk) { load_q_frag(a, Qw, mt, kk, lane); }, Kt, lane);
+            compute_s(s, [&](uint32_t (&a)[4], int mt, int kk) { load_q_frag(a, qa, mt, kk); }, ka);
         }
 #endif
 
@@ -764,9 +806,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
-                float x = -INFINITY;
+                float x = nan_max(s[mt][0][2 * rr], s[mt][0][2 * rr + 1]);  // (no max with -inf)
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) x = nan_max(x, nan_max(s[mt][nt][2 * rr], s[mt][nt][2 * rr + 1]));
+                for (int nt = 1; nt < kNT; ++nt) x = nan_max(x, nan_max(s[mt][nt][2 * rr], s[mt][nt][2 * rr + 1]));
                 x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
                 x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
                 mx[mt][rr] = x;
@@ -812,7 +854,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #if CUFLASH_TF32
         compute_pv(o, s, Vt, g, t, hi_mask);
 #else
-        compute_pv(o, s, Vt, lane);
+        compute_pv(o, s, va);
 #endif
     }
     cp_async_wait<0>();  // no copy outlives the block (only Q_i is pending when n_kv == 0)
