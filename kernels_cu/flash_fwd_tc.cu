@@ -125,6 +125,17 @@ constexpr int kNT = kBc / 8;          // n8 tiles of S
 constexpr int kOT = kDv / 8;          // n8 tiles of O
 constexpr int kElem = (int)sizeof(elem_t);
 constexpr int kChunk = 16 / kElem;    // elements per 16-byte cp.async
+// The row sums l of the float16/bfloat16 kernel without logit features come from the tensor
+// core: P (as rounded for P V) times an n8 tile of ones, one MMA per m16 tile and 16 keys in
+// place of a FADD per logit, and whole (every column of the product is the row sum: no quad
+// shuffles at the end).  It sums the very P that O sums, so O / l is a weighted mean of V's
+// rows.  float32 (P split for 3xTF32) and the masked kernel (dropout zeroes P after the sum,
+// and lse is the undropped softmax's) add the float32 P, a FADD per logit.
+#if !CUFLASH_TF32 && !defined(CUFLASH_MASKS)
+#define CUFLASH_SUM_BY_MMA 1
+#else
+#define CUFLASH_SUM_BY_MMA 0
+#endif
 #if CUFLASH_TF32
 constexpr int kQS = kD + (kD % 32 == 0 ? 16 : 0);
 constexpr int kKS = kQS;
@@ -410,9 +421,14 @@ __device__ __forceinline__ uint32_t pack_p(float lo, float hi) {
     return pack2<elem_t>(lo, hi);
 #endif
 }
-// va: the lane's address in this stage's V tile
-__device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float (&p)[kMT][kNT][4],
-                                           saddr_t va) {
+#ifdef CUFLASH_DTYPE_BF16
+constexpr uint32_t kOnes2 = 0x3F803F80u;  // two bfloat16 1.0
+#else
+constexpr uint32_t kOnes2 = 0x3C003C00u;  // two float16 1.0
+#endif
+// va: the lane's address in this stage's V tile; ls: the row sums (CUFLASH_SUM_BY_MMA)
+__device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], float (&ls)[kMT][4],
+                                           const float (&p)[kMT][kNT][4], saddr_t va) {
 #pragma unroll
     for (int kc = 0; kc < kBc / 16; ++kc) {  // P's n8 tiles 2kc, 2kc + 1 form the A operand
         uint32_t a[kMT][4];
@@ -422,6 +438,11 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
             a[mt][1] = pack_p(p[mt][2 * kc][2], p[mt][2 * kc][3]);
             a[mt][2] = pack_p(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
             a[mt][3] = pack_p(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
+        }
+        if (CUFLASH_SUM_BY_MMA) {
+            const uint32_t ones[2] = {kOnes2, kOnes2};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma_m16n8k16<elem_t>(ls[mt], a[mt], ones, ls[mt]);
         }
 #pragma unroll
         for (int np = 0; np < kOT / 2; ++np) {
@@ -700,14 +721,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     cp_async_commit();
 
     // per row: the reference max m (raw logits) and mc = m * c (0 while m = -inf), and the
-    // lane's partial row sum l (the quad's four are added at the end)
-    float m_i[kMT][2], mc_i[kMT][2], l_i[kMT][2];
+    // row sum: the lane's partial sum l_i (the quad's four are added at the end), or with
+    // CUFLASH_SUM_BY_MMA the MMA accumulator ls (rows g: [0], [1]; g + 8: [2], [3])
+    float m_i[kMT][2], mc_i[kMT][2], l_i[kMT][2], ls[kMT][4];
     float o[kMT][kOT][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
         m_i[mt][0] = m_i[mt][1] = -INFINITY;
         mc_i[mt][0] = mc_i[mt][1] = 0.0f;
         l_i[mt][0] = l_i[mt][1] = 0.0f;
+        ls[mt][0] = ls[mt][1] = ls[mt][2] = ls[mt][3] = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kOT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
     }
@@ -829,6 +852,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                     m_i[mt][rr] = m_new;
                     mc_i[mt][rr] = mc_new;
                     l_i[mt][rr] *= alpha[rr];
+                    ls[mt][2 * rr] *= alpha[rr];
+                    ls[mt][2 * rr + 1] *= alpha[rr];
                 }
 #pragma unroll
                 for (int nt = 0; nt < kOT; ++nt) {
@@ -844,7 +869,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     s[mt][nt][e] = cuflash_exp2(fmaf(s[mt][nt][e], c, -mc_i[mt][e >> 1]));
-                    l_i[mt][e >> 1] += s[mt][nt][e];
+                    if (!CUFLASH_SUM_BY_MMA) l_i[mt][e >> 1] += s[mt][nt][e];
                 }
 #ifdef CUFLASH_MASKS
         if (drop.on) tc_dropout(s, drop, b + p.mask_drop_b0, h, q0 + row0, k0, g, t);
@@ -854,7 +879,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #if CUFLASH_TF32
         compute_pv(o, s, Vt, g, t, hi_mask);
 #else
-        compute_pv(o, s, va);
+        compute_pv(o, ls, s, va);
 #endif
     }
     cp_async_wait<0>();  // no copy outlives the block (only Q_i is pending when n_kv == 0)
@@ -866,9 +891,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-            float l = l_i[mt][rr];  // the quad's partial sums -> the row sum
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            float l = ls[mt][2 * rr];  // (CUFLASH_SUM_BY_MMA: the row sum)
+            if (!CUFLASH_SUM_BY_MMA) {  // the quad's partial sums -> the row sum
+                l = l_i[mt][rr];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+            }
             const int row = row0 + mt * 16 + g + 8 * rr;
             if (row < rows_q) {
                 const int i = q0 + row;
