@@ -130,9 +130,11 @@ constexpr int kChunk = 16 / kElem;    // elements per 16-byte cp.async
 // place of a FADD per logit, and whole (every column of the product is the row sum: no quad
 // shuffles at the end).  It sums the very P that O sums, so O / l is a weighted mean of V's
 // rows.  float32 (P split for 3xTF32) and the masked kernel (dropout zeroes P after the sum,
-// and lse is the undropped softmax's) add the float32 P, a FADD per logit.
+// and lse is the undropped softmax's) add the float32 P, a FADD per logit; so do the plans
+// whose 4 more accumulators per m16 tile made ptxas spill (12 B at 255 registers): dv = 96
+// with 64-key tiles and 32 rows per warp (bench/plan_sweep.py found no other).
 #if !CUFLASH_TF32 && !defined(CUFLASH_MASKS)
-#define CUFLASH_SUM_BY_MMA 1
+#define CUFLASH_SUM_BY_MMA (!(kDv == 96 && kBc == 64 && kRowsW == 32))
 #else
 #define CUFLASH_SUM_BY_MMA 0
 #endif
