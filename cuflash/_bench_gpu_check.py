@@ -23,8 +23,8 @@ import math
 
 import numpy as np
 
-__all__ = ["GRAD_NAMES", "LOW_PRECISION", "REL_TOL", "np_dtype", "eps_of", "attention",
-           "judge"]
+__all__ = ["GRAD_NAMES", "LOW_PRECISION", "REL_TOL", "np_dtype", "eps_of", "precision",
+           "attention", "judge"]
 
 GRAD_NAMES = ("dq", "dk", "dv")
 LOW_PRECISION = ("float16", "bfloat16")
@@ -53,6 +53,15 @@ def _t(x):
     return np.swapaxes(x, -1, -2)
 
 
+def precision(low):
+    """(float type, rounding) of an oracle: float64 and none (``low`` None), or float32 with
+    every intermediate rounded to the dtype ``low`` (the low-precision baseline)."""
+    if low is None:
+        return np.float64, (lambda x: x)
+    lowdt = np_dtype(low)
+    return np.float32, (lambda x: x.astype(lowdt).astype(np.float32))
+
+
 def attention(q, k, v, causal, do=None, low=None):
     """Plain attention over ``(B, H, N, d)`` host arrays, and with ``do`` its gradients.
 
@@ -75,13 +84,7 @@ def attention(q, k, v, causal, do=None, low=None):
     dict
         ``{"o": ...}`` and, with ``do``, ``"dq"``, ``"dk"``, ``"dv"``.
     """
-    if low is None:
-        ft, rnd = np.float64, (lambda x: x)
-    else:
-        ft, lowdt = np.float32, np_dtype(low)
-
-        def rnd(x):
-            return x.astype(lowdt).astype(np.float32)
+    ft, rnd = precision(low)
     q, k, v = (np.asarray(a).astype(ft) for a in (q, k, v))
     B, H, Nq, d = q.shape
     Hk, Nk = k.shape[-3], k.shape[-2]

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, judge, np_dtype
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, judge, precision
 from ._bench_gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set,
                                  reason_of, record_warnings, to_host64)
 
@@ -110,13 +110,7 @@ def feature_attention(q, k, v, do, kw, low=None):
     """Attention with the logit features of ``kw`` over (B, H, N, d) host arrays, in float64
     (``low`` None: the oracle) or in float32 with every intermediate rounded to ``low`` (the
     low-precision baseline); with ``do`` also dq, dk, dv and, with ``return_dbias``, dbias."""
-    if low is None:
-        ft, rnd = np.float64, (lambda x: x)
-    else:
-        ft, lowdt = np.float32, np_dtype(low)
-
-        def rnd(x):
-            return x.astype(lowdt).astype(np.float32)
+    ft, rnd = precision(low)
     q, k, v = (np.asarray(a).astype(ft) for a in (q, k, v))
     B, H, Nq, d = q.shape
     Nk = k.shape[-2]
