@@ -334,12 +334,13 @@ def plan_key(family, plan, arch):
     return f"{family} {plan.dtype} d={plan.kd} dv={plan.kdv} {plan.block_q}x{plan.block_kv} sm_{arch}"
 
 
-def compile_family_plan(family, plan, arch, kdir=None):
+def compile_family_plan(family, plan, arch, kdir=None, more=None):
     """NVRTC's CompileResult of one plan of ``family`` for ``sm_{arch}`` (ptxas -v log),
-    from ``kdir`` (a kernels_cu directory; default this one's)."""
+    from ``kdir`` (a kernels_cu directory; default this one's), with the defines ``more``
+    ({name: value or None}) added."""
     kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
     fname, extra = FAMILIES[family][0], FAMILIES[family][5]
-    defines = dict(kernels.plan_defines(plan), **extra)
+    defines = dict(kernels.plan_defines(plan), **extra, **(more or {}))
     opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{kdir}",
             *[o for o in kernels.build_options(defines) if not o.startswith("-I")])
     return _nvrtc.compile((kdir / fname).read_text(), fname, opts)

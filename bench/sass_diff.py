@@ -9,6 +9,9 @@ Usage::
 
     python bench/sass_diff.py --rev HEAD~1 --family flash_fwd --dtype float32 --d 64 \\
         --tiles 64 32 --arch 90
+    # the tensor-core forward's steady-state tile only (bench/results/tc_kernels_counts.md)
+    python bench/sass_diff.py --rev HEAD~1 --family flash_fwd_tc --dtype float16 --d 128 \\
+        --arch 80 --define CUFLASH_FWD_INTERIOR_ONLY=1
 """
 import argparse
 import sys
@@ -37,7 +40,10 @@ def main(argv=None):
     ap.add_argument("--dv", type=int)
     ap.add_argument("--tiles", type=int, nargs=2, metavar=("BQ", "BKV"))
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="an extra -D for both compiles (repeatable)")
     args = ap.parse_args(argv)
+    more = dict((d.split("=", 1) + [None])[:2] for d in args.define)
     kernel = ps.FAMILIES[args.family][1]
     checked = ps.FAMILIES[args.family][2][0]
     bq, bkv = args.tiles or (None, None)
@@ -46,8 +52,8 @@ def main(argv=None):
     print(plan.describe())
     with tempfile.TemporaryDirectory() as tmp:
         old = counts(ps.compile_family_plan(args.family, plan, args.arch,
-                                            export_kernels(args.rev, tmp)), checked)
-    new = counts(ps.compile_family_plan(args.family, plan, args.arch), checked)
+                                            export_kernels(args.rev, tmp), more), checked)
+    new = counts(ps.compile_family_plan(args.family, plan, args.arch, more=more), checked)
     print(f"{checked} sm_{args.arch}: registers {old[0]['registers']} -> {new[0]['registers']}, "
           f"spills {old[0]['spill_stores']} -> {new[0]['spill_stores']} B")
     print(f"{'class':12s} {'kernel ' + args.rev:>16s} {'kernel now':>12s} {'loop ' + args.rev:>14s} "
