@@ -47,7 +47,7 @@ import tempfile
 import time
 
 from ._bench_gpu_features import window_sizes
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, judge
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, failure_reason, judge
 from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, first_call,
                                  input_sets_needed, make_methods, make_set, measure, reason_of,
                                  record_warnings, to_host64)
@@ -305,9 +305,7 @@ class Bench:
                                           ref, base, dtype)
                 rec["status"] = "passed" if ok else "failed"
                 if not ok:
-                    rec["reason"] = "correctness check failed (" + "; ".join(
-                        f"{k}: {_err_text(e)}" for k, e in rec["errors"].items()
-                        if not e["passed"]) + f") on {what}"
+                    rec["reason"] = failure_reason(rec["errors"], what)
             except LookupError:
                 rec["reason"] = why
             except Exception as e:  # the library's refusal or failure, reported, not hidden
@@ -340,7 +338,7 @@ class Bench:
             label = (f"{section} {dtype} d={d} {'causal' if causal else 'non-causal'} {mode} "
                      f"B={B} H={H}{f'/{Hk}' if Hk != H else ''} Nq={Nq} Nk={Nk}")
             for m in self.methods:
-                e = self._time_method(m, mode, sets, verdicts[m.name])
+                e = self.time_method(m, mode, sets, verdicts[m.name])
                 e["tflops"] = case["flops"] / (e["ms"] * 1e-3) / 1e12 if "ms" in e else None
                 case["methods"][m.name] = e
                 self.log(f"{label}: {m.name}: " + (
@@ -352,7 +350,8 @@ class Bench:
         sets = x0 = None
         self.device.release()
 
-    def _time_method(self, m, mode, sets, verdict):
+    def time_method(self, m, mode, sets, verdict):
+        """Median time of method ``m`` in ``mode`` over ``sets`` (its check ``verdict`` first)."""
         a = self.args
         if verdict["status"] != "passed":
             return {"status": "failed check" if verdict["status"] == "failed" else "n/a",
@@ -430,13 +429,6 @@ class Bench:
                                                        if e["status"] == "ok" else e["reason"]))
             out.append(e)
         return out
-
-
-def _err_text(e):
-    if "why" in e and "max_abs_err" not in e:
-        return e["why"]
-    return (f"max|err| {e['max_abs_err']:.3g} > bound {e['bound']:.3g}" if "baseline_max_abs_err"
-            in e else f"rel_err {e['rel_err']:.3g} > {e['bound']:.3g}")
 
 
 def _ratios(case):

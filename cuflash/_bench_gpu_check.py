@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 __all__ = ["GRAD_NAMES", "LOW_PRECISION", "REL_TOL", "np_dtype", "eps_of", "precision",
-           "attention", "judge"]
+           "attention", "judge", "err_text", "failure_reason"]
 
 GRAD_NAMES = ("dq", "dk", "dv")
 LOW_PRECISION = ("float16", "bfloat16")
@@ -147,3 +147,17 @@ def judge(outs, ref, base, dtype):
         ok = ok and passed
         records[name] = rec
     return ok, records
+
+
+def err_text(e):
+    """One judged output's failure in words (``e``: a record of :func:`judge`)."""
+    if "why" in e and "max_abs_err" not in e:
+        return e["why"]
+    return (f"max|err| {e['max_abs_err']:.3g} > bound {e['bound']:.3g}" if "baseline_max_abs_err"
+            in e else f"rel_err {e['rel_err']:.3g} > {e['bound']:.3g}")
+
+
+def failure_reason(errors, what):
+    """The footnote of a failed check: every failing output of ``errors`` (judge's records)."""
+    return "correctness check failed (" + "; ".join(
+        f"{k}: {err_text(e)}" for k, e in errors.items() if not e["passed"]) + f") on {what}"

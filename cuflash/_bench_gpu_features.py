@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, judge, precision
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, failure_reason, judge, precision
 from ._bench_gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set,
                                  reason_of, record_warnings, to_host64)
 
@@ -211,10 +211,7 @@ def _check(bench, dtype, d, name, grad):
                                   dtype)
         rec["status"] = "passed" if ok else "failed"
         if not ok:
-            from ._bench_gpu import _err_text
-            rec["reason"] = "correctness check failed (" + "; ".join(
-                f"{k}: {_err_text(e)}" for k, e in rec["errors"].items() if not e["passed"]) + \
-                f") on {what}"
+            rec["reason"] = failure_reason(rec["errors"], what)
     except Exception as e:  # the library's refusal or failure, reported, not hidden
         rec["reason"] = reason_of(e, caught)
     bench.log(f"  {m.name} {name}: {rec['status']}" + (f" ({rec['reason']})"
@@ -254,7 +251,7 @@ def run_features(bench):
                         verdicts[key] = _check(bench, dtype, d, key[2], grad)
                     kw = feature_kwargs(key[2], False, dev.xp, B, H, N, dtype, window=w)
                     m = CuflashFeature(a.backend, key[2], kw)
-                    e = bench._time_method(m, mode, sets, verdicts[key])
+                    e = bench.time_method(m, mode, sets, verdicts[key])
                     kw = None
                     frac = visible_fraction(N, N, w if w is not None else N // 8) \
                         if name.startswith("window") else 1.0

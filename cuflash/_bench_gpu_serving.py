@@ -32,8 +32,9 @@ repeats), and a method that cannot run says why once, in a footnote.
 """
 import numpy as np
 
-from ._bench_gpu import DECODE, _err_text, flops
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, judge, np_dtype
+from ._bench_gpu import DECODE, flops
+from ._bench_gpu_check import (GRAD_NAMES, LOW_PRECISION, attention, failure_reason, judge,
+                                np_dtype)
 from ._bench_gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set, measure,
                                  reason_of, record_warnings, to_host64)
 from ._bench_gpu_serving_methods import (CuflashVarlen, FlashAttnVarlen, KVProblem, kv_arrays,
@@ -147,9 +148,7 @@ class Serving:
                 ok, rec["errors"] = judged(rec.pop("outs"))
                 rec["status"] = "passed" if ok else "failed"
                 if not ok:
-                    rec["reason"] = "correctness check failed (" + "; ".join(
-                        f"{k}: {_err_text(e)}" for k, e in rec["errors"].items()
-                        if not e["passed"]) + f") on {_kind_text(kind)}"
+                    rec["reason"] = failure_reason(rec["errors"], _kind_text(kind))
             except LookupError as e:
                 rec["reason"] = str(e)
             except Exception as e:  # the library's refusal or failure, reported, not hidden
