@@ -152,9 +152,17 @@ def backward_tf32(tmp, d):
 
     def only(cap=False, bias=False, alibi=False, db=0, drop=False):
         b = lambda x: "true" if x else "false"  # noqa: E731
+        # an interior tile, the bias and dbias with contiguous keys (their row-pointer loops
+        # where the call has no softcap)
         edits = interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
                                         f"            const bool has_alibi = {b(alibi)};\n"),
-                            (fn, "const int db_mode = p.mask_dbias;", f"const int db_mode = {db};")]
+                            (fn, "const bool tile_in = kv_rows == kBc && rows_q == kBr;",
+                             "const bool tile_in = true;"),
+                            (fn, "tile_in && p.mask_bias_sc == 1;", "tile_in;"),
+                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1;",
+                             f"{db} != 0 && !has_cap && tile_in;"),
+                            (fn, "dbias_rows ? 0 : p.mask_dbias;", f"dbias_rows ? 0 : {db};"),
+                            (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);")]
         if not drop:
             edits += [(fn, "        if (drop.on) {\n", "        if (false) {\n"),
                       (fn, "const float dpv = drop.on ?", "const float dpv = false ?")]

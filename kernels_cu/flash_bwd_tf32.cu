@@ -358,13 +358,40 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
             const bool has_alibi = p.mask_has_alibi != 0;
             const bool xform = has_cap || has_bias || has_alibi;
+            // Without softcap (whose tanh the element loop needs twice) and on a tile inside
+            // [0, Nq) x [0, Nk) with contiguous keys, the bias and dbias take loops of their
+            // own around the element loop: a row pointer per query (64-bit adds), every key at
+            // a constant offset -- per element the load or store and one FFMA, where the
+            // element loop's general path pays a 64-bit address per element
+            // (bench/results/feature_counts.md).
+            const bool tile_in = kv_rows == kBc && rows_q == kBr;
+            const bool bias_rows = has_bias && !has_cap && tile_in && p.mask_bias_sc == 1;
+            const bool dbias_rows = p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1;
+            if (bias_rows) {  // S^T -> scale S^T + bias
+                const float* row = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh +
+                                   (long long)(q0 + 2 * t) * p.mask_bias_sr + key0 + g;
+#pragma unroll
+                for (int nq = 0; nq < kNQ; ++nq) {
+                    const float* row1 = row + p.mask_bias_sr;
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        st[nq][2 * hh] = fmaf(st[nq][2 * hh], scale, gload(row + 8 * hh));
+                        st[nq][2 * hh + 1] = fmaf(st[nq][2 * hh + 1], scale, gload(row1 + 8 * hh));
+                    }
+                    row += 8 * p.mask_bias_sr;
+                }
+            }
             const float ce = xform ? 1.4426950408889634f : c;
             const float cap = (float)p.mask_softcap;
             const float inv_cap = has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
             const float ns = has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
+            // ALiBi's distance q + off - key in float: this lane's base (query q0 + 2t, key
+            // key0 + g) plus each element's constant -- an FADD, not an I2F, per element
+            // (exact while |q + off - key| < 2^24)
+            const float alibi_base = (float)(q0 + 2 * t + p.mask_offset - key0 - g);
             const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
             float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
-            const int db_mode = p.mask_dbias;
+            const int db_mode = dbias_rows ? 0 : p.mask_dbias;  // (the element loop's dbias)
             // the lane's two keys' offsets once per step, a row pointer per query: per element
             // one 64-bit add (bias keys clamped to Nk - 1, rows to Nq - 1: in-bounds reads)
             const long long bk0 = (long long)min(key0 + g, Nk - 1) * p.mask_bias_sc;
@@ -388,11 +415,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     if (has_cap) {
                         th = tanhf(sv * scale * inv_cap);
                         sv = cap * th;
-                    } else if (xform) {
+                    } else if (xform && !bias_rows) {
                         sv *= scale;
                     }
-                    if (has_bias) sv += gload(brow[e & 1] + ((e >> 1) ? bk8 : bk0));
-                    if (has_alibi) sv += ns * fabsf((float)(q + p.mask_offset - key));
+                    if (has_bias && !bias_rows) sv += gload(brow[e & 1] + ((e >> 1) ? bk8 : bk0));
+                    if (has_alibi) sv += ns * fabsf(alibi_base + (float)(nq * 8 + (e & 1) - 8 * (e >> 1)));
                     float x = sv * ce - l2[e & 1];
                     if (need_mask && (key >= Nk || q >= Nq || key - q < band.lo_off || key - q >= band.hi_off))
                         x = -INFINITY;
@@ -409,6 +436,29 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     st[nq][e] = kept ? pv : 0.0f;
                     dpt[nq][e] = ds;
                 }
+            }
+            if (dbias_rows) {  // dbias = dS^T (no softcap here), stored or, broadcast, added
+                auto dbias_loop = [&](bool atomic) {  // (inlined with a constant argument)
+                    float* row = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh +
+                                 (long long)(q0 + 2 * t) * p.mask_dbias_sr + key0 + g;
+#pragma unroll
+                    for (int nq = 0; nq < kNQ; ++nq) {
+                        float* row1 = row + p.mask_dbias_sr;
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            if (atomic) {
+                                gatomic_add(row + 8 * hh, dpt[nq][2 * hh]);
+                                gatomic_add(row1 + 8 * hh, dpt[nq][2 * hh + 1]);
+                            } else {
+                                gstore(row + 8 * hh, dpt[nq][2 * hh]);
+                                gstore(row1 + 8 * hh, dpt[nq][2 * hh + 1]);
+                            }
+                        }
+                        row += 8 * p.mask_dbias_sr;
+                    }
+                };
+                if (p.mask_dbias == 1) dbias_loop(false);
+                else dbias_loop(true);
             }
         }
 #else

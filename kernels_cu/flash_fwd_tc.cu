@@ -469,6 +469,7 @@ struct TcFeatures {
     long long bias_sr, bias_sc;
     float neg_slope;         // -ALiBi slope (has_alibi)
     float cap, inv_cap;      // softcap
+    float cap_m2;            // -2 cap (tc_softcap's FFMA)
     float cap_k;             // 2 log2(e) scale / softcap (cuflash_tanh_exp2's argument factor)
     float scale;
     int moff;                // Nk - Nq: the window's and ALiBi's alignment
@@ -477,14 +478,15 @@ struct TcFeatures {
     bool xform;              // any logit term: the tile's logits are transformed
 };
 
-// softcap: raw logit x -> cap tanh(scale x / cap).  float16 / bfloat16: 1 - 2 / (1 + 2^y)
-// (fast_math.cuh, error ~3e-7 cap, under the 16-bit rounding of P); float32 (3xTF32) keeps
-// tanhf, held to float32 accuracy.
+// softcap: raw logit x -> cap tanh(scale x / cap).  float16 / bfloat16: tanh = 1 - 2 r with
+// r = 1 / (1 + 2^y) (fast_math.cuh, error ~3e-7 cap, under the 16-bit rounding of P), and
+// cap (1 - 2 r) as the one FFMA cap - 2 cap r (cap_m2 = -2 cap); float32 (3xTF32) keeps tanhf,
+// held to float32 accuracy.
 __device__ __forceinline__ float tc_softcap(float x, const TcFeatures& f) {
 #if CUFLASH_TF32
     return f.cap * tanhf(x * f.scale * f.inv_cap);
 #else
-    return f.cap * cuflash_tanh_exp2(x * f.cap_k);
+    return fmaf(cuflash_tanh_rcp(x * f.cap_k), f.cap_m2, f.cap);
 #endif
 }
 
@@ -521,6 +523,7 @@ __device__ __forceinline__ TcFeatures tc_features_of(const FwdParams& p, const f
     f.neg_slope = neg_slope;
     f.cap = (float)p.mask_softcap;
     f.inv_cap = f.has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
+    f.cap_m2 = -2.0f * f.cap;
     f.cap_k = f.has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
     f.scale = (float)p.scale;
     f.moff = p.mask_offset;

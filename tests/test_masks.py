@@ -294,8 +294,10 @@ def test_tensor_core_backward_with_features(kernel_backend, case, rng):
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
 # and Q tiles: dbias stored (a full bias) and added (broadcast), GQA, Nq > Nk with a band that
-# skips Q tiles on both sides, dropout with softcap and ALiBi (causal).  (q shape, k shape,
-# causal, features, block_q, block_kv)
+# skips Q tiles on both sides, dropout with softcap and ALiBi (causal); without softcap, the
+# tiles inside [0, Nq) x [0, Nk) take the bias and dbias by row pointers (a full bias with
+# ALiBi, stored; a key-padding bias, added), the edge tiles the general path.  (q shape,
+# k shape, causal, features, block_q, block_kv)
 TF32_BWD_CASES = [
     ((2, 4, 64, 32), (2, 2, 80, 32), "bottom_right",
      dict(window=(20, 5), bias=(2, 4, 64, 80), alibi_slopes=(4,), softcap=4.0, dropout_p=0.2),
@@ -303,6 +305,8 @@ TF32_BWD_CASES = [
     ((1, 2, 90, 64), (1, 2, 50, 64), False, dict(bias=(2, 1, 50), window=(12, 6)), 32, 32),
     ((2, 2, 45, 32), (2, 1, 70, 32), "top_left",
      dict(dropout_p=0.35, alibi_slopes=(2, 2), softcap=2.0), 16, 64),
+    ((2, 2, 70, 32), (2, 2, 96, 32), False, dict(bias=(2, 2, 70, 96), alibi_slopes=(2,)), 32, 32),
+    ((1, 2, 40, 32), (1, 2, 70, 32), "bottom_right", dict(bias=(1, 1, 1, 70), dropout_p=0.25), 16, 32),
 ]
 
 
