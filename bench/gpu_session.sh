@@ -9,6 +9,9 @@
 #                                        # flash (FA2), float32 fwd and fwd+bwd against efficient
 #   bash bench/gpu_session.sh features   # issue 13: each logit feature against the plain call,
 #                                        # windows (bench --sections features)
+#   bash bench/gpu_session.sh tiles      # issue 9: every accepted block_q x block_kv of the
+#                                        # forward's and backward's kernels against the default
+#                                        # (float16 and float32, d=64,128, N=4096, non-causal)
 #   bash bench/gpu_session.sh ncu        # Nsight Compute on flash_fwd_tc and flash_bwd_tc
 #                                        # (float16, d=64 and 128, N=4096)
 #   bash bench/gpu_session.sh grid features   # several stages in one call
@@ -78,6 +81,14 @@ stage_features() {
     summary+=("$(grep -E '^\| float16 \|.*\| fwdbwd \|' "$OUT/features.md")")
 }
 
+stage_tiles() {
+    python -m cuflash bench --gpu --sections tiles --dtypes float16,float32 --dims 64,128 \
+        --causal no --modes fwd,bwd --plot "" --json "$OUT/tiles.json" > "$OUT/tiles.md" \
+        2> "$OUT/tiles.log"
+    summary+=("tiles: exit $?")
+    summary+=("$(grep -E '^- fastest, ' "$OUT/tiles.md")")
+}
+
 stage_ncu() {
     cat > "$OUT/ncu_call.py" <<'EOF'
 import sys, cupy as cp, cuflash
@@ -99,11 +110,11 @@ EOF
     done
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 tests|grid|features|ncu ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 tests|grid|features|tiles|ncu ..." >&2; exit 2; }
 for s in "$@"; do
     case "$s" in
-        tests|grid|features|ncu) "stage_$s" ;;
-        *) echo "unknown stage: $s (tests, grid, features, ncu)" >&2; exit 2 ;;
+        tests|grid|features|tiles|ncu) "stage_$s" ;;
+        *) echo "unknown stage: $s (tests, grid, features, tiles, ncu)" >&2; exit 2 ;;
     esac
 done
 echo "== $(head -2 "$OUT/gpu.txt" | tail -1)"

@@ -17,8 +17,11 @@ What it does, in order:
 5. **Logit features**: the plain call against each feature alone (bias,
    dbias, ALiBi, softcap, dropout, a sliding window) and a table of window
    widths (``cuflash/_bench_gpu_features.py``, whose docstring describes it).
-6. **Host time per call** of a tiny problem, 200 calls without synchronising.
-``--sections`` picks among them (default: all).
+6. **Tiles** (only when named): every block_q x block_kv pair that the
+   forward's and the backward's kernel accept, timed against the default
+   (``cuflash/_bench_gpu_tiles.py``).
+7. **Host time per call** of a tiny problem, 200 calls without synchronising.
+``--sections`` picks among them (default: all but tiles).
 
 Methods: cuflash tiled (the FlashAttention kernels), cuflash standard (plain
 CuPy; the NumPy reference on the emulator), and when torch can run them
@@ -47,16 +50,19 @@ import tempfile
 import time
 
 from ._bench_gpu_features import window_sizes
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention, failure_reason, judge
-from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, first_call,
+from ._bench_gpu_tiles import parse_pairs
+from ._bench_gpu_check import LOW_PRECISION, attention
+from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, check_method,
                                  input_sets_needed, make_methods, make_set, measure, reason_of,
-                                 record_warnings, to_host64)
+                                 record_warnings)
 from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
 
 __all__ = ["main", "build_parser", "run", "flops"]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-SECTIONS = ("grid", "decode", "kvcache", "varlen", "features", "host")
+SECTIONS = ("grid", "decode", "kvcache", "varlen", "features", "tiles", "host")
+# tiles compiles, checks and times every accepted tile pair: asked for by name
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "tiles")
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
@@ -66,11 +72,12 @@ DEFAULTS = {
                  hidden=2048, reps=5, warmup=3, decode_nk=[1024, 4096, 8192, 16384, 65536],
                  decode_dim=128, host_calls=200, check_n=257, kv_nq=[1, 4],
                  kv_page_sizes=[16, 256], varlen_mean=[512, 2048], target_ms=50.0,
-                 feature_n=4096),
+                 feature_n=4096, tiles_n=4096),
     # warm-up 0 on the emulator: the (untimed) first call is its warm-up
     "emulator": dict(dims=[16, 32], seqlens=[32, 64], tokens=64, hidden=32, reps=2, warmup=0,
                      decode_nk=[32, 128], decode_dim=16, host_calls=3, check_n=33, kv_nq=[1, 4],
-                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0, feature_n=32),
+                     kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0, feature_n=32,
+                     tiles_n=32),
 }
 # decode configurations (B, H, Hk) of the decode and KV-cache sections: MHA at batch 1 and 8,
 # GQA with 4 query heads per kv head (FlashAttention-2 on an H100: 0.36 ms for B1 H32 Nk=65536,
@@ -83,7 +90,7 @@ MIN_REPS_CUDA = 5
 
 
 # the cuflash method that must run in some case of these sections, else the run failed
-MAIN_METHOD = {"cuflash tiled": ("grid", "decode", "features"), "cuflash kvcache": ("kvcache",),
+MAIN_METHOD = {"cuflash tiled": ("grid", "decode", "features", "tiles"), "cuflash kvcache": ("kvcache",),
                "cuflash varlen": ("varlen",)}
 
 
@@ -126,11 +133,13 @@ def build_parser(prog=None):
         "kernel cache, 25 s with a full one)."))
     p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda",
                    help="where cuflash runs (default: %(default)s)")
-    p.add_argument("--sections", type=choice_list(SECTIONS), default=list(SECTIONS),
+    p.add_argument("--sections", type=choice_list(SECTIONS), default=list(DEFAULT_SECTIONS),
                    help="comma-separated, of grid (FlashAttention-2's grid), decode (Nq = 1), "
                    "kvcache (attention_with_kvcache, contiguous and paged), varlen (ragged "
                    "batches), features (each logit feature against the plain call, and window "
-                   "widths), host (host time per call); default: all")
+                   "widths), tiles (every block_q x block_kv the forward's and the backward's "
+                   "kernel accepts, against the default), host (host time per call); default: "
+                   "all but tiles")
     p.add_argument("--dtypes", type=choice_list(DTYPES), default=["float16"],
                    help=f"comma-separated, of {','.join(DTYPES)} (default float16)")
     p.add_argument("--dims", type=int_list,
@@ -178,6 +187,12 @@ def build_parser(prog=None):
     p.add_argument("--feature-windows", type=int_list,
                    help="left widths w of the features section's window table, window=(w, 0) "
                    "(default N/16,N/8,N/4,N/2 of --feature-n)")
+    p.add_argument("--tiles-n", type=positive_int,
+                   help="queries and keys of the tiles section's problem; batch = tokens // N, "
+                   f"heads = hidden // d ({dflt('tiles_n')})")
+    p.add_argument("--tiles-pairs", type=parse_pairs, default=[],
+                   help="comma-separated block_q x block_kv pairs the tiles section times besides "
+                   "the default, e.g. 128x64,64x64 (default: every pair the kernel accepts)")
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
@@ -226,6 +241,12 @@ def finish_args(parser, args):
             if w >= args.feature_n:  # (int_list refuses w < 1)
                 parser.error(f"argument --feature-windows: {w} is not in 1 .. feature-n - 1 "
                              f"({args.feature_n - 1})")
+    if "tiles" in args.sections and args.tiles_n > args.tokens:
+        parser.error(f"argument --tiles-n: {args.tiles_n} exceeds --tokens {args.tokens} "
+                     "(tokens = batch x N)")
+    if "tiles" in args.sections and not set(args.modes) & {"fwd", "bwd"}:
+        parser.error("argument --modes: the tiles section times fwd and bwd (fwdbwd has no "
+                     "tiles of its own); name at least one of them")
     if "varlen" in args.sections:
         for mean in args.varlen_mean:
             if mean > args.tokens:
@@ -288,33 +309,11 @@ class Bench:
                             "decode": decode, "grad": grad},
                    "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
                    "method": m.name, "status": "n/a"}
-            why = m.unavailable(x, self.device, grad)
-            caught = []
-            try:
-                if why:
-                    raise LookupError(why)
-                with record_warnings() as caught, m.context():
-                    t_f, state = first_call(self.device, lambda: m.forward(x, grad))
-                    outs = {"o": m.output(state)}
-                    rec["first_fwd_ms"] = t_f * 1e3
-                    if grad:
-                        t_b, grads = first_call(self.device, lambda: m.backward(x, state))
-                        outs.update(zip(GRAD_NAMES, grads))
-                        rec["first_bwd_ms"] = t_b * 1e3
-                ok, rec["errors"] = judge({k: to_host64(self.device, v) for k, v in outs.items()},
-                                          ref, base, dtype)
-                rec["status"] = "passed" if ok else "failed"
-                if not ok:
-                    rec["reason"] = failure_reason(rec["errors"], what)
-            except LookupError:
-                rec["reason"] = why
-            except Exception as e:  # the library's refusal or failure, reported, not hidden
-                rec["reason"] = reason_of(e, caught)
+            check_method(self.device, m, x, grad, ref, base, dtype, what, rec)
             self.log(f"  {m.name}: {rec['status']}" + (f" ({rec['reason']})"
                                                         if rec.get("reason") else ""))
             self.checks.append(rec)
             out[m.name] = rec
-            state = outs = None
         self.device.release()
         return out
 
@@ -494,6 +493,9 @@ def run(args, log=_log):
     if "features" in sections:
         from ._bench_gpu_features import run_features
         run_features(bench)
+    if "tiles" in sections:
+        from ._bench_gpu_tiles import run_tiles
+        run_tiles(bench)
     res["host_time"] = (bench.host_time(a.dtypes[0])
                         if a.host_calls and "host" in sections else [])
     res["checks"], res["cases"] = bench.checks, bench.cases

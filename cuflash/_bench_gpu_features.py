@@ -36,9 +36,8 @@ import math
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, failure_reason, judge, precision
-from ._bench_gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set,
-                                 reason_of, record_warnings, to_host64)
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, precision
+from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
 __all__ = ["FEATURES", "TARGETS", "CuflashFeature", "feature_attention", "feature_kwargs",
            "meets_target", "visible_fraction", "window_sizes", "run_features", "print_features",
@@ -196,24 +195,8 @@ def _check(bench, dtype, d, name, grad):
                     "causal": False, "group": 1, "decode": False, "grad": grad},
            "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
            "method": m.name, "status": "n/a"}
-    caught = []
-    try:
-        with record_warnings() as caught:
-            t_f, state = first_call(dev, lambda: m.forward(x, grad))
-            outs = {"o": m.output(state)}
-            rec["first_fwd_ms"] = t_f * 1e3
-            if grad:
-                t_b, grads = first_call(dev, lambda: m.backward(x, state))
-                names = GRAD_NAMES + (("dbias",) if hkw.get("return_dbias") else ())
-                outs.update(zip(names, grads))
-                rec["first_bwd_ms"] = t_b * 1e3
-        ok, rec["errors"] = judge({k: to_host64(dev, v) for k, v in outs.items()}, ref, base,
-                                  dtype)
-        rec["status"] = "passed" if ok else "failed"
-        if not ok:
-            rec["reason"] = failure_reason(rec["errors"], what)
-    except Exception as e:  # the library's refusal or failure, reported, not hidden
-        rec["reason"] = reason_of(e, caught)
+    names = GRAD_NAMES + (("dbias",) if hkw.get("return_dbias") else ())
+    check_method(dev, m, x, grad, ref, base, dtype, what, rec, names)
     bench.log(f"  {m.name} {name}: {rec['status']}" + (f" ({rec['reason']})"
                                                       if rec.get("reason") else ""))
     bench.checks.append(rec)

@@ -18,11 +18,11 @@ import warnings
 
 import numpy as np
 
-from ._bench_gpu_check import np_dtype
+from ._bench_gpu_check import GRAD_NAMES, failure_reason, judge, np_dtype
 
 __all__ = ["HostDevice", "CudaDevice", "Torch", "InputSet", "make_set", "make_methods",
            "CuflashTiled", "CuflashStandard", "Sdpa", "SDPA_BACKENDS", "first_call", "measure",
-           "input_sets_needed", "reason_of", "record_warnings", "to_host64"]
+           "input_sets_needed", "reason_of", "record_warnings", "to_host64", "check_method"]
 
 # The order of the table's columns.  SDPA backends as torch.nn.attention.SDPBackend names.
 SDPA_BACKENDS = (("sdpa flash", "FLASH_ATTENTION"), ("sdpa cudnn", "CUDNN_ATTENTION"),
@@ -397,6 +397,37 @@ def record_warnings():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield caught
+
+
+def check_method(device, m, x, grad, ref, base, dtype, what, rec, names=GRAD_NAMES):
+    """Run method ``m`` once on the check set ``x`` (the forward; with ``grad`` the backward
+    too, its outputs named ``names``) and judge the outputs against the float64 ``ref`` and
+    the low-precision baseline ``base`` (cuflash/_bench_gpu_check.py's rule).  Fills ``rec``:
+    ``status`` (passed, failed, or n/a when the method cannot run here or raised), ``errors``,
+    ``reason``, ``first_fwd_ms`` and ``first_bwd_ms`` (first calls: they include any compile);
+    returns it."""
+    why = m.unavailable(x, device, grad)
+    if why:
+        rec["reason"] = why
+        return rec
+    caught = []
+    try:
+        with record_warnings() as caught, m.context():
+            t_f, state = first_call(device, lambda: m.forward(x, grad))
+            outs = {"o": m.output(state)}
+            rec["first_fwd_ms"] = t_f * 1e3
+            if grad:
+                t_b, grads = first_call(device, lambda: m.backward(x, state))
+                outs.update(zip(names, grads))
+                rec["first_bwd_ms"] = t_b * 1e3
+        ok, rec["errors"] = judge({k: to_host64(device, v) for k, v in outs.items()}, ref, base,
+                                  dtype)
+        rec["status"] = "passed" if ok else "failed"
+        if not ok:
+            rec["reason"] = failure_reason(rec["errors"], what)
+    except Exception as e:  # the library's refusal or failure, reported, not hidden
+        rec["reason"] = reason_of(e, caught)
+    return rec
 
 
 # ---------------------------------------------------------------------------

@@ -120,6 +120,7 @@ def print_report(res, file=None):
     first-call times, host time per call and the correctness checks."""
     from ._bench_gpu_features import print_features
     from ._bench_gpu_serving import print_serving
+    from ._bench_gpu_tiles import print_tiles
 
     def say(s=""):
         print(s, file=file, flush=True)
@@ -141,6 +142,7 @@ def print_report(res, file=None):
             say(f"- {n}")
     print_serving(res, say)
     print_features(res, say)
+    print_tiles(res, say)
     if res["footnotes"]:
         say()
         for f in res["footnotes"]:
@@ -155,6 +157,9 @@ def print_report(res, file=None):
 def _kind_text(k):
     if k.get("section") == "features":
         from ._bench_gpu_features import kind_text
+        return kind_text(k)
+    if k.get("section") == "tiles":
+        from ._bench_gpu_tiles import kind_text
         return kind_text(k)
     from ._bench_gpu_serving import _kind_text as text  # knows the serving sections' kinds too
     return text(k)

@@ -86,7 +86,15 @@ def test_plan_and_fallbacks():
     assert tiling.plan_bwd_tf32(64, 64, "float16") is None           # float32 only
     assert tiling.plan_bwd_tf32(16, 16, "float32") is None           # d % 32
     assert tiling.plan_bwd_tf32(256, 256, "float32") is None         # d > 128
-    assert tiling.plan_bwd_tf32(64, 64, "float32", block_kv=16) is None  # tiles it lacks
+    # tiles it lacks at head dims it has: refused, not sent to the SIMT kernel (as the forward
+    # and flash_bwd_tc refuse theirs), with the pairs it takes
+    with pytest.raises(ValueError, match=r"block_kv=16 with d=64, dv=64, float32: the "
+                       r"tensor-core kernel flash_bwd_tf32 does not take these tiles .* pairs "
+                       r"flash_bwd_tf32 takes here: \(16, 32\)"):
+        tiling.plan_bwd_tf32(64, 64, "float32", block_kv=16)
+    with pytest.raises(ValueError, match=r"needs 160 accumulator registers"):
+        tiling.plan_bwd_tf32(128, 128, "float32", block_q=32, limit=lim)
+    assert tiling.plan_bwd_tf32(16, 16, "float32", block_kv=16) is None  # d % 32: SIMT's
     t = tiling.kernel_tiling("flash_bwd_tf32")
     for d in (32, 64, 96, 128):
         for bq in t.block_q_choices:
@@ -98,6 +106,9 @@ def test_plan_and_fallbacks():
 
 @pytest.mark.parametrize("how", ["deterministic", "tiles", "misaligned", "sm_75"])
 def test_fallbacks_run_simt(how, rng):
+    """The SIMT kernels keep the float32 call where flash_bwd_tf32 cannot run it: the
+    deterministic path, misaligned rows, sm_75; explicit tiles it lacks are refused instead
+    (running them on the SIMT kernel would be several times slower)."""
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", arch="sm_75" if how == "sm_75" else None)
     q, k, v = oracle.qkv(rng, (1, 2, 30, 32), (1, 2, 41, 32), dtype="float32")
@@ -108,6 +119,10 @@ def test_fallbacks_run_simt(how, rng):
     do = oracle.randn(rng, o.shape, "float32")
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True,
                                            block_kv=16 if how == "tiles" else None)
+    if how == "tiles":
+        with pytest.raises(ValueError, match="flash_bwd_tf32 does not take these tiles"):
+            _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec)
+        return
     with poisoned_outputs(), _count_launches() as seen:
         grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
                                       deterministic=how == "deterministic")

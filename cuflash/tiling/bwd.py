@@ -5,7 +5,7 @@ import numpy as np
 
 from .core import (SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, accumulator_bytes,
                    kernel_tiling, plan, register, simt_head_dim_class)
-from .fwd import TF32_DTYPES
+from .fwd import TF32_DTYPES, _refuse_off_tensor_cores
 
 
 # ==========================================================================
@@ -370,18 +370,26 @@ def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     """flash_bwd_tf32's plan for a float32 backward (``masked``: flash_bwd_tf32_masked's, for a
     call with logit features), or None where it does not apply.
 
-    None for other dtypes, head dims it lacks, explicit tiles outside its choices or tiles that
-    do not fit: the SIMT kernels of flash_bwd.cu run those.
+    None for other dtypes and head dims it lacks (the SIMT kernels of flash_bwd.cu run
+    those).  Explicit tiles it does not take, at head dims it has, are refused with the pairs
+    it takes (a ValueError), as flash_bwd_tc's and the forward's are: on the SIMT kernel they
+    would run several times slower (the caller's deterministic path, which is SIMT, does not
+    ask here).
     """
     if _dtype_name(dtype) not in TF32_DTYPES:
         return None
     name = "flash_bwd_tf32_masked" if masked else "flash_bwd_tf32"
     t = kernel_tiling(name)
+    if d % 32 or dv % 32 or max(d, dv) > 128:
+        return None  # head dims it lacks at every tile size
     if ((block_q is not None and block_q not in t.block_q_choices)
             or (block_kv is not None and block_kv not in t.block_kv_choices)
             or _bwd_tf32_check(block_q or 16, block_kv or 32, d, dv) is not None):
+        _refuse_off_tensor_cores(name, d, dv, dtype, block_q, block_kv, limit, limit_source, None)
         return None
     try:
         return plan(name, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
-    except ValueError:
+    except ValueError as e:
+        _refuse_off_tensor_cores(name, d, dv, dtype, block_q, block_kv, limit, limit_source,
+                                 str(e))
         return None
