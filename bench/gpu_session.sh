@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh grid       # issue 9: float16/bfloat16 forward d=64,128 against SDPA
 #                                        # flash (FA2), float32 fwd and fwd+bwd against efficient
 #   bash bench/gpu_session.sh features   # issue 13: each logit feature against the plain call,
-#                                        # windows (bench --sections features)
+#                                        # windows (bench --sections features; float16, float32)
 #   bash bench/gpu_session.sh tiles      # issue 9: every accepted block_q x block_kv of the
 #                                        # forward's and backward's kernels against the default
 #                                        # (float16 and float32, d=64,128, N=4096, non-causal)
@@ -74,11 +74,11 @@ EOF
 }
 
 stage_features() {
-    python -m cuflash bench --gpu --sections features --dtypes float16 --dims 64,128 \
+    python -m cuflash bench --gpu --sections features --dtypes float16,float32 --dims 64,128 \
         --modes fwd,fwdbwd --plot "" --json "$OUT/features.json" > "$OUT/features.md" \
         2> "$OUT/features.log"
     summary+=("features: exit $?")
-    summary+=("$(grep -E '^\| float16 \|.*\| fwdbwd \|' "$OUT/features.md")")
+    summary+=("$(grep -E '^\| float(16|32) \|.*\| fwdbwd \|' "$OUT/features.md")")
 }
 
 stage_tiles() {
