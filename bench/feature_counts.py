@@ -159,9 +159,10 @@ def backward_tf32(tmp, d):
                             (fn, "const bool tile_in = kv_rows == kBc && rows_q == kBr;",
                              "const bool tile_in = true;"),
                             (fn, "tile_in && p.mask_bias_sc == 1;", "tile_in;"),
-                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1;",
-                             f"{db} != 0 && !has_cap && tile_in;"),
-                            (fn, "dbias_rows ? 0 : p.mask_dbias;", f"dbias_rows ? 0 : {db};"),
+                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1\n"
+                                 "                                ? 0 : p.mask_dbias;",
+                             f"{db} != 0 && !has_cap && tile_in ? 0 : {db};"),
+                            (fn, "if (p.mask_dbias != 0 && db_mode == 0) {", f"if ({db} != 0 && db_mode == 0) {{"),
                             (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);")]
         if not drop:
             edits += [(fn, "        if (drop.on) {\n", "        if (false) {\n"),

@@ -366,7 +366,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             // (bench/results/feature_counts.md).
             const bool tile_in = kv_rows == kBc && rows_q == kBr;
             const bool bias_rows = has_bias && !has_cap && tile_in && p.mask_bias_sc == 1;
-            const bool dbias_rows = p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1;
             if (bias_rows) {  // S^T -> scale S^T + bias
                 const float* row = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh +
                                    (long long)(q0 + 2 * t) * p.mask_bias_sr + key0 + g;
@@ -391,7 +390,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             const float alibi_base = (float)(q0 + 2 * t + p.mask_offset - key0 - g);
             const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
             float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
-            const int db_mode = dbias_rows ? 0 : p.mask_dbias;  // (the element loop's dbias)
+            // the element loop's dbias: 0 where the row loop after it writes dbias (then
+            // p.mask_dbias != 0 and db_mode == 0 says so, without another live flag)
+            const int db_mode = p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1
+                                ? 0 : p.mask_dbias;
             // the lane's two keys' offsets once per step, a row pointer per query: per element
             // one 64-bit add (bias keys clamped to Nk - 1, rows to Nq - 1: in-bounds reads)
             const long long bk0 = (long long)min(key0 + g, Nk - 1) * p.mask_bias_sc;
@@ -437,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     dpt[nq][e] = ds;
                 }
             }
-            if (dbias_rows) {  // dbias = dS^T (no softcap here), stored or, broadcast, added
+            if (p.mask_dbias != 0 && db_mode == 0) {  // dbias = dS^T (no softcap), stored or added
                 auto dbias_loop = [&](bool atomic) {  // (inlined with a constant argument)
                     float* row = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh +
                                  (long long)(q0 + 2 * t) * p.mask_dbias_sr + key0 + g;
