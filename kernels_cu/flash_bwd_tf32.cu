@@ -76,6 +76,14 @@ constexpr int kVS = pad_to(kDv, 16);
 constexpr int kOS = pad_to(kDv, 20);
 constexpr int kTS = pad_to(kBr, 4);
 constexpr int kSubs = (kBr / 16) * (kD / 32);  // 16 x 32 sub-tiles of dQ_i
+#ifdef CUFLASH_MASKS
+// The masked kernel's dbias row loop (after the element loop) holds row pointers while dS^T
+// is live: at d = dv = 128 with 16 query rows ptxas spilled 4-12 B for it (sm_80, block_kv 32
+// and 64: bench/plan_sweep.py), so those plans keep the element loop's general dbias stores.
+// (A budget rule -- (d + dv) / 2 + block_q near 144 -- also caught 128/96 at 32 x 64, which
+// spills without the row loop and not with it.)
+constexpr bool kDbiasRows = !(kD == 128 && kDv == 128 && kBr == 16);
+#endif
 
 static_assert(kBc == 16 * kWarps, "each warp owns 16 keys: block_kv = 16 * warps");
 static_assert(kBr % 16 == 0, "block_q must be a multiple of 16");
@@ -392,8 +400,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
             // the element loop's dbias: 0 where the row loop after it writes dbias (then
             // p.mask_dbias != 0 and db_mode == 0 says so, without another live flag)
-            const int db_mode = p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1
-                                ? 0 : p.mask_dbias;
+            const int db_mode = kDbiasRows && p.mask_dbias != 0 && !has_cap && tile_in &&
+                                p.mask_dbias_sc == 1 ? 0 : p.mask_dbias;
             // the lane's two keys' offsets once per step, a row pointer per query: per element
             // one 64-bit add (bias keys clamped to Nk - 1, rows to Nq - 1: in-bounds reads)
             const long long bk0 = (long long)min(key0 + g, Nk - 1) * p.mask_bias_sc;
@@ -439,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     dpt[nq][e] = ds;
                 }
             }
-            if (p.mask_dbias != 0 && db_mode == 0) {  // dbias = dS^T (no softcap), stored or added
+            if (kDbiasRows && p.mask_dbias != 0 && db_mode == 0) {  // dbias = dS^T, stored or added
                 auto dbias_loop = [&](bool atomic) {  // (inlined with a constant argument)
                     float* row = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh +
                                  (long long)(q0 + 2 * t) * p.mask_dbias_sr + key0 + g;
