@@ -159,10 +159,11 @@ def backward_tf32(tmp, d):
                             (fn, "const bool tile_in = kv_rows == kBc && rows_q == kBr;",
                              "const bool tile_in = true;"),
                             (fn, "tile_in && p.mask_bias_sc == 1;", "tile_in;"),
-                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in && p.mask_dbias_sc == 1\n"
-                                 "                                ? 0 : p.mask_dbias;",
+                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in &&\n"
+                                 "                                p.mask_dbias_sc == 1 ? 0 : p.mask_dbias;",
                              f"{db} != 0 && !has_cap && tile_in ? 0 : {db};"),
-                            (fn, "if (p.mask_dbias != 0 && db_mode == 0) {", f"if ({db} != 0 && db_mode == 0) {{"),
+                            (fn, "if (kRowPaths && p.mask_dbias != 0 && db_mode == 0) {",
+                             f"if (kRowPaths && {db} != 0 && db_mode == 0) {{"),
                             (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);")]
         if not drop:
             edits += [(fn, "        if (drop.on) {\n", "        if (false) {\n"),

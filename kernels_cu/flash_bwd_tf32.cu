@@ -77,12 +77,12 @@ constexpr int kOS = pad_to(kDv, 20);
 constexpr int kTS = pad_to(kBr, 4);
 constexpr int kSubs = (kBr / 16) * (kD / 32);  // 16 x 32 sub-tiles of dQ_i
 #ifdef CUFLASH_MASKS
-// The masked kernel's dbias row loop (after the element loop) holds row pointers while dS^T
-// is live: at d = dv = 128 with 16 query rows ptxas spilled 4-12 B for it (sm_80, block_kv 32
-// and 64: bench/plan_sweep.py), so those plans keep the element loop's general dbias stores.
-// (A budget rule -- (d + dv) / 2 + block_q near 144 -- also caught 128/96 at 32 x 64, which
-// spills without the row loop and not with it.)
-constexpr bool kDbiasRows = !(kD == 128 && kDv == 128 && kBr == 16);
+// The masked kernel's bias and dbias row loops (around the element loop) hold row pointers
+// while S^T / dS^T are live: at d = dv = 128 with 16 query rows ptxas spilled 4-12 B for them
+// (sm_80 and sm_90, block_kv 32 to 128: bench/plan_sweep.py), so those plans keep the element
+// loop's general bias reads and dbias stores.  (A budget rule -- (d + dv) / 2 + block_q near
+// 144 -- also caught 128/96 at 32 x 64, which spills without the row loops, not with them.)
+constexpr bool kRowPaths = !(kD == 128 && kDv == 128 && kBr == 16);
 #endif
 
 static_assert(kBc == 16 * kWarps, "each warp owns 16 keys: block_kv = 16 * warps");
@@ -373,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             // element loop's general path pays a 64-bit address per element
             // (bench/results/feature_counts.md).
             const bool tile_in = kv_rows == kBc && rows_q == kBr;
-            const bool bias_rows = has_bias && !has_cap && tile_in && p.mask_bias_sc == 1;
+            const bool bias_rows = kRowPaths && has_bias && !has_cap && tile_in && p.mask_bias_sc == 1;
             if (bias_rows) {  // S^T -> scale S^T + bias
                 const float* row = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh +
                                    (long long)(q0 + 2 * t) * p.mask_bias_sr + key0 + g;
@@ -400,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             float* dbias_h = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh;
             // the element loop's dbias: 0 where the row loop after it writes dbias (then
             // p.mask_dbias != 0 and db_mode == 0 says so, without another live flag)
-            const int db_mode = kDbiasRows && p.mask_dbias != 0 && !has_cap && tile_in &&
+            const int db_mode = kRowPaths && p.mask_dbias != 0 && !has_cap && tile_in &&
                                 p.mask_dbias_sc == 1 ? 0 : p.mask_dbias;
             // the lane's two keys' offsets once per step, a row pointer per query: per element
             // one 64-bit add (bias keys clamped to Nk - 1, rows to Nq - 1: in-bounds reads)
@@ -447,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     dpt[nq][e] = ds;
                 }
             }
-            if (kDbiasRows && p.mask_dbias != 0 && db_mode == 0) {  // dbias = dS^T, stored or added
+            if (kRowPaths && p.mask_dbias != 0 && db_mode == 0) {  // dbias = dS^T, stored or added
                 auto dbias_loop = [&](bool atomic) {  // (inlined with a constant argument)
                     float* row = dBias + b * p.mask_dbias_sb + h * p.mask_dbias_sh +
                                  (long long)(q0 + 2 * t) * p.mask_dbias_sr + key0 + g;
