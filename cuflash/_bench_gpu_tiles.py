@@ -171,11 +171,7 @@ def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops):
                                                      a.tiles_pairs or None)
         rows = [(None, None, dflt_plan)] + [(p.block_q, p.block_kv, p) for p in others]
     base_ms = None
-    for bq, bkv, plan in rows + refused:
-        if isinstance(plan, str):  # a pair asked for that the planner refuses: why, no call
-            bench.cases.append(_case(dtype, d, causal, mode, shape, nflops, len(sets), False,
-                                     kernel, None, bq, bkv, {"status": "n/a", "reason": plan}))
-            continue
+    for bq, bkv, plan in rows:
         rec = dflt_rec if bq is None else _check(bench, dtype, d, causal, mode, bq, bkv)
         if bq is not None and rec["status"] == "passed" and rec["kernel"] != kernel:
             e = {"status": "n/a", "reason": f"these tiles run {rec['kernel']}, not {kernel}"}
@@ -193,6 +189,9 @@ def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops):
                                         bq is None else "") + ": " +
                   (f"{ms:.4g} ms" if e["status"] == "ok" else f"{e['status']}: {e['reason']}"))
         bench.cases.append(case)
+    for bq, bkv, why in refused:  # pairs asked for that the planner refuses: the reason, no call
+        bench.cases.append(_case(dtype, d, causal, mode, shape, nflops, len(sets), False, kernel,
+                                 None, bq, bkv, {"status": "n/a", "reason": why}))
 
 
 def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, bq, bkv, e):

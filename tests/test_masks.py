@@ -622,6 +622,30 @@ def test_race_check_masked_kernels(rng):
         oracle.check_backward(grads16, do16, q16, k16, v16, None, True, **feat)
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 2, 40, 70), (1, 1, 1, 70)])
+def test_race_check_tf32_backward_row_paths(rng, bias_shape):
+    """flash_bwd_tf32_masked under TSan where its bias and dbias row loops run (no softcap,
+    interior tiles of 16 x 32 with contiguous keys): dbias stored by one block per element
+    (a full bias, with ALiBi) and added atomically (a key-padding bias, with dropout)."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 40, 32), (1, 2, 70, 32), dtype="float32")
+    feat = dict(bias=rng.standard_normal(bias_shape).astype(np.float32))
+    feat.update(dict(alibi_slopes=(rng.random(2) * 0.3).astype(np.float32))
+                if bias_shape[1] == 2 else dict(dropout_p=0.2, seed=7))
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=16, block_kv=32)
+    with _launch.observe_launches() as seen:  # RaceError on a race
+        grads = _launch_masks.flash_bwd_masked(
+            rt, do, q, k, v, o, lse, spec,
+            _validate_masks.check_masks(spec, q, return_dbias=True, **feat), False)
+    assert "flash_bwd_tf32_masked" in [e["kernel"] for e in seen]
+    oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+
+
 def _counted(kernel_backend, fn):
     from cuflash import _launch
     with _launch.observe_launches() as seen:
