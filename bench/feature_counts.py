@@ -2,32 +2,34 @@
 
 The masked kernels (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_bwd_tc_masked,
 flash_bwd_tf32_masked) take every feature behind run-time flags, so one compile holds all of
-them.  To count one
-feature, this script compiles text variants of the kernel sources in a temporary folder:
+them.  To count one feature, this script compiles text variants of the kernel sources in a
+temporary folder, each the path of an interior tile (every row sees the whole tile, full
+tiles; the forward with -DCUFLASH_FWD_INTERIOR_ONLY=1, which also drops the rarely taken
+rescale of the online softmax) with the call's feature flags as constants:
 
-* "none": the interior-tile path only (no band test) with every feature flag of the call a
-  constant false -- the plain path;
-* one variant per feature with that feature's flag a constant true (the bias, and dbias,
-  with contiguous keys: their row-pointer paths); "boundary tile" is the band test's path
-  of the forward (window, causal) with no feature.
+* "none": every feature flag false -- what the masked kernel costs a call by itself;
+* one variant per feature with that feature's flag true (the bias, and dbias, with contiguous
+  keys: their row-pointer paths); "boundary tile" is the band test's path of the forward
+  (window, causal) with no feature.
 
-For each variant NVRTC compiles a cubin for sm_80 and ``cuobjdump -sass`` gives the main
-loop's static instruction count (:mod:`cuflash._sass`: the loop with the most HMMA); the
-difference to "none", divided by the logits a lane handles per loop trip, is the feature's
-cost per logit in issue slots.  The backward's rolled inner loops are unrolled in every
-variant (and in its plain row), so that each instruction of the loop is counted as often as
-one trip executes it (the forward's main loop has none; the backward's dQ loop over a warp's
-output tiles keeps a run-time trip count and is counted once).  Static counts still say
-nothing about stalls, and the variants are text edits that must still match the sources
-(each edit asserts it found its text).
+The baseline of issue 13's target is the call *without* the feature, which runs the plain
+kernel (flash_fwd_tc, flash_bwd_tc, ...) at its own default tiles: its interior path is
+counted the same way ("plain kernel, its default tiles").  Every count is per logit: the
+main loop's static instructions (:mod:`cuflash._sass`: the loop with the most HMMA) times the
+passes over the head dims, divided by the logits one lane handles per trip.  The backward's
+rolled inner loops are unrolled in every variant so that each instruction is counted as
+often as one trip executes it (the dQ loop over a warp's output tiles keeps a run-time trip
+count and is counted once).  Static counts say nothing about stalls, and the variants are
+text edits that must still match the sources (each edit asserts it found its text).
 
 Usage::
 
-    python bench/feature_counts.py            # table to stdout (bench/results/feature_counts.md)
+    python bench/feature_counts.py            # tables to stdout (bench/results/feature_counts.md)
 """
 import shutil
 import sys
 import tempfile
+from typing import NamedTuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +71,8 @@ def _count_variants(tmp, tag, fn, plan, extra, variants):
 def forward(tmp, kernel, dtype, d):
     fn = "flash_fwd_tc.cu"
     plan = tiling.plan(kernel, d, d, dtype)
-    masks = {"CUFLASH_MASKS": None}
+    interior = {"CUFLASH_FWD_INTERIOR_ONLY": 1}
+    masks = dict(interior, CUFLASH_MASKS=None)
     band = "if (k0 < lo_last || k0 + kBc > hi_first || mask_rows) {"
     any_term = "} else if (p.mask_softcap > 0 || p.mask_has_bias || p.mask_has_alibi) {"
     flags = ("    f.has_cap = p.mask_softcap > 0;\n    f.has_bias = p.mask_has_bias != 0;\n"
@@ -79,23 +82,24 @@ def forward(tmp, kernel, dtype, d):
         """The call's feature flags as constants (read and branched on per tile);
         the bias's keys contiguous; an interior tile, or with ``boundary`` the band test's."""
         b = lambda x: "true" if x else "false"  # noqa: E731
-        edits = [(fn, band, "if (true) {" if boundary else "if (false) {"),
-                 (fn, any_term, f"}} else if ({b(cap or bias or alibi)}) {{"),
-                 (fn, flags, f"    f.has_cap = {b(cap)};\n    f.has_bias = {b(bias)};\n"
-                             f"    f.has_alibi = {b(alibi)};\n"),
-                 (fn, "f.has_bias && f.bias_sc == 1;", "f.has_bias;")]
-        if not drop:
-            edits.append((fn, "if (drop.on) tc_dropout(", "if (false) tc_dropout("))
-        return edits
+        return [(fn, band, "if (true) {" if boundary else "if (false) {"),
+                (fn, any_term, f"}} else if ({b(cap or bias or alibi)}) {{"),
+                (fn, flags, f"    f.has_cap = {b(cap)};\n    f.has_bias = {b(bias)};\n"
+                            f"    f.has_alibi = {b(alibi)};\n"),
+                (fn, "f.has_bias && f.bias_sc == 1;", "f.has_bias;"),
+                (fn, "if (drop.on) tc_dropout(", f"if ({b(drop)}) tc_dropout(")]
 
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap": only(cap=True), "dropout": only(drop=True),
                 "boundary tile (band test)": only(boundary=True)}
     rows, hmma = _count_variants(tmp, f"f{kernel}{dtype}{d}-", fn, plan, masks, variants)
-    plain = _loop_count(KERNELS_CU, fn, tiling.plan(kernel[:-len("_masked")], d, d, dtype,
-                                                    plan.block_q, plan.block_kv), {})
-    logits = plan.block_q // (plan.threads // 32) * plan.block_kv // 32
-    return plan, logits, plain, rows, hmma
+    pplan = tiling.plan(kernel[:-len("_masked")], d, d, dtype)
+    plain = _loop_count(KERNELS_CU, fn, pplan, interior)
+    return Counted(plan, _fwd_logits(plan), 1, rows, hmma, pplan, _fwd_logits(pplan), 1, plain)
+
+
+def _fwd_logits(plan):
+    return plan.block_q // (plan.threads // 32) * plan.block_kv // 32
 
 
 def backward(tmp, dtype, d):
@@ -103,10 +107,11 @@ def backward(tmp, dtype, d):
     plan = tiling.plan("flash_bwd_tc_masked", d, d, dtype)
     extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
     # the rolled loops (S^T and dP^T over d / dv, the dropout's Philox blocks, dQ's k-steps)
-    # unrolled, so that the loop's static count is what one trip executes
-    interior = [(fn, "#pragma unroll 1\n", "#pragma unroll\n"),
+    # unrolled, so that the loop's static count is what one trip executes; the band test off
+    unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
+    interior = [unroll,
                 (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
-                 "const bool need_mask = false && kv_rows < kBc || rows_q < kBr ||"),
+                 "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
                 (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
                 (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
@@ -117,27 +122,31 @@ def backward(tmp, dtype, d):
         """The call's feature flags as constants (the kernel reads them once per call and
         branches on them per tile, so each feature's code is what a call with it runs)."""
         b = lambda x: "true" if x else "false"  # noqa: E731
-        edits = interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
-                                        f"                const bool has_alibi = {b(alibi)};\n"
-                                        f"                const int db_mode = {db};")]
-        if not drop:
-            edits += [(fn, "                if (drop.on) {\n#pragma unroll\n",
-                       "                if (false) {\n#pragma unroll\n"),
-                      (fn, "if (drop.on) {  // dP of the dropped product",
-                       "if (false) {  // dP of the dropped product")]
-        return edits
+        return interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
+                                       f"                const bool has_alibi = {b(alibi)};\n"
+                                       f"                const int db_mode = {db};"),
+                           (fn, "                if (drop.on) {\n#pragma unroll\n",
+                            f"                if ({b(drop)}) {{\n#pragma unroll\n"),
+                           (fn, "if (drop.on) {  // dP of the dropped product",
+                            f"if ({b(drop)}) {{  // dP of the dropped product")]
 
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1),
                 "bias + dbias (atomic adds)": only(bias=True, db=2)}
-    rows, hmma = _count_variants(tmp, "b", fn, plan, extra, variants)
-    plain = _loop_count(_variant(tmp, "bplain", interior[:1]), fn,
-                        tiling.plan("flash_bwd_tc", d, d, dtype, plan.block_q, plan.block_kv),
+    rows, hmma = _count_variants(tmp, f"b{dtype}{d}-", fn, plan, extra, variants)
+    pplan = tiling.plan("flash_bwd_tc", d, d, dtype)
+    plain_edits = [unroll, (fn, "const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);",
+                            "const bool need_mask = false;")]
+    plain = _loop_count(_variant(tmp, f"bplain{dtype}{d}", plain_edits), fn, pplan,
                         {"CUFLASH_BWD_TC_MAIN": None})
-    _, mt, _, qs = bwd_tc.bwd_tc_layout(plan.block_q, plan.block_kv, d, d, True)
-    logits = mt * 16 * (plan.block_q // qs) // 32
-    return plan, logits, plain, rows, hmma
+    return Counted(plan, *_bwd_logits(plan, True), rows, hmma, pplan, *_bwd_logits(pplan, False), plain)
+
+
+def _bwd_logits(plan, masked):
+    """(logits per lane per trip, passes over the head dims) of a flash_bwd_tc plan."""
+    _, mt, passes, qs = bwd_tc.bwd_tc_layout(plan.block_q, plan.block_kv, plan.d, plan.dv, masked)
+    return mt * 16 * (plan.block_q // qs) // 32, passes
 
 
 def backward_tf32(tmp, d):
@@ -145,8 +154,9 @@ def backward_tf32(tmp, d):
     fn = "flash_bwd_tf32.cu"
     plan = tiling.plan("flash_bwd_tf32_masked", d, d, "float32")
     extra = {"CUFLASH_MASKS": None}
-    interior = [(fn, "#pragma unroll 1\n", "#pragma unroll\n"),
-                (fn, "const bool need_mask = kv_rows < kBc ||", "const bool need_mask = false && kv_rows < kBc ||")]
+    unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
+    interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
+                         "const bool need_mask = false, band_crossed = kv_rows < kBc ||")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "            const bool has_alibi = p.mask_has_alibi != 0;\n")
 
@@ -154,30 +164,52 @@ def backward_tf32(tmp, d):
         b = lambda x: "true" if x else "false"  # noqa: E731
         # an interior tile, the bias and dbias with contiguous keys (their row-pointer loops
         # where the call has no softcap)
-        edits = interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
-                                        f"            const bool has_alibi = {b(alibi)};\n"),
-                            (fn, "const bool tile_in = kv_rows == kBc && rows_q == kBr;",
-                             "const bool tile_in = true;"),
-                            (fn, "tile_in && p.mask_bias_sc == 1;", "tile_in;"),
-                            (fn, "p.mask_dbias != 0 && !has_cap && tile_in &&\n"
-                                 "                                p.mask_dbias_sc == 1 ? 0 : p.mask_dbias;",
-                             f"{db} != 0 && !has_cap && tile_in ? 0 : {db};"),
-                            (fn, "if (kRowPaths && p.mask_dbias != 0 && db_mode == 0) {",
-                             f"if (kRowPaths && {db} != 0 && db_mode == 0) {{"),
-                            (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);")]
-        if not drop:
-            edits += [(fn, "        if (drop.on) {\n", "        if (false) {\n"),
-                      (fn, "const float dpv = drop.on ?", "const float dpv = false ?")]
-        return edits
+        return interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
+                                       f"            const bool has_alibi = {b(alibi)};\n"),
+                           (fn, "const bool tile_in = kv_rows == kBc && rows_q == kBr;",
+                            "const bool tile_in = true;"),
+                           (fn, "tile_in && p.mask_bias_sc == 1;", "tile_in;"),
+                           (fn, "p.mask_dbias != 0 && !has_cap && tile_in &&\n"
+                                "                                p.mask_dbias_sc == 1 ? 0 : p.mask_dbias;",
+                            f"{db} != 0 && !has_cap && tile_in ? 0 : {db};"),
+                           (fn, "if (kRowPaths && p.mask_dbias != 0 && db_mode == 0) {",
+                            f"if (kRowPaths && {db} != 0 && db_mode == 0) {{"),
+                           (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);"),
+                           (fn, "        if (drop.on) {\n", f"        if ({b(drop)}) {{\n"),
+                           (fn, "const float dpv = drop.on ?", f"const float dpv = {b(drop)} ?")]
 
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1)}
     rows, hmma = _count_variants(tmp, "t", fn, plan, extra, variants)
-    plain = _loop_count(_variant(tmp, "tplain", interior[:1]), fn,
-                        tiling.plan("flash_bwd_tf32", d, d, "float32", plan.block_q, plan.block_kv), {})
-    logits = 16 * plan.block_q // 32
-    return plan, logits, plain, rows, hmma
+    pplan = tiling.plan("flash_bwd_tf32", d, d, "float32")
+    plain_edits = [unroll, (fn, "const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);",
+                            "const bool mask = false;")]
+    plain = _loop_count(_variant(tmp, "tplain", plain_edits), fn, pplan, {})
+    return Counted(plan, 16 * plan.block_q // 32, 1, rows, hmma, pplan, 16 * pplan.block_q // 32, 1, plain)
+
+
+class Counted(NamedTuple):
+    """One kernel's counts: the masked plan and its variants, the plain kernel's default plan."""
+    plan: object
+    logits: int        # logits one lane handles per main-loop trip
+    passes: int        # trips per logit (the backward's passes over the head dims)
+    rows: dict         # variant -> main-loop instructions
+    hmma: int          # HMMA of "none"
+    pplan: object
+    plogits: int
+    ppasses: int
+    plain: dict        # the plain kernel's main-loop mix
+
+    def per_logit(self, name):
+        return self.rows[name] * self.passes / self.logits
+
+    def plain_per_logit(self):
+        return self.plain["total"] * self.ppasses / self.plogits
+
+
+def _tiles(plan):
+    return f"{plan.block_q} x {plan.block_kv}, {plan.threads} threads"
 
 
 def main():
@@ -189,38 +221,43 @@ def main():
     if not ok:
         print(f"cuobjdump not available: {why}", file=sys.stderr)
         return 2
-    print("| kernel | plan | logits / lane / trip | variant | main-loop instructions | "
-          "added | added per logit | vs no feature |")
-    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         results = [forward(tmp, "flash_fwd_tc_masked", "float16", 128),
                    forward(tmp, "flash_fwd_tc_masked", "float16", 64),
                    forward(tmp, "flash_fwd_tf32_masked", "float32", 64),
+                   backward(tmp, "float16", 128),
                    backward(tmp, "float16", 64),
                    backward_tf32(tmp, 64)]
-    for plan, logits, plain, rows, hmma in results:
-        what = f"{plan.kernel} {plan.dtype} d={plan.d}"
-        tiles = f"{plan.block_q} x {plan.block_kv}, {plan.threads} threads"
-        print(f"| {what} | {tiles} | {logits} | plain kernel (all its paths) | {plain['total']} "
-              f"(HMMA {plain['HMMA']}) | | | |")
-        base = rows["none"]
-        for name, n in rows.items():
-            add = n - base
-            shown = f"{n} (HMMA {hmma})" if name == "none" else f"{n}"
-            print(f"| | | | {name} | {shown} | {add:+d} | {add / logits:.1f} | "
-                  f"{100 * add / base:+.0f}% |")
-    both(results[1], results[3])
+    print("| kernel | plan | logits / lane / trip (passes) | variant | main-loop instructions | "
+          "per logit | added per logit | vs plain kernel |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in results:
+        p0 = c.plain_per_logit()
+        print(f"| {c.pplan.kernel} {c.pplan.dtype} d={c.pplan.d} | {_tiles(c.pplan)} | {c.plogits}"
+              f"{f' ({c.ppasses})' if c.ppasses > 1 else ''} | plain kernel, its default tiles (a call "
+              f"without features) | {c.plain['total']} (HMMA {c.plain['HMMA']}) | {p0:.1f} | | |")
+        n0 = c.per_logit("none")
+        for i, name in enumerate(c.rows):
+            n = c.per_logit(name)
+            first = (f"{c.plan.kernel} {c.plan.dtype} d={c.plan.d} | {_tiles(c.plan)} | {c.logits}"
+                     f"{f' ({c.passes})' if c.passes > 1 else ''}") if i == 0 else " | | "
+            shown = f"{c.rows[name]} (HMMA {c.hmma})" if name == "none" else f"{c.rows[name]}"
+            added = "" if name == "none" else f"{n - n0:+.1f}"
+            print(f"| {first} | {name} | {shown} | {n:.1f} | {added} | {100 * (n - p0) / p0:+.0f}% |")
+    print()
+    both(results[1], results[4], "float16 d=64")
+    both(results[0], results[3], "float16 d=128")
     return 0
 
 
-def both(fwd, bwd):
-    """The issue's measure: a feature's share of forward + backward, here in issue slots per
-    logit (float16 d=64: the forward and the backward at the same head dim)."""
-    (_, fl, _, fr, _), (_, bl, _, br, _) = fwd, bwd
-    f0, b0 = fr["none"] / fl, br["none"] / bl
-    print()
-    print(f"Forward + backward, float16 d=64, per logit: {f0:.1f} + {b0:.1f} = {f0 + b0:.1f} "
-          "instructions without features.")
+def both(fwd, bwd, what):
+    """The issue's measure: the forward + backward of a call with one feature against the same
+    call without it (the plain kernels at their default tiles), in issue slots per logit."""
+    f0, b0 = fwd.plain_per_logit(), bwd.plain_per_logit()
+    fm, bm = fwd.per_logit("none"), bwd.per_logit("none")
+    print(f"Forward + backward, {what}, per logit: {f0:.1f} + {b0:.1f} = {f0 + b0:.1f} instructions "
+          f"without features (plain kernels); the masked kernels with no feature on: {fm:.1f} + "
+          f"{bm:.1f} = {fm + bm:.1f} ({100 * (fm + bm - f0 - b0) / (f0 + b0):+.0f}%).")
     print()
     print("| feature | forward | backward | together | vs forward + backward without it |")
     print("|---|---|---|---|---|")
@@ -228,8 +265,9 @@ def both(fwd, bwd):
              "ALiBi": ("alibi", "alibi"), "softcap": ("softcap", "softcap (and its derivative)"),
              "dropout": ("dropout", "dropout")}
     for name, (fk, bk) in pairs.items():
-        fa, ba = (fr[fk] - fr["none"]) / fl, (br[bk] - br["none"]) / bl
-        print(f"| {name} | {fa:.1f} | {ba:.1f} | {fa + ba:.1f} | {100 * (fa + ba) / (f0 + b0):+.0f}% |")
+        fa, ba = fwd.per_logit(fk), bwd.per_logit(bk)
+        print(f"| {name} | {fa:.1f} | {ba:.1f} | {fa + ba:.1f} | {100 * (fa + ba - f0 - b0) / (f0 + b0):+.0f}% |")
+    print()
 
 
 if __name__ == "__main__":

@@ -632,6 +632,28 @@ def test_tc_default_tiles_fit_every_arch(arch):
         assert (p.block_q, p.block_kv, p.threads, tiling.bwd_tc_layout(p.block_q, p.block_kv, d, d)) == want
 
 
+@pytest.mark.parametrize("arch", sorted(tiling.EMULATOR_ARCHES))
+def test_tc_masked_default_keeps_32_queries_per_warp(arch):
+    """flash_bwd_tc_masked's register budget sends 32 x 128 to the query split at d + dv in
+    (80, 128]: its default there is block_q = 64 (64 x 128, or 64 x 64 where 111 KB do not
+    fit), 32 queries per warp as the plain kernel's 32 x 128 has -- not 16; at d = 16, 32 it
+    keeps the plain kernel's 32 x 128 (no split).  (sm_75's 64 KB hold neither 64-query plan.)"""
+    limit = tiling.EMULATOR_ARCHES[arch]
+    for d, dv in ((48, 48), (64, 64), (64, 48), (48, 64), (16, 16), (32, 32)):
+        p = tiling.plan("flash_bwd_tc_masked", d, dv, "float16", limit=limit, limit_source=arch)
+        _, mt, passes, qs = tiling.bwd_tc_layout(p.block_q, p.block_kv, d, dv, True)
+        split = tiling.bwd_tc_layout(32, 128, d, dv, True)[3] == 2
+        assert split == (d + dv > 64), (d, dv)
+        if not split:
+            assert (p.block_q, p.block_kv, qs) == (32, 128, 1), (d, dv, arch, p)
+        else:
+            smem = tiling.kernel_tiling("flash_bwd_tc_masked").shared_bytes
+            fits = [bt for bt in ((64, 128), (64, 64)) if smem(*bt, d, dv, 4) <= limit]
+            if fits:  # the first 64-query pair that fits the arch's shared memory
+                assert (p.block_q, p.block_kv) == fits[0] and p.block_q // qs == 32, (d, dv, arch, p)
+        assert passes == 1
+
+
 def test_tc_refusals_name_the_reason_and_what_fits():
     # explicit tiles whose register arrays would spill: refused, never changed
     with pytest.raises(ValueError, match=r"register floats.*limit 152.*pairs that fit: .*\(32, 128\)"):

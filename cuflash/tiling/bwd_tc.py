@@ -191,12 +191,28 @@ def _bwd_tc_preferences(d, dv, acc):
     return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
 
 
+def _bwd_tc_masked_preferences(d, dv, acc):
+    # flash_bwd_tc_masked: where its register budget sends 32 x 128 to the query split (d + dv
+    # > ~80: 32 keys per warp pair, 16 queries per warp), block_q = 64 gives each warp 32
+    # queries again, as the plain kernel's 32 x 128 does with 32 keys per warp: the per-warp
+    # work of a trip doubles while its fixed part (copies, addresses, barriers, the dQ reds'
+    # setup) does not.  Counted (bench/feature_counts.py method, float16 d = 64, sm_80, per
+    # logit): 32 x 128 66.4 instructions, 64 x 128 40.5, 64 x 64 (4 warps, fits 99 KB) 41.8;
+    # the plain kernel's default 40.0.
+    prefs = _bwd_tc_preferences(d, dv, acc)
+    lay = bwd_tc_layout(32, 128, d, dv, True)
+    if d + dv <= 128 and not isinstance(lay, str) and lay[3] == 2:
+        first = [(64, 128), (64, 64)]
+        return first + [x for x in prefs if x not in first]
+    return prefs
+
+
 for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
     register(KernelTiling(
         name=_name,
         block_q_choices=BWD_TC_TILE_CHOICES,
         block_kv_choices=BWD_TC_TILE_CHOICES,
-        preferences=_bwd_tc_preferences,
+        preferences=_bwd_tc_masked_preferences if _masked else _bwd_tc_preferences,
         asym_swept=TC_ASYM_SWEPT,
         **_bwd_tc_fns(_masked),
     ))
