@@ -266,6 +266,10 @@ TC_BWD_CASES = [
      dict(softcap=2.5, bias=(70, 40)), 64, 32, False),
     ("float16", (2, 2, 45, 32), (2, 1, 130, 32), False,
      dict(dropout_p=0.35, alibi_slopes=(2, 2), window=(40, 40)), 32, 64, True),
+    # 16 keys per warp pair in one pass (d + dv in (128, 256] with block_q >= 64: the query
+    # split with one m16 tile per warp), dbias stored
+    ("bfloat16", (1, 2, 70, 96), (1, 2, 90, 96), "bottom_right",
+     dict(softcap=2.0, bias=(1, 2, 70, 90), dropout_p=0.2, window=(None, 30)), 64, 32, True),
 ]
 
 
@@ -620,6 +624,29 @@ def test_race_check_masked_kernels(rng):
             _validate_masks.check_masks(bspec16, q16, return_dbias=True, **feat), det,
             kernel="flash_bwd_tc_masked")
         oracle.check_backward(grads16, do16, q16, k16, v16, None, True, **feat)
+
+
+def test_race_check_tc_backward_pair_layout(rng):
+    """flash_bwd_tc_masked under TSan in its layout of 16 keys per warp pair (kMT = 1 with the
+    query split: P^T and dS^T of both warps through shared memory), atomic and deterministic
+    dQ, every feature (the other race checks run 16 keys per warp without the split)."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels, tiling
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 40, 96), (1, 1, 37, 96), dtype="float16")
+    feat = _all_features(rng, 2, 40, 37)
+    o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, "float16")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=64, block_kv=16)
+    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
+    assert tiling.bwd_tc_layout(64, 16, 96, 96, True) == (2, 1, 1, 2)
+    for det in (False, True):
+        with _launch.observe_launches() as seen:
+            grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, spec, ms, det,
+                                                   kernel="flash_bwd_tc_masked")
+        assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
+        oracle.check_backward(grads, do, q, k, v, None, True, **feat)
 
 
 @pytest.mark.parametrize("bias_shape", [(1, 2, 40, 70), (1, 1, 1, 70)])

@@ -83,6 +83,8 @@ BWD_TC_MASKED_PTXAS_SPILLS = frozenset({
     (64, 128, 112, 112), (64, 128, 144, 144), (128, 16, 16, 16), (128, 16, 32, 32),
     (128, 32, 16, 16), (128, 32, 32, 32), (128, 64, 16, 16), (128, 64, 32, 32), (128, 128, 16, 16),
     (128, 128, 32, 32),
+    # 16 keys per warp pair in one pass (added 2026-11-24, fourth session): 4-12 B
+    (128, 32, 112, 112), (64, 32, 224, 224), (64, 64, 224, 224), (128, 32, 192, 128),
 })
 
 
@@ -130,12 +132,19 @@ def bwd_tc_layout(bq, bkv, d, dv, masked=False):
 
 
 def _bwd_tc_masked_layout(bq, bkv, d, dv):
-    """bwd_tc_layout's choices, in its order, under flash_bwd_tc_masked's budget."""
+    """bwd_tc_layout's choices, in its order, under flash_bwd_tc_masked's budget, with one
+    more where 16 keys per warp would need two passes over the head dims: 16 keys per pair of
+    warps (the query split with mt = 1) in one pass, when block_q >= 64 keeps 32 or more
+    queries per warp and block_kv <= 64 keeps the block at 8 warps or fewer.  Where the
+    plain kernel's 32 keys per warp pair do not fit this kernel's budget (d + dv in (128,
+    256]), it saves recomputing S^T and dP^T in the second pass."""
     if bkv >= 64 and _bwd_tc_masked_fits(bq, d, dv, 2, 1):
         return bkv // 32, 2, 1, 1
     if bkv >= 32 and bq % 32 == 0 and _bwd_tc_masked_fits(bq, d, dv, 2, 1, 2):
         return bkv // 16, 2, 1, 2
     for passes in (1, 2):
+        if passes == 2 and bkv <= 64 and bq >= 64 and _bwd_tc_masked_fits(bq, d, dv, 1, 1, 2):
+            return bkv // 8, 1, 1, 2
         if _bwd_tc_masked_fits(bq, d, dv, 1, passes):
             return bkv // 16, 1, passes, 1
     need = _bwd_tc_masked_arrays(bq, d, dv, 1, 2)
@@ -199,12 +208,22 @@ def _bwd_tc_masked_preferences(d, dv, acc):
     # setup) does not.  Counted (bench/feature_counts.py method, float16 d = 64, sm_80, per
     # logit): 32 x 128 66.4 instructions, 64 x 128 40.5, 64 x 64 (4 warps, fits 99 KB) 41.8;
     # the plain kernel's default 40.0.
+    # Where 64 x 128 needs two passes over the head dims (d + dv in (128, 256]: 16 keys per
+    # warp), 16 keys per warp pair in one pass at block_q = 128 (211 KB at d = 128: sm_90)
+    # or 64: the second pass recomputed S^T and dP^T.  Counted the same way at d = 128:
+    # 64 x 128 (two passes) 91.6 per logit, 128 x 64 51.2, 64 x 64 79.0; the plain
+    # kernel's 64 x 128 56.1.
     prefs = _bwd_tc_preferences(d, dv, acc)
-    lay = bwd_tc_layout(32, 128, d, dv, True)
-    if d + dv <= 128 and not isinstance(lay, str) and lay[3] == 2:
-        first = [(64, 128), (64, 64)]
-        return first + [x for x in prefs if x not in first]
-    return prefs
+    first = []
+    if d + dv <= 128:
+        lay = bwd_tc_layout(32, 128, d, dv, True)
+        if not isinstance(lay, str) and lay[3] == 2:
+            first = [(64, 128), (64, 64)]
+    elif d + dv <= 256:
+        lay = bwd_tc_layout(64, 128, d, dv, True)
+        if not isinstance(lay, str) and lay[2] == 2:
+            first = [(128, 64), (64, 64)]
+    return first + [x for x in prefs if x not in first]
 
 
 for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
