@@ -12,6 +12,10 @@
 #   bash bench/gpu_session.sh tiles      # issue 9: every accepted block_q x block_kv of the
 #                                        # forward's and backward's kernels against the default
 #                                        # (float16 and float32, d=64,128, N=4096, non-causal)
+#   bash bench/gpu_session.sh tilesfeat  # issue 13: the same for the kernels with the logit
+#                                        # features (a key-padding bias: flash_fwd_tc_masked,
+#                                        # flash_bwd_tc_masked; float16, d=64,128) -- their
+#                                        # defaults were chosen from instruction counts
 #   bash bench/gpu_session.sh ncu        # Nsight Compute on flash_fwd_tc and flash_bwd_tc
 #                                        # (float16, d=64 and 128, N=4096)
 #   bash bench/gpu_session.sh grid features   # several stages in one call
@@ -89,6 +93,14 @@ stage_tiles() {
     summary+=("$(grep -E '^- fastest, ' "$OUT/tiles.md")")
 }
 
+stage_tilesfeat() {
+    python -m cuflash bench --gpu --sections tiles --dtypes float16 --dims 64,128 \
+        --causal no --modes fwd,bwd --tiles-feature "bias (B,1,1,N)" --plot "" \
+        --json "$OUT/tilesfeat.json" > "$OUT/tilesfeat.md" 2> "$OUT/tilesfeat.log"
+    summary+=("tilesfeat: exit $?")
+    summary+=("$(grep -E '^- fastest, ' "$OUT/tilesfeat.md")")
+}
+
 stage_ncu() {
     cat > "$OUT/ncu_call.py" <<'EOF'
 import sys, cupy as cp, cuflash
@@ -110,11 +122,11 @@ EOF
     done
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 tests|grid|features|tiles|ncu ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 tests|grid|features|tiles|tilesfeat|ncu ..." >&2; exit 2; }
 for s in "$@"; do
     case "$s" in
-        tests|grid|features|tiles|ncu) "stage_$s" ;;
-        *) echo "unknown stage: $s (tests, grid, features, tiles, ncu)" >&2; exit 2 ;;
+        tests|grid|features|tiles|tilesfeat|ncu) "stage_$s" ;;
+        *) echo "unknown stage: $s (tests, grid, features, tiles, tilesfeat, ncu)" >&2; exit 2 ;;
     esac
 done
 echo "== $(head -2 "$OUT/gpu.txt" | tail -1)"

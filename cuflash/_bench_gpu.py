@@ -50,7 +50,7 @@ import tempfile
 import time
 
 from ._bench_gpu_features import window_sizes
-from ._bench_gpu_tiles import parse_pairs
+from ._bench_gpu_tiles import TILE_FEATURES, parse_pairs
 from ._bench_gpu_check import LOW_PRECISION, attention
 from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, check_method,
                                  input_sets_needed, make_methods, make_set, measure, reason_of,
@@ -193,6 +193,10 @@ def build_parser(prog=None):
     p.add_argument("--tiles-pairs", type=parse_pairs, default=[],
                    help="comma-separated block_q x block_kv pairs the tiles section times besides "
                    "the default, e.g. 128x64,64x64 (default: every pair the kernel accepts)")
+    p.add_argument("--tiles-feature", choices=TILE_FEATURES, default=None,
+                   help="a logit feature for the tiles section's calls, so that it times the "
+                   "tiles of the kernels with the features (flash_fwd_tc_masked, "
+                   "flash_bwd_tc_masked, ...; the features section's arguments; non-causal only)")
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
@@ -244,6 +248,9 @@ def finish_args(parser, args):
     if "tiles" in args.sections and args.tiles_n > args.tokens:
         parser.error(f"argument --tiles-n: {args.tiles_n} exceeds --tokens {args.tokens} "
                      "(tokens = batch x N)")
+    if "tiles" in args.sections and args.tiles_feature and args.causal != "no":
+        parser.error("argument --tiles-feature: the features' check has no causal mask; use "
+                     "--causal no")
     if "tiles" in args.sections and not set(args.modes) & {"fwd", "bwd"}:
         parser.error("argument --modes: the tiles section times fwd and bwd (fwdbwd has no "
                      "tiles of its own); name at least one of them")

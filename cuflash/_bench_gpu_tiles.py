@@ -20,18 +20,28 @@ Like the rest of the benchmark, each pair's call is checked before it is timed, 
 problem (``B, H = 2, 2``, ``--check-n`` queries and keys, the same causal case) against
 float64 NumPy with the rule of ``cuflash/_bench_gpu_check.py``; the kernel the check launched
 is the one the row names.
+
+``--tiles-feature NAME`` (one of the features section's, the window left out) gives every call
+that feature's arguments, so the rows are the tiles of the kernels with the logit features
+(flash_fwd_tc_masked, flash_bwd_tc_masked, ...), checked against the features section's
+float64 oracle (non-causal: it has no causal mask).
 """
-from ._bench_gpu_check import LOW_PRECISION, attention
+from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention
+from ._bench_gpu_features import FEATURES, feature_attention, feature_kwargs
 from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
-__all__ = ["TILE_MODES", "MAIN_KERNELS", "CuflashTiles", "parse_pairs", "candidate_pairs",
-           "run_tiles", "print_tiles", "kind_text"]
+__all__ = ["TILE_MODES", "MAIN_KERNELS", "TILE_FEATURES", "CuflashTiles", "parse_pairs",
+           "candidate_pairs", "run_tiles", "print_tiles", "kind_text"]
 
 TILE_MODES = ("fwd", "bwd")
 # the kernel whose tiles a call's block_q / block_kv set, per mode (the others a call launches
 # -- the backward's preprocess and dQ conversion, a split-KV combine -- have no tiles of theirs)
-MAIN_KERNELS = {"fwd": ("flash_fwd_tc", "flash_fwd_tf32", "flash_fwd"),
-                "bwd": ("flash_bwd_tc", "flash_bwd_tf32", "flash_bwd_dkdv")}
+MAIN_KERNELS = {"fwd": ("flash_fwd_tc", "flash_fwd_tf32", "flash_fwd", "flash_fwd_tc_masked",
+                        "flash_fwd_tf32_masked", "flash_fwd_masked"),
+                "bwd": ("flash_bwd_tc", "flash_bwd_tf32", "flash_bwd_dkdv", "flash_bwd_tc_masked",
+                        "flash_bwd_tf32_masked", "flash_bwd_dkdv_masked")}
+# --tiles-feature: the features section's (a window changes the work a pair does)
+TILE_FEATURES = tuple(f for f, _ in FEATURES if not f.startswith("window"))
 
 
 def parse_pairs(text):
@@ -57,22 +67,26 @@ class CuflashTiles(CuflashTiled):
     """cuflash tiled_attention / tiled_attention_backward with explicit tiles on one of them
     (``mode`` fwd: the forward's; bwd: the backward's); None, None: the default call."""
 
-    def __init__(self, backend, mode, block_q=None, block_kv=None):
+    def __init__(self, backend, mode, block_q=None, block_kv=None, kw=None):
         super().__init__(backend)
         self.mode, self.block_q, self.block_kv = mode, block_q, block_kv
+        self.kw = kw or {}  # a logit feature's arguments (--tiles-feature)
 
     def _tiles(self, mode):
         return dict(block_q=self.block_q, block_kv=self.block_kv) if mode == self.mode else {}
 
     def forward(self, x, grad):
+        kw = {k: v for k, v in self.kw.items() if k != "return_dbias"}
         return self.cf.tiled_attention(x.q, x.k, x.v, causal="top_left" if x.causal else False,
-                                       return_lse=grad, backend=self.backend, **self._tiles("fwd"))
+                                       return_lse=grad, backend=self.backend, **self._tiles("fwd"),
+                                       **kw)
 
     def backward(self, x, state, retain=False):
         o, lse = state
         return self.cf.tiled_attention_backward(x.do, x.q, x.k, x.v, o, lse,
                                                 causal="top_left" if x.causal else False,
-                                                backend=self.backend, **self._tiles("bwd"))
+                                                backend=self.backend, **self._tiles("bwd"),
+                                                **self.kw)
 
 
 def _runtime(backend):
@@ -118,15 +132,28 @@ def _check(bench, dtype, d, causal, mode, bq, bkv):
     bench.log(f"check {what} at B,H,Hk,Nq,Nk,d={shape} against float64")
     x, host = make_set(dev, bench.torch, shape, dtype, causal, a.seed + 13, host=True)
     do = host[3] if grad else None
-    ref = attention(*host[:3], causal, do)
-    base = attention(*host[:3], causal, do, low=dtype) if dtype in LOW_PRECISION else None
-    m = CuflashTiles(a.backend, mode, bq, bkv)
+    feature, names = a.tiles_feature, GRAD_NAMES
+    if feature:  # the features section's oracle (non-causal), its arguments on the device
+        hkw = feature_kwargs(feature, True, None, 2, 2, n, dtype)
+        if not grad:
+            hkw.pop("return_dbias", None)
+        names += ("dbias",) if hkw.get("return_dbias") else ()
+        ref = feature_attention(*host[:3], do, hkw)
+        base = feature_attention(*host[:3], do, hkw, low=dtype) if dtype in LOW_PRECISION else None
+        kw = feature_kwargs(feature, False, dev.xp, 2, 2, n, dtype)
+        what += f" with {feature}"
+    else:
+        ref = attention(*host[:3], causal, do)
+        base = attention(*host[:3], causal, do, low=dtype) if dtype in LOW_PRECISION else None
+        kw = None
+    m = CuflashTiles(a.backend, mode, bq, bkv, kw)
     rec = {"kind": {"section": "tiles", "dtype": dtype, "d": d, "causal": causal, "mode": mode,
-                    "block_q": bq, "block_kv": bkv, "group": 1, "decode": False, "grad": grad},
+                    "block_q": bq, "block_kv": bkv, "feature": feature, "group": 1,
+                    "decode": False, "grad": grad},
            "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
            "method": m.name, "status": "n/a"}
     with observe_launches() as seen:
-        check_method(dev, m, x, grad, ref, base, dtype, what, rec)
+        check_method(dev, m, x, grad, ref, base, dtype, what, rec, names)
     ran = [e["kernel"] for e in seen if e["kernel"] in MAIN_KERNELS[mode]]
     # the backward's check runs a forward first: its main kernel is the last one of the mode
     rec["kernel"] = ran[-1] if ran else None
@@ -153,14 +180,16 @@ def run_tiles(bench):
                 nsets = input_sets_needed(x0.nbytes + x0.q.nbytes, dev.l2_bytes)
                 sets = [x0] + [make_set(dev, bench.torch, shape, dtype, causal, a.seed + i)
                                for i in range(1, nsets)]
+                kw = (feature_kwargs(a.tiles_feature, False, dev.xp, B, H, N, dtype)
+                      if a.tiles_feature else None)
                 for mode in (m for m in a.modes if m in TILE_MODES):
                     _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets,
-                                 flops(B, H, N, N, d, causal, mode))
-                sets = x0 = None
+                                 flops(B, H, N, N, d, causal, mode), kw)
+                sets = x0 = kw = None
                 dev.release()
 
 
-def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops):
+def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops, kw):
     a = bench.args
     N = shape[3]
     dflt_rec = _check(bench, dtype, d, causal, mode, None, None)
@@ -176,12 +205,14 @@ def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops):
         if bq is not None and rec["status"] == "passed" and rec["kernel"] != kernel:
             e = {"status": "n/a", "reason": f"these tiles run {rec['kernel']}, not {kernel}"}
         else:
-            e = bench.time_method(CuflashTiles(a.backend, mode, bq, bkv), mode, sets, rec)
+            tkw = kw if mode == "bwd" or not kw else {k: v for k, v in kw.items() if k != "return_dbias"}
+            e = bench.time_method(CuflashTiles(a.backend, mode, bq, bkv, tkw), mode, sets, rec)
         ms = e.get("ms")
         if bq is None:
             base_ms = ms
         case = _case(dtype, d, causal, mode, shape, nflops, len(sets), bq is None, rec["kernel"],
-                     plan, plan.block_q if plan else None, plan.block_kv if plan else None, e)
+                     plan, plan.block_q if plan else None, plan.block_kv if plan else None, e,
+                     a.tiles_feature)
         case["speed_vs_default"] = base_ms / ms if ms and base_ms else None
         pair = "default" if bq is None else f"{bq} x {bkv}"
         bench.log(f"tiles {dtype} d={d} {'causal' if causal else 'non-causal'} {mode} N={N} "
@@ -191,15 +222,17 @@ def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops):
         bench.cases.append(case)
     for bq, bkv, why in refused:  # pairs asked for that the planner refuses: the reason, no call
         bench.cases.append(_case(dtype, d, causal, mode, shape, nflops, len(sets), False, kernel,
-                                 None, bq, bkv, {"status": "n/a", "reason": why}))
+                                 None, bq, bkv, {"status": "n/a", "reason": why}, a.tiles_feature))
 
 
-def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, bq, bkv, e):
+def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, bq, bkv, e,
+          feature=None):
     B, H, _, N, _, _ = shape
     ms = e.get("ms")
     e["tflops"] = nflops / (ms * 1e-3) / 1e12 if ms else None
     return {"section": "tiles", "dtype": dtype, "d": d, "causal": causal, "mode": mode,
             "B": B, "H": H, "Hk": H, "Nq": N, "Nk": N, "default": default, "kernel": kernel,
+            "feature": feature,
             "block_q": bq, "block_kv": bkv, "threads": plan.threads if plan else None,
             "shared_bytes": plan.shared_bytes if plan else None, "flops": nflops,
             "input_sets": nsets, "methods": {"cuflash tiled": e}, "speed_vs_default": None}
@@ -234,6 +267,9 @@ def print_tiles(res, say):
         if ok and (key not in best or e["ms"] < best[key]["methods"]["cuflash tiled"]["ms"]):
             best[key] = c
     say()
+    for f in sorted({c.get("feature") for c in cases if c.get("feature")}):
+        say(f"- every call with the logit feature {f} (--tiles-feature): the tiles of the "
+            "kernels with the features")
     for (dtype, d, causal, mode), c in best.items():
         spd = c["speed_vs_default"]
         say(f"- fastest, {dtype} d={d} {'causal' if causal else 'non-causal'} {mode}: "
@@ -248,4 +284,4 @@ def kind_text(k):
     """A tiles check kind in words."""
     tiles = "default tiles" if k["block_q"] is None else f"{k['block_q']} x {k['block_kv']}"
     return (f"tiles {k['dtype']} d={k['d']} {'causal' if k['causal'] else 'non-causal'} "
-            f"{k['mode']} {tiles}")
+            f"{k['mode']} {tiles}" + (f" with {k['feature']}" if k.get("feature") else ""))

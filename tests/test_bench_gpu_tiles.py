@@ -189,7 +189,37 @@ def test_a_pair_that_fails_its_check_is_reported_not_timed(monkeypatch):
     assert "failed" not in good[10] and good[12].endswith("x")
 
 
+def test_tiles_of_the_kernels_with_a_feature(tmp_path):
+    """--tiles-feature: every call takes the feature's arguments, so the rows are the masked
+    kernels' tiles, each checked against the features' oracle (dbias too on the backward; the
+    forward leaves return_dbias out)."""
+    rc, out, err = run_main(["--backend", "emulator", "--sections", "tiles", "--dims", "16",
+                             "--causal", "no", "--modes", "fwd,bwd", "--tiles-n", "16",
+                             "--tokens", "16", "--hidden", "32", "--reps", "2", "--warmup", "0",
+                             "--plot", "", "--tiles-pairs", "16x16", "--json",
+                             str(tmp_path / "t.json"), "--tiles-feature", "bias (1,H,N,N) + dbias"])
+    assert rc == 0, out + err
+    assert ("- every call with the logit feature bias (1,H,N,N) + dbias (--tiles-feature): the "
+            "tiles of the kernels with the features") in out
+    _, rows = table_rows(out, TITLE)
+    assert [(r[3], r[6], r[7].endswith("(default)")) for r in rows] == [
+        ("fwd", "flash_fwd_tc_masked", True), ("fwd", "flash_fwd_tc_masked", False),
+        ("bwd", "flash_bwd_tc_masked", True), ("bwd", "flash_bwd_tc_masked", False)]
+    assert all(not r[10].startswith(("n/a", "failed")) for r in rows), rows
+    res = json.loads((tmp_path / "t.json").read_text())
+    checks = [c for c in res["checks"] if c["kind"].get("section") == "tiles"]
+    assert [(c["kind"]["mode"], c["kind"]["feature"], c["status"], sorted(c["errors"]))
+            for c in checks] == [
+        ("fwd", "bias (1,H,N,N) + dbias", "passed", ["o"])] * 2 + [
+        ("bwd", "bias (1,H,N,N) + dbias", "passed", ["dbias", "dk", "dq", "dv", "o"])] * 2
+    assert all(c["feature"] == "bias (1,H,N,N) + dbias" for c in res["cases"]
+               if c["section"] == "tiles")
+
+
 @pytest.mark.parametrize("argv,msg", [
+    (["--tiles-feature", "ALiBi", "--causal", "yes"], "argument --tiles-feature: the features' "
+     "check has no causal mask"),
+    (["--tiles-feature", "window (N/8, 0)"], "argument --tiles-feature: invalid choice"),
     (["--tiles-n", "128", "--tokens", "64"], "argument --tiles-n: 128 exceeds --tokens 64"),
     (["--modes", "fwdbwd"], "argument --modes: the tiles section times fwd and bwd"),
     (["--tiles-pairs", "64x"], "argument --tiles-pairs: '64x' is not a pair BQxBKV"),
