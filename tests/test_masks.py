@@ -266,6 +266,10 @@ TC_BWD_CASES = [
      dict(softcap=2.5, bias=(70, 40)), 64, 32, False),
     ("float16", (2, 2, 45, 32), (2, 1, 130, 32), False,
      dict(dropout_p=0.35, alibi_slopes=(2, 2), window=(40, 40)), 32, 64, True),
+    # the default at d = 64: 64 x 128, 8 warps, the query split with 32 keys per warp pair;
+    # GQA, dbias added (broadcast over heads)
+    ("float16", (1, 2, 100, 64), (1, 1, 130, 64), False,
+     dict(bias=(1, 1, 100, 130), alibi_slopes=(2,), softcap=3.0, dropout_p=0.1), 64, 128, False),
     # 16 keys per warp pair in one pass (d + dv in (128, 256] with block_q >= 64: the query
     # split with one m16 tile per warp), dbias stored
     ("bfloat16", (1, 2, 70, 96), (1, 2, 90, 96), "bottom_right",
