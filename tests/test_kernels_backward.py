@@ -635,7 +635,7 @@ def test_tc_default_tiles_fit_every_arch(arch):
 @pytest.mark.parametrize("arch", sorted(tiling.EMULATOR_ARCHES))
 def test_tc_masked_default_keeps_32_queries_per_warp(arch):
     """flash_bwd_tc_masked's register budget is lower than flash_bwd_tc's.  Where it sends 32 x
-    128 to the query split (d + dv in (80, 128]) the default is block_q = 64 (64 x 128, or 64 x
+    128 to the query split (d + dv in (64, 128]) the default is block_q = 64 (64 x 128, or 64 x
     64 where 111 KB do not fit): 32 queries per warp as the plain kernel's 32 x 128 has, not 16;
     where 64 x 128 needs two passes over the head dims (d + dv in (128, 256]) it is 16 keys
     per warp pair in one pass, 128 x 64 (sm_90) or 64 x 64.  At d = 16, 32 and 80 the plain

@@ -202,7 +202,7 @@ def _bwd_tc_preferences(d, dv, acc):
 
 def _bwd_tc_masked_preferences(d, dv, acc):
     # flash_bwd_tc_masked: where its register budget sends 32 x 128 to the query split (d + dv
-    # > ~80: 32 keys per warp pair, 16 queries per warp), block_q = 64 gives each warp 32
+    # in (64, 128]: 32 keys per warp pair, 16 queries per warp), block_q = 64 gives each warp 32
     # queries again, as the plain kernel's 32 x 128 does with 32 keys per warp: the per-warp
     # work of a trip doubles while its fixed part (copies, addresses, barriers, the dQ reds'
     # setup) does not.  Counted (bench/feature_counts.py method, float16 d = 64, sm_80, per
