@@ -653,6 +653,33 @@ def test_race_check_tc_backward_pair_layout(rng):
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
 
 
+def test_tc_backward_sm90_default_d128(rng):
+    """flash_bwd_tc_masked's H100 default at d = 128 (128 x 64, 8 warps, 16 keys per warp pair in
+    one pass; 206 KB of shared memory: an emulated sm_90) against the oracle, every feature
+    with dbias stored."""
+    from conftest import require_backend
+    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels, tiling
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", arch="sm_90")
+    p = tiling.plan("flash_bwd_tc_masked", 128, 128, "bfloat16", limit=rt.smem_limit)
+    assert (p.block_q, p.block_kv, p.threads) == (128, 64, 256)
+    assert tiling.bwd_tc_layout(128, 64, 128, 128, True) == (8, 1, 1, 2)
+    q, k, v = oracle.qkv(rng, (1, 2, 150, 128), (1, 2, 140, 128), dtype="bfloat16")
+    feat = dict(bias=(rng.standard_normal((1, 2, 150, 140)) * 2).astype(np.float32),
+                softcap=3.0, dropout_p=0.1, seed=7, window=(60, None), alibi_slopes=np.array(
+                    [0.1, 0.2], np.float32))
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, "bfloat16")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
+    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
+    with _launch.observe_launches() as seen, poisoned_outputs():
+        grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, spec, ms, False)
+    assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_masked",
+                                           "flash_bwd_tc_dq_convert"]
+    assert (seen[1]["block"][0], seen[1]["shared_mem"]) == (256, p.shared_bytes) == (256, 210944)
+    oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 2, 40, 70), (1, 1, 1, 70)])
 def test_race_check_tf32_backward_row_paths(rng, bias_shape):
     """flash_bwd_tf32_masked under TSan where its bias and dbias row loops run (no softcap,
