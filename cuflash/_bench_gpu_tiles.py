@@ -135,9 +135,7 @@ def _check(bench, dtype, d, causal, mode, bq, bkv):
     feature, names = a.tiles_feature, GRAD_NAMES
     if feature:  # the features section's oracle (non-causal), its arguments on the device
         hkw = feature_kwargs(feature, True, None, 2, 2, n, dtype)
-        if not grad:
-            hkw.pop("return_dbias", None)
-        names += ("dbias",) if hkw.get("return_dbias") else ()
+        names += ("dbias",) if grad and hkw.get("return_dbias") else ()
         ref = feature_attention(*host[:3], do, hkw)
         base = feature_attention(*host[:3], do, hkw, low=dtype) if dtype in LOW_PRECISION else None
         kw = feature_kwargs(feature, False, dev.xp, 2, 2, n, dtype)
@@ -205,8 +203,7 @@ def _run_problem(bench, runtime, dtype, d, causal, mode, shape, sets, nflops, kw
         if bq is not None and rec["status"] == "passed" and rec["kernel"] != kernel:
             e = {"status": "n/a", "reason": f"these tiles run {rec['kernel']}, not {kernel}"}
         else:
-            tkw = kw if mode == "bwd" or not kw else {k: v for k, v in kw.items() if k != "return_dbias"}
-            e = bench.time_method(CuflashTiles(a.backend, mode, bq, bkv, tkw), mode, sets, rec)
+            e = bench.time_method(CuflashTiles(a.backend, mode, bq, bkv, kw), mode, sets, rec)
         ms = e.get("ms")
         if bq is None:
             base_ms = ms
