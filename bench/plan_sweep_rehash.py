@@ -6,7 +6,8 @@ record, and a whole re-sweep is hours of compiles.  Some edits provably leave a 
 alone -- e.g. fields appended at the end of a parameter struct that the family never reads: no
 offset it uses moves.  This script checks that claim by compiling, for every family whose
 record no longer matches, a sample of its recorded plans from both trees (``--rev``'s
-kernels_cu and this one) and comparing NVRTC's PTX and cubin byte for byte.  Where every
+kernels_cu and this one) and comparing NVRTC's PTX and cubin byte for byte, or where those
+differ, every kernel's SASS and ptxas resource line (data no kernel reads may differ).  Where every
 sample is identical, the family's record takes the new hash, with a ``rehashed`` entry saying
 from which hash, against which revision and on how many plans; where one differs, nothing is
 carried and the family must be swept again (``plan_sweep.py --families F --write``).
@@ -77,13 +78,27 @@ def _plan_of(row):
         kd=row["d"], kdv=row["dv"])
 
 
+def _machine_code(res):
+    """Every kernel's SASS (opcodes and operands, addresses included) and ptxas's resource
+    line (registers, spills, stack, static shared memory) of one compile."""
+    from cuflash import _nvrtc, _sass
+    ins = _sass.instructions(_sass.disassemble(res.cubin))
+    return ({k: [(a, op, args) for a, op, args in v] for k, v in ins.items()},
+            _nvrtc.parse_ptxas_info(res.log))
+
+
 def _same(job):
-    """(key, identical?) of one row compiled from the old tree and from this one."""
+    """(key, identical?) of one row compiled from the old tree and from this one: the same
+    PTX and cubin bytes, or -- where only data the kernels never read differs (e.g. a
+    helper's static constexpr members, which NVRTC emits as named globals, renamed by a move
+    into a header) -- the same machine code of every kernel (:func:`_machine_code`)."""
     row, old_dir = job
     plan = _plan_of(row)
     a = ps.compile_family_plan(row["family"], plan, row["arch"], old_dir)
     b = ps.compile_family_plan(row["family"], plan, row["arch"])
-    return row["key"], a.ptx == b.ptx and a.cubin == b.cubin
+    if a.ptx == b.ptx and a.cubin == b.cubin:
+        return row["key"], True
+    return row["key"], _machine_code(a) == _machine_code(b)
 
 
 def main(argv=None):
@@ -119,7 +134,7 @@ def main(argv=None):
             print(f"{fam}: {len(diff)} of {len(rows)} sample plans compile differently "
                   f"(e.g. {diff[0]}): sweep it (plan_sweep.py --families {fam} --write)")
             continue
-        print(f"{fam}: {len(rows)} sample plans compile to the same PTX and cubin: carried")
+        print(f"{fam}: {len(rows)} sample plans compile to the same machine code: carried")
         carried.append(fam)
         rec = doc["families"][fam]
         rec["rehashed"] = rec.get("rehashed", []) + [

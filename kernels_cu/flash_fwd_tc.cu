@@ -87,6 +87,7 @@
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
+#include "tile_copy.cuh"
 #ifdef CUFLASH_MASKS
 #include "masks.cuh"
 #include "fast_math.cuh"
@@ -211,62 +212,10 @@ __device__ __forceinline__ void gstore_pair(T* p, float a, float b) {  // two 16
 #endif
 }
 
-// cp.async of a (kRows, kCols) tile in 16-byte chunks: chunk idx = tid + i * kThreads is row
-// idx / kCpr, column (idx % kCpr) * kChunk.  A thread's chunks sit at fixed offsets from its
-// first one (compile-time row and column steps), so the per-thread offsets are computed once
-// and each tile only adds its base address.
+// The tiles' copies (tile_copy.cuh), with this kernel's element type and threads; the
+// interior-only count build takes the full-tile path alone.
 template <int kRows, int kCols, int kSS>
-struct TileCopy {
-    static constexpr int kCpr = kCols / kChunk;  // chunks per row
-    static constexpr int kTotal = kRows * kCpr;
-    static constexpr int kIters = (kTotal + kThreads - 1) / kThreads;
-    static constexpr bool kExact = kTotal % kThreads == 0;  // every thread copies kIters chunks
-    // Unrolled with compile-time offsets when a row's chunks divide the threads (power-of-two
-    // head dims) and a thread has few chunks; else a rolled loop that computes each chunk's
-    // row and column (odd head dims, one or two warps with long tiles: an unrolled copy there
-    // keeps dozens of addresses live and spills).
-    static constexpr bool kUnrolled = kThreads % kCpr == 0 && kIters <= 8;
-    static constexpr int kRowStep = kThreads / kCpr;  // rows between a thread's chunks (unrolled)
-    int tid, row;    // the thread, its first row
-    int soff;        // its first chunk's shared-memory offset (elements)
-    long long goff;  // its first chunk's global offset (elements)
-    long long gs;    // global row stride
-    __device__ __forceinline__ TileCopy(int tid_, long long gs_) : tid(tid_), gs(gs_) {
-        row = tid / kCpr;
-        const int col = (tid % kCpr) * kChunk;
-        soff = row * kSS + col;
-        goff = row * gs + col;
-    }
-    // Start copying the tile at g (global) into s (shared), all kRows rows (kFull) or rows
-    // [0, rows) with the rest zero-filled (K/V rows past Nk must not hold NaN: P = 0 times
-    // NaN is NaN).  Visible to other threads after cp_async_wait and __syncthreads.
-    template <bool kFull>
-    __device__ __forceinline__ void issue(elem_t* s, const elem_t* g, int rows) const {
-        if (kUnrolled) {
-            const elem_t* src = g + goff;
-            const long long step = kRowStep * gs;
-#pragma unroll
-            for (int i = 0; i < kIters; ++i) {
-                if (kExact || row + i * kRowStep < kRows) {
-                    const bool valid = kFull || row + i * kRowStep < rows;
-                    cp_async_16_zfill(s + soff + i * kRowStep * kSS, valid ? src : g, valid);
-                }
-                src += step;
-            }
-        } else {
-#pragma unroll 1
-            for (int idx = tid; idx < kTotal; idx += kThreads) {
-                const int r = idx / kCpr, c = (idx - r * kCpr) * kChunk;
-                const bool valid = kFull || r < rows;
-                cp_async_16_zfill(s + r * kSS + c, valid ? g + r * gs + c : g, valid);
-            }
-        }
-    }
-    __device__ __forceinline__ void issue(elem_t* s, const elem_t* g, int rows) const {
-        if (CUFLASH_FWD_INTERIOR_ONLY || rows >= kRows) issue<true>(s, g, rows);
-        else issue<false>(s, g, rows);
-    }
-};
+using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSS, CUFLASH_FWD_INTERIOR_ONLY != 0>;
 
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
