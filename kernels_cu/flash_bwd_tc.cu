@@ -114,6 +114,7 @@
 #endif
 #include "dtype.cuh"
 #include "params.cuh"
+#include "tile_copy.cuh"
 #ifdef CUFLASH_MASKS
 #include "bwd_masks.cuh"
 #include "fast_math.cuh"
@@ -180,22 +181,20 @@ static_assert((kQS == 1 || kQS == 2) && kWarps % kQS == 0 && kBrw % 16 == 0 && k
 static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 
 // ------------------------------------------------------------------------------------------
-// Start copying `rows` valid rows of a (kRows, kCols) 16-bit tile (global row stride gs
-// elements) into shared memory (row stride kSt) with 16-byte cp.async; rows >= rows are
-// zero-filled with plain stores.  Visible to other threads after cp_async_wait + __syncthreads.
+// The tiles' copies (tile_copy.cuh: per-thread offsets computed once, compile-time steps;
+// rows past `rows` zero-filled), with this kernel's element type and threads.
 template <int kRows, int kCols, int kSt>
-__device__ __forceinline__ void load_rows_async(elem_t* s, const elem_t* g, long long gs, int rows, int tid) {
-    constexpr int kChunks = kCols / 8;
-    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
-        const int r = idx / kChunks, c = (idx - (idx / kChunks) * kChunks) * 8;
-        if (r < rows) cp_async_16(s + r * kSt + c, g + r * gs + c);
-        else cuflash_zero_b128(s + r * kSt + c);
-    }
-}
+using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt>;
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
+// (a compile-time trip count, as TileCopy: no remainder loop)
 __device__ __forceinline__ void load_floats_async(float* s, const float* g, int tid) {
-    for (int idx = tid; idx < kBr / 4; idx += kThreads) cp_async_16(s + 4 * idx, g + 4 * idx);
+    constexpr int kChunks = kBr / 4;
+#pragma unroll
+    for (int k = 0; k < (kChunks + kThreads - 1) / kThreads; ++k) {
+        const int idx = tid + k * kThreads;
+        if (kChunks % kThreads == 0 || idx < kChunks) cp_async_16(s + 4 * idx, g + 4 * idx);
+    }
 }
 
 // acc[mt] (16 keys x this slice's kC * 16 columns) += A[mt] (16 keys x queries 16kc..16kc+15,
@@ -376,24 +375,25 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 
         for (int pass = 0; pass < kPasses; ++pass) {
             // -- prologue: (K_j, V_j on the first pass) and the first (Q, dO, lse2, D) tile
-            auto issue_tile = [&](int tt, int buf) {
-                const int gg = tt / n_i, i = it0 + (tt - (tt / n_i) * n_i);
+            // tile tt of the block's (head, Q tile) pairs is head hk * group + gg, Q tile i:
+            // the loop below steps (gg, i) instead of dividing tt by n_i
+            auto issue_tile = [&](int gg, int i, int buf) {
                 const int h = hk * group + gg;
                 const int q0 = i * kBr;
                 const int rows = min(kBr, Nq - q0);
-                load_rows_async<kBr, kD, kKS>(Qs + buf * kBr * kKS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr,
-                                              p.q_sr, rows, tid);
-                load_rows_async<kBr, kDv, kVS>(dOs + buf * kBr * kVS,
-                                               dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, p.do_sr, rows, tid);
+                TileCopy<kBr, kD, kKS>(tid, p.q_sr).issue(Qs + buf * kBr * kKS,
+                                                          Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, rows);
+                TileCopy<kBr, kDv, kVS>(tid, p.do_sr).issue(dOs + buf * kBr * kVS,
+                                                            dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, rows);
                 const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
             };
             if (pass == 0) {
-                load_rows_async<kBc, kD, kKS>(Ks, Kb + kv0 * p.k_sr, p.k_sr, kv_rows, tid);
-                load_rows_async<kBc, kDv, kVS>(Vs, Vb + kv0 * p.v_sr, p.v_sr, kv_rows, tid);
+                TileCopy<kBc, kD, kKS>(tid, p.k_sr).issue(Ks, Kb + kv0 * p.k_sr, kv_rows);
+                TileCopy<kBc, kDv, kVS>(tid, p.v_sr).issue(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
-            issue_tile(0, 0);
+            issue_tile(0, it0, 0);
             cp_async_commit();
 
             float dk[kMT][2 * kKC][4], dv[kMT][2 * kVC][4];
@@ -405,9 +405,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 for (int n = 0; n < 2 * kVC; ++n) dv[mt][n][0] = dv[mt][n][1] = dv[mt][n][2] = dv[mt][n][3] = 0.0f;
             }
 
-            for (int tt = 0; tt < T; ++tt) {
+            for (int tt = 0, gg = 0, i = it0; tt < T; ++tt) {
                 const int buf = tt & 1;
-                const int gg = tt / n_i, i = it0 + (tt - (tt / n_i) * n_i);
                 const int h = hk * group + gg;
                 const int q0 = i * kBr;
                 cp_async_wait<0>();  // this thread's copies of tile tt (and K_j, V_j)
@@ -417,8 +416,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // buffer and this iteration may rewrite Ps / dSs.
                 __syncthreads();
                 // -- the next tile goes into the other buffer while this one computes
+                // (gg, i) of tile tt + 1
+                const bool next_head = i + 1 == it1;
+                const int gg1 = next_head ? gg + 1 : gg, i1 = next_head ? it0 : i + 1;
                 if (tt + 1 < T) {
-                    issue_tile(tt + 1, buf ^ 1);
+                    issue_tile(gg1, i1, buf ^ 1);
                     cp_async_commit();
                 }
                 const elem_t* Qt = Qs + buf * kBr * kKS;
@@ -836,6 +838,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             }
                     }
                 }
+                gg = gg1;
+                i = i1;
             }
 
             // -- dK_j (scaled) and dV_j, this warp's and pass's columns; keys >= Nk not written
