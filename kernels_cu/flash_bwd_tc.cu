@@ -115,6 +115,7 @@
 #include "dtype.cuh"
 #include "params.cuh"
 #include "tile_copy.cuh"
+#include "saddr.cuh"
 #ifdef CUFLASH_MASKS
 #include "bwd_masks.cuh"
 #include "fast_math.cuh"
@@ -197,19 +198,36 @@ __device__ __forceinline__ void load_floats_async(float* s, const float* g, int 
     }
 }
 
+// ldmatrix operands as one per-lane shared-memory address, computed once per block, plus a
+// byte offset per fragment (saddr.cuh; constant, or the rolled loops' k step): the lanes'
+// rows and columns, in elements from a fragment's first row, for row stride st:
+//   lane_a   the A operand (x4) of a row-major tile: rows lane & 15, columns 8 (lane >> 4)
+//   lane_b   two n8 B tiles (x4) of a row-major (n x k) tile: rows (lane & 7) + 8 (lane >> 4),
+//            columns 8 ((lane >> 3) & 1)
+//   lane_bt  two n8 B tiles (x4.trans) of a row-major (k x n) tile: rows (lane & 7) +
+//            8 ((lane >> 3) & 1), columns 8 (lane >> 4)
+//   lane_at  the A operand (x4.trans) of a row-major (k x m) tile: rows (lane & 7) +
+//            8 ((lane >> 4) & 1), columns 8 ((lane >> 3) & 1)
+constexpr int kElem = (int)sizeof(elem_t);
+__device__ __forceinline__ int lane_a(int lane, int st) { return (lane & 15) * st + (lane >> 4) * 8; }
+__device__ __forceinline__ int lane_b(int lane, int st) { return ((lane & 7) + (lane >> 4) * 8) * st + ((lane >> 3) & 1) * 8; }
+__device__ __forceinline__ int lane_bt(int lane, int st) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * st + (lane >> 4) * 8; }
+__device__ __forceinline__ int lane_at(int lane, int st) { return ((lane & 7) + ((lane >> 4) & 1) * 8) * st + ((lane >> 3) & 1) * 8; }
+
 // acc[mt] (16 keys x this slice's kC * 16 columns) += A[mt] (16 keys x queries 16kc..16kc+15,
-// fragments in registers) * B, B = those 16 rows of the row-major (queries x kCols) tile `b`
-// (row stride kSt): the "col" operand of the mma is the transposed 8x8 blocks, read with
-// ldmatrix.x4.trans (two 8-column tiles per load).  dV += P^T dO and dK += dS^T Q.
+// fragments in registers) * B, B = those 16 rows of the row-major (queries x kCols) tile
+// (row stride kSt) whose lane address (lane_bt) is `b`: the "col" operand of the mma is the
+// transposed 8x8 blocks, read with ldmatrix.x4.trans (two 8-column tiles per load).
+// dV += P^T dO and dK += dS^T Q.
 template <int kC, int kSt, int kCols>
 __device__ __forceinline__ void mma_rows_times_tile(float (&acc)[kMT][2 * kC][4], const uint32_t (&a)[kMT][4],
-                                                    const elem_t* b, int kc, int slice, int lane) {
+                                                    saddr_t b, int kc, int slice) {
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
         const int col = (slice * kC + c) * 16;
         if (kSlices == 1 || col < kCols) {
             uint32_t bb[4];
-            ldmatrix_x4_trans(bb, b + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kSt + col + (lane >> 4) * 8);
+            ldsm_x4_trans(bb, b + (kc * 16 * kSt + col) * kElem);
             const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
@@ -339,6 +357,22 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const int qh = warp % kQS;                // query half (S^T, dP^T) and column slice (dK, dV)
     const int kw0 = (warp / kQS) * kMT * 16;  // this warp's first key in the tile
     const int qw0 = qh * kBrw;                // this warp's first query of the tile
+    // the lane's ldmatrix addresses: K_w / V_w rows (A of S^T, dP^T), the warp's Q / dO rows
+    // of buffer 0 (B of S^T, dP^T), Q / dO of buffer 0 transposed (B of dK, dV), Ps / dSs rows
+    // (A of dV, dK with the query split), dSs and Ks transposed (A, B of dQ)
+    // (written as one address plus constant byte offsets where the row strides agree, so that
+    // ptxas can keep one register and fold the offsets into the instructions)
+    constexpr bool kSameStride = kKS == kVS;
+    const saddr_t ld_k = saddr_of(Ks + kw0 * kKS + lane_a(lane, kKS));
+    const saddr_t ld_v = kSameStride ? ld_k + (int)(Vs - Ks) * kElem : saddr_of(Vs + kw0 * kVS + lane_a(lane, kVS));
+    const saddr_t ld_q = saddr_of(Qs + qw0 * kKS + lane_b(lane, kKS));
+    const saddr_t ld_do = kSameStride ? ld_q + (int)(dOs - Qs) * kElem : saddr_of(dOs + qw0 * kVS + lane_b(lane, kVS));
+    const saddr_t ld_qt = saddr_of(Qs + lane_bt(lane, kKS));
+    const saddr_t ld_dot = kSameStride ? ld_qt + (int)(dOs - Qs) * kElem : saddr_of(dOs + lane_bt(lane, kVS));
+    const saddr_t ld_kt = ld_qt - (int)(Qs - Ks) * kElem;
+    const saddr_t ld_ds = saddr_of(dSs + kw0 * kSS + lane_a(lane, kSS));
+    const saddr_t ld_ps = ld_ds + (int)(Ps - dSs) * kElem;
+    const saddr_t ld_dst = saddr_of(dSs + lane_at(lane, kSS));
 #ifdef CUFLASH_MASKS
     const BwdBand band(p);
     const int w4 = g & 3;                     // this lane's word of a shared Philox block
@@ -423,8 +457,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     issue_tile(gg1, i1, buf ^ 1);
                     cp_async_commit();
                 }
-                const elem_t* Qt = Qs + buf * kBr * kKS;
-                const elem_t* dOt = dOs + buf * kBr * kVS;
+                const int qbuf = buf * kBr * kKS * kElem, dobuf = buf * kBr * kVS * kElem;  // bytes
                 const float* lse_t = lse_s + buf * kBr;
                 const float* D_t = D_s + buf * kBr;
 #ifdef CUFLASH_MASKS
@@ -489,12 +522,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     uint32_t a[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
-                        ldmatrix_x4(a[mt], Ks + (kw0 + mt * 16 + (lane & 15)) * kKS + kk + (lane >> 4) * 8);
+                        ldsm_x4(a[mt], ld_k + (mt * 16 * kKS + kk) * kElem);
 #pragma unroll
                     for (int n = 0; n < kNQ; n += 2) {
                         uint32_t bb[4];
-                        ldmatrix_x4(bb, Qt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kKS + kk +
-                                            ((lane >> 3) & 1) * 8);
+                        ldsm_x4(bb, ld_q + qbuf + (n * 8 * kKS + kk) * kElem);
                         const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
@@ -638,7 +670,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             a[mt][2] = kept(mt, 2 * kc + 1, 0);
                             a[mt][3] = kept(mt, 2 * kc + 1, 1);
                         }
-                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, ld_dot + dobuf, kc, slice);
                     }
                 } else {
                     // query split: this warp's half of P^T to Ps, for both warps of the pair
@@ -661,12 +693,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     uint32_t a[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
-                        ldmatrix_x4(a[mt], Vs + (kw0 + mt * 16 + (lane & 15)) * kVS + kk + (lane >> 4) * 8);
+                        ldsm_x4(a[mt], ld_v + (mt * 16 * kVS + kk) * kElem);
 #pragma unroll
                     for (int n = 0; n < kNQ; n += 2) {
                         uint32_t bb[4];
-                        ldmatrix_x4(bb, dOt + (qw0 + n * 8 + (lane & 7) + (lane >> 4) * 8) * kVS + kk +
-                                            ((lane >> 3) & 1) * 8);
+                        ldsm_x4(bb, ld_do + dobuf + (n * 8 * kVS + kk) * kElem);
                         const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
@@ -771,7 +802,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             store_pair_tile(dSs + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
                                             a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
                     }
-                    if (kQS == 1) mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
+                    if (kQS == 1) mma_rows_times_tile<kKC, kKS, kD>(dk, a, ld_qt + qbuf, kc, slice);
                 }
                 // (B) dS^T (and with the query split P^T) of every warp is in shared memory
                 // before the phase below reads it.
@@ -784,12 +815,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         uint32_t a[kMT][4];
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt)
-                            ldmatrix_x4(a[mt], Ps + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
-                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, dOt, kc, slice, lane);
+                            ldsm_x4(a[mt], ld_ps + (mt * 16 * kSS + kc * 16) * kElem);
+                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, ld_dot + dobuf, kc, slice);
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt)
-                            ldmatrix_x4(a[mt], dSs + (kw0 + mt * 16 + (lane & 15)) * kSS + kc * 16 + (lane >> 4) * 8);
-                        mma_rows_times_tile<kKC, kKS, kD>(dk, a, Qt, kc, slice, lane);
+                            ldsm_x4(a[mt], ld_ds + (mt * 16 * kSS + kc * 16) * kElem);
+                        mma_rows_times_tile<kKC, kKS, kD>(dk, a, ld_qt + qbuf, kc, slice);
                     }
                 }
 
@@ -809,13 +840,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             uint32_t a[kDqM / 16][4];
 #pragma unroll
                             for (int m = 0; m < kDqM / 16; ++m)
-                                ldmatrix_x4_trans(a[m], dSs + (kc * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * kSS + rq +
-                                                            m * 16 + ((lane >> 3) & 1) * 8);
+                                ldsm_x4_trans(a[m], ld_dst + (kc * 16 * kSS + rq + m * 16) * kElem);
 #pragma unroll
                             for (int n = 0; n < kDqN / 8; n += 2) {
                                 uint32_t bb[4];
-                                ldmatrix_x4_trans(bb, Ks + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kKS + cq +
-                                                          n * 8 + (lane >> 4) * 8);
+                                ldsm_x4_trans(bb, ld_kt + (kc * 16 * kKS + cq + n * 8) * kElem);
                                 const uint32_t b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
                                 for (int m = 0; m < kDqM / 16; ++m) {

@@ -88,6 +88,7 @@
 #include "dtype.cuh"
 #include "params.cuh"
 #include "tile_copy.cuh"
+#include "saddr.cuh"
 #ifdef CUFLASH_MASKS
 #include "masks.cuh"
 #include "fast_math.cuh"
@@ -268,29 +269,8 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
     }
 }
 #else
-// ldmatrix operands as one per-lane shared-memory address (the lane's row and column of the
-// fragment, computed once per block) plus a compile-time byte offset per fragment, which
-// ptxas folds into the instruction ([R+imm]).  Written as pointer + (lane terms + fragment
-// terms), ptxas recomputed each fragment's address from the lane index every tile (~90
-// integer instructions per K/V tile at d = 128: the constant part OR-ed into lane bits, then
-// multiplied by the row stride).  On the emulator the address is a byte pointer.
-#ifdef CUFLASH_EMULATOR
-typedef const unsigned char* saddr_t;
-__device__ __forceinline__ saddr_t saddr_of(const void* p) { return (saddr_t)p; }
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4(r, a); }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4_trans(r, a); }
-#else
-typedef uint32_t saddr_t;
-__device__ __forceinline__ saddr_t saddr_of(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-}
-#endif
+// ldmatrix operands as one per-lane shared-memory address plus a compile-time byte offset
+// per fragment (saddr.cuh).
 // The lanes' rows and columns: Q (x4: rows 0-15, columns 0 / 8), K (x4 = two n8 tiles: rows
 // 0-7 and 8-15 by lane bit 4, columns 0 / 8 by lane bit 3), V (x4.trans: rows 0-15, columns
 // 0 / 8 by lane bit 4); in elements from the tile's first row.
