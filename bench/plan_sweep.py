@@ -320,6 +320,7 @@ def lift_refusals():
     refusal sets of cuflash.tiling), to compile them again and re-derive those sets."""
     from cuflash.tiling import bwd, bwd_tc, core, fwd
     core.ASYM_DEFAULT_SPILLS = {}
+    core.ARCH_SPILLS = {}
     bwd_tc.BWD_TC_PTXAS_SPILLS = frozenset()
     bwd_tc.BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
     bwd.BWD_TF32_MASKED_PTXAS_SPILLS = frozenset()

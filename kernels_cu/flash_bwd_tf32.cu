@@ -287,15 +287,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
 #endif
     const int n_steps = group * per_head;  // (head, Q tile) steps of this block
 
-    // step s -> query head hk * group + s / per_head, Q tile it0 + s % per_head
-    auto issue = [&](int s, int stage) {
-        const int h = hk * group + s / per_head, q0 = (it0 + s % per_head) * kBr;
+    // step s is query head hk * group + gg, Q tile iq (gg = s / per_head, iq = it0 + s %
+    // per_head): the loop below steps (gg, iq) instead of dividing
+    auto issue = [&](int gg, int iq, int stage) {
+        const int h = hk * group + gg, q0 = iq * kBr;
         const int rows = min(kBr, Nq - q0);
         load_tile<kBr, kD, kQS>(Qs + stage * kBr * kQS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, p.q_sr, rows, tid);
         load_tile<kBr, kDv, kOS>(dOs + stage * kBr * kOS, dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr,
                                  p.do_sr, rows, tid);
         const size_t row0 = ((size_t)b * p.H + h) * Nq + q0;
-        for (int r = tid; r < kBr; r += kThreads) {
+#pragma unroll
+        for (int k = 0; k < (kBr + kThreads - 1) / kThreads; ++k) {  // (compile-time trip count)
+            const int r = tid + k * kThreads;
+            if (kBr % kThreads != 0 && r >= kBr) break;
             // rows past Nq and rows that see no key (lse = -inf): +inf, so P = 2^-inf = 0
             const float l = r < rows ? gload(LSE + row0 + r) : -INFINITY;
             lse2s[stage * kBr + r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
@@ -312,16 +316,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
     const float* Vw = Vs + warp * 16 * kVS;
     const int key0 = kv0 + warp * 16;  // the warp's first key
 
-    if (n_steps > 0) issue(0, 0);
+    if (n_steps > 0) issue(0, it0, 0);
     cp_async_commit();
-    for (int s = 0; s < n_steps; ++s) {
+    for (int s = 0, gg = 0, iq = it0; s < n_steps; ++s) {
         const int stage = s & 1;
-        const int h = hk * group + s / per_head, q0 = (it0 + s % per_head) * kBr;
+        const int h = hk * group + gg, q0 = iq * kBr;
+        // (gg, iq) of step s + 1
+        const bool next_head = iq + 1 == it0 + per_head;
+        const int gg1 = next_head ? gg + 1 : gg, iq1 = next_head ? it0 : iq + 1;
         cp_async_wait<0>();
         // Q_i, dO_i (and at s = 0 K_j, V_j), lse_i, D_i of this stage are visible; every warp
         // finished step s - 1, so its stage and dS^T may be overwritten.
         __syncthreads();
-        if (s + 1 < n_steps) issue(s + 1, stage ^ 1);
+        if (s + 1 < n_steps) issue(gg1, iq1, stage ^ 1);
         cp_async_commit();
         const float* Qt = Qs + stage * kBr * kQS;
         const float* dOt = dOs + stage * kBr * kOS;
@@ -543,6 +550,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                         gatomic_add(dq_tile + (size_t)r * kD + c0 + 8 * t + 4 * (i & 1) + m, scale * acc[m][i]);
             }
         }
+        gg = gg1;
+        iq = iq1;
     }
     cp_async_wait<0>();  // no copy outlives the block (K_j, V_j only, when n_steps == 0)
 

@@ -228,3 +228,36 @@ def test_asym_default_spills_are_recorded_and_refused():
                 tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv)
             n += 1
     assert n > 0
+
+
+def test_arch_spills_are_recorded_and_refused():
+    """Each plan refused per architecture in tiling/_arch_spills.py (d == dv, or a swept d != dv
+    pair) spilled in the record of its kernel's families on exactly those architectures; the
+    planner refuses it there, takes it on the others where nothing else refuses it, and refuses
+    it without a limit."""
+    from cuflash import tiling
+    fams = {}
+    for f, spec in SWEEP.FAMILIES.items():
+        fams.setdefault(spec[1], []).append(f)
+    record = _record()
+    n = 0
+    for kernel, plans in tiling.ARCH_SPILLS.items():
+        rows = [r for f in fams[kernel] for r in record[f]["rows"]]
+        spilled = {(r["block_q"], r["block_kv"], r["d"], r["dv"], r["arch"]) for r in rows if SWEEP.bad(r)}
+        clean = {(r["block_q"], r["block_kv"], r["d"], r["dv"], r["arch"]) for r in rows if not SWEEP.bad(r)}
+        for (bq, bkv, d, dv), archs in plans.items():
+            assert d == dv or (d, dv) in tiling.TC_ASYM_SWEPT, (kernel, bq, bkv, d, dv)
+            assert archs and set(archs) <= {80, 90}
+            for arch in (80, 90):
+                assert ((bq, bkv, d, dv, arch) in spilled) == (arch in archs), (kernel, bq, bkv, d, dv, arch)
+                limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
+                try:
+                    tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv, limit=limit)
+                    assert arch not in archs, (kernel, bq, bkv, d, dv, arch)
+                    assert (bq, bkv, d, dv, arch) in clean  # taken where it compiled clean
+                except ValueError as e:
+                    assert arch not in archs or "ptxas spills this plan" in str(e)
+            with pytest.raises(ValueError, match="ptxas spills this plan"):  # no limit: any arch
+                tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv)
+            n += 1
+    assert n > 0

@@ -5,6 +5,7 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
+from ._arch_spills import ARCH_SPILLS
 from ._asym_spills import ASYM_DEFAULT_SPILLS
 
 
@@ -294,12 +295,15 @@ def _why_not(t, bq, bkv, d, dv, acc, limit=None):
     """The kernel's own refusal of a tile pair (registers, head dims; a ptxas spill recorded
     for the architecture of ``limit``: :func:`sweep_arch`), or None."""
     why = t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
-    archs = ASYM_DEFAULT_SPILLS.get(t.name, {}).get((bq, bkv, d, dv), ())
+    key = (bq, bkv, d, dv)
+    archs, where = ASYM_DEFAULT_SPILLS.get(t.name, {}).get(key, ()), "_asym_spills.py"
+    if not archs:
+        archs, where = ARCH_SPILLS.get(t.name, {}).get(key, ()), "_arch_spills.py"
     arch = sweep_arch(limit)
     if why is None and archs and (arch is None or arch in archs):
         on = "/".join(f"sm_{a}" for a in archs if arch is None or a == arch)
         why = (f"ptxas spills this plan of {t.name} for {on} (block_q={bq}, block_kv={bkv}, d={d}, "
-               f"dv={dv}: bench/results/plan_sweep.json, cuflash/tiling/_asym_spills.py)")
+               f"dv={dv}: bench/results/plan_sweep.json, cuflash/tiling/{where})")
     return why
 
 

@@ -1,0 +1,36 @@
+"""Tensor-core backward plans that ptxas (NVRTC 13.0) spills on some architectures only:
+``kernel -> {(block_q, block_kv, d, dv): architectures}``, at d == dv and at the d != dv pairs
+of ``TC_ASYM_SWEPT`` (every tile pair compiled), refused at the shared-memory limits compiled
+for those architectures (:func:`cuflash.tiling.core.sweep_arch`), accepted elsewhere -- so that
+a plan spilling only in sm_90's compile (4-20 B near 255 registers) stays the default where
+it compiles clean.  Without a limit (no architecture known) they are refused everywhere.
+
+The default plans at the other d != dv pairs are in ``_asym_spills.py``; the plans spilling on
+every architecture in the frozensets of ``bwd_tc.py``.  Regenerated from the record by
+``bench/plan_sweep_arch_spills.py`` after a ``bench/plan_sweep.py --write`` of the backward
+families (tests/test_plan_sweep.py holds each entry to the spilling rows there), not edited
+by hand.
+"""
+ARCH_SPILLS = {
+    "flash_bwd_tf32_masked": {  # (block_q, block_kv, d, dv): architectures it spilled on
+        (32, 32, 64, 128): (90,), (32, 64, 64, 128): (90,), (32, 128, 64, 128): (90,),
+    },
+    "flash_bwd_tf32": {  # (block_q, block_kv, d, dv): architectures it spilled on
+    },
+    "flash_bwd_tc_masked": {  # (block_q, block_kv, d, dv): architectures it spilled on
+        (16, 32, 256, 256): (90,), (16, 64, 256, 256): (90,), (16, 128, 256, 256): (90,),
+        (32, 16, 64, 128): (90,), (32, 32, 208, 208): (90,), (32, 32, 256, 128): (90,),
+        (32, 64, 208, 208): (90,), (32, 128, 32, 32): (90,), (32, 128, 128, 64): (80,),
+        (32, 128, 208, 208): (90,), (64, 16, 64, 64): (90,), (64, 32, 32, 32): (80, 90),
+        (64, 32, 64, 64): (90,), (64, 64, 32, 32): (90,), (64, 64, 64, 64): (90,),
+        (64, 64, 256, 128): (90,), (64, 128, 16, 256): (80,), (64, 128, 32, 32): (90,),
+        (64, 128, 64, 128): (90,), (64, 128, 128, 64): (90,),
+    },
+    "flash_bwd_tc": {  # (block_q, block_kv, d, dv): architectures it spilled on
+        (16, 32, 16, 256): (90,), (16, 32, 144, 144): (90,), (16, 64, 16, 256): (90,),
+        (16, 64, 144, 144): (90,), (16, 64, 192, 128): (90,), (16, 128, 16, 256): (90,),
+        (16, 128, 144, 144): (90,), (32, 16, 256, 16): (90,), (32, 32, 128, 128): (90,),
+        (128, 64, 96, 96): (90,), (128, 128, 64, 128): (90,), (128, 128, 96, 96): (90,),
+        (128, 128, 128, 64): (90,),
+    },
+}
