@@ -410,22 +410,26 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
         for (int pass = 0; pass < kPasses; ++pass) {
             // -- prologue: (K_j, V_j on the first pass) and the first (Q, dO, lse2, D) tile
             // tile tt of the block's (head, Q tile) pairs is head hk * group + gg, Q tile i:
-            // the loop below steps (gg, i) instead of dividing tt by n_i
+            // the loop below steps (gg, i) instead of dividing tt by n_i.  Every tile (Q, dO
+            // here, K, V below) takes the row-tested copy alone (issue<false>: a predicate and
+            // a select per chunk) rather than a full-tile copy beside it: one copy of the code,
+            // and ptxas then kept flash_bwd_tc_masked's d = 256 plans for sm_90 (16 x 32, 16 x
+            // 64, both dtypes) free of the 4-8 B spills it had with both paths
             auto issue_tile = [&](int gg, int i, int buf) {
                 const int h = hk * group + gg;
                 const int q0 = i * kBr;
                 const int rows = min(kBr, Nq - q0);
-                TileCopy<kBr, kD, kKS>(tid, p.q_sr).issue(Qs + buf * kBr * kKS,
+                TileCopy<kBr, kD, kKS>(tid, p.q_sr).template issue<false>(Qs + buf * kBr * kKS,
                                                           Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, rows);
-                TileCopy<kBr, kDv, kVS>(tid, p.do_sr).issue(dOs + buf * kBr * kVS,
+                TileCopy<kBr, kDv, kVS>(tid, p.do_sr).template issue<false>(dOs + buf * kBr * kVS,
                                                             dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, rows);
                 const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
             };
             if (pass == 0) {
-                TileCopy<kBc, kD, kKS>(tid, p.k_sr).issue(Ks, Kb + kv0 * p.k_sr, kv_rows);
-                TileCopy<kBc, kDv, kVS>(tid, p.v_sr).issue(Vs, Vb + kv0 * p.v_sr, kv_rows);
+                TileCopy<kBc, kD, kKS>(tid, p.k_sr).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
+                TileCopy<kBc, kDv, kVS>(tid, p.v_sr).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
             issue_tile(0, it0, 0);
             cp_async_commit();

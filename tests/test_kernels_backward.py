@@ -632,6 +632,14 @@ def test_tc_default_tiles_fit_every_arch(arch):
         assert (p.block_q, p.block_kv, p.threads, tiling.bwd_tc_layout(p.block_q, p.block_kv, d, d)) == want
 
 
+def _not_spill_refused(d, dv, tiles, limit):
+    try:
+        tiling.plan("flash_bwd_tc_masked", d, dv, "float16", *tiles, limit=limit)
+    except ValueError as e:
+        return "ptxas spills this plan" not in str(e)
+    return True
+
+
 @pytest.mark.parametrize("arch", sorted(tiling.EMULATOR_ARCHES))
 def test_tc_masked_default_keeps_32_queries_per_warp(arch):
     """flash_bwd_tc_masked's register budget is lower than flash_bwd_tc's.  Where it sends 32 x
@@ -649,21 +657,24 @@ def test_tc_masked_default_keeps_32_queries_per_warp(arch):
         split = tiling.bwd_tc_layout(32, 128, d, dv, True)[3] == 2 and d + dv <= 128
         two = tiling.bwd_tc_layout(64, 128, d, dv, True)[2] == 2
         assert split == (64 < d + dv <= 128) and two == (d + dv > 160), (d, dv)
-        if not split and not two:  # the plain kernel's tiles
+        if not split and not two:  # the plain kernel's tiles (unless ptxas spills them in the
+            # masked build for this arch: tiling/_arch_spills.py)
             pp = tiling.plan("flash_bwd_tc", d, dv, "float16", limit=limit, limit_source=arch)
-            assert (p.block_q, p.block_kv) == (pp.block_q, pp.block_kv), (d, dv, arch, p)
+            if _not_spill_refused(d, dv, (pp.block_q, pp.block_kv), limit):
+                assert (p.block_q, p.block_kv) == (pp.block_q, pp.block_kv), (d, dv, arch, p)
             assert passes == 1
             continue
         first = ((64, 128), (64, 64)) if split else ((128, 64), (64, 64))
-        fits = [bt for bt in first if smem(*bt, d, dv, 4) <= limit]
-        if fits:  # the first of them that fits the arch's shared memory, in one pass
+        fits = [bt for bt in first if smem(*bt, d, dv, 4) <= limit and _not_spill_refused(d, dv, bt, limit)]
+        if fits:  # the first of them that fits the arch's shared memory (and compiled clean for
+            # it: tiling/_arch_spills.py), in one pass
             assert (p.block_q, p.block_kv) == fits[0], (d, dv, arch, p)
             assert passes == 1 and p.block_q // qs >= 32 and mt == (2 if split else 1), (d, dv, arch, p)
 
 
 def test_tc_refusals_name_the_reason_and_what_fits():
     # explicit tiles whose register arrays would spill: refused, never changed
-    with pytest.raises(ValueError, match=r"register floats.*limit 152.*pairs that fit: .*\(32, 128\)"):
+    with pytest.raises(ValueError, match=r"register floats.*limit 152.*pairs that fit: .*\(32, 32\)"):
         tiling.plan("flash_bwd_tc", 256, 256, "float16", 128, 128)
     with pytest.raises(ValueError, match="multiples of 16"):
         tiling.plan("flash_bwd_tc", 72, 72, "float16")
