@@ -155,6 +155,30 @@ def _compile_one(job):
     return job, res, None
 
 
+# The tensor-core backward's plans that the planner refuses on one architecture only, because
+# ptxas spills them there (cuflash/tiling/_arch_spills.py, _asym_spills.py): a specialisation
+# planned for sm_80 is not compiled for an architecture that never launches it.
+_TC_BWD_FILES = {"flash_bwd_tc.cu": "flash_bwd_tc", "flash_bwd_tf32.cu": "flash_bwd_tf32"}
+SKIPPED = []
+
+
+def _refused_on(fname, options, arch):
+    """True when the plan of a tensor-core backward specialisation is refused for ``arch``."""
+    if fname not in _TC_BWD_FILES:
+        return False
+    from cuflash.tiling import core
+    d = _defines(options)
+    try:
+        key = tuple(int(d[k]) for k in ("CUFLASH_BLOCK_Q", "CUFLASH_BLOCK_KV", "CUFLASH_HEAD_DIM",
+                                        "CUFLASH_HEAD_DIM_V"))
+    except KeyError:  # the helpers' module: no tiles
+        return False
+    kernel = _TC_BWD_FILES[fname] + ("_masked" if "CUFLASH_MASKS" in d else "")
+    archs = (core.ASYM_DEFAULT_SPILLS.get(kernel, {}).get(key, ())
+             or core.ARCH_SPILLS.get(kernel, {}).get(key, ()))
+    return arch in archs
+
+
 def jobs(archs, include_tests, only=None, sass=False):
     try:
         from cuflash.kernels import compile_variants
@@ -171,6 +195,9 @@ def jobs(archs, include_tests, only=None, sass=False):
             continue
         for opts in variants.get(f.name) or extra.get(f.name) or [()]:
             for arch in archs:
+                if _refused_on(f.name, opts, arch):
+                    SKIPPED.append((f.name, _short(tuple(opts)), arch))
+                    continue
                 out.append((str(f), tuple(opts), arch, sass))
     return out
 
@@ -234,6 +261,9 @@ def main(argv=None):
             ex.shutdown()
     print(file=sys.stderr)
     _print_table(rows)
+    for fname, variant, arch in SKIPPED:
+        print(f"\nNot compiled for sm_{arch}: {fname} {variant} -- the planner refuses this plan there "
+              "(ptxas spills it; cuflash/tiling/_arch_spills.py), so no sm_" f"{arch} launch runs it.")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if any("sass_total" in r for r in rows):
