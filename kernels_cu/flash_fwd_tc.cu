@@ -125,8 +125,7 @@ constexpr int kRowsW = kBr / kWarps;  // query rows per warp
 constexpr int kMT = kRowsW / 16;      // m16 tiles per warp
 constexpr int kNT = kBc / 8;          // n8 tiles of S
 constexpr int kOT = kDv / 8;          // n8 tiles of O
-constexpr int kElem = (int)sizeof(elem_t);
-constexpr int kChunk = 16 / kElem;    // elements per 16-byte cp.async
+[[maybe_unused]] constexpr int kElem = (int)sizeof(elem_t);  // (unused by the TF32 build)
 // The row sums l of the float16/bfloat16 kernel without logit features come from the tensor
 // core: P (as rounded for P V) times an n8 tile of ones, one MMA per m16 tile and 16 keys in
 // place of a FADD per logit, and whole (every column of the product is the row sum: no quad
