@@ -114,13 +114,6 @@ __device__ __forceinline__ void sts2(float* p, float a, float b) {
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
 #endif
 }
-// The 3xTF32 split of flash_fwd_tc.cu (three instructions; the hi mask 0xffffe000 is computed
-// from a run-time value, so that ptxas writes hi straight into fragment registers;
-// lo is left unmasked: the tensor core reads its top 19 bits, i.e. x - hi rounded to nearest).
-__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
-    hi = __float_as_uint(x) & hi_mask;
-    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
-}
 
 // cp.async of rows [0, rows) of a (kRows, kCols) float tile (global row stride gs) into shared
 // memory (row stride kSS), rows >= rows zero-filled; a rolled loop over the 16-byte chunks.
@@ -150,10 +143,10 @@ __device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, c
         lds4(a8, As + (g + 8) * kAS + kb * 16 + 4 * t);
 #pragma unroll
         for (int st = 0; st < 2; ++st) {
-            split(a0[2 * st], ah[st][0], al[st][0], hm);
-            split(a8[2 * st], ah[st][1], al[st][1], hm);
-            split(a0[2 * st + 1], ah[st][2], al[st][2], hm);
-            split(a8[2 * st + 1], ah[st][3], al[st][3], hm);
+            split_tf32(a0[2 * st], ah[st][0], al[st][0], hm);
+            split_tf32(a8[2 * st], ah[st][1], al[st][1], hm);
+            split_tf32(a0[2 * st + 1], ah[st][2], al[st][2], hm);
+            split_tf32(a8[2 * st + 1], ah[st][3], al[st][3], hm);
         }
 #pragma unroll
         for (int nq = 0; nq < kNQ; ++nq) {
@@ -162,8 +155,8 @@ __device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, c
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 uint32_t bh[2], bl[2];
-                split(bv[2 * st], bh[0], bl[0], hm);
-                split(bv[2 * st + 1], bh[1], bl[1], hm);
+                split_tf32(bv[2 * st], bh[0], bl[0], hm);
+                split_tf32(bv[2 * st + 1], bh[1], bl[1], hm);
                 mma_m16n8k8_3xtf32(acc[nq], ah[st], al[st], bh, bl, acc[nq]);
             }
         }
@@ -180,10 +173,10 @@ __device__ __forceinline__ void mma_xb(float (&acc)[kN / 8][4], const float (&x)
 #pragma unroll
     for (int kc = 0; kc < kNQ; ++kc) {
         uint32_t ah[4], al[4];
-        split(x[kc][0], ah[0], al[0], hm);  // (g, 2t)
-        split(x[kc][2], ah[1], al[1], hm);  // (g + 8, 2t)
-        split(x[kc][1], ah[2], al[2], hm);  // (g, 2t + 1)
-        split(x[kc][3], ah[3], al[3], hm);  // (g + 8, 2t + 1)
+        split_tf32(x[kc][0], ah[0], al[0], hm);  // (g, 2t)
+        split_tf32(x[kc][2], ah[1], al[1], hm);  // (g + 8, 2t)
+        split_tf32(x[kc][1], ah[2], al[2], hm);  // (g, 2t + 1)
+        split_tf32(x[kc][3], ah[3], al[3], hm);  // (g + 8, 2t + 1)
 #pragma unroll
         for (int c = 0; c < kN / 32; ++c) {
             float b0[4], b1[4];
@@ -192,8 +185,8 @@ __device__ __forceinline__ void mma_xb(float (&acc)[kN / 8][4], const float (&x)
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 uint32_t bh[2], bl[2];
-                split(b0[m], bh[0], bl[0], hm);
-                split(b1[m], bh[1], bl[1], hm);
+                split_tf32(b0[m], bh[0], bl[0], hm);
+                split_tf32(b1[m], bh[1], bl[1], hm);
                 mma_m16n8k8_3xtf32(acc[4 * c + m], ah, al, bh, bl, acc[4 * c + m]);
             }
         }
@@ -525,18 +518,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                 const float* d0 = dSTs + (kc * 8 + 2 * t) * kTS + r0 + g;
                 const float* d1 = d0 + kTS;
                 uint32_t ah[4], al[4];
-                split(d0[0], ah[0], al[0], hm);  // dS(r0 + g, key 2t)
-                split(d0[8], ah[1], al[1], hm);  // dS(r0 + g + 8, key 2t)
-                split(d1[0], ah[2], al[2], hm);  // dS(r0 + g, key 2t + 1)
-                split(d1[8], ah[3], al[3], hm);  // dS(r0 + g + 8, key 2t + 1)
+                split_tf32(d0[0], ah[0], al[0], hm);  // dS(r0 + g, key 2t)
+                split_tf32(d0[8], ah[1], al[1], hm);  // dS(r0 + g + 8, key 2t)
+                split_tf32(d1[0], ah[2], al[2], hm);  // dS(r0 + g, key 2t + 1)
+                split_tf32(d1[8], ah[3], al[3], hm);  // dS(r0 + g + 8, key 2t + 1)
                 float b0[4], b1[4];
                 lds4(b0, Ks + (kc * 8 + 2 * t) * kKS + c0 + 4 * g);
                 lds4(b1, Ks + (kc * 8 + 2 * t + 1) * kKS + c0 + 4 * g);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
                     uint32_t bh[2], bl[2];
-                    split(b0[m], bh[0], bl[0], hm);
-                    split(b1[m], bh[1], bl[1], hm);
+                    split_tf32(b0[m], bh[0], bl[0], hm);
+                    split_tf32(b1[m], bh[1], bl[1], hm);
                     mma_m16n8k8_3xtf32(acc[m], ah, al, bh, bl, acc[m]);
                 }
             }

@@ -219,18 +219,6 @@ using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSS, CUFLASH_FWD_INTE
 
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
-// split_tf32 of portable.cuh, in three instructions (LOP3, FADD, IADD3):
-// - hi = x & 0xffffe000 with the mask computed from a run-time value: with a constant mask ptxas notices that HMMA.TF32 ignores the low 13 bits anyway and feeds the
-//   raw floats as hi -- which then must be moved into each fragment's four consecutive
-//   registers, often twice (measured: ~300 extra MOVs per tile at d = 64); an opaque mask
-//   lets the LOP3 write hi straight into the fragment registers;
-// - lo = the bits of x - hi plus half a tf32 unit, not masked: the tensor core reads the top
-//   19 bits (the same fact ptxas uses above; the emulator reads operands that way too), so
-//   it sees x - hi rounded to nearest, ties away -- what split_tf32's final mask produces.
-__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask) {
-    hi = __float_as_uint(x) & hi_mask;
-    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
-}
 // One 128-bit load of 4 consecutive d-columns, split into the operands of two k8 MMAs:
 // columns 4t, 4t+1 (first) and 4t+2, 4t+3 (second) as k = t and t + 4.
 __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* Qw, const float* Kt,
@@ -245,10 +233,10 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
             lds4(q8, Qw + (mt * 16 + g + 8) * kQS + kb * 16 + 4 * t);
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
-                split(q0[2 * st], ah[mt][st][0], al[mt][st][0], hm);
-                split(q8[2 * st], ah[mt][st][1], al[mt][st][1], hm);
-                split(q0[2 * st + 1], ah[mt][st][2], al[mt][st][2], hm);
-                split(q8[2 * st + 1], ah[mt][st][3], al[mt][st][3], hm);
+                split_tf32(q0[2 * st], ah[mt][st][0], al[mt][st][0], hm);
+                split_tf32(q8[2 * st], ah[mt][st][1], al[mt][st][1], hm);
+                split_tf32(q0[2 * st + 1], ah[mt][st][2], al[mt][st][2], hm);
+                split_tf32(q8[2 * st + 1], ah[mt][st][3], al[mt][st][3], hm);
             }
         }
 #pragma unroll
@@ -258,8 +246,8 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 uint32_t bh[2], bl[2];
-                split(kv[2 * st], bh[0], bl[0], hm);
-                split(kv[2 * st + 1], bh[1], bl[1], hm);
+                split_tf32(kv[2 * st], bh[0], bl[0], hm);
+                split_tf32(kv[2 * st + 1], bh[1], bl[1], hm);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
                     mma_m16n8k8_3xtf32(s[mt][nt], ah[mt][st], al[mt][st], bh, bl, s[mt][nt]);
@@ -316,10 +304,10 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
         uint32_t ah[kMT][4], al[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {  // (g, 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1) as k = t, t+4
-            split(p[mt][kc][0], ah[mt][0], al[mt][0], hm);
-            split(p[mt][kc][2], ah[mt][1], al[mt][1], hm);
-            split(p[mt][kc][1], ah[mt][2], al[mt][2], hm);
-            split(p[mt][kc][3], ah[mt][3], al[mt][3], hm);
+            split_tf32(p[mt][kc][0], ah[mt][0], al[mt][0], hm);
+            split_tf32(p[mt][kc][2], ah[mt][1], al[mt][1], hm);
+            split_tf32(p[mt][kc][1], ah[mt][2], al[mt][2], hm);
+            split_tf32(p[mt][kc][3], ah[mt][3], al[mt][3], hm);
         }
 #pragma unroll
         for (int c = 0; c < kDv / 16; ++c) {  // 16 columns of V: an "even" and an "odd" n8 tile
@@ -329,8 +317,8 @@ __device__ __forceinline__ void compute_pv(float (&o)[kMT][kOT][4], const float 
 #pragma unroll
             for (int par = 0; par < 2; ++par) {
                 uint32_t bh[2], bl[2];
-                split(v0[par], bh[0], bl[0], hm);
-                split(v1[par], bh[1], bl[1], hm);
+                split_tf32(v0[par], bh[0], bl[0], hm);
+                split_tf32(v1[par], bh[1], bl[1], hm);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
                     mma_m16n8k8_3xtf32(o[mt][2 * c + par], ah[mt], al[mt], bh, bl, o[mt][2 * c + par]);

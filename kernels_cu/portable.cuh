@@ -514,15 +514,23 @@ __device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c,
 //
 // 3xTF32 (the "big + small" split): x = hi + lo, a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b.
 // split_tf32 takes hi = x with its low 13 bits cleared (round toward zero: one LOP3, the
-// big part CUTLASS uses) and lo = the remainder x - hi (exact in float, |lo| < 2^-10 |x|)
-// rounded to nearest (ties away) by the integer add-and-mask that cvt.rna.tf32.f32 itself
-// compiles to on sm_80/sm_90 -- both are tf32 bit patterns as cvt produces them.  Four
-// instructions (LOP3, FADD, IADD3, LOP3) instead of two cvt.rna (~9 with their NaN checks).
-// hi + lo equals x to ~2^-21 relative (the dropped lo_a*lo_b term is < 2^-20); in a dot
-// product these errors are below float32's own accumulation error (tests/test_emulator_tf32
-// and the float32 forward tests hold the float64 oracle's 1e-5).  A NaN x keeps a NaN hi
-// (its top mantissa bits are set), an infinite x an infinite hi, so non-finite inputs still
-// reach the product even though lo of them is garbage.
+// big part CUTLASS uses) and lo = x - hi (exact in float, 0 <= lo/x < 2^-10) nudged up in
+// magnitude by x * 2^-23 in the same instruction: lo = fma(x, 1 + 2^-23, -hi), one FFMA.
+// The tensor core reads lo's top 19 bits (truncation), and the nudge -- between a quarter and
+// a half of a tf32 unit of lo where lo is largest -- makes that truncation nearly a rounding:
+// over 2e6 normal x, |hi + tf32(lo) - x| / |x| has RMS 9.5e-8 and mean +1.3e-8 (rounding lo to
+// nearest: 8.2e-8, +3.2e-8; plain truncation: 1.2e-7, -7.5e-8), and at most 1.5 * 2^-22
+// (tests/test_emulator_tf32.py).  Two instructions per operand element; the previous split
+// (FADD, then lo + half a tf32 unit: IADD3) took three and measured O and dQ/dK/dV on the
+// emulator within 12% of this one's relative errors (5.4e-7 against 6.1e-7 for O).  The
+// dropped lo_a*lo_b term is < 2^-20; in a dot product these errors are below float32's own
+// accumulation error (the float32 forward/backward tests hold the float64 oracle's 1e-5).
+// A NaN x keeps a NaN hi (its top mantissa bits are set), an infinite x an infinite hi, so
+// non-finite inputs still reach the product even though lo of them is NaN.
+// hi_mask: the kernels pass 0xffffe000 computed from a run-time value -- with the constant,
+// ptxas notices that HMMA.TF32 ignores the low 13 bits and feeds the raw float as hi, which
+// then has to be moved into each fragment's consecutive registers (measured: ~300 extra MOVs
+// per K/V tile of the forward at d = 64); an opaque mask lets the LOP3 write the fragment.
 // mma.m16n8k8 with .tf32 operands (PTX ISA, "Matrix Fragments for mma.m16n8k8"), lane L,
 // g = L/4, t = L%4: A (16x8, row) a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4);
 // B (8x8, col) b0 = (k = t, n = g), b1 = (k = t+4, n = g); C/D as for m16n8k16:
@@ -544,10 +552,10 @@ __device__ __forceinline__ uint32_t cvt_rna_tf32(float x) {
 }
 __device__ __forceinline__ float tf32_to_float(uint32_t r) { return __uint_as_float(r); }
 
-// x = hi + lo (3xTF32 operands): hi truncated, lo the remainder rounded (see above).
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-    hi = __float_as_uint(x) & 0xffffe000u;
-    lo = (__float_as_uint(x - __uint_as_float(hi)) + 0x1000u) & 0xffffe000u;
+// x = hi + lo (3xTF32 operands): hi truncated, lo the remainder nudged (see above).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask = 0xffffe000u) {
+    hi = __float_as_uint(x) & hi_mask;
+    lo = __float_as_uint(__fmaf_rn(x, 1.00000011920928955078125f, -__uint_as_float(hi)));  // 1 + 2^-23
 }
 
 // Software m16n8k8.tf32 for GPUs without it (sm_75): 32 shuffles, the operands read as the

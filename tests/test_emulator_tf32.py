@@ -9,6 +9,9 @@
   holding tf32 (portable.cuh explains where that model comes from); each against
   NumPy in float64, on the emulated tensor core (sm_80) and through portable.cuh's
   shuffle-based software mma (-arch=sm_75);
+* ``split_tf32`` (the 3xTF32 operands): hi = x truncated to tf32, lo = fma(x, 1 + 2^-23,
+  -hi) bit for bit against NumPy, and x - hi - (what the tensor core reads of lo) near a
+  rounding of lo: at most 1.5 * 2^-22 of |x|, RMS below plain truncation's;
 * 3xTF32 reaches float32 accuracy (relative error < 1e-6 here; the float32 rule of
   docs/testing.md is 1e-5), 1xTF32 does not (~1e-4).
 """
@@ -74,6 +77,38 @@ def test_cvt_rna_tf32(module):
         assert np.isnan(y[-1])
         bits = y[np.isfinite(y)].view(np.uint32)
         assert not np.any(bits & 0x1FFF), "tf32 values keep the low 13 bits zero"
+
+
+def test_split_tf32(module):
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.standard_normal(200_000),
+                        rng.standard_normal(20_000) * 2.0 ** rng.integers(-90, 90, 20_000)]).astype(np.float32)
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)
+    xs = np.concatenate([x, special])
+    hi = np.full(xs.shape, 0xDEADBEEF, np.uint32)
+    lo = hi.copy()
+    module(80).get_function("tf32_split")((-(-xs.size // 128),), (128,), (xs, hi, lo, np.int32(xs.size)))
+    # the model: hi = top 19 bits; lo = x * (1 + 2^-23) - hi rounded once to float32 (exact
+    # in float64: 24 + 23 bits), i.e. the FFMA
+    want_hi = x.view(np.uint32) & np.uint32(0xFFFFE000)
+    x64, hi64 = x.astype(np.float64), want_hi.view(np.float32).astype(np.float64)
+    want_lo = (x64 * (1 + 2.0 ** -23) - hi64).astype(np.float32)
+    np.testing.assert_array_equal(hi[:x.size], want_hi)
+    np.testing.assert_array_equal(lo[:x.size], want_lo.view(np.uint32))
+    # specials: inf keeps an infinite hi, NaN a NaN hi, a zero of either sign splits into
+    # itself and a zero
+    hs = hi[x.size:].view(np.float32)
+    assert hs[0] == np.inf and hs[1] == -np.inf and np.isnan(hs[2])
+    assert list(hi[x.size + 3:]) == [0, 0x80000000] and not np.any(lo[x.size + 3:] & 0x7FFFFFFF)
+    # what the three products see of x: hi + tf32_trunc(lo)
+    nz = x != 0
+    err = (hi64 + tf32_trunc(lo[:x.size].view(np.float32)) - x64)[nz] / np.abs(x64[nz])
+    assert np.abs(err).max() <= 1.5 * 2.0 ** -22, np.abs(err).max()
+    trunc = ((hi64 + tf32_trunc((x64 - hi64).astype(np.float32)) - x64)[nz] / np.abs(x64[nz]))
+    rms = lambda e: np.sqrt(np.mean(e * e))  # noqa: E731
+    assert rms(err) < 0.85 * rms(trunc), (rms(err), rms(trunc))
+    sign = np.sign(x64[nz])
+    assert abs(np.mean(err * sign)) < 0.3 * abs(np.mean(trunc * sign))
 
 
 def _matmul(module, arch, a, b, mode):

@@ -1,6 +1,7 @@
 // The TF32 building blocks of portable.cuh (its last section), checked against NumPy by
 // tests/test_emulator_tf32.py:
 //   tf32_round:  y[i] = the float value of cvt_rna_tf32(x[i]) (cvt.rna.tf32.f32);
+//   tf32_split:  hi[i], lo[i] = the bit patterns split_tf32 gives x[i] (3xTF32 operands);
 //   matmul_tf32: C = A @ B (float32, row-major) through mma.m16n8k8 with tf32 operands, one
 //                warp per 16 x 8 tile of C, fragments read straight from global memory in the
 //                PTX ISA layout; `mode` 0: operands cvt_rna_tf32(x) (1xTF32); 1: 3xTF32
@@ -12,6 +13,16 @@
 extern "C" __global__ void tf32_round(const float* x, float* y, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gstore(y + i, tf32_to_float(cvt_rna_tf32(gload(x + i))));
+}
+
+extern "C" __global__ void tf32_split(const float* x, unsigned* hi, unsigned* lo, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        uint32_t h, l;
+        split_tf32(gload(x + i), h, l);
+        gstore(hi + i, (unsigned)h);
+        gstore(lo + i, (unsigned)l);
+    }
 }
 
 __device__ __forceinline__ float at(const float* M, int rows, int cols, int r, int c) {
