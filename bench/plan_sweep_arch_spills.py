@@ -1,9 +1,10 @@
-"""Re-derive the per-architecture spill refusals of the tensor-core backward kernels from the record.
+"""Re-derive the per-architecture spill refusals of the tensor-core kernels from the record.
 
 ``cuflash/tiling/_asym_spills.py`` (default plans at the d != dv pairs outside
 ``TC_ASYM_SWEPT``) and ``cuflash/tiling/_arch_spills.py`` (plans at d == dv and at the swept
 pairs) refuse, per architecture, the plans of the tensor-core backward kernels (flash_bwd_tc,
-flash_bwd_tf32 and their masked builds: KERNELS) that ptxas spilled.  After a kernel edit and
+flash_bwd_tf32 and their masked builds) and of the float32 forward (flash_fwd_tf32 and its
+masked build) -- KERNELS -- that ptxas spilled.  After a kernel edit and
 ``bench/plan_sweep.py --families <those kernels' families> --write`` (which compiles only the
 plans the planner accepts, so the rows of the refused ones drop out of the record):
 
@@ -36,7 +37,9 @@ from cuflash import tiling  # noqa: E402
 KERNELS = {"flash_bwd_tc": ("flash_bwd_tc", "flash_bwd_tc_asym"),
            "flash_bwd_tc_masked": ("flash_bwd_tc_masked", "flash_bwd_tc_masked_asym"),
            "flash_bwd_tf32": ("flash_bwd_tf32", "flash_bwd_tf32_asym"),
-           "flash_bwd_tf32_masked": ("flash_bwd_tf32_masked", "flash_bwd_tf32_masked_asym")}
+           "flash_bwd_tf32_masked": ("flash_bwd_tf32_masked", "flash_bwd_tf32_masked_asym"),
+           "flash_fwd_tf32": ("flash_fwd_tf32", "flash_fwd_tf32_asym"),
+           "flash_fwd_tf32_masked": ("flash_fwd_tf32_masked", "flash_fwd_tf32_masked_asym")}
 TILING = ps.ROOT / "cuflash" / "tiling"
 
 
