@@ -247,6 +247,7 @@ def main():
     print()
     both(results[1], results[4], "float16 d=64")
     both(results[0], results[3], "float16 d=128")
+    both(results[2], results[5], "float32 (3xTF32) d=64")
     return 0
 
 

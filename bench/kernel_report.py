@@ -155,25 +155,29 @@ def _compile_one(job):
     return job, res, None
 
 
-# The tensor-core backward's plans that the planner refuses on one architecture only, because
-# ptxas spills them there (cuflash/tiling/_arch_spills.py, _asym_spills.py): a specialisation
-# planned for sm_80 is not compiled for an architecture that never launches it.
-_TC_BWD_FILES = {"flash_bwd_tc.cu": "flash_bwd_tc", "flash_bwd_tf32.cu": "flash_bwd_tf32"}
+# The tensor-core backward's and the float32 forward's plans that the planner refuses on one
+# architecture only, because ptxas spills them there (cuflash/tiling/_arch_spills.py,
+# _asym_spills.py): a specialisation planned for sm_80 is not compiled for an architecture that
+# never launches it.  File -> kernel (flash_fwd_tc.cu: its float32 build only).
+_TC_REFUSAL_FILES = {"flash_bwd_tc.cu": "flash_bwd_tc", "flash_bwd_tf32.cu": "flash_bwd_tf32",
+                     "flash_fwd_tc.cu": "flash_fwd_tf32"}
 SKIPPED = []
 
 
 def _refused_on(fname, options, arch):
-    """True when the plan of a tensor-core backward specialisation is refused for ``arch``."""
-    if fname not in _TC_BWD_FILES:
+    """True when the plan of such a specialisation is refused for ``arch``."""
+    if fname not in _TC_REFUSAL_FILES:
         return False
     from cuflash.tiling import core
     d = _defines(options)
+    if fname == "flash_fwd_tc.cu" and "CUFLASH_DTYPE_F32" not in d:
+        return False
     try:
         key = tuple(int(d[k]) for k in ("CUFLASH_BLOCK_Q", "CUFLASH_BLOCK_KV", "CUFLASH_HEAD_DIM",
                                         "CUFLASH_HEAD_DIM_V"))
     except KeyError:  # the helpers' module: no tiles
         return False
-    kernel = _TC_BWD_FILES[fname] + ("_masked" if "CUFLASH_MASKS" in d else "")
+    kernel = _TC_REFUSAL_FILES[fname] + ("_masked" if "CUFLASH_MASKS" in d else "")
     archs = (core.ASYM_DEFAULT_SPILLS.get(kernel, {}).get(key, ())
              or core.ARCH_SPILLS.get(kernel, {}).get(key, ()))
     return arch in archs
