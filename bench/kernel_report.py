@@ -178,9 +178,7 @@ def _refused_on(fname, options, arch):
     except KeyError:  # the helpers' module: no tiles
         return False
     kernel = _TC_REFUSAL_FILES[fname] + ("_masked" if "CUFLASH_MASKS" in d else "")
-    archs = (core.ASYM_DEFAULT_SPILLS.get(kernel, {}).get(key, ())
-             or core.ARCH_SPILLS.get(kernel, {}).get(key, ()))
-    return arch in archs
+    return arch in core.spill_archs(kernel, key)[0]
 
 
 def jobs(archs, include_tests, only=None, sass=False):

@@ -291,14 +291,20 @@ def sweep_arch(limit):
     return 90 if limit >= EMULATOR_ARCHES["sm_90"] else 80
 
 
+def spill_archs(kernel, key):
+    """The architectures (80, 90) on which ptxas spilled plan ``key`` = (block_q, block_kv, d,
+    dv) of ``kernel`` per _asym_spills.py or _arch_spills.py, and the file that says so."""
+    archs = ASYM_DEFAULT_SPILLS.get(kernel, {}).get(key, ())
+    if archs:
+        return archs, "_asym_spills.py"
+    return ARCH_SPILLS.get(kernel, {}).get(key, ()), "_arch_spills.py"
+
+
 def _why_not(t, bq, bkv, d, dv, acc, limit=None):
     """The kernel's own refusal of a tile pair (registers, head dims; a ptxas spill recorded
     for the architecture of ``limit``: :func:`sweep_arch`), or None."""
     why = t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
-    key = (bq, bkv, d, dv)
-    archs, where = ASYM_DEFAULT_SPILLS.get(t.name, {}).get(key, ()), "_asym_spills.py"
-    if not archs:
-        archs, where = ARCH_SPILLS.get(t.name, {}).get(key, ()), "_arch_spills.py"
+    archs, where = spill_archs(t.name, (bq, bkv, d, dv))
     arch = sweep_arch(limit)
     if why is None and archs and (arch is None or arch in archs):
         on = "/".join(f"sm_{a}" for a in archs if arch is None or a == arch)
