@@ -521,8 +521,9 @@ __device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c,
 // over 2e6 normal x, |hi + tf32(lo) - x| / |x| has RMS 9.5e-8 and mean +1.3e-8 (rounding lo to
 // nearest: 8.2e-8, +3.2e-8; plain truncation: 1.2e-7, -7.5e-8), and at most 1.5 * 2^-22
 // (tests/test_emulator_tf32.py).  Two instructions per operand element; the previous split
-// (FADD, then lo + half a tf32 unit: IADD3) took three and measured O and dQ/dK/dV on the
-// emulator within 12% of this one's relative errors (5.4e-7 against 6.1e-7 for O).  The
+// (FADD, then lo + half a tf32 unit: IADD3) took three, and O and dQ/dK/dV on the emulator
+// come out 6-31% less accurate with this one (e.g. O 5.4e-7 -> 6.1e-7; lo truncated without
+// the nudge: 8.0e-7), all far inside 1e-5 (bench/results/tf32_accuracy.md).  The
 // dropped lo_a*lo_b term is < 2^-20; in a dot product these errors are below float32's own
 // accumulation error (the float32 forward/backward tests hold the float64 oracle's 1e-5).
 // A NaN x keeps a NaN hi (its top mantissa bits are set), an infinite x an infinite hi, so
