@@ -51,6 +51,15 @@ def _variant(tmp, tag, edits):
     return d
 
 
+def _opaque(fname, decl, var, value):
+    """An edit that gives the dropout bit word its initial ``value`` through a parameter the
+    compiler cannot see through (``p.mask_dropout >> 1``: 0 at run time): with dropout off as
+    a constant, ptxas would otherwise fold the word and every use of it away (the masks of the
+    dV operand), which the kernel cannot do at run time, where the flag is a parameter -- the
+    variants count what a call executes."""
+    return (fname, decl, f"unsigned long long {var} = {value} ^ ((unsigned long long)p.mask_dropout >> 1);")
+
+
 def _loop_count(folder, fname, plan, extra, arch=80):
     defines = dict(kernels.plan_defines(plan), **extra)
     opts = (f"-arch=sm_{arch}", f"-I{folder}",
@@ -113,7 +122,8 @@ def backward(tmp, dtype, d):
                 (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
                  "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
                 (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
-                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;")]
+                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
+                _opaque(fn, "unsigned long long keep = ~0ull;", "keep", "~0ull")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "                const bool has_alibi = p.mask_has_alibi != 0;\n"
              "                const int db_mode = p.mask_dbias;")
@@ -156,7 +166,8 @@ def backward_tf32(tmp, d):
     extra = {"CUFLASH_MASKS": None}
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
     interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
-                         "const bool need_mask = false, band_crossed = kv_rows < kBc ||")]
+                         "const bool need_mask = false, band_crossed = kv_rows < kBc ||"),
+                _opaque(fn, "unsigned long long dropped = 0;", "dropped", "0ull")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "            const bool has_alibi = p.mask_has_alibi != 0;\n")
 
@@ -176,7 +187,7 @@ def backward_tf32(tmp, d):
                             f"if (kRowPaths && {db} != 0 && db_mode == 0) {{"),
                            (fn, "if (p.mask_dbias == 1) dbias_loop(false);", f"if ({db} == 1) dbias_loop(false);"),
                            (fn, "        if (drop.on) {\n", f"        if ({b(drop)}) {{\n"),
-                           (fn, "const float dpv = drop.on ?", f"const float dpv = {b(drop)} ?")]
+                           (fn, "float ds = pv * (drop.on ?", f"float ds = pv * ({b(drop)} ?")]
 
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),

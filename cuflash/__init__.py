@@ -64,9 +64,11 @@ _FEATURES_DOC = """bias : ndarray, optional
         Dropout on the attention probabilities, in [0, 1): ``o = (P * keep /
         (1 - dropout_p)) V``, P the softmax (lse is the undropped softmax's).
         ``keep`` comes from a counter-based generator (Philox4x32-10 keyed by
-        ``seed`` and indexed by (batch, head, i, j)), so every backend drops the
-        same elements for the same seed and the backward regenerates the mask
-        instead of storing it; :func:`dropout_mask` returns it.
+        ``seed`` and indexed by (batch, head, i, j); 16 bits per element, so
+        the drop probability is ``round(p * 2**16) / 2**16``, within 2**-17 of
+        p), so every backend drops the same elements for the same seed and the
+        backward regenerates the mask instead of storing it;
+        :func:`dropout_mask` returns it.
     seed : int, optional
         In [0, 2**64); required when ``dropout_p > 0``."""
 

@@ -16,9 +16,11 @@ The semantics (documented in full on :func:`cuflash.tiled_attention`):
   ``window = (left, right)``, ``i + off - left <= j <= i + off + right``
   (a negative or None side is unbounded); the visible keys of a row are one
   interval ``[lo_i, hi_i)``;
-* dropout keeps element (b, h, i, j) iff word ``j % 4`` of Philox4x32-10 at
-  counter ``(j // 4, i, h, b)`` with key ``(seed mod 2^32, seed // 2^32)`` is
-  ``>= threshold = round(p * 2^32)``; kept probabilities are scaled by 1/(1-p).
+* dropout keeps element (b, h, i, j) iff the 16-bit half ``j % 2`` of word
+  ``2 ((i >> 3) & 1) + ((j >> 3) & 1)`` of Philox4x32-10 at counter
+  ``(4 (j >> 4) + ((j >> 1) & 3), 8 (i >> 4) + (i & 7), h, b)`` with key
+  ``(seed mod 2^32, seed // 2^32)`` is ``>= threshold = round(p * 2^16)``
+  (eight elements per block); kept probabilities are scaled by 1/(1-p).
 """
 import math
 import numbers
@@ -87,7 +89,7 @@ class MaskSpec:
 
     @property
     def drop_threshold(self):
-        """Philox words below this are dropped (uint32 range)."""
+        """16-bit Philox draws below this are dropped."""
         return dropout_threshold(self.dropout_p)
 
     @property
@@ -168,8 +170,12 @@ def check_dropout(dropout_p, seed):
 
 
 def dropout_threshold(p):
-    """The uint32 threshold of dropout probability ``p``: words below it are dropped."""
-    return min(int(round(float(p) * 2.0 ** 32)), 2 ** 32 - 1)
+    """The 16-bit threshold of dropout probability ``p``: draws below it are dropped.
+
+    round(p * 2^16), at most 2^16 - 1: elements are dropped with probability
+    threshold / 2^16, within 2^-17 of p (the kept ones are scaled by 1 / (1 - p)).
+    """
+    return min(int(round(float(p) * 2.0 ** 16)), 2 ** 16 - 1)
 
 
 def _check_array(name, a, like):

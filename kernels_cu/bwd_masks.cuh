@@ -29,23 +29,39 @@ __device__ __forceinline__ float dv_scale(const BwdParams& p) {
     return p.mask_dropout != 0 ? (float)p.mask_drop_scale : 1.0f;
 }
 
-// The dropped bits of one S^T fragment (keys g, g + 8, queries 2t, 2t + 1 of lane (g, t)):
-// bit e = 2 hh + eq for key row g + 8 hh, query 2t + eq.  The four lanes g = 4a .. 4a + 3
-// (w4 = g & 3) of one t hold the four keys of a Philox block for each of their queries and
-// key rows: lane w4 draws the block of query i0 + (w4 & 1) and keys from key row 8 (w4 >> 1)
-// (i0: the fragment's query 2t; m0: its key g's Philox block index with g = 4a, i.e. (key of
-// row 0 of the fragment + 4a) / 4), compares its four words and the quad swaps the bits:
-// v holds lane e's bits at 4e .. 4e + 3 after two xor shuffles; element e takes bit w4 of
-// lane e's -- bits 4e + w4 -- packed to bits e by one multiply (0x249 = 1 + 2^3 + 2^6 + 2^9:
-// no carries).  One Philox block per four logits; every lane of the warp must call it.
-__device__ __forceinline__ uint32_t bwd_dropped_bits(const DropoutKey& drop, int b, int h, int i0,
-                                                     int m0, int w4) {
-    uint32_t blk[4];
-    cuflash_dropout_block(blk, drop.k0, drop.k1, b, h, i0 + (w4 & 1), m0 + 2 * (w4 >> 1));
-    uint32_t v = ((uint32_t)(blk[0] < drop.threshold) | ((uint32_t)(blk[1] < drop.threshold) << 1) |
-                  ((uint32_t)(blk[2] < drop.threshold) << 2) |
-                  ((uint32_t)(blk[3] < drop.threshold) << 3)) << (4 * w4);
-    v |= __shfl_xor_sync(0xffffffffu, v, 4);
-    v |= __shfl_xor_sync(0xffffffffu, v, 8);
-    return ((((v >> w4) & 0x1111u) * 0x249u) >> 9) & 0xfu;
+// The dropout bits of a trip, one 64-bit word per lane: element (rh, hh, eq) -- key row g + 8 hh,
+// query 2t + eq of 8-query fragment 2 q + rh -- of fragment pair q (q < 8) at bit
+// bwd_drop_bit(q, rh, hh, eq).  The two queries of a pair (eq = 0, 1) lie 8 bits apart, so
+// that one shift puts them at bits 7 and 15 and cuflash_half_mask (one PRMT) makes the mask
+// of a packed 16-bit pair.
+__device__ __forceinline__ constexpr int bwd_drop_bit(int q, int rh, int hh, int eq) {
+    return 16 * (q >> 1) + 4 * (q & 1) + 2 * rh + hh + 8 * eq;
+}
+// The 16-bit pair mask (0xffff per element whose bit is set) of elements (q, rh, hh, 0 / 1).
+__device__ __forceinline__ uint32_t bwd_pair_mask(unsigned long long bits, int q, int rh, int hh) {
+    const int s = bwd_drop_bit(q, rh, hh, 0);  // a constant in the unrolled loops
+    return cuflash_half_mask(s >= 7 ? (uint32_t)(bits >> (s - 7)) : (uint32_t)bits << (7 - s));
+}
+
+// The dropped bits of two S^T fragments: keys k16 + g + 8 hh (k16 a multiple of 16) and
+// queries q16 + 8 rh + 2t + eq (q16 a multiple of 16, fragments rh = 0, 1) of lane (g, t), at
+// bit 2 rh + hh + 8 eq (bwd_drop_bit(0, rh, hh, eq)).  The Philox block of query row q
+// (philox.cuh) holds rows {q, q + 8} x keys {2u, 2u + 1, 2u + 8, 2u + 9} of the 16 x 16 tile,
+// word 2 rh + hh, the half the key's parity: lanes g = 2u and 2u + 1 (lane ^ 4) hold the even
+// and odd keys of it for queries 2t and 2t + 1.  Each draws the block of query 2t + e (e = g
+// & 1), keeps the half of its own keys' parity (bits k + 8 e) and sends its partner the other
+// half (one shuffle): one Philox block per eight logits.  Every lane of the warp must call it.
+__device__ __forceinline__ uint32_t bwd_dropped_bits(const DropoutKey& drop, int b, int h, int q16,
+                                                     int k16, int g, int t) {
+    const int e = g & 1;
+    uint32_t w[4];
+    cuflash_dropout_block(w, drop.k0, drop.k1, b, h, q16 / 2 + 2 * t + e, k16 / 4 + (g >> 1));
+    uint32_t lo = 0, hi = 0;  // dropped bits of the words' low / high halves, word k at bit k
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo |= (uint32_t)!cuflash_keep_lo(w[k], drop.threshold) << k;
+        hi |= (uint32_t)!cuflash_keep_hi(w[k], drop.threshold) << k;
+    }
+    const uint32_t mine = (e ? hi : lo) << (8 * e), other = (e ? lo : hi) << (8 * e);
+    return mine | __shfl_xor_sync(0xffffffffu, other, 4);
 }

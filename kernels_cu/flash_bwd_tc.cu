@@ -94,11 +94,11 @@
 // the ends clamped to in-bounds elements that the band test drops), ALiBi's distance in
 // float from a per-lane base.  P is kept undropped in pp (dS needs it) with the keep bits
 // of the dropout beside it; 1 - tanh^2 is kept as float16 pairs (dS is rounded to the
-// input dtype right after).  Dropout in the transposed layout: the four lanes g = 4a .. 4a
-// + 3 of one t hold the four keys of a Philox block for each of their queries 2t, 2t + 1
-// and key rows g, g + 8 -- four blocks, one drawn by each lane, which compares its four
-// words; two xor shuffles give every lane the sixteen bits, of which it keeps its word's
-// four: one Philox block per four logits.  dbias (= dS before softcap's derivative): every
+// input dtype right after).  Dropout in the transposed layout: lanes g = 2u, 2u + 1 of one t
+// hold the even and odd keys of the Philox blocks of queries 2t, 2t + 1 (rows q, q + 8 x keys
+// 2u, 2u + 1, 2u + 8, 2u + 9 of a 16 x 16 tile: 16 bits each, philox.cuh); each lane draws one
+// of the two blocks and the pair swaps halves with one xor shuffle (bwd_masks.cuh): one
+// Philox block per eight logits.  dbias (= dS before softcap's derivative): every
 // element of a visited tile pair inside [0, Nq) x [0, Nk) (0 outside the band) stored by
 // its one block or, broadcast, atomically added.
 //
@@ -375,7 +375,6 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const saddr_t ld_dst = saddr_of(dSs + lane_at(lane, kSS));
 #ifdef CUFLASH_MASKS
     const BwdBand band(p);
-    const int w4 = g & 3;                     // this lane's word of a shared Philox block
 #endif
 
     for (int jt = fi.tile; jt < p.n_kv_tiles; jt += p.n_kv_blocks) {
@@ -489,23 +488,22 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const float cap_k = has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
                 const DropoutKey drop = cuflash_dropout_key(p);
                 uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
-                // dropout keep bits, bit 4 (mt kNQ + n) + e of element (mt, n, e): at most 64
+                // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,
+                // hh, eq) of fragment pair q = mt kNQ / 2 + n / 2 (bwd_masks.cuh): at most 64
                 // (cuflash.tiling keeps kMT * kNQ <= 16 for the masked kernel)
                 static_assert(kMT * kNQ <= 16, "the masked backward keeps 64 dropout bits");
                 unsigned long long keep = ~0ull;
                 // dropout, before S^T (the bits depend on the indices only, and few registers
-                // are live here): element e = 2 hh + eq (key row g + 8 hh, query 2t + eq) of
-                // (mt, n) takes word w4 = g & 3 of the block of (query, keys 4m .. 4m + 3)
-                // that lane w4 = e of the four drew; this lane draws block w4, compares its
-                // four words and the four lanes swap the bits (two xor shuffles)
+                // are live here): one Philox block per lane for the eight logits of fragments
+                // (mt, n), (mt, n + 1) (n even), the lanes g, g ^ 1 swapping halves
+                // (bwd_masks.cuh)
                 if (drop.on) {
 #pragma unroll 1
-                    for (int mn = 0; mn < kMT * kNQ; ++mn) {  // (rolled: one Philox block per step)
-                            const int mt = mn / kNQ, n = mn % kNQ;
+                    for (int mn = 0; mn < kMT * kNQ / 2; ++mn) {  // (rolled: one Philox block per step)
+                            const int mt = mn / (kNQ / 2), n = 2 * (mn % (kNQ / 2));
                             const unsigned long long dropped = bwd_dropped_bits(
-                                drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8 + 2 * t,
-                                (kv0 + kw0 + mt * 16) / 4 + (g >> 2), w4);
-                            keep &= ~(dropped << (4 * mn));
+                                drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8, kv0 + kw0 + mt * 16, g, t);
+                            keep &= ~(dropped << bwd_drop_bit(mn, 0, 0, 0));
                     }
                 }
 #else
@@ -656,8 +654,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #ifdef CUFLASH_MASKS
                 // P^T with the dropped elements zeroed (dV's A operand): pair hf of (mt, n)
                 auto kept = [&](int mt, int n, int hf) -> uint32_t {
-                    const uint32_t k = (uint32_t)(keep >> ((mt * kNQ + n) * 4 + 2 * hf));
-                    return pp[mt][n][hf] & (((k & 1u) ? 0xffffu : 0u) | ((k & 2u) ? 0xffff0000u : 0u));
+                    return pp[mt][n][hf] & bwd_pair_mask(keep, mt * (kNQ / 2) + n / 2, n & 1, hf);
                 };
 #else
                 auto kept = [&](int mt, int n, int hf) -> uint32_t { return pp[mt][n][hf]; };
@@ -721,14 +718,17 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             float p0, p1;
                             unpack2<elem_t>(pp[mt][n][hh], p0, p1);
 #ifdef CUFLASH_MASKS
-                            float dp0 = dp[mt][n][2 * hh], dp1 = dp[mt][n][2 * hh + 1];
-                            if (drop.on) {  // dP of the dropped product: keep / (1 - p)
-                                const uint32_t k = (uint32_t)(keep >> ((mt * kNQ + n) * 4 + 2 * hh));
-                                dp0 = (k & 1u) ? dp0 * drop.scale : 0.0f;
-                                dp1 = (k & 2u) ? dp1 * drop.scale : 0.0f;
+                            const float dp0 = dp[mt][n][2 * hh], dp1 = dp[mt][n][2 * hh + 1];
+                            if (drop.on) {  // dP of the dropped product: keep / (1 - p), in one FFMA
+                                const int q = mt * (kNQ / 2) + n / 2;
+                                const bool k0 = (keep >> bwd_drop_bit(q, n & 1, hh, 0)) & 1;
+                                const bool k1 = (keep >> bwd_drop_bit(q, n & 1, hh, 1)) & 1;
+                                dp[mt][n][2 * hh] = p0 * fmaf(drop.scale, k0 ? dp0 : 0.0f, -dd.x);
+                                dp[mt][n][2 * hh + 1] = p1 * fmaf(drop.scale, k1 ? dp1 : 0.0f, -dd.y);
+                            } else {
+                                dp[mt][n][2 * hh] = p0 * (dp0 - dd.x);
+                                dp[mt][n][2 * hh + 1] = p1 * (dp1 - dd.y);
                             }
-                            dp[mt][n][2 * hh] = p0 * (dp0 - dd.x);
-                            dp[mt][n][2 * hh + 1] = p1 * (dp1 - dd.y);
 #else
                             dp[mt][n][2 * hh] = p0 * (dp[mt][n][2 * hh] - dd.x);
                             dp[mt][n][2 * hh + 1] = p1 * (dp[mt][n][2 * hh + 1] - dd.y);

@@ -337,15 +337,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                                kv0 + kBc - 1 - q0 >= band.hi_off;
         const DropoutKey drop = cuflash_dropout_key(p);
         static_assert(kNQ <= 16, "the masked backward keeps 64 dropout bits");
-        // dropped bits, bit 4 nq + e of element (nq, e); drawn before S^T (indices only)
+        // dropped bits: element (nq, e = 2 hh + eq) at bit bwd_drop_bit(nq / 2, nq & 1, hh, eq)
+        // (bwd_masks.cuh); drawn before S^T (indices only)
         unsigned long long dropped = 0;
         if (drop.on) {
 #pragma unroll 1
-            for (int nq = 0; nq < kNQ; ++nq)  // (rolled: one Philox block per step)
+            for (int nq = 0; nq < kNQ; nq += 2)  // (rolled: one Philox block per eight logits)
                 dropped |= (unsigned long long)bwd_dropped_bits(drop, b + p.mask_drop_b0, h,
-                                                                q0 + nq * 8 + 2 * t,
-                                                                key0 / 4 + (g >> 2), g & 3)
-                           << (4 * nq);
+                                                                q0 + nq * 8, key0, g, t)
+                           << bwd_drop_bit(nq / 2, 0, 0, 0);
         }
 #endif
         // -- S^T = K_w Q_i^T, dP^T = V_w dO_i^T
@@ -434,9 +434,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     if (need_mask && (key >= Nk || q >= Nq || key - q < band.lo_off || key - q >= band.hi_off))
                         x = -INFINITY;
                     const float pv = cuflash_exp2(x);
-                    const bool kept = ((dropped >> (4 * nq + e)) & 1) == 0;
-                    const float dpv = drop.on ? (kept ? dpt[nq][e] * drop.scale : 0.0f) : dpt[nq][e];
-                    float ds = pv * (dpv - dd[e & 1]);
+                    const bool kept = ((dropped >> bwd_drop_bit(nq / 2, nq & 1, e >> 1, e & 1)) & 1) == 0;
+                    // dP of the dropped product, keep / (1 - p), in one FFMA
+                    float ds = pv * (drop.on ? fmaf(drop.scale, kept ? dpt[nq][e] : 0.0f, -dd[e & 1])
+                                             : dpt[nq][e] - dd[e & 1]);
                     if (db_mode != 0 && key < Nk && q < Nq) {  // dbias = dS (0 outside the band)
                         float* dst = drow[e & 1] + ((e >> 1) ? dk8 : dk0);
                         if (db_mode == 1) gstore(dst, ds);

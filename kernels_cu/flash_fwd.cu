@@ -30,7 +30,8 @@
 // + ALiBi).  Each row's visible keys are one interval [row_lo, row_end) (causal and window);
 // KV tiles left of the first row's band are never loaded either.  With dropout, the kept P~
 // are scaled by 1 / (1 - p) in Ps (so P~ V is the dropped product) while l_i sums the
-// undropped P~.  Lane t draws the Philox block of each of its keys (t + 4c: word t).
+// undropped P~.  Lane t draws the Philox block of each of its keys (t + 4c): one block per
+// logit (the tensor-core kernels share a block among eight).
 //
 // Two kernels: flash_fwd (dense batches) and, compiled with -DCUFLASH_FWD_SERVING,
 // flash_fwd_serving (variable-length batches, KV caches contiguous or paged, split-KV with

@@ -69,10 +69,9 @@
 //     test runs only on tiles that cross some row's lo or hi (or hold rows past Nq) -- there
 //     a masked logit becomes -inf before its bias is read, so the bias is read once per
 //     visible (row, key), as in flash_fwd_masked;
-//   * dropout: lanes t and t ^ 1 hold keys 4m .. 4m + 3 of rows g and g + 8 between them
-//     (one Philox block per row and m); each draws the block of one row -- g for even t,
-//     g + 8 for odd t -- and passes the two words its partner needs by two shuffles: one
-//     Philox block per four logits.  Dropped P become 0 in the P V product only (l and lse
+//   * dropout: a Philox block holds the eight logits lane (g, t) has in two n8 tiles (rows g,
+//     g + 8; keys 2t, 2t + 1 of each; 16 bits each, philox.cuh): one block per eight logits,
+//     drawn by the lane that uses them.  Dropped P become 0 in the P V product only (l and lse
 //     are those of the undropped softmax), and 1 / (1 - p) multiplies O at the end with
 //     1 / l (P stays <= 2^kLazy in 16-bit: no overflow for p near 1).
 //
@@ -517,33 +516,30 @@ __device__ __forceinline__ void tc_features(float (&s)[kMT][kNT][4], const TcFea
     }
 }
 
-// Dropout of the tile's P (in s), keys k0 + 8 nt + 2t + e1 of rows i0 + 16 mt + g + 8 rr:
-// element (b, h, i, j) is kept iff word j & 3 of philox((j >> 2, i, h, b), key) >= threshold
-// (philox.cuh).  Lanes t and t ^ 1 share the blocks of keys 4m .. 4m + 3 (m = (k0 + 8 nt) / 4
-// + t / 2): the even lane draws row g's, the odd lane row g + 8's, and each sends the other
-// the two words it needs (xor-1 shuffles).  Kept P stay as they are (1 / (1 - p) is applied
-// to O at the end), dropped ones become 0 (also a NaN, as flash_fwd_masked).
+// Dropout of the tile's P (in s), keys k0 + 8 nt + 2t + e1 of rows i0 + 16 mt + g + 8 rr
+// (i0, k0 multiples of 16): the Philox block of row counter (i0 + 16 mt) / 2 + g and key
+// counter (k0 + 8 nt) / 4 + t (nt even) holds this lane's eight logits of n8 tiles nt, nt + 1
+// (philox.cuh): word 0 row g of tile nt, word 1 row g of tile nt + 1, words 2, 3 row g + 8;
+// the low half key 2t, the high half 2t + 1.  One block per eight logits, no shuffles.  Kept P
+// stay as they are (1 / (1 - p) is applied to O at the end), dropped ones become 0 (also a
+// NaN, as flash_fwd_masked).
+static_assert(kNT % 2 == 0, "dropout draws keys in 16-key groups");
 __device__ __forceinline__ void tc_dropout(float (&s)[kMT][kNT][4], const DropoutKey& dk, int b,
                                            int h, int i0, int k0, int g, int t) {
-    const bool odd = (t & 1) != 0;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-        const int i_own = i0 + mt * 16 + g + (odd ? 8 : 0);
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
+        for (int nt = 0; nt < kNT; nt += 2) {
             uint32_t w[4];
-            cuflash_dropout_block(w, dk.k0, dk.k1, b, h, i_own, (k0 + nt * 8) / 4 + (t >> 1));
-            // the even lane (row g) needs words 0, 1 of row g's block and of row g + 8's; the
-            // odd lane words 2, 3 of both
-            const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[2], 1);
-            const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? w[1] : w[3], 1);
-            const uint32_t x0 = odd ? r0 : w[0], x1 = odd ? r1 : w[1];    // row g
-            const uint32_t y0 = odd ? w[2] : r0, y1 = odd ? w[3] : r1;    // row g + 8
-            float* e = s[mt][nt];
-            e[0] = x0 >= dk.threshold ? e[0] : 0.0f;
-            e[1] = x1 >= dk.threshold ? e[1] : 0.0f;
-            e[2] = y0 >= dk.threshold ? e[2] : 0.0f;
-            e[3] = y1 >= dk.threshold ? e[3] : 0.0f;
+            cuflash_dropout_block(w, dk.k0, dk.k1, b, h, (i0 + mt * 16) / 2 + g, (k0 + nt * 8) / 4 + t);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {  // n8 tile nt + hf: words hf (row g), 2 + hf (row g + 8)
+                float* e = s[mt][nt + hf];
+                e[0] = cuflash_keep_lo(w[hf], dk.threshold) ? e[0] : 0.0f;
+                e[1] = cuflash_keep_hi(w[hf], dk.threshold) ? e[1] : 0.0f;
+                e[2] = cuflash_keep_lo(w[2 + hf], dk.threshold) ? e[2] : 0.0f;
+                e[3] = cuflash_keep_hi(w[2 + hf], dk.threshold) ? e[3] : 0.0f;
+            }
         }
     }
 }

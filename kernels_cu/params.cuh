@@ -57,7 +57,7 @@ struct FwdParams {
     long long mask_bias_sb, mask_bias_sh, mask_bias_sr, mask_bias_sc;  // bias strides (0: broadcast)
     long long mask_alibi_sb, mask_alibi_sh;  // ALiBi slope strides (batch, head)
     long long mask_seed_lo, mask_seed_hi;    // dropout key: the seed's two 32-bit halves
-    long long mask_drop_threshold;           // Philox words below it are dropped (round(p 2^32))
+    long long mask_drop_threshold;           // 16-bit draws below it are dropped (round(p 2^16))
     double mask_softcap;                     // c of c * tanh(s / c); 0: no softcap
     double mask_drop_scale;                  // 1 / (1 - p)
     int mask_has_bias, mask_has_alibi, mask_dropout;
@@ -126,7 +126,7 @@ struct BwdParams {
     long long mask_bias_sb, mask_bias_sh, mask_bias_sr, mask_bias_sc;  // bias strides (0: broadcast)
     long long mask_alibi_sb, mask_alibi_sh;  // ALiBi slope strides (batch, head)
     long long mask_seed_lo, mask_seed_hi;    // dropout key: the seed's two 32-bit halves
-    long long mask_drop_threshold;           // Philox words below it are dropped (round(p 2^32))
+    long long mask_drop_threshold;           // 16-bit draws below it are dropped (round(p 2^16))
     double mask_softcap;                     // c of c * tanh(s / c); 0: no softcap
     double mask_drop_scale;                  // 1 / (1 - p)
     int mask_has_bias, mask_has_alibi, mask_dropout;

@@ -5,11 +5,19 @@
 // state, so the forward draws the mask and the backward regenerates it instead of storing
 // it, and the NumPy reference (cuflash/reference/masks.py) draws the same bits.
 //
-// The dropout mask of cuflash: element (b, h, i, j) -- batch b and head h of the launch's
-// (B, H) problem grid, query row i, key j -- is kept iff word (j & 3) of
-// philox(counter = (j >> 2, i, h, b), key = (seed_lo, seed_hi)) >= threshold, with
-// threshold = round(p * 2^32): one Philox block serves four consecutive keys, so a thread
-// that owns keys 4m..4m+3 draws once for all four.
+// The dropout mask of cuflash draws 16 bits per element, eight elements per Philox block:
+// element (b, h, i, j) -- batch b and head h of the launch's (B, H) problem grid, query row i,
+// key j -- is kept iff half (j & 1) (the low 16 bits for even j) of word
+// 2 ((i >> 3) & 1) + ((j >> 3) & 1) of
+//     philox(counter = (4 (j >> 4) + ((j >> 1) & 3), 8 (i >> 4) + (i & 7), h, b),
+//            key = (seed_lo, seed_hi))
+// is >= threshold = round(p * 2^16) (at most 2^16 - 1).  One block holds rows {i, i + 8} x keys
+// {2t, 2t + 1, 2t + 8, 2t + 9} of a 16 x 16 tile (t = (j >> 1) & 3): exactly the eight logits
+// lane (g, t) of an m16n8 accumulator pair holds (rows g, g + 8; keys 2t, 2t + 1 of two n8
+// tiles), so the tensor-core forward draws one block per eight logits with no exchange between
+// lanes, and the backward's transposed fragments one per eight with one shuffle
+// (bwd_masks.cuh).  16 bits put the drop probability within 2^-17 of p (a 32-bit draw per
+// element cost twice the Philox rounds per logit: bench/results/feature_counts.md).
 #pragma once
 #include "portable.cuh"
 
@@ -29,22 +37,32 @@ __device__ __forceinline__ void cuflash_philox4x32_10(uint32_t (&c)[4], uint32_t
     }
 }
 
-// The four words of the block holding keys 4m..4m+3 (m = j >> 2) of row i, problem (b, h).
+// Counter halves of element (i, j): the block's row index (rows i and i + 8 of a 16-row group
+// share it) and key index (keys 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-key group share it).
+__device__ __forceinline__ int cuflash_drop_row(int i) { return ((i >> 4) << 3) | (i & 7); }
+__device__ __forceinline__ int cuflash_drop_col(int j) { return ((j >> 4) << 2) | ((j >> 1) & 3); }
+
+// The four words of block (row counter r, key counter m) of problem (b, h).
 __device__ __forceinline__ void cuflash_dropout_block(uint32_t (&w)[4], uint32_t k0, uint32_t k1,
-                                                      int b, int h, int i, int m) {
+                                                      int b, int h, int r, int m) {
     w[0] = (uint32_t)m;
-    w[1] = (uint32_t)i;
+    w[1] = (uint32_t)r;
     w[2] = (uint32_t)h;
     w[3] = (uint32_t)b;
     cuflash_philox4x32_10(w, k0, k1);
 }
 
-// Whether element (b, h, i, j) is kept (one Philox block per call: for a single key).
-__device__ __forceinline__ bool cuflash_dropout_keep(uint32_t k0, uint32_t k1, uint32_t threshold,
+// Whether the low / high 16 bits of word x are kept, against thr16 = threshold << 16 (what
+// cuflash_dropout_key holds): one compare each, no extraction.
+__device__ __forceinline__ bool cuflash_keep_lo(uint32_t x, uint32_t thr16) { return (x << 16) >= thr16; }
+__device__ __forceinline__ bool cuflash_keep_hi(uint32_t x, uint32_t thr16) { return x >= thr16; }
+
+// Whether element (b, h, i, j) is kept (one Philox block per call: for a single element).
+__device__ __forceinline__ bool cuflash_dropout_keep(uint32_t k0, uint32_t k1, uint32_t thr16,
                                                      int b, int h, int i, int j) {
     uint32_t w[4];
-    cuflash_dropout_block(w, k0, k1, b, h, i, j >> 2);
+    cuflash_dropout_block(w, k0, k1, b, h, cuflash_drop_row(i), cuflash_drop_col(j));
     // select without a dynamic register index (which would put w in local memory)
-    const uint32_t x = (j & 2) ? ((j & 1) ? w[3] : w[2]) : ((j & 1) ? w[1] : w[0]);
-    return x >= threshold;
+    const uint32_t x = (i & 8) ? ((j & 8) ? w[3] : w[2]) : ((j & 8) ? w[1] : w[0]);
+    return (j & 1) ? cuflash_keep_hi(x, thr16) : cuflash_keep_lo(x, thr16);
 }

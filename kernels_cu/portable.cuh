@@ -170,6 +170,21 @@ __device__ __forceinline__ uint32_t pack2_from(const T* p) {
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return pack2<__half>(lo, hi); }
 __device__ __forceinline__ uint32_t pack_bfloat162(float lo, float hi) { return pack2<__nv_bfloat16>(lo, hi); }
 
+// A mask of two 16-bit halves from two bits: 0xffff in the low half iff bit 7 of x is set,
+// in the high half iff bit 15 is (PTX prmt.b32 in its generic form, selector 0x9988: each
+// nibble's msb replicates the sign of the byte it selects -- one PRMT; CUDA's __byte_perm
+// documents only the low three bits of a nibble, so the PTX is written out).  The other bits
+// of x do not matter.
+__device__ __forceinline__ uint32_t cuflash_half_mask(uint32_t x) {
+#ifdef CUFLASH_EMULATOR
+    return ((x & 0x80u) ? 0x0000ffffu : 0u) | ((x & 0x8000u) ? 0xffff0000u : 0u);
+#else
+    uint32_t r;
+    asm("prmt.b32 %0, %1, 0, 0x9988;" : "=r"(r) : "r"(x));
+    return r;
+#endif
+}
+
 // ------------------------------------------------------------- dynamic shared memory
 // Declares `type* name` pointing at the launch's dynamic shared memory
 // (shared_mem= bytes).  The emulator fills it with 0xff bytes (NaN) before

@@ -189,14 +189,18 @@ def philox_block(c0, c1, c2, c3, k0, k1):
 
 
 def keep_mask(b, h, Nq, Nk, p, seed):
-    """(Nq, Nk) bool: dropout keeps (b, h, i, j) iff word j % 4 of Philox at (j // 4, i, h, b)
-    under key (seed % 2^32, seed // 2^32) is >= round(p * 2^32)."""
+    """(Nq, Nk) bool: dropout keeps (b, h, i, j) iff the 16-bit half j % 2 (low for even j) of
+    word 2 ((i // 8) % 2) + (j // 8) % 2 of Philox at (4 (j // 16) + (j % 8) // 2,
+    8 (i // 16) + i % 8, h, b) under key (seed % 2^32, seed // 2^32) is >= round(p * 2^16)."""
     i = np.arange(Nq)[:, None]
     j = np.arange(Nk)[None, :]
-    words = philox_block(j // 4, i, h, b, seed % 2 ** 32, seed // 2 ** 32)   # (4, Nq, Nk)
-    w = np.take_along_axis(words, np.broadcast_to(j % 4, (Nq, Nk))[None], axis=0)[0]
-    threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
-    return w >= threshold
+    words = philox_block(4 * (j // 16) + (j % 8) // 2, 8 * (i // 16) + i % 8, h, b,
+                         seed % 2 ** 32, seed // 2 ** 32)                     # (4, Nq, Nk)
+    word = np.broadcast_to(2 * ((i // 8) % 2) + (j // 8) % 2, (Nq, Nk))
+    w = np.take_along_axis(words, word[None], axis=0)[0]
+    half = np.where(j % 2 == 1, w >> np.uint64(16), w & np.uint64(0xFFFF))
+    threshold = min(int(round(p * 2.0 ** 16)), 2 ** 16 - 1)
+    return half >= threshold
 
 
 def _feature_terms(out_lead, oi, Nq, Nk, bias=None, window=None, alibi_slopes=None,

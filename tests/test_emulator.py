@@ -28,6 +28,34 @@ def reduce_mod():
     return em.RawModule(path=KERNELS / "reduce.cu")
 
 
+def prmt(a, b, c):
+    """PTX prmt.b32 d, a, b, c in its generic form (the PTX ISA's definition): byte n of d is
+    byte (c >> 4n) & 7 of {b, a}, or that byte's sign replicated where bit 3 of the nibble is
+    set."""
+    src = (np.uint64(b) << np.uint64(32)) | np.asarray(a, np.uint64)
+    d = np.zeros(np.shape(a), np.uint64)
+    for n in range(4):
+        ctl = (c >> (4 * n)) & 0xF
+        byte = (src >> np.uint64(8 * (ctl & 7))) & np.uint64(0xFF)
+        if ctl & 8:
+            byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        d |= byte << np.uint64(8 * n)
+    return d.astype(np.uint32)
+
+
+def test_half_mask_is_prmt_sign_replicate(basics):
+    """portable.cuh's cuflash_half_mask (the backward's dropout pair masks) is prmt.b32 x, 0,
+    0x9988 on the GPU; the emulator's model of it agrees with the PTX ISA's prmt on every
+    combination of the two bits that matter and on random words."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.array([0, 0x80, 0x8000, 0x8080, 0xFFFFFFFF, 0x7F7F7F7F, 0xFFFF7F7F],
+                                 np.uint32), rng.integers(0, 2 ** 32, 4096, dtype=np.uint32)])
+    y = np.full(x.size, 0xDEADBEEF, np.uint32)
+    basics.get_function("half_mask")((-(-x.size // 128),), (128,), (x, y, np.int32(x.size)))
+    np.testing.assert_array_equal(y, prmt(x, 0, 0x9988))
+    assert list(y[:4]) == [0, 0xFFFF, 0xFFFF0000, 0xFFFFFFFF]
+
+
 @pytest.mark.parametrize("n,per_block,threads", [(1000, 250, 96), (257, 257, 128), (31, 31, 32), (64, 16, 64)])
 def test_block_sum_shuffles_and_shared(reduce_mod, n, per_block, threads):
     rng = np.random.default_rng(n)

@@ -107,6 +107,22 @@ def test_dropout_fraction_is_p(p):
     assert np.all(np.abs(per_head - p) <= 0.05 * p + 0.005), per_head
 
 
+def test_dropout_draws_16_bits():
+    """The threshold is round(p 2^16) (at most 2^16 - 1), and an element is dropped exactly when
+    its 16-bit draw lies below it: raising p by 2^-16 drops only the elements whose draw equals
+    the old threshold -- about one element in 2^16 (9.4 expected over these 40 seeds)."""
+    from cuflash._validate_masks import dropout_threshold
+    assert [dropout_threshold(p) for p in (0.1, 0.5, 2.0 ** -16, 1 - 2.0 ** -20)] == \
+        [6554, 32768, 1, 65535]
+    shape, hits = (3, 64, 80), 0
+    for seed in range(40):
+        a = cuflash.dropout_mask(shape, 0.25, seed)
+        b = cuflash.dropout_mask(shape, 0.25 + 2.0 ** -16, seed)
+        assert not np.any(b & ~a), seed
+        hits += int(np.sum(a & ~b))
+    assert 2 <= hits <= 25, hits
+
+
 @pytest.mark.parametrize("dtype,Nk,kernel", [
     ("float32", 40, "flash_fwd_masked"),           # d = 40: the SIMT kernel
     ("float32", 48, "flash_fwd_tf32_masked"),      # d = 48: tensor cores, shared Philox blocks

@@ -175,3 +175,20 @@ def test_sass_instruction_mix():
     lo, hi = _sass.main_loop(code)
     assert code[0][0] <= lo < hi <= code[-1][0]
     assert 0 < _sass.mix(code, (lo, hi))["total"] < len(code)
+
+
+def test_half_mask_is_one_prmt():
+    """portable.cuh's cuflash_half_mask compiles to one PRMT with selector 0x9988 (the generic
+    form whose nibbles' msb replicates a byte's sign: tests/test_emulator.py holds the
+    emulator's model to the PTX ISA's definition) -- ptxas neither reinterprets nor expands it."""
+    from cuflash import _sass
+    ok, why = _sass.is_available()
+    if not ok:
+        if os.environ.get("CI"):
+            raise RuntimeError(f"cuobjdump not available in CI: {why}")
+        pytest.skip(why)
+    path = TEST_KERNELS / "basics.cu"
+    res = _nvrtc.compile(path.read_text(), path.name, _options(path, 80, ()))
+    code = _sass.instructions(_sass.disassemble(res.cubin))["half_mask"]
+    prmt = [args for _, op, args in code if op.startswith("PRMT")]
+    assert len(prmt) == 1 and "0x9988" in prmt[0], prmt

@@ -59,8 +59,11 @@ def dropout_keep(b, h, i, c0, c1, seed, p, xp=np):
 
     ``b``, ``h`` broadcast against each other (shape ``lead``); ``i`` is a 1-D
     array of rows.  Returns bool of shape ``broadcast(b, h) + (len(i), c1 - c0)``.
-    Element (b, h, i, j) is word ``j % 4`` of the Philox block at counter
-    ``(j // 4, i, h, b)``: one block serves four consecutive keys.
+    Element (b, h, i, j) is the 16-bit half ``j % 2`` (low half for even j) of
+    word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)`` of the Philox block at counter
+    ``(4 * (j >> 4) + ((j >> 1) & 3), 8 * (i >> 4) + (i & 7), h, b)``: one block
+    serves rows {i, i + 8} x keys {2t, 2t + 1, 2t + 8, 2t + 9} of a 16 x 16 tile,
+    the eight logits one lane of the tensor-core kernels holds.
     """
     b = xp.asarray(b, dtype=xp.int64)
     h = xp.asarray(h, dtype=xp.int64)
@@ -68,13 +71,19 @@ def dropout_keep(b, h, i, c0, c1, seed, p, xp=np):
     i = xp.asarray(i, dtype=xp.int64)
     if c1 <= c0 or i.size == 0:
         return xp.zeros(lead + (int(i.size), max(c1 - c0, 0)), dtype=bool)
-    blk = xp.arange(c0 >> 2, ((c1 - 1) >> 2) + 1, dtype=xp.int64)
+    j = xp.arange(c0, c1, dtype=xp.int64)
+    rc = ((i >> 4) << 3) | (i & 7)                          # row counters
+    kc = ((j >> 4) << 2) | ((j >> 1) & 3)                   # key counters
+    r_lo, k_lo = int(rc.min()), int(kc.min())
+    rows = xp.arange(r_lo, int(rc.max()) + 1, dtype=xp.int64)
+    keys = xp.arange(k_lo, int(kc.max()) + 1, dtype=xp.int64)
     ex = (Ellipsis, None, None)
-    words = philox4x32_10(blk, i[:, None], h[ex], b[ex], seed & 0xFFFFFFFF, seed >> 32, xp=xp)
-    w = xp.stack(words, axis=-1)                            # (..., rows, blocks, 4)
-    w = w.reshape(w.shape[:-2] + (w.shape[-2] * 4,))        # keys 4*blk[0] ...
-    start = c0 - 4 * (c0 >> 2)
-    return w[..., start:start + (c1 - c0)] >= xp.uint32(dropout_threshold(p))
+    words = philox4x32_10(keys, rows[:, None], h[ex], b[ex], seed & 0xFFFFFFFF, seed >> 32, xp=xp)
+    w = xp.stack(words, axis=-1)                            # (..., row ctrs, key ctrs, 4)
+    word = 2 * ((i[:, None] >> 3) & 1) + ((j[None, :] >> 3) & 1)
+    x = w[..., (rc - r_lo)[:, None], (kc - k_lo)[None, :], word]   # (..., len(i), c1 - c0)
+    half = xp.where((j & 1).astype(bool), x >> xp.uint32(16), x & xp.uint32(0xFFFF))
+    return half >= xp.uint32(dropout_threshold(p))
 
 
 def problem_index(lead, xp=np):
@@ -111,9 +120,9 @@ def dropout_mask(shape, p, seed):
     keep : ndarray of bool, shape ``shape``
         True where the probability is kept (and scaled by 1/(1-p)).  Element
         (..., i, j) of problem (b, h) (b the flat index over ``shape[:-3]``, h
-        over ``shape[-3]``) is word ``j % 4`` of Philox4x32-10 at counter
-        ``(j // 4, i, h, b)`` with key ``(seed % 2^32, seed // 2^32)``, kept iff
-        that word is at least ``round(p * 2^32)``.
+        over ``shape[-3]``) is a 16-bit half of a word of Philox4x32-10 with key
+        ``(seed % 2^32, seed // 2^32)`` (:func:`dropout_keep` says which), kept
+        iff it is at least ``round(p * 2^16)``.
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:

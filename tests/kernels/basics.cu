@@ -101,3 +101,10 @@ extern "C" __global__ void sync_reductions(int* out, int rounds) {
         if (threadIdx.x == 0) { gstore(mine + 3 * r, c); gstore(mine + 3 * r + 1, o); gstore(mine + 3 * r + 2, a); }
     }
 }
+
+// cuflash_half_mask of each x (portable.cuh: one PTX prmt on the GPU, a C model on the
+// emulator): y = 0xffff in a half whose sign bit (bit 7 / bit 15 of x) is set.
+extern "C" __global__ void half_mask(const unsigned* x, unsigned* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gstore(y + i, cuflash_half_mask(gload(x + i)));
+}
