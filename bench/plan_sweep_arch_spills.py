@@ -3,8 +3,9 @@
 ``cuflash/tiling/_asym_spills.py`` (default plans at the d != dv pairs outside
 ``TC_ASYM_SWEPT``) and ``cuflash/tiling/_arch_spills.py`` (plans at d == dv and at the swept
 pairs) refuse, per architecture, the plans of the tensor-core backward kernels (flash_bwd_tc,
-flash_bwd_tf32 and their masked builds) and of the float32 forward (flash_fwd_tf32 and its
-masked build) -- KERNELS -- that ptxas spilled.  After a kernel edit and
+flash_bwd_tf32 and their masked builds), of the float16 forward with the features
+(flash_fwd_tc_masked) and of the float32 forward (flash_fwd_tf32 and its masked build) --
+KERNELS -- that ptxas spilled.  After a kernel edit and
 ``bench/plan_sweep.py --families <those kernels' families> --write`` (which compiles only the
 plans the planner accepts, so the rows of the refused ones drop out of the record):
 
@@ -38,6 +39,7 @@ KERNELS = {"flash_bwd_tc": ("flash_bwd_tc", "flash_bwd_tc_asym"),
            "flash_bwd_tc_masked": ("flash_bwd_tc_masked", "flash_bwd_tc_masked_asym"),
            "flash_bwd_tf32": ("flash_bwd_tf32", "flash_bwd_tf32_asym"),
            "flash_bwd_tf32_masked": ("flash_bwd_tf32_masked", "flash_bwd_tf32_masked_asym"),
+           "flash_fwd_tc_masked": ("flash_fwd_tc_masked", "flash_fwd_tc_masked_asym"),
            "flash_fwd_tf32": ("flash_fwd_tf32", "flash_fwd_tf32_asym"),
            "flash_fwd_tf32_masked": ("flash_fwd_tf32_masked", "flash_fwd_tf32_masked_asym")}
 TILING = ps.ROOT / "cuflash" / "tiling"
