@@ -149,14 +149,20 @@ def test_kernel_report_runs(capsys):
     assert "block_sum" in out and "sm_80" in out and "100%" in out
 
 
-def test_sass_instruction_mix():
-    """cuobjdump reads NVRTC's cubins: hardware mma on sm_80, the software one on sm_75."""
+def _sass_or_skip():
+    """cuflash._sass where cuobjdump runs; a skip elsewhere, an error in CI (which installs it)."""
     from cuflash import _sass
     ok, why = _sass.is_available()
     if not ok:
         if os.environ.get("CI"):
             raise RuntimeError(f"cuobjdump not available in CI: {why}")
         pytest.skip(why)
+    return _sass
+
+
+def test_sass_instruction_mix():
+    """cuobjdump reads NVRTC's cubins: hardware mma on sm_80, the software one on sm_75."""
+    _sass = _sass_or_skip()
     path = TEST_KERNELS / "mma.cu"
     mixes = {}
     for arch in (75, 80):
@@ -181,12 +187,7 @@ def test_half_mask_is_one_prmt():
     """portable.cuh's cuflash_half_mask compiles to one PRMT with selector 0x9988 (the generic
     form whose nibbles' msb replicates a byte's sign: tests/test_emulator.py holds the
     emulator's model to the PTX ISA's definition) -- ptxas neither reinterprets nor expands it."""
-    from cuflash import _sass
-    ok, why = _sass.is_available()
-    if not ok:
-        if os.environ.get("CI"):
-            raise RuntimeError(f"cuobjdump not available in CI: {why}")
-        pytest.skip(why)
+    _sass = _sass_or_skip()
     path = TEST_KERNELS / "basics.cu"
     res = _nvrtc.compile(path.read_text(), path.name, _options(path, 80, ()))
     code = _sass.instructions(_sass.disassemble(res.cubin))["half_mask"]
