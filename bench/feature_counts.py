@@ -51,6 +51,15 @@ def _variant(tmp, tag, edits):
     return d
 
 
+def _opaque(fname, decl, var, value):
+    """An edit that gives the dropout bit word its initial ``value`` through a parameter the
+    compiler cannot see through (``p.mask_dropout >> 1``: 0 at run time): with dropout off as
+    a constant, ptxas would otherwise fold the word and every use of it away (the masks of the
+    dV operand), which the kernel cannot do at run time, where the flag is a parameter -- the
+    variants count what a call executes."""
+    return (fname, decl, f"unsigned long long {var} = {value} ^ ((unsigned long long)p.mask_dropout >> 1);")
+
+
 def _loop_count(folder, fname, plan, extra, arch=80):
     defines = dict(kernels.plan_defines(plan), **extra)
     opts = (f"-arch=sm_{arch}", f"-I{folder}",
@@ -61,16 +70,24 @@ def _loop_count(folder, fname, plan, extra, arch=80):
     return _sass.mix(ins[name], _sass.main_loop(ins[name]))
 
 
-def _count_variants(tmp, tag, fn, plan, extra, variants):
+def _count_variants(tmp, tag, fn, plan, extra, variants, arch=80):
     """{variant: main-loop total} of the text variants {name: edits}, and the HMMA of "none"."""
-    mixes = {name: _loop_count(_variant(tmp, f"{tag}{i}", edits), fn, plan, extra)
+    mixes = {name: _loop_count(_variant(tmp, f"{tag}{i}", edits), fn, plan, extra, arch)
              for i, (name, edits) in enumerate(variants.items())}
     return {name: m["total"] for name, m in mixes.items()}, mixes["none"]["HMMA"]
 
 
-def forward(tmp, kernel, dtype, d):
+def _default(kernel, d, dtype, arch):
+    """The kernel's default plan: without a shared-memory limit (arch 80: every architecture's
+    refusals apply), or at sm_90's limit (the H100's plan)."""
+    if arch == 90:
+        return tiling.plan(kernel, d, d, dtype, limit=tiling.EMULATOR_ARCHES["sm_90"], limit_source="sm_90")
+    return tiling.plan(kernel, d, d, dtype)
+
+
+def forward(tmp, kernel, dtype, d, arch=80):
     fn = "flash_fwd_tc.cu"
-    plan = tiling.plan(kernel, d, d, dtype)
+    plan = _default(kernel, d, dtype, arch)
     interior = {"CUFLASH_FWD_INTERIOR_ONLY": 1}
     masks = dict(interior, CUFLASH_MASKS=None)
     band = "if (k0 < lo_last || k0 + kBc > hi_first || mask_rows) {"
@@ -92,9 +109,9 @@ def forward(tmp, kernel, dtype, d):
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap": only(cap=True), "dropout": only(drop=True),
                 "boundary tile (band test)": only(boundary=True)}
-    rows, hmma = _count_variants(tmp, f"f{kernel}{dtype}{d}-", fn, plan, masks, variants)
-    pplan = tiling.plan(kernel[:-len("_masked")], d, d, dtype)
-    plain = _loop_count(KERNELS_CU, fn, pplan, interior)
+    rows, hmma = _count_variants(tmp, f"f{kernel}{dtype}{d}-{arch}-", fn, plan, masks, variants, arch)
+    pplan = _default(kernel[:-len("_masked")], d, dtype, arch)
+    plain = _loop_count(KERNELS_CU, fn, pplan, interior, arch)
     return Counted(plan, _fwd_logits(plan), 1, rows, hmma, pplan, _fwd_logits(pplan), 1, plain)
 
 
@@ -102,9 +119,9 @@ def _fwd_logits(plan):
     return plan.block_q // (plan.threads // 32) * plan.block_kv // 32
 
 
-def backward(tmp, dtype, d):
+def backward(tmp, dtype, d, arch=80):
     fn = "flash_bwd_tc.cu"
-    plan = tiling.plan("flash_bwd_tc_masked", d, d, dtype)
+    plan = _default("flash_bwd_tc_masked", d, dtype, arch)
     extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
     # the rolled loops (S^T and dP^T over d / dv, the dropout's Philox blocks, dQ's k-steps)
     # unrolled, so that the loop's static count is what one trip executes; the band test off
@@ -113,7 +130,8 @@ def backward(tmp, dtype, d):
                 (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
                  "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
                 (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
-                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;")]
+                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
+                _opaque(fn, "unsigned long long keep = ~0ull;", "keep", "~0ull")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "                const bool has_alibi = p.mask_has_alibi != 0;\n"
              "                const int db_mode = p.mask_dbias;")
@@ -134,12 +152,12 @@ def backward(tmp, dtype, d):
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1),
                 "bias + dbias (atomic adds)": only(bias=True, db=2)}
-    rows, hmma = _count_variants(tmp, f"b{dtype}{d}-", fn, plan, extra, variants)
-    pplan = tiling.plan("flash_bwd_tc", d, d, dtype)
+    rows, hmma = _count_variants(tmp, f"b{dtype}{d}-{arch}-", fn, plan, extra, variants, arch)
+    pplan = _default("flash_bwd_tc", d, dtype, arch)
     plain_edits = [unroll, (fn, "const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool need_mask = false;")]
-    plain = _loop_count(_variant(tmp, f"bplain{dtype}{d}", plain_edits), fn, pplan,
-                        {"CUFLASH_BWD_TC_MAIN": None})
+    plain = _loop_count(_variant(tmp, f"bplain{dtype}{d}-{arch}", plain_edits), fn, pplan,
+                        {"CUFLASH_BWD_TC_MAIN": None}, arch)
     return Counted(plan, *_bwd_logits(plan, True), rows, hmma, pplan, *_bwd_logits(pplan, False), plain)
 
 
@@ -156,7 +174,8 @@ def backward_tf32(tmp, d):
     extra = {"CUFLASH_MASKS": None}
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
     interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
-                         "const bool need_mask = false, band_crossed = kv_rows < kBc ||")]
+                         "const bool need_mask = false, band_crossed = kv_rows < kBc ||"),
+                _opaque(fn, "unsigned long long dropped = 0;", "dropped", "0ull")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "            const bool has_alibi = p.mask_has_alibi != 0;\n")
 
@@ -228,6 +247,8 @@ def main():
                    backward(tmp, "float16", 128),
                    backward(tmp, "float16", 64),
                    backward_tf32(tmp, 64)]
+        h100 = [forward(tmp, "flash_fwd_tc_masked", "float16", 64, arch=90),
+                backward(tmp, "float16", 64, arch=90)]
     print("| kernel | plan | logits / lane / trip (passes) | variant | main-loop instructions | "
           "per logit | added per logit | vs plain kernel |")
     print("|---|---|---|---|---|---|---|---|")
@@ -248,6 +269,12 @@ def main():
     both(results[1], results[4], "float16 d=64")
     both(results[0], results[3], "float16 d=128")
     both(results[2], results[5], "float32 (3xTF32) d=64")
+    print("On the H100 (sm_90 SASS; the default plans at sm_90's shared-memory limit, where a plan "
+          "that spills only on sm_80 is taken): float16 d=64, forward "
+          f"{_tiles(h100[0].plan)} (plain {_tiles(h100[0].pplan)}), backward {_tiles(h100[1].plan)} "
+          f"(plain {_tiles(h100[1].pplan)}).")
+    print()
+    both(h100[0], h100[1], "float16 d=64, sm_90")
     return 0
 
 
