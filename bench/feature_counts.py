@@ -7,7 +7,9 @@ temporary folder, each the path of an interior tile (every row sees the whole ti
 tiles; the forward with -DCUFLASH_FWD_INTERIOR_ONLY=1, which also drops the rarely taken
 rescale of the online softmax) with the call's feature flags as constants:
 
-* "none": every feature flag false -- what the masked kernel costs a call by itself;
+* "none": every feature flag false -- what the masked kernel costs a call by itself (the
+  backward's dropout bit word kept opaque, :func:`_opaque`: a call executes its uses whatever
+  the flag, which is a kernel parameter);
 * one variant per feature with that feature's flag true (the bias, and dbias, with contiguous
   keys: their row-pointer paths); "boundary tile" is the band test's path of the forward
   (window, causal) with no feature.
@@ -21,6 +23,10 @@ rolled inner loops are unrolled in every variant so that each instruction is cou
 often as one trip executes it (the dQ loop over a warp's output tiles keeps a run-time trip
 count and is counted once).  Static counts say nothing about stalls, and the variants are
 text edits that must still match the sources (each edit asserts it found its text).
+
+The tables are for sm_80 at each kernel's default without a shared-memory limit (a plan that
+spills on one architecture is refused there); the last one counts float16 d=64 on the H100's
+own plans (sm_90 SASS, the defaults at sm_90's limit).
 
 Usage::
 
