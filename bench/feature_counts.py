@@ -57,13 +57,13 @@ def _variant(tmp, tag, edits):
     return d
 
 
-def _opaque(fname, decl, var, value):
-    """An edit that gives the dropout bit word its initial ``value`` through a parameter the
-    compiler cannot see through (``p.mask_dropout >> 1``: 0 at run time): with dropout off as
-    a constant, ptxas would otherwise fold the word and every use of it away (the masks of the
-    dV operand), which the kernel cannot do at run time, where the flag is a parameter -- the
-    variants count what a call executes."""
-    return (fname, decl, f"unsigned long long {var} = {value} ^ ((unsigned long long)p.mask_dropout >> 1);")
+def _opaque(fname, decl):
+    """An edit of the dropout bit word's declaration ``decl`` that xors its initial value with a
+    parameter the compiler cannot see through (``p.mask_dropout >> 1``: 0 at run time): with
+    dropout off as a constant, ptxas would otherwise fold the word and every use of it away (the
+    masks of the dV operand), which the kernel cannot do at run time, where the flag is a
+    parameter -- the variants count what a call executes."""
+    return (fname, decl, decl.rstrip(";") + " ^ ((unsigned long long)p.mask_dropout >> 1);")
 
 
 def _loop_count(folder, fname, plan, extra, arch=80):
@@ -137,7 +137,7 @@ def backward(tmp, dtype, d, arch=80):
                  "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
                 (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
                 (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
-                _opaque(fn, "unsigned long long keep = ~0ull;", "keep", "~0ull")]
+                _opaque(fn, "unsigned long long keep = ~0ull;")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "                const bool has_alibi = p.mask_has_alibi != 0;\n"
              "                const int db_mode = p.mask_dbias;")
@@ -181,7 +181,7 @@ def backward_tf32(tmp, d):
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
     interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
                          "const bool need_mask = false, band_crossed = kv_rows < kBc ||"),
-                _opaque(fn, "unsigned long long dropped = 0;", "dropped", "0ull")]
+                _opaque(fn, "unsigned long long dropped = 0;")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "            const bool has_alibi = p.mask_has_alibi != 0;\n")
 
