@@ -207,7 +207,7 @@ def test_float64_spills_of_the_class_sweep_are_recorded_and_refused():
             with pytest.raises(ValueError, match="ptxas spills this float64 plan"):
                 tiling.plan(kernel, d, dv, "float64", bq, bkv)
             n += 1
-    assert n == 38
+    assert n == 43
 
 
 def test_race_check_forward_between_classes(rng):
