@@ -18,6 +18,9 @@ A plan that spills is refused by the planner with the reason (the refusal sets o
 ``cuflash.tiling``, among them ``_asym_spills.py`` for the d != dv defaults); ``--missing``
 then compiles the plans those refusals made accepted (a default moves to the next preferred
 pair), and ``--lift-refusals`` sweeps with the refusal sets emptied, to derive them anew.
+The SIMT kernels' refusals (tiling.SIMT_FWD_FLOAT64_SPILLS, tiling.SIMT_BWD_SPILLS) are compiled
+by every ``--write`` / ``--missing`` of their families and kept in the record (their spills
+are the refusals' evidence, not failures; one that compiles clean is printed).
 
 Usage::
 
@@ -270,6 +273,52 @@ def _accepted_at(family, arch):
     return out
 
 
+def _refusal_sets(family):
+    """(module, attribute, key) of the SIMT refusal set that holds ``family``'s spilling plans,
+    and a function entry -> (dtypes, block_q, block_kv, d class, dv class); None for others."""
+    from cuflash.tiling import bwd, fwd
+    kernel = FAMILIES[family][1]
+    if kernel in fwd.SIMT_FWD_FLOAT64_SPILLS:   # (block_q, block_kv, d, dv), float64
+        return fwd, "SIMT_FWD_FLOAT64_SPILLS", kernel, lambda e: (("float64",), *e)
+    if family in bwd.SIMT_BWD_SPILLS:           # (accumulator bytes, block_q, block_kv, d, dv)
+        return bwd, "SIMT_BWD_SPILLS", family, lambda e: (
+            ("float64",) if e[0] == 8 else ("float16", "bfloat16", "float32"), *e[1:])
+    return None
+
+
+def refused_spill_plans(family, arch):
+    """The plans of a SIMT family that its ptxas refusal set (tiling.SIMT_FWD_FLOAT64_SPILLS,
+    tiling.SIMT_BWD_SPILLS) refuses at ``arch`` (grouped as accepted_plans), each as the
+    planner takes it with that one entry lifted (an entry can be a default only once the
+    entries before it refuse theirs).  --write and --missing compile them too and keep their
+    rows: the refusals stand on them (tests/test_head_dim_classes.py checks each set against
+    the record's spilling rows)."""
+    found = _refusal_sets(family)
+    if found is None:
+        return []
+    mod, attr, key, unpack = found
+    refused = getattr(mod, attr)[key]
+    out = {}
+    try:
+        for entry in sorted(refused):
+            dtypes, bq, bkv, d, dv = unpack(entry)
+            setattr(mod, attr, dict(getattr(mod, attr), **{key: refused - {entry}}))
+            for a, c in COMPILED_FOR.items():
+                if c != arch or (FAMILIES[family][6] is not None and a not in FAMILIES[family][6]):
+                    continue
+                for dt in dtypes:
+                    try:
+                        p = tiling.plan(FAMILIES[family][1], d, dv, dt, bq, bkv,
+                                        limit=tiling.EMULATOR_ARCHES[f"sm_{a}"],
+                                        limit_source=f"sm_{a}")
+                    except ValueError:
+                        continue
+                    out.setdefault((entry, dt), p)
+    finally:
+        setattr(mod, attr, dict(getattr(mod, attr), **{key: refused}))
+    return list(out.values())
+
+
 # flash_bwd_tc with d != dv near its register budget (cuflash/tiling/_bwd_tc_spills.py): every
 # float16 plan of the pairs outside TC_ASYM_DIMS whose register arrays are within EDGE_SLACK
 # floats of the budget, as the planner accepted them before the spills found here were refused.
@@ -411,6 +460,12 @@ def main(argv=None):
         print(f"NVRTC not available: {why}", file=sys.stderr)
         return 2
     todo = [(f, p, a) for f in args.families for a in args.arch for p in accepted_plans(f, a)]
+    refused = set()   # keys of the refused plans compiled for the record
+    if args.write or args.missing:
+        more = [(f, p, a) for f in args.families for a in args.arch
+                for p in refused_spill_plans(f, a)]
+        refused = {plan_key(*job) for job in more}
+        todo += more
     if args.missing:
         for fam in args.families:
             rec = doc["families"].get(fam)
@@ -431,15 +486,21 @@ def main(argv=None):
                 el = time.perf_counter() - t0
                 print(f"[{i}/{len(todo)}] {el:.0f} s, ~{el / i * (len(todo) - i):.0f} s left",
                       file=sys.stderr, flush=True)
-    failing = [(r, bad(r)) for r in rows if bad(r)]
+    failing = [(r, bad(r)) for r in rows if bad(r) and r["key"] not in refused]
     for r, why in failing:
         print(f"{r['key']} ({r['threads']} threads): {why}")
     print(f"{'family':18s} {'plans':>6s} {'max regs':>8s}  spilling")
     for fam in args.families:
         fr = [r for r in rows if r["family"] == fam]
         regs = [f["registers"] for r in fr if "kernels" in r for f in r["kernels"].values()]
+        # a refused plan may compile clean in one family or architecture and spill in another
+        # (the set is per kernel or build); the test of the set reads the union
+        nref = sum(1 for r in fr if r["key"] in refused)
+        nclean = sum(1 for r in fr if r["key"] in refused and not bad(r))
         print(f"{fam:18s} {len(fr):6d} {max(regs, default=0):8d}  "
-              f"{sum(1 for r in fr if bad(r))}")
+              f"{sum(1 for r in fr if bad(r) and r['key'] not in refused)}"
+              + (f" (and {nref} refused plans compiled for the record, {nclean} clean here)"
+                 if nref else ""))
     print(f"{len(rows)} plans compiled, {len(failing)} spill or fail")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -261,3 +261,30 @@ def test_arch_spills_are_recorded_and_refused():
                 tiling.plan(kernel, d, dv, _TC_KERNELS[kernel], bq, bkv)
             n += 1
     assert n > 0
+
+
+def test_refused_simt_plans_are_reachable_and_the_sets_restored():
+    """``--write`` / ``--missing`` compile the plans of the SIMT refusal sets (each with only its
+    own entry lifted, so a default behind another refused default is reached too) and keep
+    their rows: every entry of tiling.SIMT_FWD_FLOAT64_SPILLS and tiling.SIMT_BWD_SPILLS is
+    found that way on some family and architecture, and the sets are left as they were."""
+    from cuflash import tiling
+    from cuflash.tiling import bwd, fwd
+    before = (dict(fwd.SIMT_FWD_FLOAT64_SPILLS), dict(bwd.SIMT_BWD_SPILLS))
+    found = {}
+    for family in SWEEP.FAMILIES:
+        sets = SWEEP._refusal_sets(family)
+        for arch in SWEEP.ARCHS:
+            for p in SWEEP.refused_spill_plans(family, arch):
+                acc = 8 if p.dtype == "float64" else 4
+                entry = ((p.block_q, p.block_kv, p.kd, p.kdv) if sets[1] == "SIMT_FWD_FLOAT64_SPILLS"
+                         else (acc, p.block_q, p.block_kv, p.kd, p.kdv))
+                found.setdefault((sets[1], sets[2]), set()).add(entry)
+                with pytest.raises(ValueError, match="ptxas spills this"):  # refused as it stands
+                    tiling.plan(SWEEP.FAMILIES[family][1], p.d, p.dv, p.dtype, p.block_q,
+                                p.block_kv, limit=p.limit, limit_source=p.limit_source)
+    assert (dict(fwd.SIMT_FWD_FLOAT64_SPILLS), dict(bwd.SIMT_BWD_SPILLS)) == before
+    for attr, sets in (("SIMT_FWD_FLOAT64_SPILLS", fwd.SIMT_FWD_FLOAT64_SPILLS),
+                       ("SIMT_BWD_SPILLS", bwd.SIMT_BWD_SPILLS)):
+        for key, entries in sets.items():
+            assert found.get((attr, key)) == set(entries), (attr, key)
