@@ -292,7 +292,7 @@ def refused_spill_plans(family, arch):
     planner takes it with that one entry lifted (an entry can be a default only once the
     entries before it refuse theirs).  --write and --missing compile them too and keep their
     rows: the refusals stand on them (tests/test_head_dim_classes.py checks each set against
-    the record's spilling rows)."""
+    the record's spilling rows).  Returns [(entry, plan)]."""
     found = _refusal_sets(family)
     if found is None:
         return []
@@ -313,7 +313,7 @@ def refused_spill_plans(family, arch):
                                         limit_source=f"sm_{a}")
                     except ValueError:
                         continue
-                    out.setdefault((entry, dt), p)
+                    out.setdefault((entry, dt), (entry, p))
     finally:
         setattr(mod, attr, dict(getattr(mod, attr), **{key: refused}))
     return list(out.values())
@@ -463,7 +463,7 @@ def main(argv=None):
     refused = set()   # keys of the refused plans compiled for the record
     if args.write or args.missing:
         more = [(f, p, a) for f in args.families for a in args.arch
-                for p in refused_spill_plans(f, a)]
+                for _, p in refused_spill_plans(f, a)]
         refused = {plan_key(*job) for job in more}
         todo += more
     if args.missing:

@@ -273,13 +273,11 @@ def test_refused_simt_plans_are_reachable_and_the_sets_restored():
     before = (dict(fwd.SIMT_FWD_FLOAT64_SPILLS), dict(bwd.SIMT_BWD_SPILLS))
     found = {}
     for family in SWEEP.FAMILIES:
-        sets = SWEEP._refusal_sets(family)
         for arch in SWEEP.ARCHS:
-            for p in SWEEP.refused_spill_plans(family, arch):
-                acc = 8 if p.dtype == "float64" else 4
-                entry = ((p.block_q, p.block_kv, p.kd, p.kdv) if sets[1] == "SIMT_FWD_FLOAT64_SPILLS"
-                         else (acc, p.block_q, p.block_kv, p.kd, p.kdv))
-                found.setdefault((sets[1], sets[2]), set()).add(entry)
+            for entry, p in SWEEP.refused_spill_plans(family, arch):
+                _, attr, key, unpack = SWEEP._refusal_sets(family)
+                assert unpack(entry)[1:] == (p.block_q, p.block_kv, p.kd, p.kdv), (entry, p)
+                found.setdefault((attr, key), set()).add(entry)
                 with pytest.raises(ValueError, match="ptxas spills this"):  # refused as it stands
                     tiling.plan(SWEEP.FAMILIES[family][1], p.d, p.dv, p.dtype, p.block_q,
                                 p.block_kv, limit=p.limit, limit_source=p.limit_source)
