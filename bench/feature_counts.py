@@ -25,8 +25,10 @@ count and is counted once).  Static counts say nothing about stalls, and the var
 text edits that must still match the sources (each edit asserts it found its text).
 
 The tables are for sm_80 at each kernel's default without a shared-memory limit (a plan that
-spills on one architecture is refused there); the last one counts float16 d=64 on the H100's
-own plans (sm_90 SASS, the defaults at sm_90's limit).
+spills on one architecture is refused there); the last ones count float16 d=64 and d=128 on
+the H100's own plans (sm_90 SASS, the defaults at sm_90's limit), and turn those counts into
+time by a pipe model (:data:`PIPE_MODEL_TEXT`: issue, MUFU and tensor pipe at published
+rates -- an estimate, not a measurement).
 
 Usage::
 
@@ -77,10 +79,9 @@ def _loop_count(folder, fname, plan, extra, arch=80):
 
 
 def _count_variants(tmp, tag, fn, plan, extra, variants, arch=80):
-    """{variant: main-loop total} of the text variants {name: edits}, and the HMMA of "none"."""
-    mixes = {name: _loop_count(_variant(tmp, f"{tag}{i}", edits), fn, plan, extra, arch)
-             for i, (name, edits) in enumerate(variants.items())}
-    return {name: m["total"] for name, m in mixes.items()}, mixes["none"]["HMMA"]
+    """{variant: main-loop mix} of the text variants {name: edits}."""
+    return {name: _loop_count(_variant(tmp, f"{tag}{i}", edits), fn, plan, extra, arch)
+            for i, (name, edits) in enumerate(variants.items())}
 
 
 def _default(kernel, d, dtype, arch):
@@ -115,10 +116,10 @@ def forward(tmp, kernel, dtype, d, arch=80):
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap": only(cap=True), "dropout": only(drop=True),
                 "boundary tile (band test)": only(boundary=True)}
-    rows, hmma = _count_variants(tmp, f"f{kernel}{dtype}{d}-{arch}-", fn, plan, masks, variants, arch)
+    mixes = _count_variants(tmp, f"f{kernel}{dtype}{d}-{arch}-", fn, plan, masks, variants, arch)
     pplan = _default(kernel[:-len("_masked")], d, dtype, arch)
     plain = _loop_count(KERNELS_CU, fn, pplan, interior, arch)
-    return Counted(plan, _fwd_logits(plan), 1, rows, hmma, pplan, _fwd_logits(pplan), 1, plain)
+    return Counted(plan, _fwd_logits(plan), 1, mixes, pplan, _fwd_logits(pplan), 1, plain)
 
 
 def _fwd_logits(plan):
@@ -158,13 +159,13 @@ def backward(tmp, dtype, d, arch=80):
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1),
                 "bias + dbias (atomic adds)": only(bias=True, db=2)}
-    rows, hmma = _count_variants(tmp, f"b{dtype}{d}-{arch}-", fn, plan, extra, variants, arch)
+    mixes = _count_variants(tmp, f"b{dtype}{d}-{arch}-", fn, plan, extra, variants, arch)
     pplan = _default("flash_bwd_tc", d, dtype, arch)
     plain_edits = [unroll, (fn, "const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool need_mask = false;")]
     plain = _loop_count(_variant(tmp, f"bplain{dtype}{d}-{arch}", plain_edits), fn, pplan,
                         {"CUFLASH_BWD_TC_MAIN": None}, arch)
-    return Counted(plan, *_bwd_logits(plan, True), rows, hmma, pplan, *_bwd_logits(pplan, False), plain)
+    return Counted(plan, *_bwd_logits(plan, True), mixes, pplan, *_bwd_logits(pplan, False), plain)
 
 
 def _bwd_logits(plan, masked):
@@ -206,12 +207,12 @@ def backward_tf32(tmp, d):
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1)}
-    rows, hmma = _count_variants(tmp, "t", fn, plan, extra, variants)
+    mixes = _count_variants(tmp, "t", fn, plan, extra, variants)
     pplan = tiling.plan("flash_bwd_tf32", d, d, "float32")
     plain_edits = [unroll, (fn, "const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool mask = false;")]
     plain = _loop_count(_variant(tmp, "tplain", plain_edits), fn, pplan, {})
-    return Counted(plan, 16 * plan.block_q // 32, 1, rows, hmma, pplan, 16 * pplan.block_q // 32, 1, plain)
+    return Counted(plan, 16 * plan.block_q // 32, 1, mixes, pplan, 16 * pplan.block_q // 32, 1, plain)
 
 
 class Counted(NamedTuple):
@@ -219,18 +220,25 @@ class Counted(NamedTuple):
     plan: object
     logits: int        # logits one lane handles per main-loop trip
     passes: int        # trips per logit (the backward's passes over the head dims)
-    rows: dict         # variant -> main-loop instructions
-    hmma: int          # HMMA of "none"
+    mixes: dict        # variant -> main-loop mix (_sass.mix: per class and "total")
     pplan: object
     plogits: int
     ppasses: int
     plain: dict        # the plain kernel's main-loop mix
 
-    def per_logit(self, name):
-        return self.rows[name] * self.passes / self.logits
+    @property
+    def rows(self):
+        return {name: m["total"] for name, m in self.mixes.items()}
 
-    def plain_per_logit(self):
-        return self.plain["total"] * self.ppasses / self.plogits
+    @property
+    def hmma(self):
+        return self.mixes["none"]["HMMA"]
+
+    def per_logit(self, name, what="total"):
+        return self.mixes[name][what] * self.passes / self.logits
+
+    def plain_per_logit(self, what="total"):
+        return self.plain[what] * self.ppasses / self.plogits
 
 
 def _tiles(plan):
@@ -254,7 +262,9 @@ def main():
                    backward(tmp, "float16", 64),
                    backward_tf32(tmp, 64)]
         h100 = [forward(tmp, "flash_fwd_tc_masked", "float16", 64, arch=90),
-                backward(tmp, "float16", 64, arch=90)]
+                backward(tmp, "float16", 64, arch=90),
+                forward(tmp, "flash_fwd_tc_masked", "float16", 128, arch=90),
+                backward(tmp, "float16", 128, arch=90)]
     print("| kernel | plan | logits / lane / trip (passes) | variant | main-loop instructions | "
           "per logit | added per logit | vs plain kernel |")
     print("|---|---|---|---|---|---|---|---|")
@@ -281,7 +291,74 @@ def main():
           f"(plain {_tiles(h100[1].pplan)}).")
     print()
     both(h100[0], h100[1], "float16 d=64, sm_90")
+    print(f"float16 d=128 on the same terms: forward {_tiles(h100[2].plan)} (plain "
+          f"{_tiles(h100[2].pplan)}), backward {_tiles(h100[3].plan)} (plain {_tiles(h100[3].pplan)}).")
+    print()
+    both(h100[2], h100[3], "float16 d=128, sm_90")
+    print(PIPE_MODEL_TEXT)
+    print()
+    pipes(h100[0], h100[1], "float16 d=64, sm_90")
+    pipes(h100[2], h100[3], "float16 d=128, sm_90")
     return 0
+
+
+# The pipe model of the H100 (an estimate from published rates, not a measurement): per SM
+# sub-partition (4 per SM), per clock, one warp instruction issues; the MUFU unit finishes 4
+# lanes (16 per SM: the CUDA C Programming Guide's throughput table for exp2 / rcp at compute
+# capability 8.0 and 9.0; FlashAttention-3's "3.9 TFLOPS of special functions" on an H100
+# SXM5 is the same rate), so a warp's MUFU occupies it 8 clocks; mma.sync m16n8k16 runs at
+# ~0.6 per clock per SM (FA2's forward, 287-327 TFLOP/s with the tensor pipe active 48-56%
+# in ../shared/docs/gpu-baseline.md, puts the pipe's full rate at 0.57-0.65), 4 / 0.6 clocks
+# of a sub-partition each.
+MUFU_CLOCKS = 8.0
+HMMA_CLOCKS = 4 / 0.6
+PIPE_MODEL_TEXT = (
+    "**In time, by a pipe model (published rates, no measurement).**  Per SM sub-partition and "
+    "per 32 logits (one logit per lane), a kernel needs: issue = its instructions (one warp "
+    f"instruction per clock); MUFU = {MUFU_CLOCKS:.0f} clocks per MUFU (16 lanes per clock per "
+    "SM, the Programming Guide's rate for exp2 and rcp at compute capability 8.0 / 9.0); tensor "
+    f"= {HMMA_CLOCKS:.2f} clocks per HMMA.16816 (0.6 per clock per SM, from FA2's measured "
+    "rate and tensor-pipe activity in gpu-baseline.md).  Its time lies between the busiest of "
+    "the three (perfect overlap) and max(issue, MUFU) + tensor (the tensor pipe overlapping "
+    "nothing).  Other pipes (the integer ALU and IMAD at half rate, shared memory) and latency "
+    "are left out, which flatters the integer-heavy dropout most.  The sixth session's model "
+    "had issue and tensor only: it missed that softcap's two extra MUFU per logit (exp2 and "
+    "rcp of its tanh) make the forward MUFU-bound.")
+
+
+def _clocks(counted, name=None):
+    """(issue, MUFU, tensor) clocks per 32 logits of a variant (None: the plain kernel)."""
+    get = counted.plain_per_logit if name is None else (lambda w: counted.per_logit(name, w))
+    return get("total"), MUFU_CLOCKS * get("MUFU"), HMMA_CLOCKS * get("HMMA")
+
+
+def _bounds(clk):
+    issue, mufu, tensor = clk
+    return max(issue, mufu, tensor), max(issue, mufu) + tensor
+
+
+def pipes(fwd, bwd, what):
+    """The pipe model's forward + backward time of each feature against the plain calls."""
+    f0, b0 = _clocks(fwd), _clocks(bwd)
+    lo0 = _bounds(f0)[0] + _bounds(b0)[0]
+    hi0 = _bounds(f0)[1] + _bounds(b0)[1]
+    fmt = lambda c: "/".join(f"{x:.1f}" for x in c)  # noqa: E731
+    print(f"Pipe model, {what}: clocks per 32 logits as issue / MUFU / tensor; the plain calls: "
+          f"forward {fmt(f0)}, backward {fmt(b0)}, together {lo0:.1f} .. {hi0:.1f}.")
+    print()
+    print("| feature | forward issue / MUFU / tensor | backward issue / MUFU / tensor | "
+          "together (overlap .. none) | vs the plain calls |")
+    print("|---|---|---|---|---|")
+    rows = {"masked, no feature": ("none", "none"), "bias": ("bias", "bias"),
+            "bias + dbias (stored)": ("bias", "bias + dbias (stored)"), "ALiBi": ("alibi", "alibi"),
+            "softcap": ("softcap", "softcap (and its derivative)"), "dropout": ("dropout", "dropout")}
+    for name, (fk, bk) in rows.items():
+        fc, bc = _clocks(fwd, fk), _clocks(bwd, bk)
+        lo = _bounds(fc)[0] + _bounds(bc)[0]
+        hi = _bounds(fc)[1] + _bounds(bc)[1]
+        print(f"| {name} | {fmt(fc)} | {fmt(bc)} | {lo:.1f} .. {hi:.1f} | "
+              f"{100 * (lo - lo0) / lo0:+.0f}% .. {100 * (hi - hi0) / hi0:+.0f}% |")
+    print()
 
 
 def both(fwd, bwd, what):
