@@ -352,8 +352,8 @@ def aligned_copies(xp, arrays):
 # --------------------------------------------------------------------------
 # parameter blocks (kernels_cu/params.cuh) and the folded grid
 # --------------------------------------------------------------------------
-_C_TYPES = {"int": "<i4", "long long": "<i8", "double": "<f8", "float": "<f4"}
-_FIELD_RE = re.compile(r"^\s*(long long|int|double|float)\s+([A-Za-z_][\w\s,]*);")
+_C_TYPES = {"int": "<i4", "long long": "<i8", "double": "<f8"}
+_FIELD_RE = re.compile(r"^\s*(long long|int|double)\s+([A-Za-z_][\w\s,]*);")
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,25 +382,12 @@ def params_dtype(struct):
     return np.dtype(fields, align=True)
 
 
-def softcap_factors(scale, softcap):
-    """(2 log2(e) scale / softcap, 1 / softcap) as the kernels read them (params.cuh
-    ``mask_cap_k``, ``mask_inv_cap``): computed in float64 in the order the kernels once did
-    per tile and rounded once to float32; (0, 0) without softcap."""
-    if not softcap > 0:
-        return np.float32(0.0), np.float32(0.0)
-    return (np.float32(2.0 * 1.4426950408889634 * float(scale) / float(softcap)),
-            np.float32(1.0 / float(softcap)))
-
-
 def make_params(runtime, struct, **values):
     """A ``struct`` parameter block holding ``values``, in the runtime's memory.
 
     Every field must be given (``pad*`` fields are zero), except the ``mask_*``
     fields of the logit features, which default to 0 ("off"): only the
-    launchers of calls with features set them.  Softcap's factors
-    (``mask_cap_k``, ``mask_inv_cap``) are derived here from ``scale`` and
-    ``mask_softcap`` (:func:`softcap_factors`), so that no launcher can leave
-    them out of a block that has softcap.  Returns a 1-D uint8
+    launchers of calls with features set them.  Returns a 1-D uint8
     array (NumPy on the emulator, CuPy on a GPU) whose address the kernels
     receive as ``const struct*``.  On a GPU the copy is synchronised once here
     (the block is then reused, unchanged, by every later identical call, on
@@ -414,11 +401,6 @@ def make_params(runtime, struct, **values):
     host = np.zeros(1, dtype=dt)
     for n, val in values.items():
         host[n] = val
-    if "mask_cap_k" in dt.names:
-        if "mask_cap_k" in values or "mask_inv_cap" in values:
-            raise ValueError(f"internal: {struct}'s softcap factors are derived, not given")
-        host["mask_cap_k"], host["mask_inv_cap"] = softcap_factors(values["scale"],
-                                                                   values.get("mask_softcap", 0.0))
     raw = host.view(np.uint8)
     if runtime.name == "emulator":
         return raw

@@ -485,8 +485,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const float c_exp = (has_cap || has_bias || has_alibi) ? CUFLASH_LOG2E : scale_log2;
                 const float scale = (float)p.scale, cap = (float)p.mask_softcap;
                 // softcap: tanh(scale S / c) = 1 - 2 / (1 + 2^(S cap_k)), cap_k = 2 log2(e) scale / c
-                // (rounded once by the launcher: params.cuh)
-                const float cap_k = p.mask_cap_k;
+                const float cap_k = has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
                 const DropoutKey drop = cuflash_dropout_key(p);
                 uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
                 // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,

@@ -390,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             }
             const float ce = xform ? 1.4426950408889634f : c;
             const float cap = (float)p.mask_softcap;
-            const float inv_cap = p.mask_inv_cap;   // rounded once by the launcher (params.cuh)
+            const float inv_cap = has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
             const float ns = has_alibi ? -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) : 0.0f;
             // ALiBi's distance q + off - key in float: this lane's base (query q0 + 2t, key
             // key0 + g) plus each element's constant -- an FADD, not an I2F, per element

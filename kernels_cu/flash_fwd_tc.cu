@@ -437,9 +437,9 @@ __device__ __forceinline__ TcFeatures tc_features_of(const FwdParams& p, const f
     f.bias_sc = p.mask_bias_sc;
     f.neg_slope = neg_slope;
     f.cap = (float)p.mask_softcap;
-    f.inv_cap = p.mask_inv_cap;   // 1 / softcap and 2 log2(e) scale / softcap, rounded once by
-    f.cap_m2 = -2.0f * f.cap;     // the launcher (params.cuh)
-    f.cap_k = p.mask_cap_k;
+    f.inv_cap = f.has_cap ? (float)(1.0 / p.mask_softcap) : 0.0f;
+    f.cap_m2 = -2.0f * f.cap;
+    f.cap_k = f.has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
     f.scale = (float)p.scale;
     f.moff = p.mask_offset;
     tc_window_offsets(p, p.Nq, p.Nk, f);

@@ -71,12 +71,6 @@ struct FwdParams {
     //    their class (cuflash.tiling.simt_head_dim_class).  Last, so that no other field moved
     //    when they were added: the kernels that do not read them compile as before --
     int head_d, head_dv;
-    // -- softcap's factors, rounded once by the launcher (cuflash._launch.make_params) from
-    //    scale and mask_softcap (0 without softcap).  The tensor-core kernels read them per tile
-    //    from this block; computed there, each tile paid a double division (DMUL, seven DFMA and
-    //    a call), which GPUs with 1/64-rate float64 run in hundreds of cycles.  Last, as above --
-    float mask_cap_k;                        // float(2 log2(e) scale / softcap)
-    float mask_inv_cap;                      // float(1 / softcap)
 };
 
 // flash_kv_append: k_new/v_new (B, Hk, Nnew, d/dv) written into the cache at positions
@@ -146,7 +140,6 @@ struct BwdParams {
     // -- the call's head dims, read by the SIMT backward (flash_bwd.cu), compiled for their
     //    class; last, as in FwdParams --
     int head_d, head_dv;
-    float mask_cap_k, mask_inv_cap;          // softcap's factors, as in FwdParams (last)
 };
 
 // blockIdx.x -> (tile, head, batch) for a grid of n_tiles * heads * batch blocks.

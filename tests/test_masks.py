@@ -1176,29 +1176,3 @@ def test_masked_kernels_plan_within_their_register_cap():
         assert (p.threads, p.shared_bytes) == (
             tiling.kernel_tiling("flash_fwd").threads(p.block_q, p.block_kv, d, dv),
             tiling.kernel_tiling("flash_fwd").shared_bytes(p.block_q, p.block_kv, d, dv, 8))
-
-
-def test_softcap_factors_are_derived_in_every_parameter_block():
-    """The tensor-core kernels read softcap's factors (2 log2(e) scale / c, 1 / c) from the
-    parameter block, rounded once: make_params derives them from the block's scale and
-    mask_softcap, so a launcher cannot leave them out, and refuses them as inputs."""
-    from types import SimpleNamespace
-    from cuflash import _launch
-    emu = SimpleNamespace(name="emulator")
-    for struct in ("FwdParams", "BwdParams"):
-        dt = _launch.params_dtype(struct)
-        # last in the block (params.cuh), so no earlier field moved when they were added
-        assert dt.names[-2:] == ("mask_cap_k", "mask_inv_cap")
-        assert dt["mask_cap_k"] == np.float32 and dt["mask_inv_cap"] == np.float32
-        base = {n: 0 for n in dt.names if not n.startswith(("pad", "mask_"))}
-        for scale, cap in ((0.125, 30.0), (1 / np.sqrt(96), 7.5), (0.3, 1e-3)):
-            blk = _launch.make_params(emu, struct, **dict(base, scale=scale, mask_softcap=cap))
-            rec = blk.view(dt)[0]
-            want_k = np.float32(2.0 * np.log2(np.e) * scale / cap)
-            assert rec["mask_cap_k"] == want_k and rec["mask_inv_cap"] == np.float32(1 / cap)
-            assert rec["scale"] == scale and rec["mask_softcap"] == cap
-        rec = _launch.make_params(emu, struct, **dict(base, scale=0.125)).view(dt)[0]
-        assert rec["mask_cap_k"] == 0 and rec["mask_inv_cap"] == 0
-        with pytest.raises(ValueError, match="derived"):
-            _launch.make_params(emu, struct, **dict(base, scale=0.125, mask_softcap=30.0,
-                                                    mask_cap_k=1.0))
