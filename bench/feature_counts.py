@@ -312,6 +312,9 @@ def main():
 # of a sub-partition each.
 MUFU_CLOCKS = 8.0
 HMMA_CLOCKS = 4 / 0.6
+# to turn clocks into TFLOP/s for the plain forward (issue 9): the H100 SXM5 of the baseline,
+# 132 SMs, at an assumed sustained 1.755 GHz under tensor load (its boost is 1.98 GHz)
+H100_SMS, H100_GHZ = 132, 1.755
 PIPE_MODEL_TEXT = (
     "**In time, by a pipe model (published rates, no measurement).**  Per SM sub-partition and "
     "per 32 logits (one logit per lane), a kernel needs: issue = its instructions (one warp "
@@ -343,8 +346,12 @@ def pipes(fwd, bwd, what):
     lo0 = _bounds(f0)[0] + _bounds(b0)[0]
     hi0 = _bounds(f0)[1] + _bounds(b0)[1]
     fmt = lambda c: "/".join(f"{x:.1f}" for x in c)  # noqa: E731
+    flop = 2 * (fwd.pplan.d + fwd.pplan.dv)   # the forward's FLOPs per logit
+    tflops = [4 * 32 / c * flop * H100_SMS * H100_GHZ * 1e9 / 1e12 for c in _bounds(f0)]
     print(f"Pipe model, {what}: clocks per 32 logits as issue / MUFU / tensor; the plain calls: "
-          f"forward {fmt(f0)}, backward {fmt(b0)}, together {lo0:.1f} .. {hi0:.1f}.")
+          f"forward {fmt(f0)}, backward {fmt(b0)}, together {lo0:.1f} .. {hi0:.1f}.  The plain "
+          f"forward alone, non-causal with long rows: {tflops[1]:.0f} .. {tflops[0]:.0f} TFLOP/s "
+          f"({H100_SMS} SMs at {H100_GHZ} GHz; FA2 measured 287-291 at d=64, 322-327 at d=128).")
     print()
     print("| feature | forward issue / MUFU / tensor | backward issue / MUFU / tensor | "
           "together (overlap .. none) | vs the plain calls |")
