@@ -1,0 +1,58 @@
+"""bench/feature_counts.py's pipe model (issue, MUFU, tensor pipe per SM sub-partition): the
+arithmetic that turns a kernel's counted main loop into clocks per 32 logits, on made-up
+counts (the SASS counts themselves need NVRTC and cuobjdump: ``python bench/feature_counts.py``)."""
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("feature_counts", ROOT / "bench" / "feature_counts.py")
+FC = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(FC)
+
+
+def _counted(plain, variants, logits=64, passes=1, plogits=64, ppasses=1, d=64):
+    mix = lambda total, mufu, hmma: {"total": total, "MUFU": mufu, "HMMA": hmma}  # noqa: E731
+    plan = SimpleNamespace(d=d, dv=d)
+    return FC.Counted(plan, logits, passes, {k: mix(*v) for k, v in variants.items()}, plan,
+                      plogits, ppasses, mix(*plain))
+
+
+def test_clocks_per_32_logits():
+    # 640 instructions, 64 MUFU and 128 HMMA per trip of 64 logits per lane, over 2 passes
+    c = _counted((320, 64, 64), {"none": (640, 64, 128)}, passes=2)
+    issue, mufu, tensor = FC._clocks(c, "none")
+    assert issue == pytest.approx(20.0)                  # 640 * 2 / 64
+    assert mufu == pytest.approx(FC.MUFU_CLOCKS * 2.0)   # a warp's MUFU: 32 lanes at 4 per clock
+    assert FC.MUFU_CLOCKS == 8.0
+    assert tensor == pytest.approx(FC.HMMA_CLOCKS * 4.0)
+    assert FC._clocks(c) == pytest.approx((5.0, 8.0, FC.HMMA_CLOCKS))   # the plain kernel
+
+
+@pytest.mark.parametrize("clk, lo, hi", [
+    ((10.0, 8.0, 14.0), 14.0, 24.0),    # tensor-bound: overlap hides the rest
+    ((14.0, 24.0, 13.0), 24.0, 37.0),   # MUFU-bound (softcap's forward)
+    ((30.0, 8.0, 20.0), 30.0, 50.0),    # issue-bound
+])
+def test_bounds_are_busiest_pipe_and_no_tensor_overlap(clk, lo, hi):
+    assert FC._bounds(clk) == pytest.approx((lo, hi))
+
+
+def test_pipes_table_compares_with_the_plain_calls(capsys):
+    names = ("none", "bias", "bias + dbias (stored)", "alibi", "softcap",
+             "softcap (and its derivative)", "dropout")
+    fwd = _counted((64, 8, 16), {n: (64, 8, 16) for n in names})
+    bwd = _counted((128, 8, 32), {n: (128, 8, 32) for n in names})
+    # softcap triples the forward's MUFU: 24 clocks per 32 logits, above issue and tensor
+    fwd.mixes["softcap"] = {"total": 64, "MUFU": 24, "HMMA": 16}
+    FC.pipes(fwd, bwd, "test")
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["bias"].endswith("| +0% .. +0% |")
+    # by hand, clocks per 32 logits: plain forward issue 1, MUFU 1, tensor 16/64 * 4/0.6 = 1.67
+    # (bounds 1.67 .. 2.67), backward 2 / 1 / 3.33 (3.33 .. 5.33): together 5.0 .. 8.0; the
+    # softcap forward's MUFU 24/64 * 8 = 3 (bounds 3 .. 4.67): together 6.33 .. 10.0
+    assert "together 5.0 .. 8.0" in out
+    assert rows["softcap"].endswith("| 6.3 .. 10.0 | +27% .. +25% |")
