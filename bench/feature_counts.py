@@ -336,15 +336,20 @@ def _clocks(counted, name=None):
 
 
 def _bounds(clk):
+    """(perfect overlap, tensor pipe overlapping nothing) of one kernel's (issue, MUFU, tensor)."""
     issue, mufu, tensor = clk
     return max(issue, mufu, tensor), max(issue, mufu) + tensor
+
+
+def _together(fclk, bclk):
+    """Both bounds of a forward + backward."""
+    return tuple(f + b for f, b in zip(_bounds(fclk), _bounds(bclk)))
 
 
 def pipes(fwd, bwd, what):
     """The pipe model's forward + backward time of each feature against the plain calls."""
     f0, b0 = _clocks(fwd), _clocks(bwd)
-    lo0 = _bounds(f0)[0] + _bounds(b0)[0]
-    hi0 = _bounds(f0)[1] + _bounds(b0)[1]
+    lo0, hi0 = _together(f0, b0)
     fmt = lambda c: "/".join(f"{x:.1f}" for x in c)  # noqa: E731
     flop = 2 * (fwd.pplan.d + fwd.pplan.dv)   # the forward's FLOPs per logit
     tflops = [4 * 32 / c * flop * H100_SMS * H100_GHZ * 1e9 / 1e12 for c in _bounds(f0)]
@@ -356,16 +361,18 @@ def pipes(fwd, bwd, what):
     print("| feature | forward issue / MUFU / tensor | backward issue / MUFU / tensor | "
           "together (overlap .. none) | vs the plain calls |")
     print("|---|---|---|---|---|")
-    rows = {"masked, no feature": ("none", "none"), "bias": ("bias", "bias"),
-            "bias + dbias (stored)": ("bias", "bias + dbias (stored)"), "ALiBi": ("alibi", "alibi"),
-            "softcap": ("softcap", "softcap (and its derivative)"), "dropout": ("dropout", "dropout")}
-    for name, (fk, bk) in rows.items():
+    for name, (fk, bk) in {"masked, no feature": ("none", "none"), **FEATURES}.items():
         fc, bc = _clocks(fwd, fk), _clocks(bwd, bk)
-        lo = _bounds(fc)[0] + _bounds(bc)[0]
-        hi = _bounds(fc)[1] + _bounds(bc)[1]
+        lo, hi = _together(fc, bc)
         print(f"| {name} | {fmt(fc)} | {fmt(bc)} | {lo:.1f} .. {hi:.1f} | "
               f"{100 * (lo - lo0) / lo0:+.0f}% .. {100 * (hi - hi0) / hi0:+.0f}% |")
     print()
+
+
+# a call's feature -> (its forward variant, its backward variant)
+FEATURES = {"bias": ("bias", "bias"), "bias + dbias (stored)": ("bias", "bias + dbias (stored)"),
+            "ALiBi": ("alibi", "alibi"), "softcap": ("softcap", "softcap (and its derivative)"),
+            "dropout": ("dropout", "dropout")}
 
 
 def both(fwd, bwd, what):
@@ -379,10 +386,7 @@ def both(fwd, bwd, what):
     print()
     print("| feature | forward | backward | together | vs forward + backward without it |")
     print("|---|---|---|---|---|")
-    pairs = {"bias": ("bias", "bias"), "bias + dbias (stored)": ("bias", "bias + dbias (stored)"),
-             "ALiBi": ("alibi", "alibi"), "softcap": ("softcap", "softcap (and its derivative)"),
-             "dropout": ("dropout", "dropout")}
-    for name, (fk, bk) in pairs.items():
+    for name, (fk, bk) in FEATURES.items():
         fa, ba = fwd.per_logit(fk), bwd.per_logit(bk)
         print(f"| {name} | {fa:.1f} | {ba:.1f} | {fa + ba:.1f} | {100 * (fa + ba - f0 - b0) / (f0 + b0):+.0f}% |")
     print()
