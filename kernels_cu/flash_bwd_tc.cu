@@ -931,6 +931,9 @@ flash_bwd_tc_dq_convert(const float* __restrict__ ws, elem_t* __restrict__ dQ, c
     for (long long e = (long long)blockIdx.x * kConvThreads + threadIdx.x; e < n4;
          e += (long long)gridDim.x * kConvThreads) {
         float4 x = gload(reinterpret_cast<const float4*>(acc) + e);
+        // Not unrolled: unrolled by four under -ftz=true (which CuPy adds to every compile),
+        // ptxas caps the kernel at 32 registers and spills; the loop is bound by memory.
+#pragma unroll 1
         for (int s = 1; s < p.n_splits; ++s) {
             const float4 y = gload(reinterpret_cast<const float4*>(acc + s * p.dq_slice_stride) + e);
             x.x += y.x; x.y += y.y; x.z += y.z; x.w += y.w;
