@@ -43,7 +43,7 @@ def sdpa(q, k, v, causal=False, layout="bhnd", scale=None):
     if causal == "top_left":
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     elif causal:  # bottom-right: query i sees key j iff j <= i + Nk - Nq
-        mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(diagonal=Nk - Nq)
+        mask = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(diagonal=Nk - Nq)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
     else:
         o = F.scaled_dot_product_attention(q, k, v, **kw)
@@ -286,7 +286,7 @@ def test_cuda_zero_copy_on_torch_stream(layout):
     if not ok:
         pytest.skip(f"no CUDA path here: {why}")
     import cupy
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     q, k, v = (t.detach().cuda().requires_grad_()
                for t in tensors(rng, shapes_for(layout, 2, 4, 2, 77, 131, 64)))
     seen = {}
