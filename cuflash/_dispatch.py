@@ -96,9 +96,11 @@ def get_backend(backend, *arrays, names=None):
 
 
 def _resolve(backend, named):
-    libs = {array_library(a, name) for name, a in named}
+    by_name = {name: array_library(a, name) for name, a in named}
+    libs = set(by_name.values())
     if len(libs) > 1:
-        raise TypeError(f"arrays of two libraries in one call: {sorted(libs)}; "
+        which = ", ".join(f"{name} is {lib}" for name, lib in by_name.items())
+        raise TypeError(f"arrays of two libraries in one call ({which}); "
                         "pass all numpy.ndarray or all cupy.ndarray")
     lib = libs.pop() if libs else None
     if backend is None:

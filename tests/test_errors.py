@@ -312,3 +312,14 @@ def test_non_contiguous_inputs(backend, rng, dtype):
     oracle.check_backward(grads, do, q, k, v, causal=True)
     for x, y in zip((base_q, base_k, base_v), keep):
         assert np.array_equal(x, y)
+
+
+def test_mixed_array_libraries_name_each_argument():
+    """A NumPy bias beside CuPy q/k/v: the TypeError says which argument is of which library
+    (a stand-in class from a module named cupy: dispatch decides by the class's module)."""
+    fake_cupy = type("ndarray", (), {"__module__": "cupy._core.core"})
+    q = k = v = fake_cupy()
+    with pytest.raises(TypeError, match=r"q is cupy, k is cupy, v is cupy, bias is numpy"):
+        cuflash.tiled_attention(q, k, v, bias=np.zeros((4, 4), np.float32))
+    with pytest.raises(TypeError, match=r"q is numpy, k is cupy"):
+        cuflash.tiled_attention(np.zeros((4, 8), np.float32), k, v)
