@@ -208,6 +208,20 @@ def _leading(q, k, v):
     return lead, q_lead, kv_lead, group
 
 
+def check_scale(scale, d):
+    """The softmax scale as a float: ``1/sqrt(d)`` for None; a finite real number otherwise (a
+    NaN or infinite scale makes every logit NaN or infinite: refused, as a non-finite softcap is)."""
+    if scale is None:
+        # d == 0 makes every logit 0 whatever the scale; 1.0 avoids a division by zero
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return scale
+
+
 def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None):
     """Validate a forward call and describe it.
 
@@ -246,13 +260,7 @@ def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, b
     causal = parse_causal(causal)
     block_q = check_positive_int(block_q, "block_q")
     block_kv = check_positive_int(block_kv, "block_kv")
-    if scale is None:
-        # d == 0 makes every logit 0 whatever the scale; 1.0 avoids a division by zero
-        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {scale!r}")
-        scale = float(scale)
+    scale = check_scale(scale, d)
     return AttentionSpec(lead=lead, q_lead=q_lead, kv_lead=kv_lead, Nq=Nq, Nk=Nk, d=d, dv=dv,
                          dtype=np.dtype(q.dtype), scale=scale, causal=causal,
                          block_q=block_q, block_kv=block_kv, group=group)

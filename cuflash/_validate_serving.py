@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._validate import _check_arrays, _describe, check_positive_int, parse_causal
+from ._validate import _check_arrays, _describe, check_positive_int, check_scale, parse_causal
 
 __all__ = ["VarlenSpec", "KVCacheSpec", "check_varlen_inputs", "check_varlen_backward",
            "check_kvcache_inputs", "check_kvcache_shapes", "check_kvcache_values",
@@ -42,14 +42,6 @@ def check_num_splits(num_splits):
     return n
 
 
-def _scale(scale, d):
-    import math
-    import numbers
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    return float(scale)
 
 
 def _check_index(name, a, ndim, ref):
@@ -165,7 +157,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=Non
         mk = int(lens_k.max()) if (mk is None and lens_k.size) else (mk or 0)
     return VarlenSpec(B=B, H=H, Hk=Hk, group=group, d=d, dv=int(v.shape[2]),
                       total_q=total_q, total_k=total_k, max_q=int(mq), max_k=int(mk),
-                      dtype=np.dtype(q.dtype), scale=_scale(scale, d),
+                      dtype=np.dtype(q.dtype), scale=check_scale(scale, d),
                       causal=parse_causal(causal), lens_q=lens_q, lens_k=lens_k,
                       cu_q=cu_q, cu_k=cu_k)
 
@@ -294,7 +286,7 @@ def check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=N
                          f"({capacity})")
     return KVCacheSpec(B=B, H=H, Hk=Hk, group=group, Nq=Nq, Nnew=Nnew, d=d, dv=dv, paged=paged,
                        page_size=page_size, num_pages=num_pages, max_pages=max_pages,
-                       capacity=capacity, dtype=np.dtype(q.dtype), scale=_scale(scale, d),
+                       capacity=capacity, dtype=np.dtype(q.dtype), scale=check_scale(scale, d),
                        causal=parse_causal(causal), seqlens=None)
 
 

@@ -323,3 +323,39 @@ def test_mixed_array_libraries_name_each_argument():
         cuflash.tiled_attention(q, k, v, bias=np.zeros((4, 4), np.float32))
     with pytest.raises(TypeError, match=r"q is numpy, k is cupy"):
         cuflash.tiled_attention(np.zeros((4, 8), np.float32), k, v)
+
+
+@pytest.mark.parametrize("fn", QKV_FUNCS[:4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scale(backend, fn, bad):
+    """A NaN or infinite scale is refused (it used to give NaN on NumPy and uniform attention on
+    the tensor-core kernels, which read it as 0)."""
+    q = np.ones((4, 16), np.float32)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        call(backend, fn, q, q, q, scale=bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_scale_serving(backend, bad):
+    a = backend.asarray
+    q = np.ones((1, 2, 1, 16), np.float32)
+    cache = np.ones((1, 2, 8, 16), np.float32)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        cuflash.attention_with_kvcache(a(q), a(cache), a(cache), cache_seqlens=a(np.array([4], np.int32)),
+                                       scale=bad, backend=backend.name)
+    x = np.ones((5, 2, 16), np.float32)
+    cu = np.array([0, 2, 5], np.int32)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        cuflash.varlen_attention(a(x), a(x), a(x), a(cu), a(cu), scale=bad, backend=backend.name)
+
+
+def test_kernels_refuse_empty_head_dims_pointing_to_numpy(rng):
+    """d = 0: NumPy computes it (every logit 0); the kernels refuse it, saying NumPy takes it (the
+    message spoke of larger head dims)."""
+    from conftest import require_backend
+    require_backend("emulator")
+    q = np.zeros((3, 0), np.float32)
+    v = np.ones((3, 4), np.float32)
+    assert cuflash.tiled_attention(q, q, v).shape == (3, 4)
+    with pytest.raises(ValueError, match=r"got d=0; backend='numpy' takes empty head dims"):
+        cuflash.tiled_attention(q, q, v, backend="emulator")

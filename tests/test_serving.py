@@ -205,6 +205,22 @@ def test_kvcache_errors_write_nothing(kb, rng, bad, match):
     np.testing.assert_array_equal(kb.to_numpy(vcd), vc)
 
 
+def test_kvcache_reference_checks_even_unchecked(rng):
+    """The NumPy backend reads the indices on the host anyway: with check_inputs=False a page id
+    outside the cache still raises before anything is written (it raised IndexError after
+    sequence 0's new keys were written)."""
+    kc, vc, table = _cache_case(rng, 2, 1, 16, 16, 8, 8)
+    kc0, vc0 = kc.copy(), vc.copy()
+    q = oracle.randn(rng, (2, 2, 1, 16), "float32")
+    kn = oracle.randn(rng, (2, 1, 1, 16), "float32")
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 99 is not a page"):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([3, 12], np.int32),
+                                       k_new=kn, v_new=kn, block_table=np.array([[0, 1], [2, 99]], np.int32),
+                                       check_inputs=False, backend="numpy")
+    np.testing.assert_array_equal(kc, kc0)
+    np.testing.assert_array_equal(vc, vc0)
+
+
 def test_kvcache_unchecked_bad_indices_stay_in_bounds(rng):
     """check_inputs=False with garbage indices: wrong numbers allowed, no crash, no stray write."""
     require_backend("emulator")

@@ -124,9 +124,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     sequence's pages joined in ``block_table`` order), with the logit
     features of that sequence (``cuflash._validate_masks.sequence_masks``).
     """
+    # the reference reads cache_seqlens and block_table on the host anyway, so it always checks
+    # them: a bad entry raises before anything is written, whatever check_inputs says
     spec = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                 scale=scale, causal=causal, num_splits=num_splits,
-                                check_inputs=check_inputs)
+                                check_inputs=True)
     ms = check_serving_masks(q, spec.B, spec.H, spec.Nq, spec.capacity, bias=bias,
                              window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                              dropout_p=dropout_p, seed=seed)

@@ -391,8 +391,10 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     lim_text = "no limit" if limit is None else f"{int(limit)} B ({limit_source})"
     for name, val in (("d", d), ("dv", dv)):
         if not 1 <= val <= t.max_head_dim:
+            hint = ("use backend='numpy' for larger head dims" if val > t.max_head_dim else
+                    "backend='numpy' takes empty head dims")
             raise ValueError(f"{kernel} supports head dims 1..{t.max_head_dim}, got {name}={val}; "
-                             "use backend='numpy' for larger head dims")
+                             f"{hint}")
     for name, val, choices in (("block_q", block_q, t.block_q_choices),
                                ("block_kv", block_kv, t.block_kv_choices)):
         if val is not None and val not in choices:
