@@ -46,7 +46,8 @@ _FEATURES_DOC = """bias : ndarray, optional
         ``(..., Nq, Nk)`` with the output's leading dims (a broadcast axis costs no
         memory: the kernels read it with stride 0, tile by tile, never expanded);
         any float dtype, used in float32 (float64 for float64 inputs).  ``-inf``
-        entries mask keys.
+        entries mask keys; a ``+inf`` or NaN entry makes the rows that see it NaN
+        (softmax of a +inf logit is undefined), on every backend, unchecked.
     window : (int or None, int or None), optional
         Sliding window ``(left, right)``: query i sees key j iff
         ``i + off - left <= j <= i + off + right`` with ``off = Nk - Nq`` (the

@@ -110,9 +110,13 @@ def mask_fields(spec, ms, bias_strides=None, slope_strides=None, seed=None):
         f.update(mask_has_alibi=1, mask_alibi_sb=slope_strides[0],
                  mask_alibi_sh=slope_strides[1])
     if ms.window is not None:
+        # a width of Nq + Nk reaches every key from every query: wider ones are clamped to it,
+        # so any Python int fits the block's 32-bit fields
+        reach = spec.Nq + spec.Nk
         left, right = ms.window
         f.update(mask_window=(1 if left >= 0 else 0) | (2 if right >= 0 else 0),
-                 mask_window_left=max(left, 0), mask_window_right=max(right, 0))
+                 mask_window_left=min(max(left, 0), reach),
+                 mask_window_right=min(max(right, 0), reach))
     if ms.dropout:
         seed = ms.seed if seed is None else seed
         f.update(mask_dropout=1, mask_seed_lo=seed & 0xFFFFFFFF, mask_seed_hi=seed >> 32,

@@ -599,6 +599,33 @@ def test_unbounded_window_is_no_window(backend, rng):
     np.testing.assert_array_equal(l1, l2)
 
 
+def test_plus_inf_bias_makes_exactly_its_rows_nan(backend, rng):
+    """A +inf bias entry: the rows that see it are NaN (as documented), no other row changes."""
+    q, k, v = oracle.qkv(rng, (2, 40, 32), (2, 40, 32), dtype="float32")
+    bias = np.zeros((1, 40, 40), np.float32)
+    bias[0, 5, 7] = np.inf
+    o, lse = _forward(backend, q, k, v, dict(bias=bias))
+    ref, _ = _forward(backend, q, k, v, dict(bias=np.zeros_like(bias)))
+    nan_rows = np.isnan(o).any(-1)
+    assert nan_rows[:, 5].all() and nan_rows.sum() == 2
+    assert np.isnan(lse[:, 5]).all()
+    keep = ~nan_rows
+    np.testing.assert_allclose(o[keep], ref[keep], rtol=0, atol=1e-6)
+
+
+def test_window_wider_than_any_sequence(backend, rng):
+    """Widths beyond 32 bits (2**40) reach every key, as an unbounded window does; the kernels'
+    parameter block holds 32-bit widths (an OverflowError when packing before)."""
+    q, k, v = oracle.qkv(rng, (2, 20, 32), (2, 31, 32), dtype="float32")
+    o1, l1 = _forward(backend, q, k, v, dict(window=(2 ** 40, 2 ** 40)))
+    o2, l2 = _forward(backend, q, k, v, {})
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+    o3, _ = _forward(backend, q, k, v, dict(window=(2 ** 40, 0)))
+    o4, _ = _forward(backend, q, k, v, dict(window=(None, 0)))
+    np.testing.assert_array_equal(o3, o4)
+
+
 # --------------------------------------------------------------------------
 # the kernels: race checks, counted traffic, the window's cost, the repeated-call path
 # --------------------------------------------------------------------------
