@@ -417,7 +417,8 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     Parameters
     ----------
     N : int
-        Query length Nq.
+        Query length Nq, >= 0 (0 is an empty sequence, which the attention
+        calls accept too; negative lengths are refused).
     d : int
         Head dim (v's head dim is taken equal to d).
     dtype : str or dtype
@@ -544,7 +545,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         (on a GPU one small device-to-host copy and a synchronisation per
         call); False skips that, for decode loops.  The kernels never read or
         write out of bounds either way (they clamp); unchecked bad values give
-        wrong results, not crashes.
+        wrong results, not crashes.  The NumPy backend reads them on the host
+        anyway and always checks them.
     backend : {None, "numpy", "cuda", "emulator"}
 
     Returns

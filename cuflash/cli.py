@@ -162,10 +162,11 @@ def demo(args):
     if not ok:
         _say(f"backend {backend!r} is not available here: {why}")
         return 2
-    N, H = args.n, args.heads
-    if backend == "emulator" and args.n is None:
-        N, H = 128, 2          # emulated kernels run ~10^4 times slower than a GPU
-    N = 2048 if N is None else N
+    # emulated kernels run ~10^4 times slower than a GPU: smaller defaults there; what the
+    # user passes is always used
+    small = backend == "emulator"
+    N = args.n if args.n is not None else (128 if small else 2048)
+    H = args.heads if args.heads is not None else (2 if small else 8)
     return compare(backend, args.batch, H, N, args.dim, args.causal or False, args.block_q,
                    args.block_kv, args.seed)
 
@@ -188,7 +189,8 @@ def build_parser():
     d.add_argument("--n", type=positive_int, default=None,
                    help="sequence length for part 2 (default 2048; 128 on the emulator)")
     d.add_argument("--batch", type=positive_int, default=1, help="batch (default: %(default)s)")
-    d.add_argument("--heads", type=positive_int, default=8, help="heads (default: %(default)s)")
+    d.add_argument("--heads", type=positive_int, default=None,
+                   help="heads for part 2 (default 8; 2 on the emulator)")
     d.add_argument("--dim", type=positive_int, default=64, help="head dim (default: %(default)s)")
     d.add_argument("--causal", choices=("bottom_right", "top_left"), default=None,
                    help="causal mask for part 2 (default: none)")

@@ -28,7 +28,7 @@ Tensors cross to NumPy/CuPy and back through DLPack, sharing memory:
   around the cuflash calls.  CuPy allocates the outputs from its own memory
   pool, so ``torch.cuda.memory_allocated`` does not count them.
 
-Not supported: double backward (the backward is ``once_differentiable``),
+Not supported: double backward (``create_graph=True`` raises RuntimeError),
 forward-mode AD, other devices than CPU and CUDA.  ``torch`` here is the real
 PyTorch (absolute imports), not this module.
 """
@@ -130,6 +130,21 @@ def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alib
                                     bool(deterministic), features)
 
 
+def _first_order_only(backward):
+    """A custom backward that refuses create_graph=True: autograd runs a Function's backward
+    with grad mode on exactly when it is asked for a graph of the gradients, which cuflash's
+    backward kernels cannot give (without this, the gradients come back silently detached)."""
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError("cuflash.torch.attention has no double backward: gradients with "
+                               "create_graph=True (Hessian-vector products, gradient penalties) "
+                               "are not supported; use torch's scaled_dot_product_attention "
+                               "for those")
+        return backward(ctx, *grads)
+    wrapper.__name__, wrapper.__doc__ = backward.__name__, backward.__doc__
+    return wrapper
+
+
 class _Attention(torch.autograd.Function):
     """Forward saves q, k, v, o, lse; backward returns dq, dk, dv where needed."""
 
@@ -149,6 +164,7 @@ class _Attention(torch.autograd.Function):
         return o_t
 
     @staticmethod
+    @_first_order_only
     @once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
@@ -184,6 +200,7 @@ class _AttentionFeatures(torch.autograd.Function):
         return o_t
 
     @staticmethod
+    @_first_order_only
     @once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse, bias, slopes = ctx.saved_tensors

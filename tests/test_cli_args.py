@@ -114,3 +114,14 @@ def test_cpu_bench_plot_title_path_and_extrapolated_points(tmp_path, capsys, mon
     assert not tiled[0].get("extrapolated")
     assert "cuflash standard, extrapolated (measured at 1 head, x2)" in seen["legend"]
     assert "cuflash tiled" in seen["legend"]
+
+
+def test_demo_uses_the_heads_and_length_given(capsys, monkeypatch):
+    """--heads and --n are used on every backend (the emulator replaced --heads 4 by 2 when
+    --n was left out); without them the emulator runs its smaller defaults."""
+    seen = []
+    monkeypatch.setattr(cli, "compare", lambda backend, B, H, N, *a, **k: seen.append((H, N)) or 0)
+    cli.main(["demo", "--backend", "emulator", "--heads", "4", "--no-walkthrough"])
+    cli.main(["demo", "--backend", "emulator", "--no-walkthrough"])
+    cli.main(["demo", "--backend", "numpy", "--n", "64", "--no-walkthrough"])
+    assert seen == [(4, 128), (2, 128), (8, 64)]

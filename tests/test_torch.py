@@ -136,8 +136,10 @@ def test_requires_grad_subsets(rng, subset):
         assert o.grad_fn is None and not o.requires_grad
         return
     do = torch.tensor(rng.standard_normal(tuple(o.shape)), dtype=torch.float32)
-    # the backward itself returns None for the inputs that need no gradient
-    raw = o.grad_fn.apply(do)
+    # the backward itself returns None for the inputs that need no gradient (called as autograd
+    # calls it without create_graph: grad mode off)
+    with torch.no_grad():
+        raw = o.grad_fn.apply(do)
     assert len(raw) == 7 and all(r is None for r in raw[3:])
     (o * do).sum().backward()
     for name, t, r in zip("qkv", (q, k, v), raw[:3]):
@@ -270,6 +272,19 @@ def test_errors_are_clear(rng):
     # cuflash's shape error, with a note that bnhd shapes were shown swapped
     with pytest.raises(ValueError, match="layout='bnhd'"):
         ct.attention(q, k[..., :3], v, layout="bnhd")
+
+
+@pytest.mark.parametrize("features", [{}, {"softcap": 5.0}])
+def test_double_backward_is_a_clear_error(rng, features):
+    """create_graph=True asks for differentiable gradients, which the kernels cannot give: a
+    RuntimeError (the gradients used to come back silently without a graph); first-order
+    gradients after it still work."""
+    q, k, v = tensors(rng, shapes_for("bhnd", 1, 2, 2, 5, 7, 4), dtype=torch.float64)
+    o = ct.attention(q, k, v, **features)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+    g = torch.autograd.grad(ct.attention(q, k, v, **features).sum(), (q, k, v))
+    assert all(x is not None and not x.requires_grad for x in g)
 
 
 def _cuda_ready():
