@@ -17,7 +17,8 @@ The helpers use only array methods and ``xp`` functions where they serve
 """
 import numpy as np
 
-from .._validate_masks import check_dropout, dropout_threshold, visible_range
+from .. import tiling
+from .._validate_masks import check_dropout, check_window, dropout_threshold, visible_range
 
 __all__ = ["philox4x32_10", "dropout_keep", "dropout_mask", "Features", "kv_tile_bounds",
            "problem_index", "memory_features"]
@@ -256,8 +257,6 @@ def memory_features(out, bias_shape=None, window=None):
       tile's band (:func:`cuflash.tiling.flash_fwd_masked_traffic`), so they
       grow with the window, not with Nk.  The standard algorithm is unchanged.
     """
-    from .. import tiling
-    from .._validate_masks import check_window
     N, Nk, d = out["N"], out["Nk"], out["d"]
     B, H = out["batch"], out["heads"]
     acc = 8 if out["dtype"] == "float64" else 4
