@@ -11,15 +11,21 @@ argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
+import cuflash
+
+from . import available_backends
 from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
+from ._validate import SUPPORTED_DTYPES
+from .reference import standard_attention
+from .trace import backward_steps, format_backward, format_trace, trace_forward, worked_example
 
 
 def _default_backend():
     """cuda when a GPU and CuPy are usable here, else numpy."""
-    from . import available_backends
     try:
         ok, _ = available_backends().get("cuda", (False, ""))
     except Exception:  # a broken CUDA install must not stop the demo
@@ -37,9 +43,6 @@ def _progress(msg):
 
 def walkthrough():
     """The 4x4 walk-through: forward trace, check against standard attention, backward."""
-    from .reference import standard_attention
-    from .trace import backward_steps, format_backward, format_trace, trace_forward, \
-        worked_example
     ex = worked_example()
     q, k, v, do = ex["q"], ex["k"], ex["v"], ex["do"]
     _say("=" * 78)
@@ -66,7 +69,6 @@ def walkthrough():
 
 
 def _measure_numpy(fn):
-    import tracemalloc
     tracemalloc.start()
     try:
         t0 = time.perf_counter()
@@ -78,7 +80,7 @@ def _measure_numpy(fn):
 
 
 def _measure_cupy(fn):
-    import cupy
+    import cupy  # optional (the cuda extras): only a cuda run measures with it
     pool = cupy.get_default_memory_pool()
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
@@ -93,7 +95,6 @@ def _measure_cupy(fn):
 
 def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
     """Standard vs tiled on one problem: agreement, time and memory of each."""
-    import cuflash
     _say("=" * 78)
     _say(f"Part 2 - standard vs tiled attention on backend {backend!r}: "
          f"B={B}, H={H}, N={N}, d={d}, float32" + (f", causal={causal}" if causal else ""))
@@ -102,7 +103,7 @@ def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
     q, k, v = (rng.standard_normal((B, H, N, d), dtype=np.float32) for _ in range(3))
     measure = _measure_numpy
     if backend == "cuda":
-        import cupy
+        import cupy  # optional (the cuda extras): only a cuda run needs it
         q, k, v = (cupy.asarray(a) for a in (q, k, v))
         measure = _measure_cupy
     # one untimed call each first: thread pools, BLAS and (cuda) kernel compilation
@@ -157,7 +158,6 @@ def demo(args):
     if not args.no_walkthrough:
         walkthrough()
         _say()
-    from . import available_backends
     ok, why = available_backends().get(backend, (False, "unknown backend"))
     if not ok:
         _say(f"backend {backend!r} is not available here: {why}")
@@ -221,7 +221,6 @@ def _check_demo_tiles(args, backend):
     """Refuse tile sizes the backend's planner refuses, as an option error (not a traceback)."""
     if args.block_q is None and args.block_kv is None:
         return
-    import cuflash
     N = args.n if args.n is not None else (128 if backend == "emulator" else 2048)
     try:
         cuflash.memory_analysis(N, args.dim, "float32", block_q=args.block_q,
@@ -245,7 +244,6 @@ def _gpu_bench_argv(argv):
 # compile: fill the kernel cache ahead of time
 # --------------------------------------------------------------------------
 def _add_compile_parser(sub):
-    from ._validate import SUPPORTED_DTYPES
     c = sub.add_parser(
         "compile", help="compile the kernels of default-tile calls now (fill the cache)",
         description="Compile the forward and backward kernels of default-tile calls for "
@@ -263,8 +261,6 @@ def _add_compile_parser(sub):
 
 
 def compile_kernels(args):
-    import cuflash
-    from . import available_backends
     backend = args.backend or "cuda"
     ok, why = available_backends()[backend]
     if not ok:
@@ -293,7 +289,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.command == "demo":
         backend = args.backend or _default_backend()
-        from . import available_backends
         if available_backends().get(backend, (False, ""))[0]:
             _check_demo_tiles(args, backend)
         return demo(args)

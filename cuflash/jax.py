@@ -52,9 +52,11 @@ except ImportError as e:  # jax absent (or blocked in sys.modules)
 
 import cuflash
 
+from . import cuda_backend
 from ._interop import (bfloat16_dtype, check_layout, from_bhnd, is_bfloat16, layout_error,
                        to_bhnd)
 from ._validate import check_attention_inputs
+from ._validate_masks import check_masks
 
 __all__ = ["attention"]
 
@@ -179,7 +181,6 @@ def _seed_words(seed):
 
 def _check_features(opts, q, k, v, bias, slopes, seed):
     """cuflash's checks of the features, from shapes only (traced arrays are fine)."""
-    from ._validate_masks import check_masks
     spec = _spec(opts, q, k, v)
     fake = {}
     for name, x in (("bias", bias), ("alibi_slopes", slopes)):
@@ -359,20 +360,19 @@ def _eager_gpu_device(*arrays):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_backend_available():
-    from . import cuda_backend  # imports CuPy only now, on a GPU
     return cuda_backend.is_available()[0]
 
 
 def _on_cupy(device, fn, *arrays):
     """``fn`` on CuPy views of ``arrays``; its results back as JAX arrays (no host copy)."""
-    import cupy
+    import cupy  # optional (the cuda extras): only a call on a GPU device needs it
     with cupy.cuda.Device(getattr(device, "local_hardware_id", device.id)):
         outs = fn(*(_jax_to_cupy(a) for a in arrays))
         return tuple(_cupy_to_jax(x) for x in outs)
 
 
 def _jax_to_cupy(a):
-    import cupy
+    import cupy  # optional (the cuda extras): only a call on a GPU device needs it
     if is_bfloat16(a.dtype):
         return cupy.from_dlpack(jax.lax.bitcast_convert_type(a, jnp.int16)).view(
             bfloat16_dtype())

@@ -21,7 +21,7 @@ Tensors cross to NumPy/CuPy and back through DLPack, sharing memory:
 * Copies happen only inside the CUDA launcher, where a kernel cannot address
   an input: a last axis with stride != 1 (e.g. the stride-0 gradient of
   ``o.sum()``), or leading axes whose strides do not nest
-  (``cuflash._launch.flatten_lead``).  The NumPy backend reads any strides.
+  (``cuflash.launch.common.flatten_lead``).  The NumPy backend reads any strides.
 * On a GPU there is no host round trip.  The kernels run on PyTorch's current
   CUDA stream: it is made CuPy's current stream
   (``cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)``)
@@ -263,7 +263,7 @@ def _backend_for(device):
         yield np, "numpy"
         return
     try:
-        import cupy
+        import cupy  # optional (the cuda extras): only CUDA tensors need it
     except ImportError as e:
         raise ImportError("CUDA tensors run on cuflash's 'cuda' backend, which needs CuPy "
                           f"({e}): {INSTALL_HINT}") from e

@@ -131,11 +131,11 @@ def _interblock_write_check():
 @contextlib.contextmanager
 def poisoned_outputs():
     """Arrays the kernel launchers allocate are NaN until a kernel writes them."""
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
 
     def poison(a):
         a[...] = np.nan
-    with _launch.output_hook(poison):
+    with launch_common.output_hook(poison):
         yield
 
 

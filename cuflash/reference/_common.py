@@ -158,7 +158,7 @@ def _dtype_from_name(dtype):
     name = dtype if isinstance(dtype, str) else getattr(np.dtype(dtype), "name", str(dtype))
     if name == "bfloat16":
         try:
-            import ml_dtypes
+            import ml_dtypes  # optional: bfloat16 only
             return np.dtype(ml_dtypes.bfloat16)
         except ImportError:  # the analysis needs only the size: 2 bytes
             class _BF16:

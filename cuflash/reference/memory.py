@@ -45,7 +45,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     tiles -- Qi, Kj, Vj in ``dtype``, the S/P tile, the acc tile and m, l in
     the accumulation type (float32; float64 for float64) -- which lives in the
     CPU's caches.  The kernel backends fill ``sram_bytes_per_block`` with
-    their shared memory (``cuflash._launch_fwd.memory_analysis``).
+    their shared memory (``cuflash.launch.fwd.memory_analysis``).
 
     ``num_splits`` > 1 models a split-KV forward: each split's partial outputs
     and lse in the compute type (``split_workspace_bytes``) and the traffic of

@@ -8,7 +8,8 @@ distinct modules are compiled concurrently by :func:`cuflash.kernels.get_functio
 """
 import time
 
-from . import _launch_bwd, _launch_fwd, kernels
+from .. import kernels
+from . import bwd, fwd
 
 __all__ = ["jobs", "precompile"]
 
@@ -18,8 +19,8 @@ def jobs(runtime, dtypes, head_dims):
     out = []
     for dt in dtypes:
         for d in head_dims:
-            out += _launch_fwd.kernels_needed(runtime, d, d, dt)
-            out += _launch_bwd.kernels_needed(runtime, d, d, dt)
+            out += fwd.kernels_needed(runtime, d, d, dt)
+            out += bwd.kernels_needed(runtime, d, d, dt)
     return out
 
 
