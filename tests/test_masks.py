@@ -1093,7 +1093,7 @@ def test_race_check_serving_masked(rng):
     """flash_fwd_serving_masked (paged cache, packed GQA rows, all features) under TSan."""
     from conftest import require_backend
     from cuflash import kernels
-    from cuflash.launch import common as launch_common, serving as launch_serving
+    from cuflash.launch import common as launch_common, features, serving as launch_serving
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     B, H, Hk, d, page, Nq = 2, 2, 1, 16, 8, 3
@@ -1107,7 +1107,8 @@ def test_race_check_serving_masked(rng):
                 seed=11)
     with launch_common.observe_launches() as seen:
         o, lse = launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, None, None, table,
-                                                       None, True, None, True, True, feat)
+                                                       None, True, None, True, True,
+                                                       features.of(**feat))
     assert [e["kernel"] for e in seen] == ["flash_fwd_serving_masked"]
     for b in range(B):
         L = int(lens[b])

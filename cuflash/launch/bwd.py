@@ -24,7 +24,7 @@ one kv head) group are summed inside the dK/dV block.
 """
 from dataclasses import replace
 
-from .. import kernels, tiling
+from .. import tiling
 from .._validate import check_backward_inputs
 from .._validate_masks import sequence_masks
 from .._validate_serving import check_varlen_backward, check_varlen_inputs
@@ -51,17 +51,7 @@ def kernels_needed(runtime, d, dv, dtype):
     main = plan_backward(runtime, d, dv, dtype)
     if main.kernel == "flash_bwd_tc":
         return bwd_tc.requests(main)
-    plan, dq_plan, pre_plan = bwd_simt.plans(runtime, d, dv, dtype)
-    defines = kernels.plan_defines(plan)
-    out = [("flash_bwd.cu", "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
-           ("flash_bwd.cu", "flash_bwd_dkdv", defines, plan.shared_bytes),
-           ("flash_bwd.cu", "flash_bwd_dq", defines, dq_plan.shared_bytes),
-           ("flash_bwd.cu", "flash_bwd_dq_convert", defines, 0)]
-    tf32 = bwd_simt.tf32_plan(runtime, d, dv, dtype)
-    if tf32 is not None:  # float32's default (atomic dQ) path
-        out.append(("flash_bwd_tf32.cu", "flash_bwd_tf32", kernels.plan_defines(tf32),
-                    tf32.shared_bytes))
-    return out
+    return bwd_simt.default_requests(runtime, d, dv, dtype)
 
 
 def _build(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):

@@ -29,9 +29,10 @@ from .common import (acc_dtype, aligned16, alloc_output, flatten_lead, fold_grid
                      zero_grads)
 from .features import DEFINES, Prepared
 
-__all__ = ["build", "plans", "tf32_plan"]
+__all__ = ["build", "plans", "tf32_plan", "default_requests"]
 
 _FILE = "flash_bwd.cu"
+_TF32_FILE = "flash_bwd_tf32.cu"
 # flash_bwd_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
 # emulator (which starts the block's threads for every block) only a few
 _CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
@@ -56,6 +57,21 @@ def tf32_plan(runtime, d, dv, dtype, block_q=None, block_kv=None, masked=False):
         return None
     return tiling.plan_bwd_tf32(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                 limit_source=runtime.smem_source, masked=masked)
+
+
+def default_requests(runtime, d, dv, dtype):
+    """``(file, kernel, defines, shared_bytes)`` of every kernel a default-tile call without
+    features may run (both dQ paths, and flash_bwd_tf32 where float32 plans it)."""
+    plan, dq_plan, pre_plan = plans(runtime, d, dv, dtype)
+    defines = kernels.plan_defines(plan)
+    out = [(_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
+           (_FILE, "flash_bwd_dkdv", defines, plan.shared_bytes),
+           (_FILE, "flash_bwd_dq", defines, dq_plan.shared_bytes),
+           (_FILE, "flash_bwd_dq_convert", defines, 0)]
+    tf32 = tf32_plan(runtime, d, dv, dtype)
+    if tf32 is not None:  # float32's default (atomic dQ) path
+        out.append((_TF32_FILE, "flash_bwd_tf32", kernels.plan_defines(tf32), tf32.shared_bytes))
+    return out
 
 
 def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
@@ -114,7 +130,7 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
         tf32_defines = kernels.plan_defines(tf32)
         if masked:
             tf32_defines.update(DEFINES)
-        dkdv_plan, dkdv_request = tf32, ("flash_bwd_tf32.cu", tf32.kernel, tf32_defines,
+        dkdv_plan, dkdv_request = tf32, (_TF32_FILE, tf32.kernel, tf32_defines,
                                          tf32.shared_bytes)
     else:
         dkdv_plan, dkdv_request = plan, (_FILE, plan.kernel, defines, plan.shared_bytes)
