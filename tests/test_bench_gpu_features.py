@@ -1,4 +1,5 @@
-"""The GPU benchmark's features section (cuflash/_bench_gpu_features.py), run on the emulator.
+"""The GPU benchmark's features section (bench/cuflash_bench/gpu_features.py), run on the
+emulator.
 
 Its oracle is checked on its own (central differences, the plain oracle when no feature is
 on), then one small run of the section checks the tables against the JSON, the checks, the
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _bench_gpu_features as feat
-from cuflash._bench_gpu_check import attention
+from cuflash_bench import gpu_features as feat
+from cuflash_bench.gpu_check import attention
 
 from test_bench_gpu import run_main, table_rows
 

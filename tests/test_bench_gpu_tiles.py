@@ -1,4 +1,5 @@
-"""The GPU benchmark's tiles section (cuflash/_bench_gpu_tiles.py), run on the emulator.
+"""The GPU benchmark's tiles section (bench/cuflash_bench/gpu_tiles.py), run on the
+emulator.
 
 The pair list against the planner, one small run of the section (the table against the JSON,
 each pair checked and launched with its own kernel, the default first), a pair that runs
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _bench_gpu_tiles as tiles
+from cuflash_bench import gpu_tiles as tiles
 from cuflash import emulator_backend, tiling
 
 from test_bench_gpu import run_main, table_rows
@@ -230,6 +231,6 @@ def test_tiles_option_errors(argv, msg):
 
 
 def test_tiles_is_not_a_default_section():
-    from cuflash import _bench_gpu
-    args = _bench_gpu.build_parser().parse_args(["--backend", "emulator"])
-    assert "tiles" not in args.sections and "tiles" in _bench_gpu.SECTIONS
+    from cuflash_bench import gpu
+    args = gpu.build_parser().parse_args(["--backend", "emulator"])
+    assert "tiles" not in args.sections and "tiles" in gpu.SECTIONS

@@ -18,7 +18,7 @@ instruction counts on a CPU cannot give.
 
 Like the rest of the benchmark, each pair's call is checked before it is timed, on the check
 problem (``B, H = 2, 2``, ``--check-n`` queries and keys, the same causal case) against
-float64 NumPy with the rule of ``cuflash/_bench_gpu_check.py``; the kernel the check launched
+float64 NumPy with the rule of ``gpu_check.py``; the kernel the check launched
 is the one the row names.
 
 ``--tiles-feature NAME`` (one of the features section's, the window left out) gives every call
@@ -26,9 +26,10 @@ that feature's arguments, so the rows are the tiles of the kernels with the logi
 (flash_fwd_tc_masked, flash_bwd_tc_masked, ...), checked against the features section's
 float64 oracle (non-causal: it has no causal mask).
 """
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention
-from ._bench_gpu_features import FEATURES, feature_attention, feature_kwargs
-from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
+from .gpu_check import GRAD_NAMES, LOW_PRECISION, attention
+from .gpu_common import flops, sig
+from .gpu_features import FEATURES, feature_attention, feature_kwargs
+from .gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
 __all__ = ["TILE_MODES", "MAIN_KERNELS", "TILE_FEATURES", "CuflashTiles", "parse_pairs",
            "candidate_pairs", "run_tiles", "print_tiles", "kind_text"]
@@ -91,9 +92,9 @@ class CuflashTiles(CuflashTiled):
 
 def _runtime(backend):
     if backend == "cuda":
-        from . import cuda_backend as mod
+        from cuflash import cuda_backend as mod
     else:
-        from . import emulator_backend as mod
+        from cuflash import emulator_backend as mod
     return mod.runtime()
 
 
@@ -102,7 +103,7 @@ def candidate_pairs(runtime, kernel, d, dtype, only=None):
     (d, d) ``dtype`` problem: the pairs of its tiling's choices that ``cuflash.tiling.plan``
     accepts at the runtime's limit; with ``only`` (a list of pairs), those of them -- and the
     ones the planner refuses, with its reason (a pair asked for is never dropped silently)."""
-    from . import tiling
+    from cuflash import tiling
     kw = dict(limit=runtime.smem_limit, limit_source=runtime.smem_source)
     dflt = tiling.plan(kernel, d, d, dtype, **kw)
     t = tiling.kernel_tiling(kernel)
@@ -121,7 +122,7 @@ def candidate_pairs(runtime, kernel, d, dtype, only=None):
 
 def _check(bench, dtype, d, causal, mode, bq, bkv):
     """Run one pair's call on the check problem, judge it and name the kernel it launched."""
-    from ._launch import observe_launches
+    from cuflash._launch import observe_launches
     a, dev = bench.args, bench.device
     n = a.check_n
     shape = (2, 2, 2, n, n, d)
@@ -164,7 +165,6 @@ def _check(bench, dtype, d, causal, mode, bq, bkv):
 
 def run_tiles(bench):
     """Time the default call and every other accepted pair; appends to bench.cases."""
-    from ._bench_gpu import flops
     a, dev = bench.args, bench.device
     N = a.tiles_n
     runtime = _runtime(a.backend)
@@ -237,7 +237,6 @@ def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, b
 
 def print_tiles(res, say):
     """The tiles section's table and its fastest pair per problem, if it ran."""
-    from ._bench_gpu_report import sig
     cases = [c for c in res["cases"] if c["section"] == "tiles"]
     if not cases:
         return

@@ -30,14 +30,15 @@ Like the rest of the benchmark, each row's call (the plain one too) is checked b
 timed, on a small problem (``B, H = 2, 2``, ``--check-n`` queries and keys): output and
 gradients (and dbias) against float64 NumPy (:func:`feature_attention`, the logits built in
 full, every feature written out here; the dropout mask from :func:`cuflash.dropout_mask`, the
-definition every backend draws), with the rule of ``cuflash/_bench_gpu_check.py``.
+definition every backend draws), with the rule of ``gpu_check.py``.
 """
 import math
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, precision
-from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
+from .gpu_check import GRAD_NAMES, LOW_PRECISION, precision
+from .gpu_common import flops, sig
+from .gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
 __all__ = ["FEATURES", "TARGETS", "CuflashFeature", "feature_attention", "feature_kwargs",
            "meets_target", "visible_fraction", "window_sizes", "run_features", "print_features",
@@ -137,7 +138,7 @@ def feature_attention(q, k, v, do, kw, low=None):
     p = rnd(np.where(seen, e / np.where(seen, lsum, 1), 0))
     zk = 1.0
     if kw.get("dropout_p", 0) > 0:
-        from . import dropout_mask
+        from cuflash import dropout_mask
         zk = dropout_mask((B, H, Nq, Nk), kw["dropout_p"], kw["seed"]) / (1 - kw["dropout_p"])
     o = rnd(np.matmul(rnd(p * zk), v))
     out = {"o": o}
@@ -210,7 +211,6 @@ def _fwd_only(kw):
 
 def run_features(bench):
     """Time the plain call and each feature (and the window sizes); appends to bench.cases."""
-    from ._bench_gpu import flops
     a, dev = bench.args, bench.device
     N = a.feature_n
     verdicts = {}
@@ -273,7 +273,6 @@ def _pct(x):
 
 def print_features(res, say):
     """The features section's two tables and notes, if it ran."""
-    from ._bench_gpu_report import sig
     cases = [c for c in res["cases"] if c["section"] == "features"]
     if not cases:
         return
