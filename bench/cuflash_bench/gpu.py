@@ -55,7 +55,7 @@ from cuflash._cliargs import Parser, choice_list, int_list, nonneg_int, positive
 from . import gpu_report as report
 from .gpu_check import LOW_PRECISION, attention
 from .gpu_common import DECODE, flops
-from .gpu_features import run_features, window_sizes
+from .gpu_features import LABELS, run_features, window_sizes
 from .gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, check_method,
                           input_sets_needed, make_methods, make_set, measure, reason_of,
                           record_warnings)
@@ -186,7 +186,8 @@ def build_parser(prog=None):
     p.add_argument("--tiles-feature", choices=TILE_FEATURES, default=None,
                    help="a logit feature for the tiles section's calls, so that it times the "
                    "tiles of the kernels with the features (flash_fwd_tc_masked, "
-                   "flash_bwd_tc_masked, ...; the features section's arguments; non-causal only)")
+                   "flash_bwd_tc_masked, ...; the features section's arguments; non-causal only): "
+                   + ", ".join(f"{n} = {LABELS[n]}" for n in TILE_FEATURES))
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
