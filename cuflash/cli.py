@@ -176,22 +176,27 @@ def demo(args):
                    args.block_kv, args.seed)
 
 
-# ``cuflash/`` and ``bench/`` sit side by side in a source checkout
-BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+# the benchmark harness: ``cuflash/`` and ``bench/`` sit side by side in a source checkout
 HARNESS = "cuflash_bench"
+HARNESS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                           HARNESS)
+
+
+def have_harness():
+    """Whether the benchmark harness is here (a source checkout; an installed copy lacks it)."""
+    return os.path.isfile(os.path.join(HARNESS_DIR, "__init__.py"))
 
 
 def bench_module(name):
     """Module ``name`` (``cpu``, ``gpu``) of the benchmark harness ``bench/cuflash_bench`` of
     this checkout, or None when cuflash runs from an installed copy with no ``bench/`` beside
     it.  The harness is loaded from its folder, without adding anything to ``sys.path``."""
-    where = os.path.join(BENCH_DIR, HARNESS)
-    init = os.path.join(where, "__init__.py")
-    if not os.path.isfile(init):
+    if not have_harness():
         return None
     if HARNESS not in sys.modules:
-        spec = importlib.util.spec_from_file_location(HARNESS, init,
-                                                      submodule_search_locations=[where])
+        spec = importlib.util.spec_from_file_location(
+            HARNESS, os.path.join(HARNESS_DIR, "__init__.py"),
+            submodule_search_locations=[HARNESS_DIR])
         pkg = importlib.util.module_from_spec(spec)
         sys.modules[HARNESS] = pkg
         spec.loader.exec_module(pkg)
@@ -201,8 +206,8 @@ def bench_module(name):
 def _no_harness():
     """One line on stderr saying where the benchmark is; exit status 2."""
     print("python -m cuflash bench: the benchmark harness is not installed with cuflash (no "
-          f"{os.path.join(BENCH_DIR, HARNESS)}); clone the cuflash source repository and run "
-          "python -m cuflash bench from its root", file=sys.stderr)
+          f"{HARNESS_DIR}); clone the cuflash source repository and run python -m cuflash "
+          "bench from its root", file=sys.stderr)
     return 2
 
 
@@ -326,7 +331,7 @@ def compile_kernels(args):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     gpu_argv = _gpu_bench_argv(argv)
-    if (argv[:1] == ["bench"] or gpu_argv is not None) and bench_module("cpu") is None:
+    if (argv[:1] == ["bench"] or gpu_argv is not None) and not have_harness():
         return _no_harness()
     if gpu_argv is not None:
         return bench_module("gpu").main(gpu_argv, prog="python -m cuflash bench --gpu")
