@@ -334,9 +334,10 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None
         of whole key/value tiles, each computed by its own thread blocks into a
         partial output (float32; double for float64) and its lse, merged exactly by a combine
         kernel.  It pays when (query tiles x heads x batch) cannot fill the
-        GPU, as in decoding (Nq = 1).  None: the backend decides (on a GPU from
-        the number of SMs, :func:`cuflash.tiling.num_splits_heuristic`; on the
-        CPU one split); 1: never split; an int forces that many (the result is
+        GPU, as in decoding (Nq = 1).  None: the backend decides for calls whose
+        queries fit one tile (:func:`cuflash.tiling.num_splits_heuristic`, from
+        the device's SMs on "cuda" and a nominal sm_80's on "emulator"; "numpy"
+        does not split); 1: never split; an int forces that many (the result is
         the same to rounding).
     backend : {{None, "numpy", "cuda", "emulator"}}
         None picks from the array type.
