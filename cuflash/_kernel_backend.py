@@ -100,13 +100,27 @@ def api(runtime, limit_text, cache_text):
 
     def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
                         heads=1, num_splits=1, bias_shape=None, window=None):
-        """The model with flash_fwd's tiles {limit}.
+        """The model with the forward kernel's tiles {limit}.
 
         See Also ``cuflash.memory_analysis``; the extra keys are described in
-        ``cuflash._launch_fwd.memory_analysis``.
+        ``cuflash._launch_fwd.memory_analysis``, and ``forward_kernels`` /
+        ``backward_kernels`` come from :mod:`cuflash._precompile`.
         """
-        return _launch_masks.memory_analysis(runtime(), N, d, dtype, Nk, block_q, block_kv, batch,
-                                             heads, num_splits, bias_shape, window)
+        from ._validate_masks import check_window
+        rt = runtime()
+        if bias_shape is None and check_window(window) is None:
+            window = None  # an unbounded window is no feature: the call runs the plain kernels
+        out = _launch_masks.memory_analysis(rt, N, d, dtype, Nk, block_q, block_kv, batch,
+                                            heads, num_splits, bias_shape, window)
+        masked = bias_shape is not None or window is not None
+        dt, splits = out["dtype"], out["num_splits"]
+        fwd = _precompile.forward_kernels(rt, out["d"], out["d"], dt, masked=masked,
+                                          block_q=block_q, block_kv=block_kv,
+                                          num_splits=splits, rows=out["N"])
+        bwd = _precompile.backward_kernels(rt, out["d"], out["d"], dt, masked=masked)
+        out["forward_kernels"] = [{"kernel": k, "shared_bytes": s} for _, k, _, s in fwd]
+        out["backward_kernels"] = [{"kernel": k, "shared_bytes": s} for _, k, _, s in bwd]
+        return out
 
     def verify_no_full_materialization(q, k, v, block_size):
         """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
@@ -115,12 +129,13 @@ def api(runtime, limit_text, cache_text):
         """
         return _launch_fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
 
-    def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+    def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
+                   progress=None):
         """Compile the default-tile kernels {cache}.
 
         See Also ``cuflash.precompile``.
         """
-        return _precompile.precompile(runtime(), dtypes, head_dims, progress)
+        return _precompile.precompile(runtime(), dtypes, head_dims, progress, features)
 
     memory_analysis.__doc__ = memory_analysis.__doc__.replace("{limit}", limit_text)
     precompile.__doc__ = precompile.__doc__.replace("{cache}", cache_text)

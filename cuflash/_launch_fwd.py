@@ -244,7 +244,7 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
     out.pop("cpu_tile_bytes_per_worker", None)  # the reference's CPU figure: not this path
     out.update({
         "backend": runtime.name,
-        "kernel": plan.kernel,
+        "kernel": "flash_fwd_serving" if splits > 1 else plan.kernel,
         "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads,
         "sram_bytes_per_block": plan.shared_bytes,

@@ -563,8 +563,9 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
                     bias_shape=None, window=None):
     """memory_analysis on the kernels; with ``bias_shape``/``window`` the masked forward's.
 
-    Calls with a bias or a window run ``flash_fwd_masked`` (the SIMT kernel,
-    every dtype), so its tiles and shared memory are reported, with the
+    Calls with a bias or a window run the forward the planner picks with
+    ``masked=True`` (flash_fwd_tc_masked, flash_fwd_tf32_masked or
+    flash_fwd_masked), so its tiles and shared memory are reported, with the
     feature keys of :func:`cuflash.reference.masks.memory_features`.
     """
     from . import _launch_fwd, reference
@@ -574,16 +575,16 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
                                            heads, num_splits)
     d_ = check_positive_int(d, "d")
     label = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    plan = runtime.plan("flash_fwd_masked", d_, d_, label, check_positive_int(block_q, "block_q"),
-                        check_positive_int(block_kv, "block_kv"))
+    plan = runtime.plan_fwd(d_, d_, label, check_positive_int(block_q, "block_q"),
+                            check_positive_int(block_kv, "block_kv"), masked=True)
     out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
                                     block_kv=plan.block_kv, batch=batch, heads=heads,
                                     num_splits=num_splits, bias_shape=bias_shape, window=window)
     out.pop("cpu_tile_bytes_per_worker", None)
     out.update({
-        "backend": runtime.name, "kernel": "flash_fwd_masked", "tiles_chosen": plan.chosen,
+        "backend": runtime.name, "kernel": plan.kernel, "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads, "sram_bytes_per_block": plan.shared_bytes,
-        "sram_layout": tiling.kernel_tiling("flash_fwd_masked").layout(
+        "sram_layout": tiling.kernel_tiling(plan.kernel).layout(
             plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
         "sram_limit_bytes": plan.limit, "sram_limit_source": plan.limit_source,
         "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,

@@ -303,6 +303,9 @@ def _add_compile_parser(sub):
                    help="comma-separated dtypes (default: float16,bfloat16)")
     c.add_argument("--head-dims", type=int_list, default=[64, 128],
                    help="comma-separated head dims (default: 64,128)")
+    c.add_argument("--features", action="store_true",
+                   help="also compile the kernels of calls with logit features (bias, window, "
+                   "alibi_slopes, softcap, dropout: one build serves them all)")
     c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
                    help="default: cuda (a GPU and CuPy must be present)")
 
@@ -316,8 +319,8 @@ def compile_kernels(args):
         print(f"backend {backend!r} is not available here: {why}", file=sys.stderr)
         return 2
     try:
-        res = cuflash.precompile(args.dtypes, args.head_dims, backend=backend,
-                                 progress=_progress)
+        res = cuflash.precompile(args.dtypes, args.head_dims, features=args.features,
+                                 backend=backend, progress=_progress)
     except ValueError as e:  # a head dim no kernel supports, shared memory, ...
         print(f"cannot compile: {e}", file=sys.stderr)
         return 2
