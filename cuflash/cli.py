@@ -4,11 +4,16 @@
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``), ``bench --gpu``
-the GPU one (``cuflash/_bench_gpu.py``), ``compile`` fills the kernel cache
-ahead of time (:func:`cuflash.precompile`).  Bad option values are one-line
-argparse errors with exit status 2 (``cuflash/_cliargs.py``).
+``bench`` runs the CPU benchmark, ``bench --gpu`` the GPU one: both belong to
+the benchmark harness, which is not part of the package but lives in
+``bench/cuflash_bench/`` of a source checkout, found beside ``cuflash/``; an
+installed copy without it says how to get it.  ``compile`` fills the kernel
+cache ahead of time (:func:`cuflash.precompile`).  Bad option values are
+one-line argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
+import importlib
+import importlib.util
+import os
 import sys
 import time
 import tracemalloc
@@ -171,8 +176,43 @@ def demo(args):
                    args.block_kv, args.seed)
 
 
+# the benchmark harness: ``cuflash/`` and ``bench/`` sit side by side in a source checkout
+HARNESS = "cuflash_bench"
+HARNESS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                           HARNESS)
+
+
+def have_harness():
+    """Whether the benchmark harness is here (a source checkout; an installed copy lacks it)."""
+    return os.path.isfile(os.path.join(HARNESS_DIR, "__init__.py"))
+
+
+def bench_module(name):
+    """Module ``name`` (``cpu``, ``gpu``) of the benchmark harness ``bench/cuflash_bench`` of
+    this checkout, or None when cuflash runs from an installed copy with no ``bench/`` beside
+    it.  The harness is loaded from its folder, without adding anything to ``sys.path``."""
+    if not have_harness():
+        return None
+    if HARNESS not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            HARNESS, os.path.join(HARNESS_DIR, "__init__.py"),
+            submodule_search_locations=[HARNESS_DIR])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[HARNESS] = pkg
+        spec.loader.exec_module(pkg)
+    return importlib.import_module(f"{HARNESS}.{name}")
+
+
+def _no_harness():
+    """One line on stderr saying where the benchmark is; exit status 2."""
+    print("python -m cuflash bench: the benchmark harness is not installed with cuflash (no "
+          f"{HARNESS_DIR}); clone the cuflash source repository and run python -m cuflash "
+          "bench from its root", file=sys.stderr)
+    return 2
+
+
 def build_parser():
-    from ._bench_cpu import build_parser as bench_parser
+    cpu_bench = bench_module("cpu")
     p = Parser(
         prog="python -m cuflash",
         description="cuflash: exact FlashAttention - demo of the algorithm and benchmarks.")
@@ -201,7 +241,12 @@ def build_parser():
     d.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     d.add_argument("--no-walkthrough", action="store_true", help="skip part 1")
     d.set_defaults(option_error=d.error)  # for option checks after parsing
-    b = sub.add_parser("bench", parents=[bench_parser(add_help=False)],
+    if cpu_bench is None:  # main() answers `bench` before parsing; --help still lists it
+        sub.add_parser("bench", help="CPU and GPU benchmarks (from a source checkout: bench/ "
+                       "is not installed)")
+        _add_compile_parser(sub)
+        return p
+    b = sub.add_parser("bench", parents=[cpu_bench.build_parser(add_help=False)],
                        help="CPU benchmark (naive NumPy, cuflash standard/tiled, torch SDPA); "
                        "--gpu: the GPU benchmark",
                        description="CPU benchmark of the cuflash NumPy backend against naive "
@@ -211,7 +256,7 @@ def build_parser():
                        "'python -m cuflash bench --gpu --help' lists.")
     # handled in main() before parsing: everything after `bench --gpu` is the GPU bench's
     b.add_argument("--gpu", action="store_true",
-                   help="run the GPU benchmark (cuflash/_bench_gpu.py) with the options that "
+                   help="run the GPU benchmark (bench/cuflash_bench/gpu.py) with the options that "
                    "follow; 'bench --gpu --help' lists them")
     _add_compile_parser(sub)
     return p
@@ -256,6 +301,9 @@ def _add_compile_parser(sub):
                    help="comma-separated dtypes (default: float16,bfloat16)")
     c.add_argument("--head-dims", type=int_list, default=[64, 128],
                    help="comma-separated head dims (default: 64,128)")
+    c.add_argument("--features", action="store_true",
+                   help="also compile the kernels of calls with logit features (bias, window, "
+                   "alibi_slopes, softcap, dropout: one build serves them all)")
     c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
                    help="default: cuda (a GPU and CuPy must be present)")
 
@@ -267,8 +315,8 @@ def compile_kernels(args):
         print(f"backend {backend!r} is not available here: {why}", file=sys.stderr)
         return 2
     try:
-        res = cuflash.precompile(args.dtypes, args.head_dims, backend=backend,
-                                 progress=_progress)
+        res = cuflash.precompile(args.dtypes, args.head_dims, features=args.features,
+                                 backend=backend, progress=_progress)
     except ValueError as e:  # a head dim no kernel supports, shared memory, ...
         print(f"cannot compile: {e}", file=sys.stderr)
         return 2
@@ -282,9 +330,10 @@ def compile_kernels(args):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     gpu_argv = _gpu_bench_argv(argv)
+    if (argv[:1] == ["bench"] or gpu_argv is not None) and not have_harness():
+        return _no_harness()
     if gpu_argv is not None:
-        from ._bench_gpu import main as bench_gpu_main
-        return bench_gpu_main(gpu_argv, prog="python -m cuflash bench --gpu")
+        return bench_module("gpu").main(gpu_argv, prog="python -m cuflash bench --gpu")
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "demo":
@@ -293,8 +342,7 @@ def main(argv=None):
             _check_demo_tiles(args, backend)
         return demo(args)
     if args.command == "bench":
-        from ._bench_cpu import run_and_report
-        return run_and_report(args)
+        return bench_module("cpu").run_and_report(args)
     if args.command == "compile":
         return compile_kernels(args)
     p.print_help()

@@ -133,10 +133,12 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     """The model with the forward kernel's tiles and shared memory (nominal sm_80 limit).
 
     See Also ``cuflash.memory_analysis``; the extra keys are described in
-    ``cuflash.launch.fwd.memory_analysis``.
+    ``cuflash.launch.fwd.memory_analysis`` and ``cuflash.launch.precompile.memory_analysis``
+    (``forward_kernels``, ``backward_kernels``).
     """
-    return fwd.memory_analysis(runtime(), reference.memory_analysis, N, d, dtype, Nk, block_q,
-                               block_kv, batch, heads, num_splits, bias_shape, window)
+    return launch_precompile.memory_analysis(runtime(), reference.memory_analysis, N, d, dtype, Nk,
+                                             block_q, block_kv, batch, heads, num_splits,
+                                             bias_shape, window)
 
 
 def verify_no_full_materialization(q, k, v, block_size):
@@ -147,9 +149,10 @@ def verify_no_full_materialization(q, k, v, block_size):
     return fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
 
 
-def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
+               progress=None):
     """Compile the default-tile kernels into the emulator's cache now (``CUFLASH_CACHE_DIR``).
 
     See Also ``cuflash.precompile``.
     """
-    return launch_precompile.precompile(runtime(), dtypes, head_dims, progress)
+    return launch_precompile.precompile(runtime(), dtypes, head_dims, progress, features)

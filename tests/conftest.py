@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from any test file
+# `import cuflash_bench` (the benchmark harness, bench/cuflash_bench) from any test file
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
 
 import cuflash  # noqa: E402
 

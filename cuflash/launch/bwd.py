@@ -33,7 +33,7 @@ from .common import acc_dtype, array_key, cached_call, problem_dims, zero_grads
 from .features import cache_key, check_cached_seed, validate, validate_serving
 
 __all__ = ["tiled_attention_backward", "flash_bwd", "varlen_attention_backward",
-           "plan_backward", "kernels_needed"]
+           "plan_backward"]
 
 _TC_KERNELS = ("flash_bwd_tc", "flash_bwd_tc_masked")
 
@@ -44,14 +44,6 @@ def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=Non
     return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                  limit_source=runtime.smem_source, kernel=kernel,
                                  tensor_cores=runtime.tensor_cores, masked=masked)
-
-
-def kernels_needed(runtime, d, dv, dtype):
-    """``(filename, kernel, defines, shared_bytes)`` of a default-tile backward (for precompile)."""
-    main = plan_backward(runtime, d, dv, dtype)
-    if main.kernel == "flash_bwd_tc":
-        return bwd_tc.requests(main)
-    return bwd_simt.default_requests(runtime, d, dv, dtype)
 
 
 def _build(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):

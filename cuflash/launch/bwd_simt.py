@@ -29,7 +29,7 @@ from .common import (acc_dtype, aligned16, alloc_output, flatten_lead, fold_grid
                      zero_grads)
 from .features import DEFINES, Prepared
 
-__all__ = ["build", "plans", "tf32_plan", "default_requests"]
+__all__ = ["build", "plans", "tf32_plan"]
 
 _FILE = "flash_bwd.cu"
 _TF32_FILE = "flash_bwd_tf32.cu"
@@ -57,21 +57,6 @@ def tf32_plan(runtime, d, dv, dtype, block_q=None, block_kv=None, masked=False):
         return None
     return tiling.plan_bwd_tf32(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                 limit_source=runtime.smem_source, masked=masked)
-
-
-def default_requests(runtime, d, dv, dtype):
-    """``(file, kernel, defines, shared_bytes)`` of every kernel a default-tile call without
-    features may run (both dQ paths, and flash_bwd_tf32 where float32 plans it)."""
-    plan, dq_plan, pre_plan = plans(runtime, d, dv, dtype)
-    defines = kernels.plan_defines(plan)
-    out = [(_FILE, "flash_bwd_preprocess", defines, pre_plan.shared_bytes),
-           (_FILE, "flash_bwd_dkdv", defines, plan.shared_bytes),
-           (_FILE, "flash_bwd_dq", defines, dq_plan.shared_bytes),
-           (_FILE, "flash_bwd_dq_convert", defines, 0)]
-    tf32 = tf32_plan(runtime, d, dv, dtype)
-    if tf32 is not None:  # float32's default (atomic dQ) path
-        out.append((_TF32_FILE, "flash_bwd_tf32", kernels.plan_defines(tf32), tf32.shared_bytes))
-    return out
 
 
 def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):

@@ -28,7 +28,7 @@ from .features import (DEFINES, Prepared, cache_key, check_cached_seed, prepared
 from .serving import serving_plan, tiled_attention_split
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
-           "kernels_needed", "tc_scale"]
+           "tc_scale"]
 
 
 def _build(runtime, spec, ms, q, k, v, kernel=None):
@@ -217,13 +217,6 @@ def flash_fwd(runtime, q, k, v, spec, ms=None, kernel=None):
     return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, ms)
 
 
-def kernels_needed(runtime, d, dv, dtype):
-    """``(filename, kernel, defines, shared_bytes)`` of a default-tile forward (for precompile)."""
-    plan = runtime.plan_fwd(d, dv, dtype)
-    return [(kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, kernels.plan_defines(plan),
-             plan.shared_bytes)]
-
-
 def _dtype_label(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
@@ -237,8 +230,10 @@ def memory_analysis(runtime, reference_model, N, d, dtype, Nk, block_q, block_kv
     ``sram_bytes_per_block`` are those the forward launches with
     (cuflash.tiling, against this runtime's shared-memory limit, which is
     reported); split-KV reports the serving kernel's, and a call with
-    ``bias_shape``/``window`` those of ``flash_fwd_masked``, with the feature
-    keys of :func:`cuflash.reference.masks.memory_features`.
+    ``bias_shape``/``window`` those of the forward the planner picks with
+    ``masked=True`` (flash_fwd_tc_masked, flash_fwd_tf32_masked or
+    flash_fwd_masked), with the feature keys of
+    :func:`cuflash.reference.masks.memory_features`.
     ``tiled_extra_bytes`` keeps the reference's definition (row statistics
     plus one S/P tile pair, whatever memory holds them);
     ``kernel_global_extra_bytes`` is what the kernel path actually keeps in
@@ -249,25 +244,21 @@ def memory_analysis(runtime, reference_model, N, d, dtype, Nk, block_q, block_kv
     the kernel is measured to move.
     """
     d_ = check_positive_int(d, "d")
-    if bias_shape is None and window is None:
-        bq = check_positive_int(block_q, "block_q")
-        bkv = check_positive_int(block_kv, "block_kv")
-        num_splits = check_num_splits(num_splits) or 1
-        if num_splits > 1:  # split-KV runs the serving kernel, with its tiles
-            plan = serving_plan(runtime, d_, d_, _dtype_label(dtype), N, bq, bkv)
-        else:
-            plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv)
-    else:
-        plan = runtime.plan("flash_fwd_masked", d_, d_, _dtype_label(dtype),
-                            check_positive_int(block_q, "block_q"),
-                            check_positive_int(block_kv, "block_kv"))
+    bq = check_positive_int(block_q, "block_q")
+    bkv = check_positive_int(block_kv, "block_kv")
+    masked = bias_shape is not None or window is not None
+    splits = 1 if masked else (check_num_splits(num_splits) or 1)  # features never split keys
+    if splits > 1:  # split-KV runs the serving kernel, with its tiles
+        plan = serving_plan(runtime, d_, d_, _dtype_label(dtype), N, bq, bkv)
+    else:  # calls with features run the forward the planner picks with masked=True
+        plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv, masked=masked)
     out = reference_model(N, d, dtype, Nk=Nk, block_q=plan.block_q, block_kv=plan.block_kv,
-                          batch=batch, heads=heads, num_splits=num_splits,
+                          batch=batch, heads=heads, num_splits=splits,
                           bias_shape=bias_shape, window=window)
     out.pop("cpu_tile_bytes_per_worker", None)  # the reference's CPU figure: not this path
     out.update({
         "backend": runtime.name,
-        "kernel": plan.kernel,
+        "kernel": "flash_fwd_serving" if splits > 1 else plan.kernel,
         "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads,
         "sram_bytes_per_block": plan.shared_bytes,

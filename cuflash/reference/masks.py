@@ -121,9 +121,11 @@ def dropout_mask(shape, p, seed):
     keep : ndarray of bool, shape ``shape``
         True where the probability is kept (and scaled by 1/(1-p)).  Element
         (..., i, j) of problem (b, h) (b the flat index over ``shape[:-3]``, h
-        over ``shape[-3]``) is a 16-bit half of a word of Philox4x32-10 with key
-        ``(seed % 2^32, seed // 2^32)`` (:func:`dropout_keep` says which), kept
-        iff it is at least ``round(p * 2^16)``.
+        over ``shape[-3]``) is kept iff a 16-bit number drawn by Philox4x32-10
+        with key ``(seed % 2^32, seed // 2^32)`` at a counter made of
+        (b, h, i, j) is at least ``round(p * 2^16)``: a function of the logical
+        index alone, so every backend and every tile size drops the same
+        elements.  The bit layout is in the source tree's ``docs/kernels.md``.
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
