@@ -4,7 +4,8 @@ Layers, top to bottom; an import may point down or stay inside its layer, never 
 
 =========================  ==============================================================
 entry points               ``cuflash.__main__``, ``cuflash.cli``
-tools, framework doors     ``cuflash.torch``, ``cuflash.jax``, ``cuflash.trace``
+tools, framework doors     ``cuflash.torch``, ``cuflash.jax``, ``cuflash.flash_attn``,
+                           ``cuflash.transformers``, ``cuflash._torch_ops``, ``cuflash.trace``
 front                      ``cuflash`` (the package's ``__init__``), ``cuflash._dispatch``
 backends                   ``cuflash.reference.*``, ``cuflash.cuda_backend``,
                            ``cuflash.emulator_backend``
@@ -24,7 +25,7 @@ The benchmark modules ``cuflash/_bench_*.py`` are left out, as importers and as
 imported: they are the harness on its way out of the package to ``bench/``.
 
 Inside a function, only an optional library is imported (CuPy, torch, JAX,
-matplotlib, ml_dtypes), so that ``import cuflash`` never needs it; a module of
+transformers, matplotlib, ml_dtypes), so that ``import cuflash`` never needs it; a module of
 the package or of the standard library is imported at the top.
 """
 import ast
@@ -41,6 +42,7 @@ LAYERS = ("entry points", "tools", "front", "backends", "launchers", "kernels an
 _EXACT = {
     "cuflash.__main__": "entry points", "cuflash.cli": "entry points",
     "cuflash.torch": "tools", "cuflash.jax": "tools", "cuflash.trace": "tools",
+    "cuflash.flash_attn": "tools", "cuflash.transformers": "tools", "cuflash._torch_ops": "tools",
     "cuflash": "front", "cuflash._dispatch": "front",
     "cuflash.cuda_backend": "backends", "cuflash.emulator_backend": "backends",
     "cuflash.kernels": "kernels and tiling",
@@ -51,7 +53,7 @@ _EXACT = {
 }
 _PACKAGES = {"cuflash.reference": "backends", "cuflash.launch": "launchers",
              "cuflash.tiling": "kernels and tiling", "cuflash.emulator": "emulator"}
-OPTIONAL = {"cupy", "cupyx", "torch", "jax", "jaxlib", "matplotlib", "ml_dtypes"}
+OPTIONAL = {"cupy", "cupyx", "torch", "jax", "jaxlib", "matplotlib", "ml_dtypes", "transformers"}
 
 
 def layer_of(module):
