@@ -28,11 +28,12 @@ restart, or ``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``);
 unpadded batches run :func:`cuflash.flash_attn.flash_attn_func`.  So the
 name avoids ``"flash"``: ``"cufa"``.
 
-Supported: causal and bidirectional attention, grouped-query heads, padding
-(right or left), packed sequences, sliding windows (``sliding_window``),
-softcapping (``softcap``), attention dropout (cuflash's own mask, see
-:mod:`cuflash.flash_attn`), KV caches (dynamic and static), float16,
-bfloat16, float32, float64, CPU and CUDA tensors, ``torch.compile``.  Not
+Supported: causal attention layers (a layer whose ``is_causal`` is False runs
+without the causal mask), grouped-query heads, padding (right or left), packed
+sequences, sliding windows (``sliding_window``), softcapping (``softcap``),
+attention dropout (cuflash's own mask, see :mod:`cuflash.flash_attn`), KV
+caches (dynamic and static), float16, bfloat16, float32, float64, CPU and
+CUDA tensors, ``torch.compile`` of unpadded batches.  Not
 supported, with an error: attention sinks (``s_aux``), additive position
 biases (``position_bias``), a 4-D mask passed by the caller;
 ``output_attentions=True`` returns no weights (a warning says so).

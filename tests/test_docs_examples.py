@@ -6,6 +6,7 @@ A block that needs more than the CPU says so on the line before it:
     <!-- doc-test: needs a GPU -->      CuPy and a GPU (skipped without them)
     <!-- doc-test: needs torch -->      PyTorch (skipped without it; CPU builds run it)
     <!-- doc-test: needs jax -->        JAX (likewise)
+    <!-- doc-test: needs transformers --> transformers (and PyTorch; likewise)
 
 Blocks assert what the text next to them says, so a page that drifts from the code fails.
 """
@@ -23,7 +24,7 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 _BLOCK = re.compile(r"(?:<!-- doc-test: needs (?P<need>[^>]*?) -->\n)?```python\n(?P<code>.*?)```",
                     re.S)
-NEEDS = {"a GPU", "torch", "jax"}
+NEEDS = {"a GPU", "torch", "jax", "transformers"}
 
 
 def python_blocks(page):
