@@ -126,7 +126,8 @@ def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alib
                 raise ValueError(f"{name} is on {t.device}, q on {device}: one device")
     check_layout(layout, q=q, k=k, v=v)
     o, _ = ops.attention(q, k, v, bias=bias, alibi_slopes=alibi_slopes,
-                         seed=ops.seed_arg(dropout_p, seed), scale=scale, causal=parse_causal(causal),
-                         window=check_window(window), softcap=check_softcap(softcap),
-                         dropout_p=dropout_p, layout=layout, deterministic=deterministic)
+                         seed=ops.seed_arg(dropout_p, seed), scale=scale,
+                         causal=parse_causal(causal), window=check_window(window),
+                         softcap=check_softcap(softcap), dropout_p=dropout_p, layout=layout,
+                         deterministic=deterministic)
     return o
