@@ -63,7 +63,7 @@ def randn(rng, *shape, dtype=torch.float32, grad=True):
 
 
 def weights(out):
-    return torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    return torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
 
 
 def check(got, want, what, tol=2e-5):

@@ -28,7 +28,9 @@ def plain_attention(q, k, v, causal=False, layout="bhnd", scale=None):
     k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
     Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1 / np.sqrt(d) if scale is None else scale
-    s = scale * q @ k.swapaxes(-1, -2)
+    # HIGHEST: on a GPU, XLA's default float32 matmul is TF32 (about 5e-4 relative), which
+    # would make the reference the least exact side of every comparison
+    s = scale * jnp.matmul(q, k.swapaxes(-1, -2), precision="highest")
     # iota rather than NumPy constants: XLA folds large constant masks slowly
     i = jax.lax.broadcasted_iota(jnp.int32, (Nq, Nk), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (Nq, Nk), 1)
@@ -37,7 +39,7 @@ def plain_attention(q, k, v, causal=False, layout="bhnd", scale=None):
     m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
     e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     l = e.sum(axis=-1, keepdims=True)
-    o = (e / jnp.where(l > 0, l, 1)) @ v
+    o = jnp.matmul(e / jnp.where(l > 0, l, 1), v, precision="highest")
     return o.swapaxes(-3, -2) if layout == "bnhd" else o
 
 

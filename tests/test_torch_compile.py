@@ -42,7 +42,7 @@ def compiled(fn, dynamic=None):
 def value_and_grads(fn, inputs):
     """fn(*inputs) and the gradients of (fn * fixed weights).sum() for the inputs needing them."""
     out = fn(*inputs)
-    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape)
     wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     return out.detach(), torch.autograd.grad((out * w).sum(), wanted)
 
