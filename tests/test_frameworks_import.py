@@ -34,7 +34,8 @@ def test_import_cuflash_imports_no_framework():
 
 @pytest.mark.parametrize("module, framework", [("torch", "torch"), ("jax", "jax"),
                                                ("flash_attn", "torch"),
-                                               ("transformers", "transformers")])
+                                               ("transformers", "transformers"),
+                                               ("ring.torch", "torch"), ("ring.jax", "jax")])
 def test_missing_framework_is_a_clear_import_error(module, framework):
     r = run_python(f"""
         import sys

@@ -5,7 +5,8 @@ Layers, top to bottom; an import may point down or stay inside its layer, never 
 =========================  ==============================================================
 entry points               ``cuflash.__main__``, ``cuflash.cli``
 tools, framework doors     ``cuflash.torch``, ``cuflash.jax``, ``cuflash.flash_attn``,
-                           ``cuflash.transformers``, ``cuflash._torch_ops``, ``cuflash.trace``
+                           ``cuflash.transformers``, ``cuflash._torch_ops``, ``cuflash.trace``,
+                           ``cuflash.ring.*``
 front                      ``cuflash`` (the package's ``__init__``), ``cuflash._dispatch``
 backends                   ``cuflash.reference.*``, ``cuflash.cuda_backend``,
                            ``cuflash.emulator_backend``
@@ -51,7 +52,7 @@ _EXACT = {
     "cuflash._cliargs": "shared leaves", "cuflash._nvrtc": "shared leaves",
     "cuflash._sass": "shared leaves",
 }
-_PACKAGES = {"cuflash.reference": "backends", "cuflash.launch": "launchers",
+_PACKAGES = {"cuflash.ring": "tools", "cuflash.reference": "backends", "cuflash.launch": "launchers",
              "cuflash.tiling": "kernels and tiling", "cuflash.emulator": "emulator"}
 OPTIONAL = {"cupy", "cupyx", "torch", "jax", "jaxlib", "matplotlib", "ml_dtypes", "transformers"}
 
