@@ -42,7 +42,7 @@ __all__ = ["ring_attention", "shard", "unshard"]
 
 def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal=False,
                    bias=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                   layout="bhnd", return_lse=False):
+                   layout="bhnd", return_lse=False, check_ranks=True):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Parameters
@@ -71,6 +71,10 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
     layout : {"bhnd", "bnhd"}
     return_lse : bool
         Also return the rank's rows of the log-sum-exp (float32; float64 for float64).
+    check_ranks : bool
+        Compare shapes, dtype and options across the ranks first (one all-gather of a few
+        dozen int64 and, on CUDA, a host synchronisation); False skips it, and ranks that
+        disagree then fail inside the transfers or compute garbage.
 
     Returns
     -------
@@ -115,7 +119,8 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
                          f"{n * world} keys in global order), got {tuple(bias.shape)}")
     cfg = _Config(group, rank, world, sharding, None if scale is None else float(scale),
                   causal, window, softcap, layout)
-    _agree(cfg, device, q, k, v, bias)
+    if check_ranks:
+        _agree(cfg, device, q, k, v, bias)
     o, lse = _Ring.apply(q, k, v, bias, cfg)
     return (o, lse) if return_lse else o
 
