@@ -113,8 +113,8 @@ def main(argv=None):
                                              causal, a.reps)
             ok &= equal
             print(f"| {N} | {'yes' if causal else 'no'} | {pf:.3f} | {rf:.3f} | "
-                  f"{(rf / pf - 1) * 100:+.1f}% | {pa:.3f} | {ra:.3f} | {(ra / pa - 1) * 100:+.1f}% "
-                  f"| {'yes' if equal else 'NO'} |", flush=True)
+                  f"{(rf / pf - 1) * 100:+.1f}% | {pa:.3f} | {ra:.3f} | "
+                  f"{(ra / pa - 1) * 100:+.1f}% | {'yes' if equal else 'NO'} |", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 
