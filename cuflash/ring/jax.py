@@ -81,7 +81,8 @@ def ring_attention(q, k, v, *, mesh, axis_name, sharding="zigzag", scale=None, c
 
     Returns
     -------
-    o (and lse with ``return_lse``), in the same sequence order as q.
+    o (and lse with ``return_lse``), in the same sequence order as q.  ``lse`` carries no
+    gradient (``stop_gradient``), as in FlashAttention-2.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -149,8 +150,8 @@ def ring_attention_shard(q, k, v, *, axis_name, sharding="zigzag", scale=None, c
     _block_opts(cfg, qb, kb, vb)    # cuflash's own checks, before anything is traced
     bias_op = bias if bias is not None else jnp.zeros((1,), q.dtype)
     o, lse = _ring(cfg, qb, kb, vb, bias_op)
-    o = swap(o)
-    return (o, lse) if return_lse else o
+    # lse carries no gradient (the backward ignores its cotangent): say so to autodiff
+    return (swap(o), jax.lax.stop_gradient(lse)) if return_lse else swap(o)
 
 
 # ---------------------------------------------------------------------------

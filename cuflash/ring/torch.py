@@ -80,7 +80,7 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
     -------
     o : torch.Tensor
         This rank's rows of the output, shape of q with ``dv`` last; ``(o, lse)`` with
-        ``return_lse``.
+        ``return_lse`` (``lse`` carries no gradient, as in FlashAttention-2).
 
     Raises
     ------
