@@ -106,6 +106,7 @@ def _bad_calls(rank, world):
         ("dropout", lambda: ring_attention(x, x, x, dropout_p=0.1)),
         ("bias_width", lambda: ring_attention(x, x, x, bias=torch.zeros(1, 2, 8, 8))),
         ("sharding", lambda: ring_attention(x, x, x, sharding="striped")),
+        ("dtypes", lambda: ring_attention(x, x.double(), x)),
     ]
 
 
@@ -229,6 +230,7 @@ def _within_low_precision_rule(got, single, inputs, kw):
     ("dropout", "ValueError", "dropout_p > 0 is not supported"),
     ("bias_width", "ValueError", "sharded by rows"),
     ("sharding", "ValueError", "sharding must be one of"),
+    ("dtypes", "TypeError", "one dtype"),
 ])
 def test_bad_arguments_raise_on_every_rank(ring_run, name, error, words):
     world, runs = ring_run

@@ -95,6 +95,9 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
         ``torch.distributed`` not initialised.
     """
     device = ops.check_tensors(q=q, k=k, v=v)
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v must have one dtype among float16, bfloat16, float32, "
+                        f"float64; got {q.dtype}, {k.dtype}, {v.dtype}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
@@ -225,8 +228,9 @@ def _bhnd(t, layout):
     return t if layout == "bhnd" or t is None else t.transpose(-3, -2)
 
 
-def _pack(*ts, dtype=None):
-    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in ts])
+def _pack(*ts):
+    """One contiguous buffer holding the tensors (one message per transfer)."""
+    return torch.cat([t.reshape(-1) for t in ts])
 
 
 def _unpack(buf, shapes):
@@ -264,7 +268,7 @@ def _bias_block(bias, call, cols):
 
 
 def _steps(cfg, n):
-    """(source rank, calls) of every step of this rank."""
+    """(step, source rank, cuflash calls) of every step of this rank."""
     mine = chunks_of(cfg.rank, cfg.world, n, cfg.sharding)
     for step in range(cfg.world):
         src = (cfg.rank - step) % cfg.world
