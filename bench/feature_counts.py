@@ -308,7 +308,7 @@ def main():
 # capability 8.0 and 9.0; FlashAttention-3's "3.9 TFLOPS of special functions" on an H100
 # SXM5 is the same rate), so a warp's MUFU occupies it 8 clocks; mma.sync m16n8k16 runs at
 # ~0.6 per clock per SM (FA2's forward, 287-327 TFLOP/s with the tensor pipe active 48-56%
-# in ../shared/docs/gpu-baseline.md, puts the pipe's full rate at 0.57-0.65), 4 / 0.6 clocks
+# in its H100 profile of 2026-11-23, puts the pipe's full rate at 0.57-0.65), 4 / 0.6 clocks
 # of a sub-partition each.
 MUFU_CLOCKS = 8.0
 HMMA_CLOCKS = 4 / 0.6

@@ -24,7 +24,7 @@ to match) and the report reads:
   step (the main loop with its inner loops weighted by their trip counts) against
   the model's, and the time predicted for FlashAttention-2's benchmark shape on an
   H100 at the shared-memory rate FA2's own backward achieved there
-  (docs/gpu-baseline.md), beside FA2's kernel modelled the same way.
+  (its Nsight Compute profile of 2026-11-23), beside FA2's kernel modelled the same way.
 
 No GPU is needed.  Usage::
 
@@ -295,7 +295,7 @@ def main(argv=None):
 # --------------------------------------------------------------------------
 # model of the backward kernels (no GPU: counts from the tile plan and the SASS)
 # --------------------------------------------------------------------------
-# FlashAttention-2's benchmark shape (docs/gpu-baseline.md): batch 2, N = 4096, heads x d =
+# FlashAttention-2's benchmark shape: batch 2, N = 4096, heads x d =
 # 2048, non-causal, and FA2's backward kernel as launched on the H100 there:
 # Flash_bwd_kernel_traits<d, Br, Bc, warps, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ>
 # with its measured time (flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel).

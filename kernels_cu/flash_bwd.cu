@@ -21,7 +21,7 @@
 //   flash_bwd_dq          deterministic dQ: one block per (Q tile i, query head): Qi, dOi
 //                         resident, Kj/Vj streamed, dQi accumulated in registers.
 //   flash_bwd_dq_convert  float32 dQ accumulator -> dQ in the input dtype (atomic path).
-// The launcher (cuflash/_launch_bwd.py) runs flash_bwd_dq when deterministic=True and for
+// The launcher (cuflash/launch/bwd_simt.py) runs flash_bwd_dq when deterministic=True and for
 // float64 (there is no double gatomic_add), and the atomic path otherwise.
 //
 // Notation as in cuflash.reference and flash_fwd.cu: Br = BLOCK_Q rows of Q per tile,

@@ -7,7 +7,7 @@
 // P recomputed tile by tile from the forward's log-sum-exp (FlashAttention-2, Dao 2023):
 // P = exp2(s * scale * log2(e) - lse * log2(e)), one FFMA + one MUFU.EX2 per element.
 //
-// Kernels (one launch each, in this order; cuflash/_launch_bwd.py):
+// Kernels (one launch each, in this order; cuflash/launch/bwd_tc.py):
 //   flash_bwd_tc_preprocess  D = rowsum(dO * O) and lse2 = lse * log2(e) per query row into a
 //                            float32 workspace, both padded to whole Q tiles (padding rows and
 //                            rows that see no key get lse2 = +inf, so P = 0 there with no

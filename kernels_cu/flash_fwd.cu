@@ -50,7 +50,7 @@
 // dims, which arrive at run time (FwdParams head_d, head_dv).  Why: one compile then serves
 // every head dim of its class, so the plan sweep (bench/plan_sweep.py) can compile every plan
 // the planner accepts -- ptxas' register allocation is not monotone in d, and a sample of
-// per-d compiles found spills at head dims the sweep never saw (issue 12).  Columns d..kD-1
+// per-d compiles found spills at head dims the sweep never saw.  Columns d..kD-1
 // of Qs/Ks and dv..kDv-1 of Vs are zero, so the loops keep their compile-time trip counts
 // (the class dims compile exactly as before) and the padded columns add exact zeros; only
 // the stores and global layouts use d and dv.

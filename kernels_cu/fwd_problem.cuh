@@ -2,7 +2,7 @@
 // rows live: the one place that turns blockIdx, the FwdParams block and the serving
 // pointers into base pointers, lengths, the causal offset and the key/value tile range.
 //
-// Problems the forward kernels serve (cuflash._launch_fwd sets the fields):
+// Problems the forward kernels serve (cuflash.launch.fwd and cuflash.launch.serving set the fields):
 //   * dense batches: q/k/v/o addressed by (batch, head, row) element strides;
 //   * variable-length batches (varlen): packed rows, sequence b is rows cu_q[b]..cu_q[b+1]
 //     of q/o/lse and cu_k[b]..cu_k[b+1] of k/v (the batch stride is unused);

@@ -2,7 +2,7 @@
 //
 // Why a block in global memory instead of ~25 scalar kernel arguments: every scalar that
 // CuPy's RawKernel launch converts costs host time on each call (one launch with 20
-// arguments measured 17 us on an H100 host, docs/gpu-baseline.md), and all of these values
+// arguments measured 17 us on an H100 host), and all of these values
 // are fixed for a given (shapes, strides, dtype, scale, causal) call.  The launcher packs
 // them once per distinct call into a small device buffer, keeps it in its cache, and each
 // later identical call passes only the data pointers and this block's address.

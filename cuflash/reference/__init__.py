@@ -1,9 +1,9 @@
-"""The NumPy reference backend (``backend="numpy"``): the algorithm of the seed documents.
+"""The NumPy reference backend (``backend="numpy"``): FlashAttention's algorithm, in NumPy.
 
-Every function of ``docs/api.md`` is defined here with its full documentation;
+Every public function of cuflash is defined here with its full documentation;
 the dispatching front (``cuflash/__init__.py``) and the other backends refer
-to these docstrings.  The notation is the one of the seeds and of the CUDA
-kernels, so this file and ``kernels_cu/flash_fwd.cu`` read side by side:
+to these docstrings.  The notation is FlashAttention's and the CUDA
+kernels', so this file and ``kernels_cu/flash_fwd.cu`` read side by side:
 
 ======  ==================================================================
 Br, Bc  rows of a query tile (``block_q``) and of a key/value tile (``block_kv``)
