@@ -5,9 +5,9 @@ decode shapes, a KV cache at decode time (contiguous and paged; also against fla
 vLLM when importable), ragged varlen batches and host time per call; tables, JSON and a plot
 of TFLOP/s against N.
 
-The benchmark itself lives in the package (``cuflash/_bench_gpu.py``) so that
-an installed cuflash runs it as ``python -m cuflash bench --gpu``; this script
-is the same thing from a checkout:
+The benchmark itself is the package beside this script
+(``bench/cuflash_bench/gpu.py``); ``python -m cuflash bench --gpu`` runs it from a
+checkout too, and so does this script:
 
     python bench/bench_gpu.py                                  # needs CuPy and a GPU
     python bench/bench_gpu.py --dims 128 --causal no --modes fwd,fwdbwd --json gpu.json
@@ -18,10 +18,11 @@ is the same thing from a checkout:
 import os
 import sys
 
-# run from a checkout without installing: the repository root holds cuflash/
+# run from a checkout without installing: the repository root holds cuflash/ (this
+# folder, which holds cuflash_bench/, is sys.path[0] when the script runs)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from cuflash._bench_gpu import main  # noqa: E402
+from cuflash_bench.gpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="bench/bench_gpu.py"))

@@ -90,7 +90,7 @@ def _defines(options):
     return out
 
 
-# kernels launched with another kernel's plan (cuflash/_launch_masks.py, _launch_serving.py)
+# kernels launched with another kernel's plan (cuflash/launch/features.py, launch/serving.py)
 _PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked"}
 
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import cuflash
-from cuflash import _launch
+from cuflash.launch import common as launch_common
 
 CASES = [  # q shape, k shape, causal
     ((1, 2, 97, 64), (1, 2, 97, 64), False),
@@ -41,7 +41,7 @@ def main():
         ref = cuflash.tiled_attention_backward(do64, q64, k64, v64, o64, lse64, causal=causal, backend="numpy")
         q, k, v, do = (a.astype(np.float32) for a in (q64, k64, v64, do64))
         t0 = time.time()
-        with _launch.observe_launches() as seen:
+        with launch_common.observe_launches() as seen:
             o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="emulator")
             grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=causal, backend="emulator")
         kernels = sorted({e["kernel"] for e in seen if "tf32" in e["kernel"]})

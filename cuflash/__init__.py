@@ -73,22 +73,51 @@ _FEATURES_DOC = """bias : ndarray, optional
     seed : int, optional
         In [0, 2**64); required when ``dropout_p > 0``."""
 
-# the tensor-core kernels do not take the features yet: calls that use one run the SIMT
-# kernels (every dtype), which is said here once
-_FEATURES_NOTE = """Calls with any of bias, window, alibi_slopes, softcap or dropout_p run the SIMT
-    kernels of ``kernels_cu/flash_fwd.cu`` / ``flash_bwd.cu`` on "cuda" (every dtype; the
-    tensor-core kernels do not take these features yet) and no split-KV."""
+# Which kernels run, said once and inserted into the functions that run them; the names
+# and memory_analysis's shared memory are held to the launches the emulator observes
+# (tests/test_docs_kernels.py).
+_FWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator" (which models an sm_80 by default): on sm_80 and
+    newer, for head dims that are multiples of 16 up to 256, ``flash_fwd_tc`` (float16/bfloat16) or
+    ``flash_fwd_tf32`` (float32 as 3xTF32: float32 accuracy) on tensor cores; otherwise
+    (float64, other head dims, sm_75) ``flash_fwd`` on the CUDA cores.  A call with any of
+    bias, window, alibi_slopes, softcap or dropout_p runs the same choice compiled with
+    the features -- ``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``,
+    ``flash_fwd_masked`` -- and never splits the keys.  A split-KV call runs
+    ``flash_fwd_serving`` and then ``flash_fwd_combine``.  :func:`memory_analysis`
+    names a call's kernels and their shared memory."""
+
+_BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_80 and newer, float16/bfloat16
+    with head dims that are multiples of 16 run ``flash_bwd_tc_preprocess``,
+    ``flash_bwd_tc`` (tensor cores; ``flash_bwd_tc_masked`` with logit features) and
+    ``flash_bwd_tc_dq_convert``.  Everything else runs ``flash_bwd_preprocess``, then dK
+    and dV by ``flash_bwd_tf32`` (float32 with d, dv multiples of 32 up to 128, not
+    deterministic; ``flash_bwd_tf32_masked`` with features) or ``flash_bwd_dkdv``
+    (``flash_bwd_dkdv_masked``), then dQ by ``flash_bwd_dq_convert`` (from float32
+    atomics) or, for ``deterministic=True`` and float64, by the separate pass
+    ``flash_bwd_dq`` (``flash_bwd_dq_masked``).  ``memory_analysis(...)["backward_kernels"]``
+    lists them with their shared memory."""
+
+_SERVING_KERNELS_NOTE = """Kernel on "cuda" and "emulator": ``flash_fwd_serving`` on the CUDA cores, every dtype
+    (``flash_fwd_serving_masked`` with logit features){extra}."""
 
 
-def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, backend=None,
-               progress=None):
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
+               backend=None, progress=None):
     """Compile the kernels of default-tile forward and backward calls ahead of time.
 
     The first call of a new configuration (dtype, head dim, tiles) compiles its
     kernels (NVRTC through CuPy on a GPU, the host compiler on the emulator)
     and caches them on disk; this fills that cache now -- for a container
     image or a cluster job that should not pay the compile at its first step.
-    The modules are compiled concurrently.  Also ``python -m cuflash compile``.
+    The modules are compiled concurrently.  Also ``python -m cuflash compile``
+    (``--features`` for ``features=True``).
+
+    Covered: :func:`tiled_attention` and :func:`tiled_attention_backward`
+    (both dQ paths: ``deterministic`` False and True) at default tiles, and
+    so the backward of :func:`varlen_attention`.  Not covered: explicit
+    ``block_q``/``block_kv``, split-KV and the serving forwards
+    (:func:`attention_with_kvcache`, :func:`varlen_attention`), which compile
+    at their first call.
 
     Parameters
     ----------
@@ -96,6 +125,12 @@ def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, backend=N
         Any of "float16", "bfloat16", "float32", "float64".
     head_dims : sequence of int
         Head dims d (with dv = d).
+    features : bool
+        Also compile the kernels that calls with logit features run (bias,
+        window, alibi_slopes, softcap, dropout_p: one build serves every
+        feature and combination): ``flash_fwd_tc_masked``,
+        ``flash_bwd_tc_masked`` and the others named in
+        :func:`tiled_attention`'s Notes.
     backend : {None, "cuda", "emulator", "numpy"}
         None: "cuda" when a GPU and CuPy are usable here, else a ValueError
         saying why (pass "emulator" to fill the emulator's cache).  "numpy"
@@ -123,7 +158,8 @@ def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, backend=N
                              f"'cuda' is not available here: {why}; pass backend='emulator' "
                              "to fill the emulator's cache")
         backend = "cuda"
-    return get_backend(backend).precompile(dtypes, head_dims, progress=progress)
+    return get_backend(backend).precompile(dtypes, head_dims, features=features,
+                                           progress=progress)
 
 
 def online_softmax(x, chunk_size=None, *, return_stats=False, backend=None):
@@ -298,9 +334,10 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None
         of whole key/value tiles, each computed by its own thread blocks into a
         partial output (float32; double for float64) and its lse, merged exactly by a combine
         kernel.  It pays when (query tiles x heads x batch) cannot fill the
-        GPU, as in decoding (Nq = 1).  None: the backend decides (on a GPU from
-        the number of SMs, :func:`cuflash.tiling.num_splits_heuristic`; on the
-        CPU one split); 1: never split; an int forces that many (the result is
+        GPU, as in decoding (Nq = 1).  None: the backend decides for calls whose
+        queries fit one tile (:func:`cuflash.tiling.num_splits_heuristic`, from
+        the device's SMs on "cuda" and a nominal sm_80's on "emulator"; "numpy"
+        does not split); 1: never split; an int forces that many (the result is
         the same to rounding).
     backend : {{None, "numpy", "cuda", "emulator"}}
         None picks from the array type.
@@ -329,11 +366,12 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None
     Notes
     -----
     float16/bfloat16/float32 are computed in float32, float64 in float64.
-    {features_note}
+    {fwd_kernels}
     Extra memory is O(Br * Bc) per thread block (or CPU worker) plus O(Nq)
     for the row statistics: see :func:`memory_analysis`.  On "cuda" the first
-    call of a configuration compiles its kernel (see :func:`precompile`);
-    later identical calls cost a few tens of microseconds of host time.
+    call of a configuration compiles its kernels (see :func:`precompile`); a
+    later call with the same shapes, strides, dtypes and options skips
+    validation, planning and compiling: it allocates the outputs and launches.
 
     Examples
     --------
@@ -401,6 +439,10 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
     TypeError, ValueError
         As :func:`tiled_attention`, plus ``do``/``o``/``lse`` whose shapes do
         not match the forward's (or ``lse`` that is not an array).
+
+    Notes
+    -----
+    {bwd_kernels}
     """
     return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
                        names="do q k v o lse bias alibi_slopes").tiled_attention_backward(
@@ -444,8 +486,11 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         Model a sliding window (see :func:`tiled_attention`): ``tiled_hbm_*``
         count only the key/value tiles inside each query tile's band;
         ``visible_fraction`` is the share of (row, key) pairs inside it.
-        On "cuda"/"emulator" these calls run the SIMT kernel ``flash_fwd_masked``,
-        whose tiles are reported.
+        On "cuda"/"emulator" a bias or a window selects the kernels with the
+        logit features (``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked`` or
+        ``flash_fwd_masked``, as the call runs them), whose tiles are reported.
+        Calls with only alibi_slopes, softcap or dropout run the same kernels
+        as one with a window.
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
         the current device; "emulator" those of a nominal sm_80.
@@ -464,8 +509,22 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         (tiled: Q read once, K and V once per query tile, O and lse written
         once), with ``*_read_bytes``/``*_written_bytes`` splits, ``ratio_extra``,
         ``ratio_hbm``, ``block_q``, ``block_kv``, ``itemsize`` and the inputs.
-        Kernel backends add ``kernel``, ``threads_per_block``, ``sram_layout``,
-        ``sram_limit_bytes`` and where that limit comes from.
+        Kernel backends add ``kernel`` (the forward's main kernel),
+        ``threads_per_block``, ``sram_layout``, ``sram_limit_bytes`` and where
+        that limit comes from, and ``forward_kernels`` / ``backward_kernels``:
+        every kernel the forward call (with these tiles and splits) and a
+        default-tile backward (``deterministic=False``) launch, in order, as
+        ``{"kernel": name, "shared_bytes": n}`` -- the dynamic shared memory
+        of each launch.
+
+    Notes
+    -----
+    It models :func:`tiled_attention` and :func:`tiled_attention_backward`.
+    ``num_splits`` is taken as given: ``tiled_attention(num_splits=None)``
+    may split a call whose queries fit one tile (decoding), so pass the split
+    count to model such a call.  The serving forwards
+    (:func:`attention_with_kvcache`, :func:`varlen_attention`) run
+    ``flash_fwd_serving`` with tiles of their own.
     """
     return get_backend("numpy" if backend is None else backend).memory_analysis(
         N, d, dtype, Nk=Nk, block_q=block_q, block_kv=block_kv, batch=batch, heads=heads,
@@ -562,6 +621,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         capacity, block-table entries outside the pages.  Nothing is written
         when an error is raised.
 
+    Notes
+    -----
+    {kvcache_kernels}
+
     Examples
     --------
     One decode step for two sequences of 5 and 9 cached tokens, appending one
@@ -638,6 +701,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         total_q / total_k; a max_seqlen smaller than a sequence; shapes that
         do not match; bad feature arguments (as in :func:`tiled_attention`).
 
+    Notes
+    -----
+    {varlen_kernels}
+
     Examples
     --------
     Three sequences of 3, 0 and 5 tokens in one packed batch:
@@ -698,6 +765,13 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
     ------
     TypeError, ValueError
         As in the forward, and o, lse or do whose shapes do not match it.
+
+    Notes
+    -----
+    Each sequence runs the kernels of :func:`tiled_attention_backward` at their
+    default tiles, on views of the packed arrays (no copies); the sequence
+    boundaries are read on the host.
+    {bwd_kernels}
     """
     return get_backend(backend, do, q, k, v, o, lse, bias, alibi_slopes,
                        names="do q k v o lse bias alibi_slopes").varlen_attention_backward(
@@ -710,6 +784,14 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
 for _fn in (standard_attention, tiled_attention):
     _fn.__doc__ = _fn.__doc__.replace("{inputs}", _INPUTS_DOC).replace("{{", "{").replace("}}", "}")
 for _fn in (standard_attention, tiled_attention):
-    _fn.__doc__ = _fn.__doc__.replace("{features}", _FEATURES_DOC).replace(
-        "{features_note}", _FEATURES_NOTE)
+    _fn.__doc__ = _fn.__doc__.replace("{features}", _FEATURES_DOC)
+tiled_attention.__doc__ = tiled_attention.__doc__.replace("{fwd_kernels}", _FWD_KERNELS_NOTE)
+for _fn in (tiled_attention_backward, varlen_attention_backward):
+    _fn.__doc__ = _fn.__doc__.replace("{bwd_kernels}", _BWD_KERNELS_NOTE)
+attention_with_kvcache.__doc__ = attention_with_kvcache.__doc__.replace(
+    "{kvcache_kernels}", _SERVING_KERNELS_NOTE.format(extra=(
+        ", after ``flash_kv_append`` has written k_new/v_new into the cache; with more than "
+        "one key split, then ``flash_fwd_combine``")))
+varlen_attention.__doc__ = varlen_attention.__doc__.replace(
+    "{varlen_kernels}", _SERVING_KERNELS_NOTE.format(extra=", one launch for all sequences"))
 del _fn

@@ -66,7 +66,7 @@ def layout_error(err, layout):
 def bfloat16_dtype():
     """``ml_dtypes.bfloat16`` as a NumPy dtype (NumPy has no bfloat16 of its own)."""
     try:
-        import ml_dtypes
+        import ml_dtypes  # optional: only bfloat16 arrays need it
     except ImportError as e:
         raise ImportError("bfloat16 arrays in NumPy/CuPy need ml_dtypes: "
                           "pip install ml_dtypes") from e

@@ -9,7 +9,9 @@ involved.
 The result of a successful check is an :class:`AttentionSpec`, the one
 description of the problem that the backends and the launchers read: the
 broadcast leading shape, sequence lengths, head dims, dtype, scale, causal
-alignment, tile sizes and the grouped-query factor.
+alignment, tile sizes and the grouped-query factor.  Its adjoint, for gradients,
+is :func:`sum_to_shape`: a result computed over the broadcast shape summed back
+to an input's own.
 """
 import math
 import numbers
@@ -20,7 +22,7 @@ import numpy as np
 
 __all__ = [
     "AttentionSpec", "check_attention_inputs", "check_backward_inputs",
-    "check_positive_int", "parse_causal", "check_float_dtype", "SUPPORTED_DTYPES",
+    "check_positive_int", "parse_causal", "check_float_dtype", "SUPPORTED_DTYPES", "sum_to_shape",
 ]
 
 # dtype names accepted everywhere (bfloat16 is ml_dtypes.bfloat16 on NumPy)
@@ -173,6 +175,22 @@ def _broadcast(a, b):
         return tuple(np.broadcast_shapes(tuple(a), tuple(b)))
     except ValueError:
         return None
+
+
+def sum_to_shape(a, shape):
+    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting).
+
+    Only array methods are used, so the reference, the CuPy backend and the
+    kernel launchers call this same function on their arrays.
+    """
+    shape = tuple(shape)
+    extra = a.ndim - len(shape)
+    if extra:
+        a = a.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
+    if axes:
+        a = a.sum(axis=axes, keepdims=True)
+    return a.reshape(shape)
 
 
 def _leading(q, k, v):

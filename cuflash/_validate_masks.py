@@ -24,7 +24,7 @@ The semantics (documented in full on :func:`cuflash.tiled_attention`):
 """
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -33,7 +33,7 @@ from ._validate import check_float_dtype
 
 __all__ = ["MaskSpec", "check_masks", "check_window", "check_softcap", "check_dropout",
            "dropout_threshold", "mask_key", "visible_range", "check_serving_masks",
-           "sequence_masks"]
+           "sequence_masks", "Extent"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,7 +288,7 @@ def mask_key(ms, with_seed=True):
             ms.seed if with_seed else None, ms.return_dbias)
 
 
-class _Extent:
+class Extent:
     """The (lead, Nq, Nk) that check_masks reads, for the serving calls."""
 
     def __init__(self, lead, Nq, Nk):
@@ -306,7 +306,7 @@ def check_serving_masks(q, B, H, Nq, Nk, *, bias=None, window=None, alibi_slopes
     sequence at its own ``len_k - len_q``; dropout indexes (b, h, i, j) with
     b the sequence and i, j positions within it.  Returns a MaskSpec or None.
     """
-    return check_masks(_Extent((B, H), Nq, Nk), q, bias=bias, window=window,
+    return check_masks(Extent((B, H), Nq, Nk), q, bias=bias, window=window,
                        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
                        seed=seed, return_dbias=return_dbias)
 
@@ -318,7 +318,6 @@ def sequence_masks(ms, b, len_q, len_k):
     sequence's lengths where the bias is not broadcast along them), the
     alignment is the sequence's own, and the dropout mask is that of batch b.
     """
-    from dataclasses import replace
     bias = slopes = None
     if ms.bias is not None:
         x = ms.bias.reshape((1,) * (4 - ms.bias.ndim) + tuple(ms.bias.shape))

@@ -4,22 +4,33 @@
 ``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
 and its backward, then runs standard and tiled attention at a moderate size on
 the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark (``cuflash/_bench_cpu.py``), ``bench --gpu``
-the GPU one (``cuflash/_bench_gpu.py``), ``compile`` fills the kernel cache
-ahead of time (:func:`cuflash.precompile`).  Bad option values are one-line
-argparse errors with exit status 2 (``cuflash/_cliargs.py``).
+``bench`` runs the CPU benchmark, ``bench --gpu`` the GPU one: both belong to
+the benchmark harness, which is not part of the package but lives in
+``bench/cuflash_bench/`` of a source checkout, found beside ``cuflash/``; an
+installed copy without it says how to get it.  ``compile`` fills the kernel
+cache ahead of time (:func:`cuflash.precompile`).  Bad option values are
+one-line argparse errors with exit status 2 (``cuflash/_cliargs.py``).
 """
+import importlib
+import importlib.util
+import os
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
+import cuflash
+
+from . import available_backends
 from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
+from ._validate import SUPPORTED_DTYPES
+from .reference import standard_attention
+from .trace import backward_steps, format_backward, format_trace, trace_forward, worked_example
 
 
 def _default_backend():
     """cuda when a GPU and CuPy are usable here, else numpy."""
-    from . import available_backends
     try:
         ok, _ = available_backends().get("cuda", (False, ""))
     except Exception:  # a broken CUDA install must not stop the demo
@@ -37,9 +48,6 @@ def _progress(msg):
 
 def walkthrough():
     """The 4x4 walk-through: forward trace, check against standard attention, backward."""
-    from .reference import standard_attention
-    from .trace import backward_steps, format_backward, format_trace, trace_forward, \
-        worked_example
     ex = worked_example()
     q, k, v, do = ex["q"], ex["k"], ex["v"], ex["do"]
     _say("=" * 78)
@@ -66,7 +74,6 @@ def walkthrough():
 
 
 def _measure_numpy(fn):
-    import tracemalloc
     tracemalloc.start()
     try:
         t0 = time.perf_counter()
@@ -78,7 +85,7 @@ def _measure_numpy(fn):
 
 
 def _measure_cupy(fn):
-    import cupy
+    import cupy  # optional (the cuda extras): only a cuda run measures with it
     pool = cupy.get_default_memory_pool()
     cupy.cuda.Device().synchronize()
     pool.free_all_blocks()
@@ -93,7 +100,6 @@ def _measure_cupy(fn):
 
 def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
     """Standard vs tiled on one problem: agreement, time and memory of each."""
-    import cuflash
     _say("=" * 78)
     _say(f"Part 2 - standard vs tiled attention on backend {backend!r}: "
          f"B={B}, H={H}, N={N}, d={d}, float32" + (f", causal={causal}" if causal else ""))
@@ -102,7 +108,7 @@ def compare(backend, B, H, N, d, causal, block_q, block_kv, seed=0):
     q, k, v = (rng.standard_normal((B, H, N, d), dtype=np.float32) for _ in range(3))
     measure = _measure_numpy
     if backend == "cuda":
-        import cupy
+        import cupy  # optional (the cuda extras): only a cuda run needs it
         q, k, v = (cupy.asarray(a) for a in (q, k, v))
         measure = _measure_cupy
     # one untimed call each first: thread pools, BLAS and (cuda) kernel compilation
@@ -157,7 +163,6 @@ def demo(args):
     if not args.no_walkthrough:
         walkthrough()
         _say()
-    from . import available_backends
     ok, why = available_backends().get(backend, (False, "unknown backend"))
     if not ok:
         _say(f"backend {backend!r} is not available here: {why}")
@@ -171,8 +176,43 @@ def demo(args):
                    args.block_kv, args.seed)
 
 
+# the benchmark harness: ``cuflash/`` and ``bench/`` sit side by side in a source checkout
+HARNESS = "cuflash_bench"
+HARNESS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                           HARNESS)
+
+
+def have_harness():
+    """Whether the benchmark harness is here (a source checkout; an installed copy lacks it)."""
+    return os.path.isfile(os.path.join(HARNESS_DIR, "__init__.py"))
+
+
+def bench_module(name):
+    """Module ``name`` (``cpu``, ``gpu``) of the benchmark harness ``bench/cuflash_bench`` of
+    this checkout, or None when cuflash runs from an installed copy with no ``bench/`` beside
+    it.  The harness is loaded from its folder, without adding anything to ``sys.path``."""
+    if not have_harness():
+        return None
+    if HARNESS not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            HARNESS, os.path.join(HARNESS_DIR, "__init__.py"),
+            submodule_search_locations=[HARNESS_DIR])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[HARNESS] = pkg
+        spec.loader.exec_module(pkg)
+    return importlib.import_module(f"{HARNESS}.{name}")
+
+
+def _no_harness():
+    """One line on stderr saying where the benchmark is; exit status 2."""
+    print("python -m cuflash bench: the benchmark harness is not installed with cuflash (no "
+          f"{HARNESS_DIR}); clone the cuflash source repository and run python -m cuflash "
+          "bench from its root", file=sys.stderr)
+    return 2
+
+
 def build_parser():
-    from ._bench_cpu import build_parser as bench_parser
+    cpu_bench = bench_module("cpu")
     p = Parser(
         prog="python -m cuflash",
         description="cuflash: exact FlashAttention - demo of the algorithm and benchmarks.")
@@ -201,7 +241,12 @@ def build_parser():
     d.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: %(default)s)")
     d.add_argument("--no-walkthrough", action="store_true", help="skip part 1")
     d.set_defaults(option_error=d.error)  # for option checks after parsing
-    b = sub.add_parser("bench", parents=[bench_parser(add_help=False)],
+    if cpu_bench is None:  # main() answers `bench` before parsing; --help still lists it
+        sub.add_parser("bench", help="CPU and GPU benchmarks (from a source checkout: bench/ "
+                       "is not installed)")
+        _add_compile_parser(sub)
+        return p
+    b = sub.add_parser("bench", parents=[cpu_bench.build_parser(add_help=False)],
                        help="CPU benchmark (naive NumPy, cuflash standard/tiled, torch SDPA); "
                        "--gpu: the GPU benchmark",
                        description="CPU benchmark of the cuflash NumPy backend against naive "
@@ -211,7 +256,7 @@ def build_parser():
                        "'python -m cuflash bench --gpu --help' lists.")
     # handled in main() before parsing: everything after `bench --gpu` is the GPU bench's
     b.add_argument("--gpu", action="store_true",
-                   help="run the GPU benchmark (cuflash/_bench_gpu.py) with the options that "
+                   help="run the GPU benchmark (bench/cuflash_bench/gpu.py) with the options that "
                    "follow; 'bench --gpu --help' lists them")
     _add_compile_parser(sub)
     return p
@@ -221,7 +266,6 @@ def _check_demo_tiles(args, backend):
     """Refuse tile sizes the backend's planner refuses, as an option error (not a traceback)."""
     if args.block_q is None and args.block_kv is None:
         return
-    import cuflash
     N = args.n if args.n is not None else (128 if backend == "emulator" else 2048)
     try:
         cuflash.memory_analysis(N, args.dim, "float32", block_q=args.block_q,
@@ -245,7 +289,6 @@ def _gpu_bench_argv(argv):
 # compile: fill the kernel cache ahead of time
 # --------------------------------------------------------------------------
 def _add_compile_parser(sub):
-    from ._validate import SUPPORTED_DTYPES
     c = sub.add_parser(
         "compile", help="compile the kernels of default-tile calls now (fill the cache)",
         description="Compile the forward and backward kernels of default-tile calls for "
@@ -258,21 +301,22 @@ def _add_compile_parser(sub):
                    help="comma-separated dtypes (default: float16,bfloat16)")
     c.add_argument("--head-dims", type=int_list, default=[64, 128],
                    help="comma-separated head dims (default: 64,128)")
+    c.add_argument("--features", action="store_true",
+                   help="also compile the kernels of calls with logit features (bias, window, "
+                   "alibi_slopes, softcap, dropout: one build serves them all)")
     c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
                    help="default: cuda (a GPU and CuPy must be present)")
 
 
 def compile_kernels(args):
-    import cuflash
-    from . import available_backends
     backend = args.backend or "cuda"
     ok, why = available_backends()[backend]
     if not ok:
         print(f"backend {backend!r} is not available here: {why}", file=sys.stderr)
         return 2
     try:
-        res = cuflash.precompile(args.dtypes, args.head_dims, backend=backend,
-                                 progress=_progress)
+        res = cuflash.precompile(args.dtypes, args.head_dims, features=args.features,
+                                 backend=backend, progress=_progress)
     except ValueError as e:  # a head dim no kernel supports, shared memory, ...
         print(f"cannot compile: {e}", file=sys.stderr)
         return 2
@@ -286,20 +330,19 @@ def compile_kernels(args):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     gpu_argv = _gpu_bench_argv(argv)
+    if (argv[:1] == ["bench"] or gpu_argv is not None) and not have_harness():
+        return _no_harness()
     if gpu_argv is not None:
-        from ._bench_gpu import main as bench_gpu_main
-        return bench_gpu_main(gpu_argv, prog="python -m cuflash bench --gpu")
+        return bench_module("gpu").main(gpu_argv, prog="python -m cuflash bench --gpu")
     p = build_parser()
     args = p.parse_args(argv)
     if args.command == "demo":
         backend = args.backend or _default_backend()
-        from . import available_backends
         if available_backends().get(backend, (False, ""))[0]:
             _check_demo_tiles(args, backend)
         return demo(args)
     if args.command == "bench":
-        from ._bench_cpu import run_and_report
-        return run_and_report(args)
+        return bench_module("cpu").run_and_report(args)
     if args.command == "compile":
         return compile_kernels(args)
     p.print_help()

@@ -4,9 +4,8 @@ Kernels are compiled at run time by ``cupy.RawModule`` (NVRTC for the current
 device's architecture), specialised by ``-D`` defines and cached per device
 (:mod:`cuflash.kernels`); tile sizes and the shared-memory budget come from
 :mod:`cuflash.tiling` against the device's ``MaxSharedMemoryPerBlockOptin``.
-The launch code is the same as the emulator's (:mod:`cuflash._launch_fwd`,
-:mod:`cuflash._launch_bwd`, :mod:`cuflash._launch_softmax`, and :mod:`cuflash._launch_masks` for calls with the
-logit features).
+The launch code is the emulator's: the launchers of :mod:`cuflash.launch`,
+one per kernel family.
 
 ``standard_attention`` / ``standard_attention_backward`` are plain CuPy
 (cuBLAS matmuls and an elementwise softmax): the baseline users would write,
@@ -17,10 +16,12 @@ Every function has the signature of the front (``cuflash.<name>``) minus
 """
 import numpy as np
 
-from . import _kernel_backend, kernels
-from ._validate import check_attention_inputs, check_backward_inputs
+from . import kernels, reference
+from ._validate import check_attention_inputs, check_backward_inputs, sum_to_shape
 from ._validate_masks import check_masks
-from .reference import sum_to_shape
+from .launch import bwd, features, fwd, serving, softmax
+from .launch import precompile as launch_precompile
+from .reference.masks import Features
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
@@ -43,7 +44,7 @@ def runtime():
     One ``cudaGetDevice`` per call (no device-property query): the runtime,
     with its plans, compiled kernels and prepared calls, is made once per device.
     """
-    import cupy
+    import cupy  # optional (the cuda extras): imported on use, so import cuflash never needs it
     dev = cupy.cuda.runtime.getDevice()
     rt = _RUNTIMES.get(dev)
     if rt is None:
@@ -65,7 +66,7 @@ def is_available():
 
 def _probe():
     try:
-        import cupy
+        import cupy  # optional: whether it imports is the question asked here
     except Exception as e:  # ImportError, or a CUDA library that fails to load
         if isinstance(e, ImportError) and getattr(e, "name", None) == "cupy":
             return False, f"CuPy is not installed: {INSTALL_HINT}"
@@ -136,7 +137,6 @@ def _features(xp, spec, ms, lead_shape_of):
     """The call's features over xp in the grouped layout (or None)."""
     if ms is None:
         return None
-    from .reference.masks import Features
     return Features(spec, ms, lead_shape_of, _compute_dtype(spec.dtype), ms.bias,
                     ms.alibi_slopes, xp=xp)
 
@@ -201,7 +201,7 @@ def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=N
 
     See Also ``cuflash.reference.standard_attention``.
     """
-    import cupy
+    import cupy  # optional (the cuda extras): imported on use
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
     ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
                      softcap=softcap, dropout_p=dropout_p, seed=seed)
@@ -212,7 +212,7 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=N
                                 window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
                                 seed=None, return_dbias=False):
     """Plain CuPy stored-P backward. See Also ``cuflash.reference.standard_attention_backward``."""
-    import cupy
+    import cupy  # optional (the cuda extras): imported on use
     spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
                                  need_forward=False)
     ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
@@ -220,6 +220,97 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=N
     return _standard_backward(cupy, do, q, k, v, spec, ms)
 
 
-# The launcher calls, the same on both kernel backends (cuflash._kernel_backend).
-globals().update(_kernel_backend.api(runtime, "against this device's shared-memory limit",
-                                     "for this GPU now"))
+# --------------------------------------------------------------------------
+# the kernels: the launchers of cuflash.launch, with this backend's runtime
+# --------------------------------------------------------------------------
+def online_softmax(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
+    return softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
+
+
+def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
+    """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
+    return softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
+
+
+def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
+                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
+                    block_kv=None, return_lse=False, num_splits=None):
+    """The forward kernels (cuflash.launch.fwd). See Also ``cuflash.tiled_attention``."""
+    return fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv, return_lse,
+                               num_splits, features.of(bias, window, alibi_slopes, softcap,
+                                                       dropout_p, seed))
+
+
+def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
+                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                             seed=None, block_q=None, block_kv=None, deterministic=False,
+                             return_dbias=False):
+    """The backward kernels (cuflash.launch.bwd). See Also ``cuflash.tiled_attention_backward``."""
+    return bwd.tiled_attention_backward(
+        runtime(), do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic,
+        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed), return_dbias)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
+                           block_table=None, scale=None, causal=False, bias=None, window=None,
+                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                           num_splits=None, return_lse=False, check_inputs=True):
+    """The serving kernels (cuflash.launch.serving). See Also ``cuflash.attention_with_kvcache``."""
+    return serving.attention_with_kvcache(
+        runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
+        num_splits, return_lse, check_inputs,
+        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed))
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
+                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False, check_inputs=True):
+    """The serving kernels (cuflash.launch.serving). See Also ``cuflash.varlen_attention``."""
+    return serving.varlen_attention(
+        runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        causal, return_lse, check_inputs,
+        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed))
+
+
+def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
+                              bias=None, window=None, alibi_slopes=None, softcap=None,
+                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
+                              return_dbias=False):
+    """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
+    return bwd.varlen_attention_backward(
+        runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        scale, causal, deterministic, check_inputs,
+        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed), return_dbias)
+
+
+def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
+                    heads=1, num_splits=1, bias_shape=None, window=None):
+    """The model with the forward kernel's tiles against this device's shared-memory limit.
+
+    See Also ``cuflash.memory_analysis``; the extra keys are described in
+    ``cuflash.launch.fwd.memory_analysis`` and ``cuflash.launch.precompile.memory_analysis``
+    (``forward_kernels``, ``backward_kernels``).
+    """
+    return launch_precompile.memory_analysis(runtime(), reference.memory_analysis, N, d, dtype, Nk,
+                                             block_q, block_kv, batch, heads, num_splits,
+                                             bias_shape, window)
+
+
+def verify_no_full_materialization(q, k, v, block_size):
+    """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
+
+    See Also ``cuflash.reference.verify_no_full_materialization``.
+    """
+    return fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
+
+
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
+               progress=None):
+    """Compile the default-tile kernels for this GPU now.
+
+    See Also ``cuflash.precompile``.
+    """
+    return launch_precompile.precompile(runtime(), dtypes, head_dims, progress, features)

@@ -7,29 +7,46 @@ lse)`` as the residuals (P is never stored), the backward is
 
 Where it runs
 -------------
-* **Traced calls** (under ``jax.jit``, ``jax.grad`` of a jitted function,
-  ``jax.vmap``, ...) go through ``jax.pure_callback`` to the NumPy backend.
-  On the CPU this is the supported path: it composes with ``jit``, ``grad``
-  and ``vmap`` (``vmap_method="broadcast_all"``: unbatched inputs are
-  broadcast, i.e. copied, to the batch).  JAX hands the callback host arrays;
-  ``bnhd`` inputs are swapped views there, no copy.
+* **Traced calls on one CUDA GPU** (under ``jax.jit``, ``jax.grad`` of a
+  jitted function, ``jax.vmap``, ...) run the CUDA kernels inside the compiled
+  XLA program, through ``jax.experimental.buffer_callback``: an XLA FFI custom
+  call that jaxlib provides (nothing is built here, at install or run time),
+  which hands a Python function XLA's device buffers and XLA's CUDA stream.
+  cuflash views the buffers as CuPy arrays (no copy), launches the
+  NVRTC-compiled kernels on that stream and copies its results into XLA's
+  output buffers (one device-to-device copy of o and lse, or of the
+  gradients: the launchers allocate their outputs).  Needs CuPy
+  (``pip install ".[cuda12]"``) and a JAX with ``buffer_callback`` (0.10.2 is
+  the version tested); without them, see the host path below.  cuflash's
+  outputs and work buffers come from CuPy's memory pool, beside XLA's own
+  pool: XLA preallocates 75% of the GPU by default, so large problems may
+  need ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowered (or
+  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).  The kernels are compiled at the
+  first execution of a configuration (``cuflash.precompile`` ahead of time).
+* **Traced calls on the CPU** go through ``jax.pure_callback`` to the NumPy
+  backend: they compose with ``jit``, ``grad`` and ``vmap``
+  (``vmap_method="broadcast_all"``: unbatched inputs are broadcast, i.e.
+  copied, to the batch).  JAX hands the callback host arrays; ``bnhd``
+  inputs are swapped views there, no copy.
 * **Eager calls on one CUDA GPU** (concrete arrays, not traced; this includes
   ``jax.grad`` and ``jax.vjp`` without ``jit``, whose custom-VJP rules see
   concrete arrays) go through DLPack to CuPy and the ``"cuda"`` backend:
   no host round trip, buffers shared both ways, except bfloat16, which crosses
   as int16 bits (``lax.bitcast_convert_type``, one device copy each way:
   CuPy reads no DLPack bfloat16).  Synchronisation is DLPack's stream
-  handshake (each side waits on the other's stream).  Needs CuPy
-  (``pip install ".[cuda12]"``); without it eager GPU calls fall back to the host.
+  handshake (each side waits on the other's stream).
 
 Not supported
 -------------
-* **The GPU under ``jit``**: running the CUDA kernels inside a compiled XLA
-  program needs an XLA custom call (``jax.ffi``) registered for them, which
-  cuflash does not provide.  A jitted call on a GPU still computes the right
-  result, but through ``pure_callback`` on the host: q, k, v (and do, o, lse)
-  are copied to the host, the NumPy backend runs there, the results are
-  copied back.  A ``RuntimeWarning`` says so when such a call is traced.
+* **A GPU without CuPy, or a JAX without ``buffer_callback``**: a call there
+  (traced; without CuPy, eager too) still computes the right result, but
+  through ``pure_callback`` on the host: q, k, v (and do, o, lse) are copied
+  to the host, the NumPy backend runs there, the results are copied back.  A
+  ``RuntimeWarning`` says so (and why) when such a call is traced.  Other
+  accelerators (TPU, ROCm) take the same host path.
+* The GPU path under ``jit`` has not yet run on a GPU (it is written against
+  ``buffer_callback``'s documented contract; on the CPU the same callback
+  runs with host buffers and is tested there).
 * Forward-mode AD (``jax.jvp``/``jacfwd``): ``custom_vjp`` functions have
   none; higher-order derivatives: the backward is not itself differentiable.
 * float64 needs ``jax.config.update("jax_enable_x64", True)``, as always in JAX.
@@ -52,9 +69,11 @@ except ImportError as e:  # jax absent (or blocked in sys.modules)
 
 import cuflash
 
+from . import cuda_backend
 from ._interop import (bfloat16_dtype, check_layout, from_bhnd, is_bfloat16, layout_error,
                        to_bhnd)
 from ._validate import check_attention_inputs
+from ._validate_masks import check_masks
 
 __all__ = ["attention"]
 
@@ -179,7 +198,6 @@ def _seed_words(seed):
 
 def _check_features(opts, q, k, v, bias, slopes, seed):
     """cuflash's checks of the features, from shapes only (traced arrays are fine)."""
-    from ._validate_masks import check_masks
     spec = _spec(opts, q, k, v)
     fake = {}
     for name, x in (("bias", bias), ("alibi_slopes", slopes)):
@@ -237,9 +255,7 @@ def _forward(opts, q, k, v, *features):
     o_shape = _caller_shape(spec.out_shape, opts.layout)
     result = (jax.ShapeDtypeStruct(o_shape, q.dtype),
               jax.ShapeDtypeStruct(spec.lse_shape, spec.lse_dtype))
-    _warn_if_host_round_trip(q)
-    return jax.pure_callback(_on_host(_run_forward, opts), result, q, k, v, *features,
-                             vmap_method="broadcast_all")
+    return _traced(_run_forward, opts, result, q, k, v, *features)
 
 
 def _backward(opts, do, q, k, v, o, lse, *features):
@@ -250,9 +266,68 @@ def _backward(opts, do, q, k, v, o, lse, *features):
                         do, q, k, v, o, lse, *features)
     shapes = (q, k, v) + ((features[0],) if features and opts.has_bias else ())
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes)
-    _warn_if_host_round_trip(q)
-    return jax.pure_callback(_on_host(_run_backward, opts), result,
-                             do, q, k, v, o, lse, *features, vmap_method="broadcast_all")
+    return _traced(_run_backward, opts, result, do, q, k, v, o, lse, *features)
+
+
+def _traced(fn, opts, result, *operands):
+    """A traced call: the kernels through buffer_callback on a GPU, else NumPy on the host."""
+    if _device_path(jax.default_backend()):
+        return tuple(_buffer_callback()(_on_buffers(fn, opts), result,
+                                        vmap_method="broadcast_all")(*operands))
+    _warn_if_host_round_trip()
+    return jax.pure_callback(_on_host(fn, opts), result, *operands,
+                             vmap_method="broadcast_all")
+
+
+def _device_path(platform):
+    """Whether traced calls on ``platform`` run the kernels inside XLA (buffer_callback)."""
+    return platform == "gpu" and _buffer_callback() is not None and _cuda_backend_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _buffer_callback():
+    """``jax.experimental.buffer_callback.buffer_callback``, or None in JAX versions without it."""
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError:
+        return None
+    return buffer_callback
+
+
+def _on_buffers(fn, opts):
+    """The buffer_callback body: ``fn`` on views of XLA's buffers, results copied into XLA's
+    output buffers.  On a GPU the views are CuPy arrays and the kernels run on XLA's stream;
+    on the CPU (where XLA has no stream) NumPy arrays and the NumPy backend."""
+    def callback(ctx, outs, *buffers):
+        try:
+            stream = ctx.stream
+        except jax.errors.JaxRuntimeError:   # the CPU: XLA has no GPU context there
+            stream = None
+        if stream is None:
+            results = fn(opts, "numpy", *(np.asarray(b) for b in buffers))
+            for out, r in zip(outs, results):
+                np.asarray(out)[...] = r
+            return
+        import cupy  # optional (the cuda extras): only the GPU path needs it
+        views = [_cupy_view(b) for b in buffers]
+        with cupy.cuda.Device(views[0].device.id), cupy.cuda.ExternalStream(int(stream)):
+            results = fn(opts, "cuda", *views)
+            for out, r in zip(outs, results):
+                _cupy_view(out)[...] = r
+    return callback
+
+
+def _cupy_view(buffer):
+    """A CuPy array on the memory of a buffer_callback GPU buffer (no copy; any dtype, as the
+    buffer's own dtype is used rather than the interface's type string)."""
+    import cupy  # optional (the cuda extras): only the GPU path needs it
+    iface = buffer.__cuda_array_interface__
+    ptr, shape, dtype = iface["data"][0], tuple(buffer.shape), np.dtype(buffer.dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    device = cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr else 0
+    memory = cupy.cuda.UnownedMemory(ptr, size, buffer, device_id=device)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0),
+                        strides=iface.get("strides"))
 
 
 def _on_host(fn, opts):
@@ -330,17 +405,18 @@ def _caller_shape(bhnd_shape, layout):
 _WARNED = set()
 
 
-def _warn_if_host_round_trip(x):
+def _warn_if_host_round_trip():
     """Warn once per platform when a traced call will run on the host of a GPU/TPU."""
     platform = jax.default_backend()
     if platform != "cpu" and platform not in _WARNED:
         _WARNED.add(platform)
+        why = ("CuPy is not usable here" if platform == "gpu" and not _cuda_backend_available()
+               else "this JAX has no jax.experimental.buffer_callback"
+               if platform == "gpu" else "cuflash's kernels run on CUDA GPUs only")
         warnings.warn(
             f"cuflash.jax: a traced call (jit/vmap) on the {platform!r} backend runs through "
             "jax.pure_callback on the host with the NumPy backend (inputs and results are "
-            "copied between device and host); the CUDA kernels under jit would need an XLA "
-            "custom call, which cuflash does not provide. Call cuflash.jax.attention eagerly "
-            "(outside jit) to run it on the GPU.", RuntimeWarning, stacklevel=4)
+            f"copied between device and host): {why}.", RuntimeWarning, stacklevel=5)
 
 
 # ---------------------------------------------------------------------------
@@ -359,20 +435,19 @@ def _eager_gpu_device(*arrays):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_backend_available():
-    from . import cuda_backend  # imports CuPy only now, on a GPU
     return cuda_backend.is_available()[0]
 
 
 def _on_cupy(device, fn, *arrays):
     """``fn`` on CuPy views of ``arrays``; its results back as JAX arrays (no host copy)."""
-    import cupy
+    import cupy  # optional (the cuda extras): only a call on a GPU device needs it
     with cupy.cuda.Device(getattr(device, "local_hardware_id", device.id)):
         outs = fn(*(_jax_to_cupy(a) for a in arrays))
         return tuple(_cupy_to_jax(x) for x in outs)
 
 
 def _jax_to_cupy(a):
-    import cupy
+    import cupy  # optional (the cuda extras): only a call on a GPU device needs it
     if is_bfloat16(a.dtype):
         return cupy.from_dlpack(jax.lax.bitcast_convert_type(a, jnp.int16)).view(
             bfloat16_dtype())

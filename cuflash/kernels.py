@@ -13,14 +13,15 @@ The one module that knows where the ``.cu`` files are and how they are built:
 * :class:`Runtime` / :func:`get_runtime` -- what a launch needs from a backend:
   the array module (NumPy or CuPy), the module factory (``cupy.RawModule`` or
   ``cuflash.emulator.RawModule``) and the device's shared-memory limit.  The same
-  launch code in :mod:`cuflash._launch` serves both.
+  launch code in :mod:`cuflash.launch` serves both.
 * :func:`get_function` -- a compiled kernel, cached per device (CuPy) or per
   race-check mode (emulator) and per option set, with the dynamic shared
   memory limit raised above 48 KB when the tile plan needs it.
 * :func:`compile_variants` -- every specialisation worth compile-checking, per
   ``.cu`` file, for ``tests/test_nvrtc.py``.
 
-Nothing here imports CuPy or the emulator until a kernel is actually needed.
+Nothing here imports CuPy until a kernel is actually needed (the emulator
+imports with NumPy alone and compiles nothing until asked).
 """
 import collections
 import concurrent.futures
@@ -30,7 +31,7 @@ import threading
 
 import numpy as np
 
-from . import tiling
+from . import emulator, tiling
 
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
@@ -245,7 +246,7 @@ class Runtime:
 
 
 def _cupy_factory(filename, options):
-    import cupy
+    import cupy  # optional (the cuda extras): imported on use
     with open(source_path(filename)) as f:
         code = f.read()
     return cupy.RawModule(code=code, options=options)
@@ -255,7 +256,6 @@ def _emulator_factory(race_check, arch=None):
     extra = () if arch is None else (f"-arch={arch}",)
 
     def factory(filename, options):
-        from . import emulator
         return emulator.RawModule(path=source_path(filename), options=tuple(options) + extra,
                                   race_check=race_check)
     return factory
@@ -272,7 +272,7 @@ def get_runtime(backend, *, race_check=False, arch=None):
     """
     limit, source = tiling.device_smem_limit(backend, arch)
     if backend == "cuda":
-        import cupy
+        import cupy  # optional (the cuda extras): imported on use
         if race_check:
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
         dev = cupy.cuda.Device()

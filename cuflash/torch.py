@@ -1,10 +1,21 @@
-"""cuflash inside PyTorch: differentiable exact attention through DLPack.
+"""cuflash inside PyTorch: differentiable exact attention, traceable by ``torch.compile``.
 
-``cuflash.torch.attention`` is a ``torch.autograd.Function``: the forward is
-``cuflash.tiled_attention(..., return_lse=True)``, the backward
-``cuflash.tiled_attention_backward`` from the saved ``o`` and ``lse`` (P is
-never stored).  CPU tensors run on the ``"numpy"`` backend, CUDA tensors on
-the ``"cuda"`` backend.
+``cuflash.torch.attention`` calls the operator ``torch.ops.cuflash.attention_fwd``
+(:mod:`cuflash._torch_ops`): the forward is ``cuflash.tiled_attention(...,
+return_lse=True)``, its registered autograd formula the operator
+``attention_bwd``, i.e. ``cuflash.tiled_attention_backward`` from the saved
+``o`` and ``lse`` (P is never stored).  CPU tensors run on the ``"numpy"``
+backend, CUDA tensors on the ``"cuda"`` backend.
+
+torch.compile
+-------------
+The operators have fake implementations (shapes and strides, symbolic shapes
+included), so ``torch.compile(model, fullgraph=True)`` traces a model that
+calls ``attention``, forward and backward, with dynamic shapes, on any
+backend (``"inductor"``, ``"aot_eager"``, ...).  A dropout seed drawn here
+(``seed=None``) is drawn by ``torch.randint`` inside the traced graph; an int
+seed becomes a constant of the graph (a new int each step may recompile: pass
+a 0-d int64 tensor, or None, for a seed that changes).
 
 Data movement
 -------------
@@ -21,7 +32,7 @@ Tensors cross to NumPy/CuPy and back through DLPack, sharing memory:
 * Copies happen only inside the CUDA launcher, where a kernel cannot address
   an input: a last axis with stride != 1 (e.g. the stride-0 gradient of
   ``o.sum()``), or leading axes whose strides do not nest
-  (``cuflash._launch.flatten_lead``).  The NumPy backend reads any strides.
+  (``cuflash.launch.common.flatten_lead``).  The NumPy backend reads any strides.
 * On a GPU there is no host round trip.  The kernels run on PyTorch's current
   CUDA stream: it is made CuPy's current stream
   (``cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)``)
@@ -32,27 +43,19 @@ Not supported: double backward (``create_graph=True`` raises RuntimeError),
 forward-mode AD, other devices than CPU and CUDA.  ``torch`` here is the real
 PyTorch (absolute imports), not this module.
 """
-import contextlib
-
-import numpy as np
-
 try:
     import torch
-    from torch.autograd.function import once_differentiable
 except ImportError as e:  # torch absent (or blocked in sys.modules)
     raise ImportError("cuflash.torch needs PyTorch, which cannot be imported here "
                       f"({e}); install it with `pip install torch` or "
                       "`pip install \".[torch]\"` from a cuflash checkout") from e
 
-import cuflash
-
-from .cuda_backend import INSTALL_HINT
-from ._interop import (bfloat16_dtype, check_layout, from_bhnd, is_bfloat16, layout_error,
-                       to_bhnd)
+from . import _torch_ops as ops
+from ._interop import check_layout
+from ._validate import parse_causal
+from ._validate_masks import check_softcap, check_window
 
 __all__ = ["attention"]
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alibi_slopes=None,
@@ -84,8 +87,10 @@ def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alib
         As in :func:`cuflash.tiled_attention`.
     alibi_slopes : torch.Tensor, shape (H,) or (B, H), optional
         ALiBi slopes (no gradient).
-    seed : int, optional
-        Key of the dropout mask; None with ``dropout_p > 0`` draws one from
+    seed : int or torch.Tensor, optional
+        Key of the dropout mask: an int in [0, 2**64), or a 0-d int64 CPU
+        tensor (the key's bits as a signed int64; traced as an input under
+        ``torch.compile``).  None with ``dropout_p > 0`` draws one from
         torch's default generator (so ``torch.manual_seed`` makes runs
         repeatable); the backward reuses the forward's.
     layout : {"bhnd", "bnhd"}
@@ -111,8 +116,8 @@ def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alib
     See the module docstring for what is shared and what is copied.  The
     backward recomputes P from the saved ``lse`` (FlashAttention-2).
     """
-    # checked before autograd records anything, so that bad input fails cleanly
-    device = _check_tensors(q=q, k=k, v=v)
+    # checked before anything is recorded or traced, so that bad input fails cleanly
+    device = ops.check_tensors(q=q, k=k, v=v)
     for name, t in (("bias", bias), ("alibi_slopes", alibi_slopes)):
         if t is not None:
             if not isinstance(t, torch.Tensor):
@@ -120,173 +125,9 @@ def attention(q, k, v, *, scale=None, causal=False, bias=None, window=None, alib
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, q on {device}: one device")
     check_layout(layout, q=q, k=k, v=v)
-    if bias is None and alibi_slopes is None and window is None and softcap is None \
-            and not dropout_p and seed is None:
-        return _Attention.apply(q, k, v, scale, causal, layout, bool(deterministic))
-    if dropout_p and seed is None:
-        seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-    features = dict(window=window, softcap=softcap, dropout_p=dropout_p, seed=seed)
-    return _AttentionFeatures.apply(q, k, v, bias, alibi_slopes, scale, causal, layout,
-                                    bool(deterministic), features)
-
-
-def _first_order_only(backward):
-    """A custom backward that refuses create_graph=True: autograd runs a Function's backward
-    with grad mode on exactly when it is asked for a graph of the gradients, which cuflash's
-    backward kernels cannot give (without this, the gradients come back silently detached)."""
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError("cuflash.torch.attention has no double backward: gradients with "
-                               "create_graph=True (Hessian-vector products, gradient penalties) "
-                               "are not supported; use torch's scaled_dot_product_attention "
-                               "for those")
-        return backward(ctx, *grads)
-    wrapper.__name__, wrapper.__doc__ = backward.__name__, backward.__doc__
-    return wrapper
-
-
-class _Attention(torch.autograd.Function):
-    """Forward saves q, k, v, o, lse; backward returns dq, dk, dv where needed."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, deterministic):
-        with _backend_for(q.device) as (xp, backend):
-            qa, ka, va = (to_bhnd(_to_array(t, xp), layout) for t in (q, k, v))
-            try:
-                o, lse = cuflash.tiled_attention(qa, ka, va, scale=scale, causal=causal,
-                                                 return_lse=True, backend=backend)
-            except ValueError as e:
-                raise layout_error(e, layout) from e
-            o_t, lse_t = _to_tensor(from_bhnd(o, layout)), _to_tensor(lse)
-        ctx.save_for_backward(q, k, v, o_t, lse_t)
-        ctx.options = dict(scale=scale, causal=causal, deterministic=deterministic)
-        ctx.layout = layout
-        return o_t
-
-    @staticmethod
-    @_first_order_only
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        layout = ctx.layout
-        with _backend_for(q.device) as (xp, backend):
-            arrays = [to_bhnd(_to_array(t, xp), layout) for t in (do, q, k, v, o)]
-            grads = cuflash.tiled_attention_backward(*arrays, _to_array(lse, xp),
-                                                     backend=backend, **ctx.options)
-            grads = [_to_tensor(from_bhnd(g, layout)) if need else None
-                     for g, need in zip(grads, ctx.needs_input_grad[:3])]
-        # one gradient per forward argument: scale, causal, layout, deterministic get none
-        return (*grads, None, None, None, None)
-
-
-class _AttentionFeatures(torch.autograd.Function):
-    """With features: also saves bias and slopes; backward adds dbias when bias needs it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, slopes, scale, causal, layout, deterministic, features):
-        with _backend_for(q.device) as (xp, backend):
-            qa, ka, va = (to_bhnd(_to_array(t, xp), layout) for t in (q, k, v))
-            extra = _feature_arrays(xp, bias, slopes, features)
-            try:
-                o, lse = cuflash.tiled_attention(qa, ka, va, scale=scale, causal=causal,
-                                                 return_lse=True, backend=backend, **extra)
-            except ValueError as e:
-                raise layout_error(e, layout) from e
-            o_t, lse_t = _to_tensor(from_bhnd(o, layout)), _to_tensor(lse)
-        ctx.save_for_backward(q, k, v, o_t, lse_t, bias, slopes)
-        ctx.options = dict(scale=scale, causal=causal, deterministic=deterministic)
-        ctx.features = features
-        ctx.layout = layout
-        return o_t
-
-    @staticmethod
-    @_first_order_only
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse, bias, slopes = ctx.saved_tensors
-        layout = ctx.layout
-        want_db = bias is not None and ctx.needs_input_grad[3]
-        with _backend_for(q.device) as (xp, backend):
-            arrays = [to_bhnd(_to_array(t, xp), layout) for t in (do, q, k, v, o)]
-            extra = _feature_arrays(xp, bias, slopes, ctx.features)
-            if want_db:
-                extra["return_dbias"] = True
-            grads = cuflash.tiled_attention_backward(*arrays, _to_array(lse, xp),
-                                                     backend=backend, **ctx.options, **extra)
-            out = [_to_tensor(from_bhnd(g, layout)) if need else None
-                   for g, need in zip(grads[:3], ctx.needs_input_grad[:3])]
-            out.append(_to_tensor(grads[3]) if want_db else None)
-        # one gradient per forward argument: slopes, scale, causal, layout, deterministic and
-        # the features get none
-        return (*out, None, None, None, None, None, None)
-
-
-def _feature_arrays(xp, bias, slopes, features):
-    """The cuflash keywords of the features, tensors as arrays of the backend."""
-    extra = {n: val for n, val in features.items()
-             if val is not None and not (n == "dropout_p" and not val)}
-    if bias is not None:
-        extra["bias"] = _to_array(bias, xp)
-    if slopes is not None:
-        extra["alibi_slopes"] = _to_array(slopes, xp)
-    return extra
-
-
-def _check_tensors(**tensors):
-    """The one device of the tensors; TypeError/ValueError naming the culprit."""
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got "
-                            f"{type(t).__module__}.{type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} (shape {tuple(t.shape)}) has dtype {t.dtype}; supported: "
-                            + ", ".join(str(d) for d in _DTYPES))
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) > 1:
-        raise TypeError("q, k, v must share one dtype, got "
-                        + ", ".join(f"{n}: {t.dtype}" for n, t in tensors.items()))
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        raise ValueError("q, k, v must be on one device, got "
-                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
-    device = devices.pop()
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"cuflash.torch runs CPU tensors (NumPy backend) and CUDA tensors "
-                         f"(cuda backend); got tensors on {device}")
-    return device
-
-
-@contextlib.contextmanager
-def _backend_for(device):
-    """(array module, cuflash backend) for ``device``; on CUDA, torch's stream made CuPy's."""
-    if device.type == "cpu":
-        yield np, "numpy"
-        return
-    try:
-        import cupy
-    except ImportError as e:
-        raise ImportError("CUDA tensors run on cuflash's 'cuda' backend, which needs CuPy "
-                          f"({e}): {INSTALL_HINT}") from e
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        # the same stream for both libraries: no synchronisation needed at the
-        # DLPack hand-overs, and the kernels are ordered with torch's own work
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream):
-            yield cupy, "cuda"
-
-
-def _to_array(t, xp):
-    """A NumPy (CPU) or CuPy (CUDA) view of tensor ``t``, sharing its memory."""
-    # DLPack refuses tensors that require grad, and carries no negation bit
-    # (a lazily negated view would be exported with the wrong sign)
-    t = t.detach().resolve_neg()
-    if t.dtype == torch.bfloat16:
-        return xp.from_dlpack(t.view(torch.int16)).view(bfloat16_dtype())
-    return xp.from_dlpack(t)
-
-
-def _to_tensor(a):
-    """A tensor sharing the memory of NumPy/CuPy array ``a`` (which cuflash allocated)."""
-    if is_bfloat16(a.dtype):
-        return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(a)
+    o, _ = ops.attention(q, k, v, bias=bias, alibi_slopes=alibi_slopes,
+                         seed=ops.seed_arg(dropout_p, seed), scale=scale,
+                         causal=parse_causal(causal), window=check_window(window),
+                         softcap=check_softcap(softcap), dropout_p=dropout_p, layout=layout,
+                         deterministic=deterministic)
+    return o

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ._validate import check_attention_inputs
+from .reference import standard_attention
 from .reference._common import _causal_offset, _kv_range, _tile_mask
 
 __all__ = ["TileStep", "QTileResult", "ForwardTrace", "trace_forward", "format_trace",
@@ -239,7 +240,6 @@ def backward_steps(do, q, k, v, *, scale=None, causal=False):
         ``D`` (Nq,) = rowsum(P * dP) (= rowsum(dO * O)), ``dS`` = P * (dP - D),
         ``dQ`` = scale dS K, ``dK`` = scale dS^T Q, and ``O``.
     """
-    from .reference import standard_attention
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
     if q.ndim != 2 or k.ndim != 2 or v.ndim != 2 or do.ndim != 2:
         raise ValueError("backward_steps takes 2-D do, q, k, v")

@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from any test file
+# `import cuflash_bench` (the benchmark harness, bench/cuflash_bench) from any test file
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
 
 import cuflash  # noqa: E402
 
@@ -131,11 +134,11 @@ def _interblock_write_check():
 @contextlib.contextmanager
 def poisoned_outputs():
     """Arrays the kernel launchers allocate are NaN until a kernel writes them."""
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
 
     def poison(a):
         a[...] = np.nan
-    with _launch.output_hook(poison):
+    with launch_common.output_hook(poison):
         yield
 
 

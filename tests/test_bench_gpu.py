@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _bench_gpu
-from cuflash._bench_gpu_methods import L2_SPAN, MAX_SETS, input_sets_needed
+from cuflash_bench import gpu
+from cuflash_bench.gpu_methods import L2_SPAN, MAX_SETS, input_sets_needed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,11 +38,11 @@ def _emulator_or_skip():
 
 
 def run_main(argv):
-    """(exit status, stdout, stderr) of ``_bench_gpu.main(argv)``."""
+    """(exit status, stdout, stderr) of ``gpu.main(argv)``."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = _bench_gpu.main(argv, prog="bench_gpu")
+            rc = gpu.main(argv, prog="bench_gpu")
         except SystemExit as e:
             rc = e.code
     return rc, out.getvalue(), err.getvalue()
@@ -76,11 +76,11 @@ def table_rows(out, title):
 
 
 def test_flop_convention():
-    assert _bench_gpu.flops(2, 3, 5, 7, 11, False, "fwd") == 4 * 2 * 3 * 5 * 7 * 11
-    assert _bench_gpu.flops(1, 1, 8, 8, 4, True, "fwd") == 4 * 8 * 8 * 4 / 2
-    assert _bench_gpu.flops(1, 1, 1, 8, 4, True, "fwd") == 4 * 8 * 4  # Nq != Nk: not halved
-    assert _bench_gpu.flops(1, 1, 8, 8, 4, False, "bwd") == 2.5 * 4 * 8 * 8 * 4
-    assert _bench_gpu.flops(1, 1, 8, 8, 4, False, "fwdbwd") == 3.5 * 4 * 8 * 8 * 4
+    assert gpu.flops(2, 3, 5, 7, 11, False, "fwd") == 4 * 2 * 3 * 5 * 7 * 11
+    assert gpu.flops(1, 1, 8, 8, 4, True, "fwd") == 4 * 8 * 8 * 4 / 2
+    assert gpu.flops(1, 1, 1, 8, 4, True, "fwd") == 4 * 8 * 4  # Nq != Nk: not halved
+    assert gpu.flops(1, 1, 8, 8, 4, False, "bwd") == 2.5 * 4 * 8 * 8 * 4
+    assert gpu.flops(1, 1, 8, 8, 4, False, "fwdbwd") == 3.5 * 4 * 8 * 8 * 4
 
 
 def test_input_rotation_count():
@@ -214,7 +214,7 @@ def test_command_line_run_in_a_fresh_process(tmp_path):
 
 def test_a_method_that_fails_its_check_is_reported_not_timed(monkeypatch):
     _emulator_or_skip()
-    from cuflash import _bench_gpu_methods as mth
+    from cuflash_bench import gpu_methods as mth
     forward = mth.CuflashStandard.forward
     monkeypatch.setattr(mth.CuflashStandard, "forward",
                         lambda self, x, grad: forward(self, x, grad) * 1.01)
@@ -231,7 +231,7 @@ def test_a_method_that_fails_its_check_is_reported_not_timed(monkeypatch):
 
 def test_a_cuflash_that_cannot_run_is_reported_and_fails_the_run(monkeypatch):
     _emulator_or_skip()
-    from cuflash import _bench_gpu_methods as mth
+    from cuflash_bench import gpu_methods as mth
 
     def refuse(self, x, grad):
         raise ValueError("no kernel for this\nsecond line")
@@ -291,10 +291,10 @@ def test_help_states_the_emulator_defaults():
 # ---------------------------------------------------------------------------
 # the serving sections: KV-cache decode and varlen
 # ---------------------------------------------------------------------------
-from cuflash import _bench_gpu_serving as serving  # noqa: E402
-from cuflash import _bench_gpu_serving_methods as smth  # noqa: E402
-from cuflash._bench_gpu_check import attention  # noqa: E402
-from cuflash._bench_gpu_methods import HostDevice  # noqa: E402
+from cuflash_bench import gpu_serving as serving  # noqa: E402
+from cuflash_bench import gpu_serving_methods as smth  # noqa: E402
+from cuflash_bench.gpu_check import attention  # noqa: E402
+from cuflash_bench.gpu_methods import HostDevice  # noqa: E402
 
 SERVE = ["--backend", "emulator", "--sections", "kvcache,varlen", "--dims", "16", "--causal",
          "both", "--modes", "fwd,fwdbwd", "--decode-nk", "32", "--kv-nq", "1,4",
@@ -345,7 +345,7 @@ def test_varlen_flops_per_sequence():
     assert serving.varlen_flops(lens, 3, 8, False, "fwd") == want
     assert serving.varlen_flops(lens, 3, 8, True, "fwd") == want / 2
     assert serving.varlen_flops(lens, 3, 8, True, "fwdbwd") == 3.5 * want / 2
-    assert serving.varlen_flops([16] * 4, 2, 8, False, "bwd") == _bench_gpu.flops(
+    assert serving.varlen_flops([16] * 4, 2, 8, False, "bwd") == gpu.flops(
         4, 2, 16, 16, 8, False, "bwd")
 
 

@@ -1,4 +1,5 @@
-"""The GPU benchmark's features section (cuflash/_bench_gpu_features.py), run on the emulator.
+"""The GPU benchmark's features section (bench/cuflash_bench/gpu_features.py), run on the
+emulator.
 
 Its oracle is checked on its own (central differences, the plain oracle when no feature is
 on), then one small run of the section checks the tables against the JSON, the checks, the
@@ -11,12 +12,16 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _bench_gpu_features as feat
-from cuflash._bench_gpu_check import attention
+from cuflash_bench import gpu_features as feat
+from cuflash_bench.gpu_check import attention
 
 from test_bench_gpu import run_main, table_rows
 
-ALL = [f for f, _ in feat.FEATURES]
+ALL = [name for name, _, _ in feat.FEATURES]
+# the tables' labels of those features, in their order (what the tables, logs and JSON show)
+SHOWN = ["bias (B,1,1,N)", "bias (1,H,N,N)", "bias (1,H,N,N) + dbias", "ALiBi", "softcap 30",
+         "dropout 0.1", "window (N/8, 0)"]
+TARGET_OF = {label: target for _, label, target in feat.FEATURES}
 RUN = ["--backend", "emulator", "--sections", "features", "--dims", "16", "--modes",
        "fwd,fwdbwd", "--feature-n", "32", "--feature-windows", "4,8", "--reps", "2",
        "--warmup", "0", "--plot", ""]
@@ -72,7 +77,7 @@ def feature_kwargs_host(name, B, H, nq, nk):
     """feature_kwargs for an Nq x Nk problem (the section's are square): the bias cut to
     (Nq, Nk), the window scaled to the keys."""
     kw = feat.feature_kwargs(name, True, None, B, H, max(nq, nk), "float64",
-                             window=max(1, nk // 3) if name.startswith("window") else None)
+                             window=max(1, nk // 3) if name == "window" else None)
     if "bias" in kw:
         kw["bias"] = np.array(kw["bias"][..., :nq if kw["bias"].shape[-2] > 1 else 1, :nk])
         if kw["bias"].shape[-2] == 1:  # the key padding: the last keys of each row masked
@@ -108,7 +113,7 @@ def test_dropout_rows_use_cuflash_mask():
     """The oracle's dropout is the mask cuflash.dropout_mask defines (kept scaled by 1/(1-p))."""
     rng = np.random.default_rng(7)
     q, k, v, _ = _problem(rng, 2, 2, 6, 9, 4)
-    kw = feat.feature_kwargs("dropout 0.1", True, None, 2, 2, 9, "float64")
+    kw = feat.feature_kwargs("dropout0.1", True, None, 2, 2, 9, "float64")
     s = np.matmul(q, np.swapaxes(k, -1, -2)) / 2.0
     P = np.exp(s - s.max(-1, keepdims=True))
     P /= P.sum(-1, keepdims=True)
@@ -157,8 +162,8 @@ def test_features_table_matches_the_json(featured):
     _, rows = table_rows(out, "Logit features (cuflash tiled, non-causal, each feature alone "
                               "against the plain call)")
     cases = [c for c in res["cases"] if c["section"] == "features" and c["table"] == "features"]
-    assert [r[5] for r in rows] == ["none"] + ALL + ["none"] + ALL
-    assert len(rows) == len(cases) == 2 * (1 + len(ALL))
+    assert [r[5] for r in rows] == ["none"] + SHOWN + ["none"] + SHOWN
+    assert len(rows) == len(cases) == 2 * (1 + len(SHOWN))
     for r, c in zip(rows, cases):
         assert (r[0], int(r[1]), r[2], r[5]) == (c["dtype"], c["d"], c["mode"], c["feature"])
         e = c["methods"]["cuflash tiled"]
@@ -168,8 +173,8 @@ def test_features_table_matches_the_json(featured):
         assert c["overhead"] == pytest.approx(e["ms"] / base["methods"]["cuflash tiled"]["ms"] - 1)
         assert r[7] == f"{100 * c['overhead']:+.1f}%"
         # issue 13's targets on fwdbwd rows, with no verdict from emulated times
-        if c["mode"] == "fwdbwd" and feat.TARGETS.get(c["feature"]) is not None:
-            assert r[8] == f"<= +{100 * feat.TARGETS[c['feature']]:.0f}%: n/a (emulator)"
+        if c["mode"] == "fwdbwd" and TARGET_OF.get(c["feature"]) is not None:
+            assert r[8] == f"<= +{100 * TARGET_OF[c['feature']]:.0f}%: n/a (emulator)"
             assert c["meets_target"] is None
         else:
             assert r[8] == "" and c["target"] is None
@@ -200,7 +205,7 @@ def test_window_table_divides_by_the_visible_fraction(featured):
 def test_every_feature_checked_with_and_without_gradients(featured):
     checks = [c for c in featured["res"]["checks"] if c["kind"].get("section") == "features"]
     assert sorted((c["kind"]["feature"], c["kind"]["grad"]) for c in checks) == sorted(
-        (f, g) for f in ["none"] + ALL for g in (False, True))
+        (f, g) for f in ["none"] + SHOWN for g in (False, True))
     for c in checks:
         assert c["status"] == "passed", c
         want = {"o"} | ({"dq", "dk", "dv"} if c["kind"]["grad"] else set())
@@ -217,7 +222,7 @@ def test_a_feature_that_fails_its_check_is_reported_not_timed(monkeypatch):
 
     def wrong(self, x, grad):
         out = real(self, x, grad)
-        if self.feature != "softcap 30":
+        if self.feature != "softcap30":
             return out
         o = out[0] if isinstance(out, tuple) else out
         o = o + 1

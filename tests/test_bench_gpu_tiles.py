@@ -1,4 +1,5 @@
-"""The GPU benchmark's tiles section (cuflash/_bench_gpu_tiles.py), run on the emulator.
+"""The GPU benchmark's tiles section (bench/cuflash_bench/gpu_tiles.py), run on the
+emulator.
 
 The pair list against the planner, one small run of the section (the table against the JSON,
 each pair checked and launched with its own kernel, the default first), a pair that runs
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _bench_gpu_tiles as tiles
+from cuflash_bench import gpu_tiles as tiles
 from cuflash import emulator_backend, tiling
 
 from test_bench_gpu import run_main, table_rows
@@ -197,7 +198,7 @@ def test_tiles_of_the_kernels_with_a_feature(tmp_path):
                              "--causal", "no", "--modes", "fwd,bwd", "--tiles-n", "16",
                              "--tokens", "16", "--hidden", "32", "--reps", "2", "--warmup", "0",
                              "--plot", "", "--tiles-pairs", "16x16", "--json",
-                             str(tmp_path / "t.json"), "--tiles-feature", "bias (1,H,N,N) + dbias"])
+                             str(tmp_path / "t.json"), "--tiles-feature", "bias-full-dbias"])
     assert rc == 0, out + err
     assert ("- every call with the logit feature bias (1,H,N,N) + dbias (--tiles-feature): the "
             "tiles of the kernels with the features") in out
@@ -217,9 +218,11 @@ def test_tiles_of_the_kernels_with_a_feature(tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--tiles-feature", "ALiBi", "--causal", "yes"], "argument --tiles-feature: the features' "
+    (["--tiles-feature", "alibi", "--causal", "yes"], "argument --tiles-feature: the features' "
      "check has no causal mask"),
-    (["--tiles-feature", "window (N/8, 0)"], "argument --tiles-feature: invalid choice"),
+    (["--tiles-feature", "window"], "argument --tiles-feature: invalid choice"),
+    # the names, not the tables' labels
+    (["--tiles-feature", "bias (B,1,1,N)"], "argument --tiles-feature: invalid choice"),
     (["--tiles-n", "128", "--tokens", "64"], "argument --tiles-n: 128 exceeds --tokens 64"),
     (["--modes", "fwdbwd"], "argument --modes: the tiles section times fwd and bwd"),
     (["--tiles-pairs", "64x"], "argument --tiles-pairs: '64x' is not a pair BQxBKV"),
@@ -229,7 +232,21 @@ def test_tiles_option_errors(argv, msg):
     assert rc == 2 and msg in err, err
 
 
+def test_tiles_feature_names_are_plain_words():
+    """--tiles-feature takes names a shell passes unquoted, one per feature of the features
+    table but the window; the tables keep their labels."""
+    from cuflash_bench import gpu, gpu_features
+    action = next(a for a in gpu.build_parser()._actions if "--tiles-feature" in a.option_strings)
+    assert list(action.choices) == ["bias-key-padding", "bias-full", "bias-full-dbias", "alibi",
+                                    "softcap30", "dropout0.1"]
+    assert [gpu_features.LABELS[n] for n in action.choices] == [
+        "bias (B,1,1,N)", "bias (1,H,N,N)", "bias (1,H,N,N) + dbias", "ALiBi", "softcap 30",
+        "dropout 0.1"]
+    args = gpu.build_parser().parse_args(["--tiles-feature", "bias-key-padding"])
+    assert args.tiles_feature == "bias-key-padding"
+
+
 def test_tiles_is_not_a_default_section():
-    from cuflash import _bench_gpu
-    args = _bench_gpu.build_parser().parse_args(["--backend", "emulator"])
-    assert "tiles" not in args.sections and "tiles" in _bench_gpu.SECTIONS
+    from cuflash_bench import gpu
+    args = gpu.build_parser().parse_args(["--backend", "emulator"])
+    assert "tiles" not in args.sections and "tiles" in gpu.SECTIONS

@@ -1,10 +1,10 @@
 """More than 65,535 (batch x heads) problems reach every kernel family (issue 12).
 
 CUDA limits gridDim.y and gridDim.z to 65,535; the launchers fold batch, heads and tiles into
-grid x (limit 2^31 - 1, _launch.fold_grid), so a call with 65,537 problems must run -- on the
-emulator here, with tiny shapes so that each of the ~65,000 blocks is cheap (the fiber engine
-runs such a block in microseconds).  Each result is checked against the NumPy reference on
-the same inputs; the emulator's launch record shows the folded grid.
+grid x (limit 2^31 - 1, cuflash.launch.common.fold_grid), so a call with 65,537 problems must
+run -- on the emulator here, with tiny shapes so that each of the ~65,000 blocks is cheap (the
+fiber engine runs such a block in microseconds). Each result is checked against the NumPy
+reference on the same inputs; the emulator's launch record shows the folded grid.
 """
 import numpy as np
 import pytest

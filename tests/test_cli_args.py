@@ -1,14 +1,18 @@
 """Command-line papercuts: bad option values are one-line argparse errors, the CPU
 benchmark's plot names its problem, marks extrapolated points and is reported by
-absolute path."""
+absolute path; the benchmark harness (bench/cuflash_bench) runs from a checkout, and an
+installed copy without it says how to get it."""
+import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from cuflash import _bench_cpu, cli
+from cuflash import cli
+from cuflash_bench import cpu as cpu_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +74,7 @@ def test_demo_tiles_the_planner_refuses_are_an_option_error(capsys):
 
 def test_bench_script_rejects_bad_values(capsys):
     # bench/bench_cpu.py parses through the same parser
-    line = assert_one_line_error(capsys, _bench_cpu.main, ["--reps", "0"], "bench_cpu.py")
+    line = assert_one_line_error(capsys, cpu_bench.main, ["--reps", "0"], "bench_cpu.py")
     assert line.startswith("bench_cpu.py: error: argument --reps")
 
 
@@ -95,7 +99,7 @@ def test_cpu_bench_plot_title_path_and_extrapolated_points(tmp_path, capsys, mon
                           for t in ax.get_legend().get_texts()]
         return save(fig, *a, **k)
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
-    monkeypatch.setattr(_bench_cpu, "SETTLE_S", 0.0)
+    monkeypatch.setattr(cpu_bench, "SETTLE_S", 0.0)
     monkeypatch.chdir(tmp_path)
     rc = cli.main(["bench", "--sizes", "64", "--batch", "1", "--heads", "2", "--dim", "16",
                    "--reps", "1", "--warmup", "0", "--mem-n", "128", "--no-torch",
@@ -125,3 +129,83 @@ def test_demo_uses_the_heads_and_length_given(capsys, monkeypatch):
     cli.main(["demo", "--backend", "emulator", "--no-walkthrough"])
     cli.main(["demo", "--backend", "numpy", "--n", "64", "--no-walkthrough"])
     assert seen == [(4, 128), (2, 128), (8, 64)]
+
+
+# ---------------------------------------------------------------------------
+# the benchmark harness lives in bench/cuflash_bench, outside the package
+# ---------------------------------------------------------------------------
+def _run(args, cwd, pythonpath):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--sizes", "64"], ["bench", "--help"],
+                                  ["bench", "--gpu", "--backend", "emulator"],
+                                  ["bench", "--gpu", "--help"]], ids=" ".join)
+def test_bench_without_the_harness_says_how_to_get_it(tmp_path, argv):
+    """An installed copy (the package alone, no bench/ beside it): one line naming the folder it
+    lacks and how to get it, exit status 2, no traceback; the other commands still work."""
+    site = tmp_path / "site"
+    shutil.copytree(os.path.join(ROOT, "cuflash"), site / "cuflash",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    r = _run(["-m", "cuflash"] + argv, tmp_path, str(site))
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "python -m cuflash bench: the benchmark harness is not installed with cuflash (no "
+        f"{site / 'bench' / 'cuflash_bench'}); clone the cuflash source repository and run "
+        "python -m cuflash bench from its root"]
+    h = _run(["-m", "cuflash", "--help"], tmp_path, str(site))
+    assert h.returncode == 0 and "bench" in h.stdout and "demo" in h.stdout, h.stderr
+
+
+def test_bench_scripts_run_the_harness_from_any_directory(tmp_path):
+    for script in ("bench_cpu.py", "bench_gpu.py"):
+        r = _run([os.path.join(ROOT, "bench", script), "--reps", "0"], tmp_path, "")
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"bench/{script}: error: argument --reps: '0' is not a positive integer "
+            "(see --help)"], r.stderr
+
+
+def _relative_imports(path):
+    """The harness modules that ``path`` imports (``from .x import``, ``from . import x``),
+    function-local imports included."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out |= {node.module} if node.module else {a.name for a in node.names}
+    return out
+
+
+def test_harness_imports_run_one_way():
+    """No circle among the harness's modules, and the package never imports the harness (the
+    command line loads it by path, at run time)."""
+    pkg = os.path.join(ROOT, "bench", "cuflash_bench")
+    graph = {f[:-3]: _relative_imports(os.path.join(pkg, f)) for f in os.listdir(pkg)
+             if f.endswith(".py") and f != "__init__.py"}
+    assert set().union(*graph.values()) <= set(graph)
+    done, stack = set(), []
+
+    def visit(m):
+        assert m not in stack, f"import circle: {' -> '.join(stack[stack.index(m):] + [m])}"
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+    for m in sorted(graph):
+        visit(m)
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "cuflash")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read())
+                for node in ast.walk(tree):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                    assert not any(n.split(".")[0] == "cuflash_bench" for n in names), f

@@ -2,7 +2,7 @@
 
 CI machines have no GPU and no CuPy, so everything in cuflash that touches the
 ``cupy`` module (cuda_backend.py, kernels.get_runtime/_cupy_factory,
-tiling.device_smem_limit, the xp code of _launch/_launch_bwd and of the
+tiling.device_smem_limit, the xp code of cuflash.launch and of the
 standard attention) would otherwise first run on a real GPU.  This module
 installs a small stand-in for ``cupy`` in ``sys.modules`` for its duration:
 
@@ -42,7 +42,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _dispatch, _launch, cuda_backend, kernels
+from cuflash import _dispatch, cuda_backend, kernels
+from cuflash.launch import common as launch_common
 
 import oracle
 
@@ -383,7 +384,7 @@ def fake_cupy():
 @pytest.fixture
 def poison():
     """Fill every output the launchers allocate with NaN before the kernels run."""
-    with _launch.output_hook(lambda a: a.fill(np.nan)):
+    with launch_common.output_hook(lambda a: a.fill(np.nan)):
         yield
 
 
@@ -653,7 +654,7 @@ def test_misaligned_view_still_right(fake_cupy, rng):
     kd = vd = cp.asarray(oracle.randn(rng, (2, 45, 64), "float16"))
     assert qd.data.ptr % 16 == 2
     for _ in range(2):
-        with _launch.track_allocations() as ledger:
+        with launch_common.track_allocations() as ledger:
             o = cuflash.tiled_attention(qd, kd, vd)
         assert [w for w, _ in ledger].count("aligned copy") == 1, ledger
         oracle.check_forward(o, qd.get(), kd.get(), vd.get())

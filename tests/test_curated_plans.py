@@ -67,7 +67,7 @@ def test_old_kernel_choices_and_serving_tiles_are_kept():
     """plan_flash_fwd / plan_flash_bwd / plan_bwd_tf32 choose the same kernels and tiles as
     before on sm_80 and sm_90 (d == dv, with and without features), and the serving kernel
     the same decoding tiles for every count of query rows."""
-    from cuflash._launch_serving import serving_plan
+    from cuflash.launch.serving import serving_plan
     fns = {"fwd": tiling.plan_flash_fwd, "bwd": tiling.plan_flash_bwd,
            "bwd_tf32": tiling.plan_bwd_tf32}
     for key, archs in OLD["dispatch"].items():
@@ -185,7 +185,7 @@ def test_every_default_is_compile_checked():
     """The default plan at any head dims (d == dv at every one, 300 random d != dv pairs),
     dtype and architecture class is a job of the compile check, in its padded build where it
     pads; so are the serving kernel's decoding tiles."""
-    from cuflash._launch_serving import serving_plan
+    from cuflash.launch.serving import serving_plan
     keys = _default_jobs()
     rnd = random.Random(7)
     pairs = [(d, d) for d in range(1, 257)] + [(rnd.randint(1, 256), rnd.randint(1, 256))
@@ -285,7 +285,7 @@ def test_padded_tensor_core_builds_match_the_oracle(case, rng):
     import oracle
     from conftest import poisoned_outputs, require_backend
     import cuflash
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
     require_backend("emulator")
     dtype, d, dv, feat, det = case
     feat = dict(feat)
@@ -293,7 +293,7 @@ def test_padded_tensor_core_builds_match_the_oracle(case, rng):
         feat["bias"] = oracle.randn(rng, feat["bias"], "float32")
     q, k = oracle.randn(rng, (2, 2, 37, d), dtype), oracle.randn(rng, (2, 2, 45, d), dtype)
     v = oracle.randn(rng, (2, 2, 45, dv), dtype)
-    with poisoned_outputs(), _launch.observe_launches() as seen:
+    with poisoned_outputs(), launch_common.observe_launches() as seen:
         o, lse = cuflash.tiled_attention(q, k, v, causal="bottom_right", return_lse=True,
                                          backend="emulator", **feat)
         do = oracle.randn(rng, o.shape, dtype)

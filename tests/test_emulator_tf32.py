@@ -164,3 +164,34 @@ def test_3xtf32_large_range(module):
     exact = a.astype(np.float64) @ b.astype(np.float64)
     rel = np.abs(c - exact) / (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
     assert rel.max() < 2e-6, rel.max()
+
+
+def test_accumulation_truncates_like_the_tensor_core(module):
+    """One mma adds its products and the accumulator as one sum cut to float toward zero: the
+    products 1 and 1.5 * 2^-24 give 1.0 (round to nearest would give 1 + 2^-23).  The software
+    mma of sm_75 (float FFMA, round to nearest) gives 1 + 2^-23."""
+    a = np.zeros((16, 8), np.float32)
+    b = np.zeros((8, 8), np.float32)
+    a[0, :2] = [1.0, 1.5 * 2.0 ** -12]
+    b[:2, 0] = [1.0, 2.0 ** -12]
+    assert _matmul(module, 80, a, b, 0)[0, 0] == 1.0
+    assert _matmul(module, 75, a, b, 0)[0, 0] == np.float32(1 + 2.0 ** -23)
+
+
+def test_long_accumulation_drifts_toward_zero(module):
+    """A long chain of mma on one accumulator of constant sign loses up to an ulp per mma toward
+    zero: over K = 2048 positive products (256 mma) the result sits below the exact sum by many
+    float32 ulps, always below; float FFMA's round-to-nearest errors mostly cancel.  This is the
+    error the H100 showed in flash_fwd_tf32's O, which the kernels are built to avoid."""
+    rng = np.random.default_rng(5)
+    K = 2048
+    a = tf32_rna(rng.random((16, K)) + 0.5).astype(np.float32)
+    b = tf32_rna(rng.random((K, 8)) + 0.5).astype(np.float32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    tc = _matmul(module, 80, a, b, 0)
+    rel = (exact - tc) / exact
+    assert (rel > 0).all(), "truncation only ever lowers a positive sum"
+    assert rel.mean() > 100 * 2.0 ** -24, rel.mean()   # measured: 148 ulps of 2^-24
+    sw = (exact - _matmul(module, 75, a, b, 0)) / exact
+    assert abs(sw.mean()) < 4 * 2.0 ** -24, sw.mean()     # unbiased: 0.6
+    assert np.abs(sw).mean() < 20 * 2.0 ** -24           # a random walk: 8.4

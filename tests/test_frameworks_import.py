@@ -1,8 +1,8 @@
 """The framework modules load only on request, and say how to install what they miss.
 
 Each check runs in a fresh interpreter (``sys.modules`` of the test process
-already holds whatever other tests imported).  None of them needs torch or
-JAX installed: a missing framework is simulated with ``sys.modules[name] =
+already holds whatever other tests imported).  None of them needs torch, JAX
+or transformers installed: a missing framework is simulated with ``sys.modules[name] =
 None``, which makes ``import name`` raise ImportError.
 """
 import os
@@ -25,13 +25,16 @@ def test_import_cuflash_imports_no_framework():
     r = run_python("""
         import os, sys, cuflash
         assert os.path.dirname(os.path.dirname(cuflash.__file__)) == os.getcwd(), cuflash.__file__
-        print([m for m in ('torch', 'jax', 'jaxlib', 'ml_dtypes') if m in sys.modules])
+        print([m for m in ('torch', 'jax', 'jaxlib', 'ml_dtypes', 'transformers')
+               if m in sys.modules])
     """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "[]", f"import cuflash imported {r.stdout.strip()}"
 
 
-@pytest.mark.parametrize("module, framework", [("torch", "torch"), ("jax", "jax")])
+@pytest.mark.parametrize("module, framework", [("torch", "torch"), ("jax", "jax"),
+                                               ("flash_attn", "torch"),
+                                               ("transformers", "transformers")])
 def test_missing_framework_is_a_clear_import_error(module, framework):
     r = run_python(f"""
         import sys

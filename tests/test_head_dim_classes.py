@@ -18,7 +18,8 @@ import pytest
 import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
-from cuflash import _launch, tiling
+from cuflash import tiling
+from cuflash.launch import common as launch_common
 
 from test_masks import check_simt_masked_backward
 
@@ -105,7 +106,7 @@ def test_forward_between_classes_matches_oracle(kb, case, rng):
     q = oracle.randn(rng, qs, dtype)
     k = oracle.randn(rng, ks, dtype)
     v = oracle.randn(rng, ks[:-1] + (dv,), dtype)
-    with poisoned_outputs(), _launch.observe_launches() as seen:
+    with poisoned_outputs(), launch_common.observe_launches() as seen:
         o, lse = cuflash.tiled_attention(kb.asarray(q), kb.asarray(k), kb.asarray(v),
                                          causal=causal, return_lse=True, num_splits=1,
                                          backend=kb.name)
@@ -121,7 +122,7 @@ def test_masked_forward_between_classes_matches_oracle(rng):
     v = oracle.randn(rng, (2, 2, 43, 12), "float64")
     feat = dict(bias=oracle.randn(rng, (2, 1, 30, 43), "float64", scale=2.0), window=(9, 4), softcap=2.5,
                 dropout_p=0.2, seed=3)
-    with poisoned_outputs(), _launch.observe_launches() as seen:
+    with poisoned_outputs(), launch_common.observe_launches() as seen:
         o, lse = cuflash.tiled_attention(q, k, v, causal=False, return_lse=True,
                                          backend="emulator", **feat)
     assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
@@ -140,7 +141,7 @@ def test_kvcache_split_between_classes_matches_oracle(rng):
     q = oracle.randn(rng, (B, H, 2, d), "float32")
     kn, vn = oracle.randn(rng, (B, Hk, 2, d), "float32"), oracle.randn(rng, (B, Hk, 2, dv), "float32")
     kcd, vcd = kc.copy(), vc.copy()
-    with poisoned_outputs(), _launch.observe_launches() as seen:
+    with poisoned_outputs(), launch_common.observe_launches() as seen:
         o, lse = cuflash.attention_with_kvcache(q, kcd, vcd, cache_seqlens=lens, k_new=kn,
                                                 v_new=vn, block_table=table, causal=True,
                                                 num_splits=3, return_lse=True, backend="emulator")
@@ -159,13 +160,14 @@ def test_kvcache_split_between_classes_matches_oracle(rng):
 
 def test_race_check_forward_between_classes(rng):
     """The zero-filled padding columns (d = dv = 12: class 16) under the race check."""
-    from cuflash import _launch_fwd, _validate, kernels
+    from cuflash import _validate, kernels
+    from cuflash.launch import fwd as launch_fwd
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k = oracle.randn(rng, (1, 2, 20, 12), "float32"), oracle.randn(rng, (1, 2, 37, 12), "float32")
     v = oracle.randn(rng, (1, 2, 37, 12), "float32")
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
-    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+    o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
 
@@ -194,7 +196,7 @@ def test_backward_between_classes_matches_oracle(kb, case, rng):
     lse = lse.astype(np.float64 if dtype == "float64" else np.float32)
     do = oracle.randn(rng, o.shape, dtype)
     a = kb.asarray
-    with poisoned_outputs(), _launch.observe_launches() as seen:
+    with poisoned_outputs(), launch_common.observe_launches() as seen:
         grads = cuflash.tiled_attention_backward(a(do), a(q), a(k), a(v), a(o), a(lse),
                                                  causal=causal, deterministic=det,
                                                  backend=kb.name)
@@ -218,7 +220,8 @@ def test_masked_backward_between_classes_matches_oracle(rng):
 def test_race_check_backward_between_classes(rng):
     """The SIMT backward's padding path (d = dv = 12: class 16) under the race check: the
     preprocess, both dQ paths (the atomic one with its convert)."""
-    from cuflash import _launch_bwd, _validate, kernels
+    from cuflash import _validate, kernels
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q = oracle.randn(rng, (1, 2, 20, 12), "float32")
@@ -230,7 +233,7 @@ def test_race_check_backward_between_classes(rng):
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
                                            block_kv=16)
     for det in (True, False):
-        with _launch.observe_launches() as seen:
-            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
+        with launch_common.observe_launches() as seen:
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
         assert "flash_bwd_dkdv" in [e["kernel"] for e in seen]
         oracle.check_backward(grads, do, q, k, v, None, True)

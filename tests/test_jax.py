@@ -5,6 +5,8 @@ visible keys, GQA by ``jnp.repeat``), independent of cuflash, and both sides
 run under ``jax.jit``.  Sequence lengths are odd with Nq != Nk; inputs and
 cotangents are fresh random draws.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -26,7 +28,9 @@ def plain_attention(q, k, v, causal=False, layout="bhnd", scale=None):
     k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
     Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1 / np.sqrt(d) if scale is None else scale
-    s = scale * q @ k.swapaxes(-1, -2)
+    # HIGHEST: on a GPU, XLA's default float32 matmul is TF32 (about 5e-4 relative), which
+    # would make the reference the least exact side of every comparison
+    s = scale * jnp.matmul(q, k.swapaxes(-1, -2), precision="highest")
     # iota rather than NumPy constants: XLA folds large constant masks slowly
     i = jax.lax.broadcasted_iota(jnp.int32, (Nq, Nk), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (Nq, Nk), 1)
@@ -35,7 +39,7 @@ def plain_attention(q, k, v, causal=False, layout="bhnd", scale=None):
     m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
     e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
     l = e.sum(axis=-1, keepdims=True)
-    o = (e / jnp.where(l > 0, l, 1)) @ v
+    o = jnp.matmul(e / jnp.where(l > 0, l, 1), v, precision="highest")
     return o.swapaxes(-3, -2) if layout == "bnhd" else o
 
 
@@ -164,3 +168,63 @@ def test_errors_are_raised_when_traced(rng):
         cj.attention(q, [[1.0]], v)
     with pytest.raises(TypeError, match="int32"):
         cj.attention(q, k.astype(jnp.int32), v)
+
+
+def _features_loss(q, k, v, bias, seed):
+    o = cj.attention(q, k, v, causal=True, bias=bias, softcap=5.0, window=(6, None),
+                     dropout_p=0.1, seed=seed, layout="bnhd")
+    return (o * o).sum()
+
+
+def test_buffer_callback_path_gives_the_host_path_results(rng, monkeypatch):
+    """The GPU path under jit (jax.experimental.buffer_callback: XLA's buffers handed to
+    cuflash, results written into XLA's output buffers) taken on the CPU, where the buffers
+    are host memory and the NumPy backend runs: the same values as the pure_callback path,
+    for jit(grad) with every feature and for vmap.  (The CuPy half runs on a GPU only.)"""
+    pytest.importorskip("jax.experimental.buffer_callback")
+    q, k, v = arrays(rng, shapes_for("bnhd", 2, 4, 2, 11, 13, 8))
+    bias = arrays(rng, [(2, 1, 1, 13)])[0]
+    grad = jax.grad(_features_loss, argnums=(0, 1, 2, 3))
+    qs = arrays(rng, [(3, 11, 4, 8)])[0]
+    vmapped = jax.vmap(lambda qi: cj.attention(qi, k[0], v[0], causal=True, layout="bnhd"))
+    host = jax.jit(grad)(q, k, v, bias, jnp.uint32(9)), jax.jit(vmapped)(qs)
+
+    def no_pure_callback(*a, **kw):
+        raise AssertionError("the buffer_callback path must not use pure_callback")
+    monkeypatch.setattr(cj, "_device_path", lambda platform: True)
+    monkeypatch.setattr(jax, "pure_callback", no_pure_callback)
+    jax.clear_caches()     # trace again: the compiled host-path programs are cached
+    device = jax.jit(grad)(q, k, v, bias, jnp.uint32(9)), jax.jit(vmapped)(qs)
+    for a, b in zip(jax.tree_util.tree_leaves(device), jax.tree_util.tree_leaves(host)):
+        assert a.shape == b.shape and bool((a == b).all())
+    assert float(jnp.abs(device[0][3]).max()) > 0      # dbias came back through the buffers
+    jax.clear_caches()
+
+
+def test_host_round_trip_on_a_gpu_warns_and_says_why(rng, monkeypatch):
+    q, k, v = arrays(rng, shapes_for("bhnd", 1, 2, 2, 5, 7, 4))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(cj, "_cuda_backend_available", lambda: False)
+    monkeypatch.setattr(cj, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="pure_callback on the host.*CuPy is not usable"):
+        jax.jit(lambda q: cj.attention(q, k, v))(q)
+
+
+@pytest.mark.cuda
+def test_jit_on_a_gpu_runs_the_kernels_in_xla(rng):
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus or not cuflash.available_backends()["cuda"][0]:
+        pytest.skip("needs JAX on a CUDA GPU and cuflash's cuda backend")
+    assert cj._device_path("gpu"), "buffer_callback or CuPy missing: the host path would run"
+    q, k, v = arrays(rng, shapes_for("bnhd", 2, 8, 2, 77, 131, 64))
+    w = arrays(rng, [(2, 77, 8, 64)])[0]
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v, causal=True, layout="bnhd") * w).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)     # no host round trip
+        grads = jax.jit(jax.grad(loss(cj.attention), argnums=(0, 1, 2)))(q, k, v)
+    refs = jax.jit(jax.grad(loss(plain_attention), argnums=(0, 1, 2)))(q, k, v)
+    for g, r, name in zip(grads, refs, ("dq", "dk", "dv")):
+        assert list(g.devices())[0].platform == "gpu"
+        assert_close(g, r, name, tol=1e-4)

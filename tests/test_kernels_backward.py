@@ -10,7 +10,7 @@ and "emulator" always; "cuda" when CuPy and a GPU are present, else skipped
 with the reason.  o and lse come from the float64 oracle (not from our
 forward), so a failure here is the backward's.  Every array the launcher
 allocates (dq, dk, dv, D, the float32 dQ accumulator) is poisoned with NaN
-before the kernels run (``cuflash._launch.output_hook``), so an element the
+before the kernels run (``cuflash.launch.common.output_hook``), so an element the
 kernels fail to write -- or read before writing -- fails the test.
 
 Emulated cost: one compile per specialisation (dtype, d, dv, tiles; ~2-3 s on
@@ -28,7 +28,8 @@ import pytest
 import cuflash
 import oracle
 from conftest import Backend, poisoned_outputs, require_backend
-from cuflash import _launch, _launch_bwd, _validate, kernels, tiling
+from cuflash import _validate, kernels, tiling
+from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc, common as launch_common
 
 
 def _make(rng, dtype, shape, layout):
@@ -195,7 +196,7 @@ def test_no_full_materialization(kernel_backend, rng):
     o, lse = _fwd_from_oracle(q, k, v, False, "float32")
     do = oracle.randn(rng, o.shape, "float32")
     for det in (True, False):
-        with _launch.track_allocations() as ledger:
+        with launch_common.track_allocations() as ledger:
             grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, deterministic=det)
         oracle.check_backward(grads, do, q, k, v)
         sizes = {what: int(np.prod(shape)) for what, shape in ledger}
@@ -229,8 +230,9 @@ def test_deterministic_dkdv_matches_atomic(kernel_backend, rng):
     do = oracle.randn(rng, o.shape, "float16")
     rt = kernels.get_runtime(kernel_backend.name)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, scale=None, causal="bottom_right")
-    runs = [_launch_bwd._build_simt(rt, spec, *(kernel_backend.asarray(x) for x in (do, q, k, v, o)), det)(
-        *(kernel_backend.asarray(x) for x in (do, q, k, v, o, lse))) for det in (True, False)]
+    args = [kernel_backend.asarray(x) for x in (do, q, k, v, o, lse)]
+    runs = [launch_bwd.flash_bwd(rt, *args, spec, deterministic=det, kernel="flash_bwd_dkdv")
+            for det in (True, False)]
     runs = [[kernel_backend.to_numpy(g) for g in r] for r in runs]
     for r in runs:
         oracle.check_backward(r, do, q, k, v, None, "bottom_right")
@@ -365,7 +367,7 @@ def test_unsupported_tiles_refused(kernel_backend, bq, bkv, d, needle, rng):
 def _count_launches():
     """Sum the emulator's byte counters over every kernel launched in the block."""
     total = {"global_bytes_read": 0, "global_bytes_written": 0, "launches": []}
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         yield total
     for entry in seen:
         total["global_bytes_read"] += entry["global_bytes_read"]
@@ -391,8 +393,8 @@ def test_traffic_equals_model(qs, ks, causal, det, rng):
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
     plan = tiling.plan("flash_bwd_dkdv", 32, 32, "float32",
                        limit=tiling.EMULATOR_ARCHES["sm_80"], limit_source="sm_80")
-    B, H = _launch.problem_dims(spec.lead)
-    Hk, _ = _launch_bwd.kv_heads_for_kernel(spec)
+    B, H = launch_common.problem_dims(spec.lead)
+    Hk, _ = launch_common.kv_heads_for_kernel(spec)
     want = tiling.flash_bwd_traffic(B, H, Hk, spec.Nq, spec.Nk, 32, 32, "float32",
                                     plan.block_q, plan.block_kv, spec.causal, det)
     assert (total["global_bytes_read"], total["global_bytes_written"]) == want, total["launches"]
@@ -409,8 +411,8 @@ def test_race_check_every_backward_kernel(rng):
                                            block_kv=16)
     with _count_launches() as total:
         for det in (True, False):  # preprocess, dkdv, dq; then preprocess (zeroing), dkdv
-            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
-                                                         deterministic=det)  # + atomics, convert
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
+                                         deterministic=det)  # + atomics, convert
             oracle.check_backward(grads, do, q, k, v, None, True)
     assert set(total["launches"]) == {"flash_bwd_preprocess", "flash_bwd_dkdv", "flash_bwd_dq",
                                       "flash_bwd_dq_convert"}
@@ -430,7 +432,7 @@ def test_race_check_every_backward_kernel(rng):
 def test_kv_heads_for_kernel(qs, ks, want):
     q, k = np.zeros(qs), np.zeros(ks)
     spec = _validate.check_attention_inputs(q, k, k)
-    assert _launch_bwd.kv_heads_for_kernel(spec) == want
+    assert launch_common.kv_heads_for_kernel(spec) == want
 
 
 
@@ -482,7 +484,7 @@ def test_tc_backward_against_oracle(kernel_backend, case, rng):
     _require_dtype(kernel_backend, dtype)
     do, q, k, v, o, lse = _tc_inputs(rng, dtype, qs, ks, dv, causal, layout)
     bq, bkv = tiles or (None, None)
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, causal=causal, block_q=bq,
                          block_kv=bkv, deterministic=det)
     assert "flash_bwd_tc" in _launched(seen), _launched(seen)
@@ -503,9 +505,9 @@ def test_tc_deterministic_bitwise_with_splits(kb, rng, monkeypatch):
     atomic = _run_bwd(kb, do, q, k, v, o, lse, deterministic=False, **kw)
     oracle.check_backward(atomic, do, q, k, v, None, "top_left")
     for splits in (1, 2, 3):
-        monkeypatch.setattr(_launch_bwd, "dq_splits", lambda *a, _s=splits: _s)
+        monkeypatch.setattr(launch_bwd_tc, "dq_splits", lambda *a, _s=splits: _s)
         _launch_bwd_cache_clear(kb)
-        with _launch.observe_launches() as seen:
+        with launch_common.observe_launches() as seen:
             runs = [_run_bwd(kb, do, q, k, v, o, lse, deterministic=True, **kw) for _ in range(3)]
         grids = {e["grid"] for e in seen if e["kernel"] == "flash_bwd_tc"}
         assert grids == {(splits,)}, grids  # splits x 1 kv head x 1 batch entry
@@ -540,11 +542,11 @@ def test_tc_traffic_equals_model(qs, ks, causal, tiles, det, rng):
     assert total["launches"] == ["flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"]
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
     rt = kernels.get_runtime("emulator")
-    plan = _launch_bwd.plan_backward(rt, 32, 32, "float16", bq, bkv)
-    B, H = _launch.problem_dims(spec.lead)
-    Hk, _ = _launch_bwd.kv_heads_for_kernel(spec)
+    plan = launch_bwd.plan_backward(rt, 32, 32, "float16", bq, bkv)
+    B, H = launch_common.problem_dims(spec.lead)
+    Hk, _ = launch_common.kv_heads_for_kernel(spec)
     n_kv = -(-spec.Nk // plan.block_kv)
-    splits = _launch_bwd.dq_splits(rt, plan, n_kv, B * Hk, det)
+    splits = launch_bwd_tc.dq_splits(rt, plan, n_kv, B * Hk, det)
     want = tiling.flash_bwd_tc_traffic(B, H, Hk, spec.Nq, spec.Nk, 32, 32, plan.block_q,
                                        plan.block_kv, spec.causal, splits)
     assert (total["global_bytes_read"], total["global_bytes_written"]) == want
@@ -570,7 +572,7 @@ def test_tc_race_check(dtype, qs, ks, tiles, rng):
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=bq, block_kv=bkv)
     with _count_launches() as total:
         for det in (False, True):
-            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
             oracle.check_backward(grads, do, q, k, v, None, True)
     assert set(total["launches"]) == {"flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"}
 
@@ -580,12 +582,12 @@ def test_tc_on_emulated_sm75(rng):
     and scalar reds of portable.cuh."""
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", arch="sm_75")
-    assert _launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_dkdv"
+    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_dkdv"
     do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 30, 32), (1, 2, 41, 32), None, "bottom_right")
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal="bottom_right", block_q=16,
                                            block_kv=32)
-    with _launch.observe_launches() as seen:
-        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, kernel="flash_bwd_tc")
+    with launch_common.observe_launches() as seen:
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, kernel="flash_bwd_tc")
     assert "flash_bwd_tc" in _launched(seen)
     oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
 
@@ -597,9 +599,9 @@ def test_simt_kernels_still_take_16_bit(rng):
     do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 30, 32), (1, 2, 41, 32), None, True)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True)
     for det in (False, True):
-        with _launch.observe_launches() as seen:
-            grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det,
-                                          kernel="flash_bwd_dkdv")
+        with launch_common.observe_launches() as seen:
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det,
+                                         kernel="flash_bwd_dkdv")
         assert "flash_bwd_dkdv" in _launched(seen)
         oracle.check_backward(grads, do, q, k, v, None, True)
 

@@ -17,7 +17,8 @@ import pytest
 import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
-from cuflash import _launch, _launch_bwd, _validate, kernels, tiling
+from cuflash import _validate, _validate_masks, kernels, tiling
+from cuflash.launch import bwd as launch_bwd, common as launch_common
 
 
 def _fwd(q, k, v, causal):
@@ -28,7 +29,7 @@ def _fwd(q, k, v, causal):
 @contextlib.contextmanager
 def _count_launches():
     total = {"global_bytes_read": 0, "global_bytes_written": 0, "launches": []}
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         yield total
     for entry in seen:
         total["global_bytes_read"] += entry.get("global_bytes_read", 0)
@@ -121,13 +122,55 @@ def test_fallbacks_run_simt(how, rng):
                                            block_kv=16 if how == "tiles" else None)
     if how == "tiles":
         with pytest.raises(ValueError, match="flash_bwd_tf32 does not take these tiles"):
-            _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec)
+            launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec)
         return
     with poisoned_outputs(), _count_launches() as seen:
-        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
-                                      deterministic=how == "deterministic")
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
+                                     deterministic=how == "deterministic")
     assert "flash_bwd_tf32" not in seen["launches"]
     assert ("flash_bwd_dq" in seen["launches"]) == (how == "deterministic")
+    oracle.check_backward(grads, do, q, k, v, None, True)
+
+
+def test_misaligned_view_with_features_runs_simt(rng):
+    """With the features too, a view cp.async cannot read runs the SIMT dK/dV kernel on the
+    view itself (flash_bwd_dkdv_masked, no copies), as without them."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator")
+    q, k, v = oracle.qkv(rng, (1, 2, 30, 32), (1, 2, 41, 32), dtype="float32")
+    # contiguous, strides of whole 16-byte rows, but 4 bytes into its buffer: known misaligned
+    # only when the call runs
+    k = oracle.randn(rng, (2 * 41 * 32 + 1,), "float32")[1:].reshape(1, 2, 41, 32)
+    feat = dict(window=(8, 4), softcap=2.0)
+    o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True, backend="numpy",
+                                     **feat)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    aligned = tuple(x.copy() for x in (do, q, k, v, o))
+    with _count_launches() as seen:
+        launch_bwd.flash_bwd(rt, *aligned[:5], lse, spec, ms)
+    assert "flash_bwd_tf32_masked" in seen["launches"]   # the aligned call runs it
+    with poisoned_outputs(), _count_launches() as seen, \
+            launch_common.track_allocations() as ledger:
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms)
+    assert "flash_bwd_tf32_masked" not in seen["launches"]
+    assert "flash_bwd_dkdv_masked" in seen["launches"]
+    assert "aligned copy" not in [what for what, _ in ledger]
+    oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+
+
+def test_forced_simt_kernel_is_not_replaced(rng):
+    """kernel="flash_bwd_dkdv" runs the SIMT dK/dV kernel for float32 too (not flash_bwd_tf32)."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator")
+    q, k, v = oracle.qkv(rng, (1, 2, 30, 32), (1, 2, 41, 32), dtype="float32")
+    o, lse = _fwd(q, k, v, True)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True)
+    with _count_launches() as seen:
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, kernel="flash_bwd_dkdv")
+    assert "flash_bwd_tf32" not in seen["launches"] and "flash_bwd_dkdv" in seen["launches"]
     oracle.check_backward(grads, do, q, k, v, None, True)
 
 
@@ -149,8 +192,8 @@ def test_traffic_equals_model(qs, ks, causal, rng):
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
     d = qs[-1]
     plan = tiling.plan_bwd_tf32(d, d, "float32", limit=tiling.EMULATOR_ARCHES["sm_80"])
-    B, H = _launch.problem_dims(spec.lead)
-    Hk, _ = _launch_bwd.kv_heads_for_kernel(spec)
+    B, H = launch_common.problem_dims(spec.lead)
+    Hk, _ = launch_common.kv_heads_for_kernel(spec)
     want = tiling.flash_bwd_traffic(B, H, Hk, spec.Nq, spec.Nk, d, d, "float32", plan.block_q,
                                     plan.block_kv, spec.causal, deterministic=False)
     assert (total["global_bytes_read"], total["global_bytes_written"]) == want
@@ -167,6 +210,6 @@ def test_race_check(rng):
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
                                            block_kv=32)
     with _count_launches() as seen:
-        grads = _launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=False)
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=False)
     assert "flash_bwd_tf32" in seen["launches"]
     oracle.check_backward(grads, do, q, k, v, None, True)

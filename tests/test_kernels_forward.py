@@ -3,7 +3,7 @@
 Written once over the backend: "numpy" (the reference, the same assertions)
 and "emulator" always; "cuda" when CuPy and a GPU are present, else skipped
 with the reason.  Every kernel output is poisoned with NaN before the launch
-(through ``cuflash._launch.output_hook``) so an element the kernel fails to
+(through ``cuflash.launch.common.output_hook``) so an element the kernel fails to
 write fails the test.
 
 Emulated launches cost a compile per specialisation (dtype, d, tiles: ~3-6 s
@@ -19,7 +19,8 @@ import pytest
 import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
-from cuflash import _launch, _launch_fwd, _launch_softmax, _validate, kernels, reference, tiling
+from cuflash import _validate, kernels, reference, tiling
+from cuflash.launch import common as launch_common, fwd as launch_fwd, softmax as launch_softmax
 
 
 def _emulator_stats():
@@ -232,7 +233,7 @@ def test_both_kernels_of_a_dtype(kernel_backend, kernel, dtype, rng):
     spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16,
                                             block_kv=16)
     with poisoned_outputs():
-        o, lse = _launch_fwd.flash_fwd(_runtime(kernel_backend), q, k, v, spec, kernel=kernel)
+        o, lse = launch_fwd.flash_fwd(_runtime(kernel_backend), q, k, v, spec, kernel=kernel)
     if kernel_backend.name == "emulator":
         assert _emulator_stats()["kernel"] == kernel
     qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
@@ -302,13 +303,13 @@ def test_tensor_core_kernel_as_sm75(rng):
     assert emu80.plan_fwd(64, 64, "float32").kernel == "flash_fwd_tf32"
     # ... but the tensor-core kernels still run there when asked for
     with poisoned_outputs():
-        o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
+        o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tc")
     assert _emulator_stats()["kernel"] == "flash_fwd_tc"
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
     q, k, v = oracle.qkv(rng, (1, 20, 16), (1, 30, 16), dtype="float32")
     spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16, block_kv=16)
     with poisoned_outputs():
-        o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tf32")
+        o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tf32")
     assert _emulator_stats()["kernel"] == "flash_fwd_tf32"
     oracle.check_forward(o, q, k, v, None, "bottom_right", lse=lse)
 
@@ -453,7 +454,7 @@ def test_traffic_equals_model(case, rng):
     st = _emulator_stats()
     measured = (st["global_bytes_read"], st["global_bytes_written"])
     spec = _validate.check_attention_inputs(q, k, v, causal=causal or False)
-    B, H = _launch.problem_dims(spec.lead)
+    B, H = launch_common.problem_dims(spec.lead)
     Nq, Nk, d = qs[-2], ks[-2], qs[-1]
     ma = cuflash.memory_analysis(Nq, d, dtype, Nk=Nk, block_q=bq, block_kv=bkv, batch=B,
                                  heads=H, backend="emulator")
@@ -559,7 +560,7 @@ def test_race_check_flash_fwd(rng):
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 2, 37, 16), dtype="float32")
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
-    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+    o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
     oracle.check_forward(o, q, k, v, None, True, lse=lse)
 
 
@@ -572,7 +573,7 @@ def test_race_check_tensor_core_forward(rng, dtype, kernel, bq):
     q, k, v = oracle.qkv(rng, (1, 1, 20, 16), (1, 1, 45, 16), dtype=dtype)
     spec = _validate.check_attention_inputs(q, k, v, causal="top_left", block_q=bq,
                                             block_kv=16)
-    o, lse = _launch_fwd.flash_fwd(rt, q, k, v, spec, kernel=kernel)
+    o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel=kernel)
     assert _emulator_stats()["threads_per_block"] == 32 * max(1, bq // 32)
     oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
 
@@ -580,7 +581,7 @@ def test_race_check_tensor_core_forward(rng, dtype, kernel, bq):
 def test_race_check_online_softmax(rng):
     rt = kernels.get_runtime("emulator", race_check=True)
     x = oracle.randn(rng, (5, 40), "float32")
-    p, m, l = _launch_softmax.online_softmax_rows(rt, x, 16)
+    p, m, l = launch_softmax.online_softmax_rows(rt, x, 16)
     np.testing.assert_allclose(p, reference.online_softmax_2d(x, 16), rtol=1e-5, atol=1e-7)
 
 
@@ -598,9 +599,9 @@ def test_race_check_online_softmax(rng):
 ])
 def test_flatten_lead(xshape, lead, grouped, copied, rng):
     x = rng.standard_normal(xshape)
-    arr, (sb, sh, sr) = _launch.flatten_lead(np, x, lead, grouped)
+    arr, (sb, sh, sr) = launch_common.flatten_lead(np, x, lead, grouped)
     assert (arr is not x) == copied
-    B, H = _launch.problem_dims(lead)
+    B, H = launch_common.problem_dims(lead)
     group = 3 if grouped else 1
     base = arr.reshape(-1) if arr.flags.c_contiguous else None
     assert base is not None

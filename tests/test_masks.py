@@ -132,12 +132,12 @@ def test_dropout_mask_read_back_from_every_backend(backend, dtype, Nk, kernel):
     """With q = 0 (uniform P = 1/Nk) and v = I, o = keep / ((1 - p) Nk): every backend
     (and on the emulator each forward kernel) drops exactly the elements of
     cuflash.dropout_mask for the seed."""
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
     B, H, Nq, p, seed = 2, 3, 19, 0.3, 987654321987
     q = np.zeros((B, H, Nq, Nk), dtype)
     k = np.ones((B, H, Nk, Nk), dtype)
     v = np.broadcast_to(np.eye(Nk, dtype=dtype), (B, H, Nk, Nk)).copy()
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         o, _ = _forward(backend, q, k, v, dict(dropout_p=p, seed=seed))
     if backend.name == "emulator":
         assert [e["kernel"] for e in seen] == [kernel]
@@ -230,11 +230,11 @@ TC_FWD_CASES = [
 def test_tensor_core_forward_with_features(kernel_backend, case, rng):
     """flash_fwd_tc_masked / flash_fwd_tf32_masked over several tiles against the oracle
     (block_q=32, block_kv=16), with the kernel named by the launch."""
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
     dtype, qs, ks, causal, feat, kernel = case
     feat = _materialise(rng, feat, dtype)
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal, block_q=32, block_kv=16)
     if kernel_backend.name == "emulator":
         assert [e["kernel"] for e in seen] == [kernel]
@@ -254,16 +254,17 @@ def test_simt_forward_with_features(case, rng):
     """flash_fwd_masked (forced) on the emulator for float32/float16/bfloat16 feature calls,
     which the planner sends to the tensor-core kernels (sm_75 and odd head dims run it)."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, emulator_backend
+    from cuflash import _validate, _validate_masks, emulator_backend
+    from cuflash.launch import common as launch_common, fwd as launch_fwd
     require_backend("emulator")
     dtype, qs, ks, causal, feat = case
     feat = _materialise(rng, feat, dtype)
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     spec = _validate.check_attention_inputs(q, k, v, causal=causal)
     ms = _validate_masks.check_masks(spec, q, **feat)
-    with _launch.observe_launches() as seen, poisoned_outputs():
-        o, lse = _launch_masks.flash_fwd_masked(emulator_backend.runtime(), q, k, v, spec, ms,
-                                                kernel="flash_fwd_masked")
+    with launch_common.observe_launches() as seen, poisoned_outputs():
+        o, lse = launch_fwd.flash_fwd(emulator_backend.runtime(), q, k, v, spec, ms,
+                                      kernel="flash_fwd_masked")
     assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
     oracle.check_forward(o, q, k, v, None, causal, lse=lse, **feat)
 
@@ -300,14 +301,15 @@ def _tc_bwd_id(c):
 @pytest.mark.parametrize("case", TC_BWD_CASES, ids=_tc_bwd_id)
 def test_tensor_core_backward_with_features(kernel_backend, case, rng):
     """flash_bwd_tc_masked against the oracle (gradients and dbias), named by the launches."""
-    from cuflash import _launch, kernels
+    from cuflash import kernels
+    from cuflash.launch import common as launch_common
     dtype, qs, ks, causal, feat, bq, bkv, det = case
     feat = _materialise(rng, feat, dtype)
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
     do = oracle.randn(rng, o.shape, dtype)
     db = "bias" in feat
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         try:
             grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
                               block_q=bq, block_kv=bkv, deterministic=det, return_dbias=db)
@@ -344,14 +346,14 @@ TF32_BWD_CASES = [
                          f"-{c[4]}x{c[5]}")
 def test_tf32_backward_with_features(kernel_backend, case, rng):
     """flash_bwd_tf32_masked against the oracle (gradients and dbias), named by the launches."""
-    from cuflash import _launch
+    from cuflash.launch import common as launch_common
     qs, ks, causal, feat, bq, bkv = case
     feat = _materialise(rng, feat, "float32")
     q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
     do = oracle.randn(rng, o.shape, "float32")
     db = "bias" in feat
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
                           block_q=bq, block_kv=bkv, return_dbias=db)
     if kernel_backend.name == "emulator":
@@ -365,16 +367,17 @@ def check_simt_masked_backward(q, k, v, feat, rng):
     dbias: the gradients against the oracle, the launches named (flash_bwd_dq_masked only on
     the deterministic path)."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, emulator_backend
+    from cuflash import _validate, _validate_masks, emulator_backend
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
     do = oracle.randn(rng, o.shape, q.dtype)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
     ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
     for det in (False, True):
-        with poisoned_outputs(), _launch.observe_launches() as seen:
-            grads = _launch_masks.flash_bwd_masked(emulator_backend.runtime(), do, q, k, v, o, lse,
-                                                   spec, ms, det, kernel="flash_bwd_dkdv_masked")
+        with poisoned_outputs(), launch_common.observe_launches() as seen:
+            grads = launch_bwd.flash_bwd(emulator_backend.runtime(), do, q, k, v, o, lse,
+                                         spec, ms, det, kernel="flash_bwd_dkdv_masked")
         names = [e["kernel"] for e in seen]
         assert "flash_bwd_dkdv_masked" in names and ("flash_bwd_dq_masked" in names) == det
         oracle.check_backward(grads, do, q, k, v, None, False, **feat)
@@ -631,7 +634,8 @@ def test_race_check_masked_kernels(rng):
     (both dQ paths, dbias atomics), flash_bwd_tf32_masked and flash_bwd_tc_masked (both dQ
     paths) under TSan."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels
+    from cuflash import _validate, _validate_masks, kernels
+    from cuflash.launch import bwd as launch_bwd, common as launch_common, fwd as launch_fwd
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 1, 37, 16), dtype="float32")
@@ -639,14 +643,14 @@ def test_race_check_masked_kernels(rng):
     spec = _validate.check_attention_inputs(q, k, v, causal=True, block_q=16, block_kv=16)
     ms = _validate_masks.check_masks(spec, q, **feat)
     for kernel in ("flash_fwd_masked", "flash_fwd_tf32_masked"):     # RaceError on a race
-        o, lse = _launch_masks.flash_fwd_masked(rt, q, k, v, spec, ms, kernel=kernel)
+        o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, ms, kernel=kernel)
         oracle.check_forward(o, q, k, v, None, True, lse=lse, **feat)
     q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
     spec16 = _validate.check_attention_inputs(q16, k16, v16, causal=True, block_q=16,
                                               block_kv=16)
-    o16, lse16 = _launch_masks.flash_fwd_masked(rt, q16, k16, v16, spec16,
-                                                _validate_masks.check_masks(spec16, q16, **feat),
-                                                kernel="flash_fwd_tc_masked")
+    o16, lse16 = launch_fwd.flash_fwd(rt, q16, k16, v16, spec16,
+                                      _validate_masks.check_masks(spec16, q16, **feat),
+                                      kernel="flash_fwd_tc_masked")
     oracle.check_forward(o16, q16, k16, v16, None, True, lse=lse16, **feat)
     do = oracle.randn(rng, o.shape, "float32")
     bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=16,
@@ -659,20 +663,20 @@ def test_race_check_masked_kernels(rng):
     dot = oracle.randn(rng, ot.shape, "float32")
     tspec = _validate.check_backward_inputs(dot, qt, kt, vt, ot, lset, causal=True, block_q=16,
                                             block_kv=32)
-    with _launch.observe_launches() as seen:
-        grads = _launch_masks.flash_bwd_masked(
+    with launch_common.observe_launches() as seen:
+        grads = launch_bwd.flash_bwd(
             rt, dot, qt, kt, vt, ot, lset, tspec,
             _validate_masks.check_masks(tspec, qt, return_dbias=True, **feat), False)
     assert "flash_bwd_tf32_masked" in [e["kernel"] for e in seen]
     oracle.check_backward(grads, dot, qt, kt, vt, None, True, **feat)
     for det in (True, False):
-        grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, bspec, bms, det)
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, bspec, bms, det)
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
         # the tensor-core backward in float16 (dbias atomics: the bias is broadcast over rows)
         do16 = do.astype(np.float16)
         bspec16 = _validate.check_backward_inputs(do16, q16, k16, v16, o16, lse16, causal=True,
                                                   block_q=16, block_kv=16)
-        grads16 = _launch_masks.flash_bwd_masked(
+        grads16 = launch_bwd.flash_bwd(
             rt, do16, q16, k16, v16, o16, lse16, bspec16,
             _validate_masks.check_masks(bspec16, q16, return_dbias=True, **feat), det,
             kernel="flash_bwd_tc_masked")
@@ -684,7 +688,8 @@ def test_race_check_tc_backward_pair_layout(rng):
     query split: P^T and dS^T of both warps through shared memory), atomic and deterministic
     dQ, every feature (the other race checks run 16 keys per warp without the split)."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels, tiling
+    from cuflash import _validate, _validate_masks, kernels, tiling
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 40, 96), (1, 1, 37, 96), dtype="float16")
@@ -695,9 +700,9 @@ def test_race_check_tc_backward_pair_layout(rng):
     ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
     assert tiling.bwd_tc_layout(64, 16, 96, 96, True) == (2, 1, 1, 2)
     for det in (False, True):
-        with _launch.observe_launches() as seen:
-            grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, spec, ms, det,
-                                                   kernel="flash_bwd_tc_masked")
+        with launch_common.observe_launches() as seen:
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, det,
+                                         kernel="flash_bwd_tc_masked")
         assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
 
@@ -707,7 +712,8 @@ def test_tc_backward_sm90_default_d128(rng):
     one pass; 206 KB of shared memory: an emulated sm_90) against the oracle, every feature
     with dbias stored."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels, tiling
+    from cuflash import _validate, _validate_masks, kernels, tiling
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", arch="sm_90")
     p = tiling.plan("flash_bwd_tc_masked", 128, 128, "bfloat16", limit=rt.smem_limit)
@@ -721,8 +727,8 @@ def test_tc_backward_sm90_default_d128(rng):
     do = oracle.randn(rng, o.shape, "bfloat16")
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse)
     ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
-    with _launch.observe_launches() as seen, poisoned_outputs():
-        grads = _launch_masks.flash_bwd_masked(rt, do, q, k, v, o, lse, spec, ms, False)
+    with launch_common.observe_launches() as seen, poisoned_outputs():
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, False)
     assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_masked",
                                            "flash_bwd_tc_dq_convert"]
     assert (seen[1]["block"][0], seen[1]["shared_mem"]) == (256, p.shared_bytes) == (256, 210944)
@@ -735,7 +741,8 @@ def test_race_check_tf32_backward_row_paths(rng, bias_shape):
     interior tiles of 16 x 32 with contiguous keys): dbias stored by one block per element
     (a full bias, with ALiBi) and added atomically (a key-padding bias, with dropout)."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_masks, _validate, _validate_masks, kernels
+    from cuflash import _validate, _validate_masks, kernels
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     q, k, v = oracle.qkv(rng, (1, 2, 40, 32), (1, 2, 70, 32), dtype="float32")
@@ -745,8 +752,8 @@ def test_race_check_tf32_backward_row_paths(rng, bias_shape):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
     do = oracle.randn(rng, o.shape, "float32")
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=16, block_kv=32)
-    with _launch.observe_launches() as seen:  # RaceError on a race
-        grads = _launch_masks.flash_bwd_masked(
+    with launch_common.observe_launches() as seen:  # RaceError on a race
+        grads = launch_bwd.flash_bwd(
             rt, do, q, k, v, o, lse, spec,
             _validate_masks.check_masks(spec, q, return_dbias=True, **feat), False)
     assert "flash_bwd_tf32_masked" in [e["kernel"] for e in seen]
@@ -754,8 +761,8 @@ def test_race_check_tf32_backward_row_paths(rng, bias_shape):
 
 
 def _counted(kernel_backend, fn):
-    from cuflash import _launch
-    with _launch.observe_launches() as seen:
+    from cuflash.launch import common as launch_common
+    with launch_common.observe_launches() as seen:
         out = fn()
     return out, seen
 
@@ -802,10 +809,11 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
     assert [e["kernel"] for e in seen] == ["flash_fwd_tf32_masked"]
     assert (seen[0]["global_bytes_read"], seen[0]["global_bytes_written"]) == want
     # the SIMT kernel, forced: its own tiles and threads
-    from cuflash import _launch_masks, _validate, _validate_masks
+    from cuflash import _validate, _validate_masks
+    from cuflash.launch import bwd as launch_bwd, fwd as launch_fwd
     spec = _validate.check_attention_inputs(q, k, v, causal=causal or False)
     ms = _validate_masks.check_masks(spec, q, **feat)
-    _, seen = _counted(kernel_backend, lambda: _launch_masks.flash_fwd_masked(
+    _, seen = _counted(kernel_backend, lambda: launch_fwd.flash_fwd(
         rt, q, k, v, spec, ms, kernel="flash_fwd_masked"))
     sp = rt.plan("flash_fwd_masked", d, d, "float32")
     assert [e["kernel"] for e in seen] == ["flash_fwd_masked"]
@@ -818,7 +826,7 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
     bspec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
     bms = _validate_masks.check_masks(bspec, q, return_dbias=bias is not None, **feat)
     for det in (True, False):   # the SIMT kernels (forced on the atomic path)
-        _, seen = _counted(kernel_backend, lambda: _launch_masks.flash_bwd_masked(
+        _, seen = _counted(kernel_backend, lambda: launch_bwd.flash_bwd(
             rt, do, q, k, v, o, lse, bspec, bms, det, kernel="flash_bwd_dkdv_masked"))
         got = (sum(e["global_bytes_read"] for e in seen),
                sum(e["global_bytes_written"] for e in seen))
@@ -845,7 +853,8 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
     pass, dbias stored or added), on both dQ paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
-    from cuflash import _launch_bwd, emulator_backend, tiling
+    from cuflash import emulator_backend, tiling
+    from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc
     B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, bias, alibi, "float16")
     (o, lse), seen = _counted(kernel_backend, lambda: _forward(
         kernel_backend, q, k, v, feat, causal=causal or False))
@@ -857,7 +866,7 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
                                         causal, window, bias is not None, alibi,
                                         threads=fp.threads)
     do = oracle.randn(rng, o.shape, "float16")
-    bp = _launch_bwd.plan_backward(rt, d, d, "float16", masked=True)
+    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True)
     passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
     for det in (True, False):
@@ -868,7 +877,7 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
                                                "flash_bwd_tc_dq_convert"]
         got = (sum(e["global_bytes_read"] for e in seen),
                sum(e["global_bytes_written"] for e in seen))
-        splits = _launch_bwd.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
+        splits = launch_bwd_tc.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
         assert got == tiling.flash_bwd_tc_masked_traffic(
             B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
             bias is not None, alibi, db, splits)
@@ -1008,6 +1017,27 @@ def test_varlen_features(backend, rng, feat, causal):
         oracle.assert_rel_close(g[3], dbias_ref, "float32", "dbias")
 
 
+@pytest.mark.parametrize("neutral", [dict(window=(-1, -1)), dict(seed=3)], ids=["window", "seed"])
+def test_varlen_neutral_features(backend, rng, neutral):
+    """Values that name no feature (an unbounded window, a seed without dropout) give the
+    plain results on packed sequences, forward and backward."""
+    H, d = 2, 16
+    cu = np.array([0, 4, 10], np.int32)
+    q, k, v = (oracle.randn(rng, (10, H, d), "float32") for _ in range(3))
+    a, n = backend.asarray, backend.to_numpy
+    args = (a(q), a(k), a(v), a(cu), a(cu))
+    o, lse = cuflash.varlen_attention(*args, causal=True, return_lse=True, backend=backend.name)
+    do = a(oracle.randn(rng, o.shape, "float32"))
+    plain = cuflash.varlen_attention_backward(do, *args[:3], o, lse, *args[3:], causal=True,
+                                              backend=backend.name)
+    o2 = cuflash.varlen_attention(*args, causal=True, backend=backend.name, **neutral)
+    assert np.array_equal(n(o2), n(o))
+    grads = cuflash.varlen_attention_backward(do, *args[:3], o, lse, *args[3:], causal=True,
+                                              backend=backend.name, **neutral)
+    for g, p_ in zip(grads, plain):
+        assert np.array_equal(n(g), n(p_))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("Nq", [1, 5])
 def test_kvcache_features(backend, rng, paged, Nq):
@@ -1053,7 +1083,8 @@ def test_kvcache_features(backend, rng, paged, Nq):
 def test_race_check_serving_masked(rng):
     """flash_fwd_serving_masked (paged cache, packed GQA rows, all features) under TSan."""
     from conftest import require_backend
-    from cuflash import _launch, _launch_serving, kernels
+    from cuflash import kernels
+    from cuflash.launch import common as launch_common, features, serving as launch_serving
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
     B, H, Hk, d, page, Nq = 2, 2, 1, 16, 8, 3
@@ -1065,9 +1096,10 @@ def test_race_check_serving_masked(rng):
     feat = dict(bias=rng.standard_normal((B, H, Nq, 32)).astype(np.float32), window=(9, None),
                 alibi_slopes=np.array([0.1, 0.3], np.float32), softcap=2.0, dropout_p=0.2,
                 seed=11)
-    with _launch.observe_launches() as seen:
-        o, lse = _launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, None, None, table,
-                                                        None, True, None, True, True, feat)
+    with launch_common.observe_launches() as seen:
+        o, lse = launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, None, None, table,
+                                                       None, True, None, True, True,
+                                                       features.of(**feat))
     assert [e["kernel"] for e in seen] == ["flash_fwd_serving_masked"]
     for b in range(B):
         L = int(lens[b])

@@ -80,6 +80,8 @@ def test_regular_install_ships_kernels(tmp_path):
         assert 'site-packages' in pkg, pkg
         assert 'cupy' not in sys.modules
         kdir = os.path.join(pkg, 'kernels_cu')
+        bench = [f for f in os.listdir(pkg) if 'bench' in f]
+        assert not bench, ('benchmark modules installed', bench)
         shipped = sorted(f for f in os.listdir(kdir) if f.endswith(('.cu', '.cuh')))
         missing = set({kernels_here!r}) - set(shipped)
         assert not missing, ('not shipped', missing, shipped)
@@ -109,3 +111,9 @@ def test_regular_install_ships_kernels(tmp_path):
     # where g++ exists (CI: always) the emulator must work from the installed copy too
     if shutil.which("g++") or shutil.which("c++"):
         assert "EMULATOR OK" in r.stdout, r.stdout + r.stderr
+    # the benchmark harness stays in the repository (bench/): the installed command says so
+    r = subprocess.run([py, "-m", "cuflash", "bench"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "clone the cuflash source repository" in lines[0], r.stderr

@@ -52,3 +52,50 @@ def test_compile_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--dtypes", "int8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("float32", 32)])
+def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
+    """features=True builds the kernels of calls with logit features, both dQ paths."""
+    require_backend("emulator")
+    saved = dict(kernels._CACHE)   # modules other tests loaded must not hide a missing one
+    kernels._CACHE.clear()
+    try:
+        _precompile_features_then_call(rng, dtype, d)
+    finally:
+        kernels._CACHE.update(saved)
+
+
+def _precompile_features_then_call(rng, dtype, d):
+    res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
+    listed = {k for m in res["modules"] for k in m["kernels"]}
+    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked"} if dtype == "float16" else
+              {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dkdv_masked",
+               "flash_bwd_dq_masked"})
+    assert masked <= listed, res
+    assert any("-DCUFLASH_MASKS" in m["options"] for m in res["modules"])
+    before = len(kernels._CACHE)
+    q, k, v = oracle.qkv(rng, (1, 2, 33, d), (1, 2, 41, d), dtype=dtype)
+    feats = dict(bias=oracle.randn(rng, (1, 1, 33, 41), "float32"), window=(20, 3))
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feats)
+    do = oracle.randn(rng, o.shape, dtype)
+    for det in (False, True):
+        grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, deterministic=det,
+                                                 backend="emulator", **feats)
+        oracle.check_backward(grads, do, q, k, v, **feats)
+    assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
+    oracle.check_forward(o, q, k, v, lse=lse, **feats)
+
+
+def test_precompile_features_must_be_a_bool():
+    with pytest.raises(TypeError, match="features must be True or False"):
+        cuflash.precompile(("float16",), (64,), features=("bias",), backend="emulator")
+
+
+def test_compile_command_features():
+    require_backend("emulator")
+    r = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--backend", "emulator",
+                        "--dtypes", "float32", "--head-dims", "32", "--features"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "flash_fwd_tf32_masked" in r.stdout and "flash_bwd_tf32_masked" in r.stdout, r.stdout

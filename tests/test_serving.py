@@ -12,7 +12,8 @@ import pytest
 import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
-from cuflash import _launch, kernels, tiling
+from cuflash import kernels, tiling
+from cuflash.launch import common as launch_common
 
 
 def _t(a, lo, hi):
@@ -48,14 +49,14 @@ def test_split_kv_kernels_and_traffic(rng):
     """The split runs flash_fwd_serving + flash_fwd_combine, GQA rows packed, bytes = model."""
     require_backend("emulator")
     q, k, v = oracle.qkv(rng, (2, 4, 3, 32), (2, 2, 77, 32), dtype="float32")
-    with _launch.observe_launches() as seen:
+    with launch_common.observe_launches() as seen:
         o = cuflash.tiled_attention(q, k, v, causal=True, num_splits=3, backend="emulator")
     oracle.check_forward(o, q, k, v, None, True)
     assert [e["kernel"] for e in seen] == ["flash_fwd_serving", "flash_fwd_combine"]
     # 2 batch x 2 kv heads (the 2 query heads of a kv head share a block) x 3 splits x 1 tile
     assert seen[0]["grid"] == (2 * 2 * 3,)
     from cuflash import emulator_backend
-    from cuflash._launch_serving import serving_plan
+    from cuflash.launch.serving import serving_plan
     plan = serving_plan(emulator_backend.runtime(), 32, 32, "float32", 2 * 3)
     want = tiling.flash_fwd_split_traffic(2 * 2, 2 * 3, 3, 77, 32, 32, "float32", plan.block_q,
                                           plan.block_kv, "bottom_right", 3)
@@ -306,15 +307,15 @@ def test_varlen_errors(kb, rng, cu_q, cu_k, kw, match):
 def test_serving_kernels_race_free(rng):
     """flash_fwd_serving (paged, split), flash_fwd_combine and flash_kv_append under ThreadSanitizer."""
     require_backend("emulator")
-    from cuflash import _launch_serving
+    from cuflash.launch import serving as launch_serving
     rt = kernels.get_runtime("emulator", race_check=True)
     kc, vc, table = _cache_case(rng, 2, 1, 16, 16, 40, 8)
     q = oracle.randn(rng, (2, 2, 3, 16), "float32")
     kn = oracle.randn(rng, (2, 1, 2, 16), "float32")
     lens = np.array([7, 30], np.int32)
-    with _launch.observe_launches() as seen:
-        o = _launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, kn, kn, table, None,
-                                                   True, 2, False, True)
+    with launch_common.observe_launches() as seen:
+        o = launch_serving.attention_with_kvcache(rt, q, kc, vc, lens, kn, kn, table, None,
+                                                  True, 2, False, True)
     assert [e["kernel"] for e in seen] == ["flash_kv_append", "flash_fwd_serving",
                                            "flash_fwd_combine"]
     for b in range(2):

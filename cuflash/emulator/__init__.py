@@ -61,9 +61,11 @@ that works on the emulator also works with CuPy on a GPU):
   ``gstore`` and raises :class:`InterBlockRaceError` when two blocks of one
   launch store to the same global address.
 """
-from ._module import (CompileError, InterBlockRaceError, LaunchError, RaceError, RawKernel, RawModule,
-                      cache_dir, interblock_check, kernels_cu_dir, last_launch_stats,
+import shutil
+
+from ._checks import (CompileError, InterBlockRaceError, LaunchError, RaceError, interblock_check,
                       set_interblock_check)
+from ._module import RawKernel, RawModule, _cxx, cache_dir, kernels_cu_dir, last_launch_stats
 
 __all__ = ["RawModule", "RawKernel", "RaceError", "InterBlockRaceError", "LaunchError", "CompileError",
            "last_launch_stats", "cache_dir", "kernels_cu_dir", "is_available", "interblock_check",
@@ -72,8 +74,6 @@ __all__ = ["RawModule", "RawKernel", "RaceError", "InterBlockRaceError", "Launch
 
 def is_available():
     """``(True, compiler path)`` when a host C++20 compiler is found, else ``(False, reason)``."""
-    import shutil
-    from ._module import _cxx
     cxx = _cxx()
     path = shutil.which(cxx)
     if path is None:

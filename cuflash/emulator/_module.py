@@ -9,7 +9,6 @@ fibers that switch where they wait (barriers, warp collectives; see
 ``fiber_engine.h``).  ``race_check=True`` builds run them as real threads
 under ThreadSanitizer instead, in a child process (``_race.py``).
 """
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RawModule", "RawKernel", "CompileError", "LaunchError", "RaceError",
-           "InterBlockRaceError", "last_launch_stats", "cache_dir", "kernels_cu_dir",
-           "interblock_check", "set_interblock_check"]
+from ._checks import CompileError, InterBlockRaceError, LaunchError, describe_address, launch_flags
+from ._race import run_tsan
+
+__all__ = ["RawModule", "RawKernel", "last_launch_stats", "cache_dir", "kernels_cu_dir"]
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
@@ -39,85 +39,6 @@ _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
 _DEFAULT_ARCH = 800
 _MAX_THREADS_PER_BLOCK = 1024
 _DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # CUDA's limit without the opt-in attribute
-
-
-class CompileError(RuntimeError):
-    """The host compiler rejected the kernel source (message holds its output)."""
-
-
-class LaunchError(RuntimeError):
-    """A kernel failed while running (deadlock, trap, bad collective, ...)."""
-
-
-class RaceError(RuntimeError):
-    """ThreadSanitizer found a data race in a ``race_check=True`` launch.
-
-    ``report`` holds ThreadSanitizer's text (the racing accesses with source
-    lines, and the shared array involved).
-    """
-
-    def __init__(self, message, report=""):
-        super().__init__(message)
-        self.report = report
-
-
-class InterBlockRaceError(RaceError):
-    """Two blocks of one launch stored to the same global address with plain stores.
-
-    Blocks run one after another in the emulator, so ThreadSanitizer never sees
-    this; on a GPU they may run at the same time and the value left is
-    undefined.  Raised when the inter-block write check is on
-    (:func:`interblock_check`); the message names the kernel, both blocks, the
-    address and the kernel argument (and element) it falls in.
-    """
-
-
-# ---------------------------------------------------------------- inter-block write check
-_INTERBLOCK = [os.environ.get("CUFLASH_EMULATOR_INTERBLOCK_CHECK", "0") not in ("", "0")]
-
-
-def set_interblock_check(on):
-    """Turn the inter-block write check on or off for later launches; returns the old setting.
-
-    With it on, every ``gstore`` of a launch is logged (address, size, block)
-    and, after the launch, two blocks storing to one byte raise
-    :class:`InterBlockRaceError`.  Off by default (``$CUFLASH_EMULATOR_INTERBLOCK_CHECK=1``
-    turns it on); the tests turn it on for the whole session.  Cost: one vector
-    append per store and a sort of the log per launch.
-    """
-    old = _INTERBLOCK[0]
-    _INTERBLOCK[0] = bool(on)
-    return old
-
-
-@contextlib.contextmanager
-def interblock_check(on=True):
-    """The inter-block write check on (or off) inside the block (see :func:`set_interblock_check`)."""
-    old = set_interblock_check(on)
-    try:
-        yield
-    finally:
-        set_interblock_check(old)
-
-
-def _launch_flags():
-    return 1 if _INTERBLOCK[0] else 0
-
-
-def _describe_address(message, params, arrays):
-    """Append which kernel argument (and element) the race message's address falls in."""
-    m = re.search(r"global address 0x([0-9a-f]+)", message)
-    if m is None:
-        return message
-    addr = int(m.group(1), 16)
-    names = [p[0] for p in params if p[1] == "p"]
-    for name, a in zip(names, arrays):
-        base = a.ctypes.data
-        if base <= addr < base + max(a.nbytes, 1):
-            off = addr - base
-            return (f"{message}; that is argument {name!r} (a {a.dtype} array of {a.size} elements), "
-                    f"element {off // a.itemsize}")
-    return message
 
 
 def cache_dir():
@@ -718,11 +639,11 @@ class RawKernel:
         with self.module._launch_lock:
             t0 = time.perf_counter()
             rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)),
-                    ctypes.c_uint(_launch_flags()))
+                    ctypes.c_uint(launch_flags()))
             dt = time.perf_counter() - t0
         self._record(g, b, shmem, stats[0], stats[1], dt)
         if rc == 2:
-            raise InterBlockRaceError(_describe_address(err.value.decode(errors="replace"), self.params, arrays))
+            raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
         del arrays  # kept alive until here: the kernel wrote through their pointers
         if rc != 0:
             raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {err.value.decode(errors='replace')}")
@@ -733,5 +654,4 @@ class RawKernel:
                    kernel=self.name, seconds=dt)
 
     def _launch_tsan(self, g, b, shmem, args):
-        from ._race import run_tsan
         run_tsan(self, g, b, shmem, args)

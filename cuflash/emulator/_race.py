@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._module import InterBlockRaceError, LaunchError, RaceError, _describe_address, _launch_flags
+from ._checks import InterBlockRaceError, LaunchError, RaceError, describe_address, launch_flags
 
 _TIMEOUT_S = 600
 
@@ -99,7 +99,7 @@ def run_tsan(kernel, grid, block, shmem, args):
         inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
-                    f"{shmem} {len(holders)} {len(buffers)} {_launch_flags()}\n".encode())
+                    f"{shmem} {len(holders)} {len(buffers)} {launch_flags()}\n".encode())
             for start, n in buffers:
                 f.write(f"{n}\n".encode())
                 f.write(ctypes.string_at(start, n))
@@ -144,6 +144,6 @@ def run_tsan(kernel, grid, block, shmem, args):
                         f"{summarize(report)}", report)
     if rc == 2:
         msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
-        raise InterBlockRaceError(_describe_address(msg, kernel.params, arrays))
+        raise InterBlockRaceError(describe_address(msg, kernel.params, arrays))
     if rc != 0:
         raise LaunchError(f"kernel {kernel.name} (grid {grid}, block {block}): {err.decode(errors='replace')}")

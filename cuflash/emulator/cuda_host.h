@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <condition_variable>
@@ -444,6 +445,52 @@ inline float bf16_bits_to_float(unsigned short h) {
     uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f;
 }
 
+// ---------------------------------------------------------------- tensor-core accumulation
+// The tensor cores do not add in IEEE float: a block of products and the accumulator are
+// summed as one fused operation -- the products exact, every addend aligned to the largest
+// one's exponent with the bits below a fixed width cut off (toward zero), the sum then
+// normalised and cut to float toward zero (Fasi, Higham, Mikaitis, Pranesh, "Numerical
+// behavior of NVIDIA tensor cores", PeerJ CS 2021, for V100/T4/A100; Khattak and Mikaitis,
+// arXiv:2512.07004, bit-accurate models up to H100 and B200).  The consequence that matters
+// here: an accumulator whose sign stays the same loses up to an ulp toward zero at every
+// block, so a long chain of mma on one accumulator drifts by about (blocks) x 2^-24 of its
+// value, where float FMA's round-to-nearest errors would cancel.  This model keeps the
+// structure (blocks of kTcBlock products, kTcExtraBits guard bits, truncation, one cut to
+// float per block), not every bit of a particular GPU: with it, flash_fwd_tf32's O at d = 64
+// has the error the H100 showed (2.7e-6 at N = 257, 1.5e-5 at N = 2048, where exact float
+// summation gives ~6e-7).
+constexpr int kTcExtraBits = 3;
+constexpr int kTcBlock16 = 8;    // products per block: 16-bit operands
+constexpr int kTcBlockTf32 = 8;  // tf32 operands: one block per m16n8k8
+
+inline float tc_round_toward_zero(double x) {
+    float f = (float)x;
+    if (std::isfinite(f) && std::fabs((double)f) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+    if (std::isinf(f) && std::isfinite(x)) f = std::copysign(FLT_MAX, f);
+    return f;
+}
+
+// c + sum of the n exact products in p (each exactly representable in double).
+inline float tc_block_fma(float c, const double* p, int n) {
+    double plain = c;
+    int emax = INT_MIN;
+    bool finite = std::isfinite(c);
+    int e;
+    if (c != 0.0f && finite) { std::frexp((double)c, &e); emax = e; }
+    for (int i = 0; i < n; ++i) {
+        plain += p[i];
+        if (!std::isfinite(p[i])) { finite = false; continue; }
+        if (p[i] != 0.0) { std::frexp(p[i], &e); emax = std::max(emax, e); }
+    }
+    if (!finite) return (float)plain;         // inf/NaN propagate as IEEE addition does
+    if (emax == INT_MIN) return c + 0.0f;     // every addend zero (keeps c's sign)
+    // keep 24 + kTcExtraBits bits below the largest addend's leading bit (weight 2^(emax-1))
+    const double unit = std::ldexp(1.0, emax - 24 - kTcExtraBits);
+    double sum = std::trunc((double)c / unit);
+    for (int i = 0; i < n; ++i) sum += std::trunc(p[i] / unit);
+    return tc_round_toward_zero(sum * unit);
+}
+
 // ---------------------------------------------------------------- tensor-core emulation
 // Fragment layouts of mma.m16n8k16 / ldmatrix: PTX ISA, see docs/emulator.md.
 inline void require_full_warp(const char* what) {
@@ -475,7 +522,11 @@ inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const f
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float acc = mine.c[i];
-        for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+        for (int k0 = 0; k0 < 16; k0 += kTcBlock16) {  // the hardware's blocks, in k order
+            double p[kTcBlock16];
+            for (int k = 0; k < kTcBlock16; ++k) p[k] = (double)A(row, k0 + k) * B(k0 + k, col);
+            acc = tc_block_fma(acc, p, kTcBlock16);
+        }
         out[i] = acc;
     }
     std::memcpy(d, out, 16);
@@ -600,7 +651,7 @@ inline std::string check_interblock_stores(std::vector<ThreadCtx>& ctxs, const c
 // holding tf32: its top 19 bits (sign, exponent, 10 mantissa bits); the low 13 bits are
 // ignored (cvt.rna.tf32.f32 leaves them zero; CUTLASS's round-toward-zero tf32 relies on
 // the hardware doing this with raw floats).  Products of two 11-bit significands are exact
-// in float; each product is added to the float accumulator in k order.
+// in float; they are summed as the hardware sums them (tc_block_fma above).
 // With a_lo and b_lo (3xTF32), three such mma run in sequence on the same accumulator:
 // d = ((c + lo_a*hi_b) + hi_a*lo_b) + hi_a*hi_b, in one warp exchange.
 struct MmaTf32Lane { uint32_t a[4]; uint32_t b[2]; uint32_t a_lo[4]; uint32_t b_lo[2]; float c[4]; };
@@ -638,8 +689,13 @@ inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, con
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float acc = mine.c[i];
-        for (int p = 0; p < nterms; ++p)
-            for (int k = 0; k < 8; ++k) acc += A(terms[p][0], row, k) * B(terms[p][1], k, col);
+        for (int q = 0; q < nterms; ++q)  // one mma instruction each
+            for (int k0 = 0; k0 < 8; k0 += kTcBlockTf32) {
+                double p[kTcBlockTf32];
+                for (int k = 0; k < kTcBlockTf32; ++k)
+                    p[k] = (double)A(terms[q][0], row, k0 + k) * B(terms[q][1], k0 + k, col);
+                acc = tc_block_fma(acc, p, kTcBlockTf32);
+            }
         out[i] = acc;
     }
     std::memcpy(d, out, 16);

@@ -60,7 +60,8 @@ def is_available():
     return True, f"NumPy {np.__version__} on the CPU"
 
 
-def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, progress=None):
+def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
+               progress=None):
     """The NumPy backend compiles nothing: returns an empty record (``cuflash.precompile``)."""
     if progress is not None:
         progress("the numpy backend has no kernels to compile")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .._validate import check_float_dtype
+from .._validate import check_float_dtype, sum_to_shape
 
 
 # ---------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _dtype_from_name(dtype):
     name = dtype if isinstance(dtype, str) else getattr(np.dtype(dtype), "name", str(dtype))
     if name == "bfloat16":
         try:
-            import ml_dtypes
+            import ml_dtypes  # optional: bfloat16 only
             return np.dtype(ml_dtypes.bfloat16)
         except ImportError:  # the analysis needs only the size: 2 bytes
             class _BF16:
@@ -220,20 +220,45 @@ def _is_blas_ready(a, ct):
     return a.dtype == ct and (a.shape[-1] <= 1 or a.strides[-1] == a.itemsize)
 
 
-def sum_to_shape(a, shape):
-    """Sum a broadcast result back to ``shape`` (the adjoint of broadcasting).
+# ---------------------------------------------------------------------------
+# split-KV: the key ranges of the splits and the exact merge of their partials
+# ---------------------------------------------------------------------------
+def split_ranges(n_tiles, num_splits):
+    """The key/value tile ranges ``[(j0, j1), ...]`` of ``num_splits`` splits of ``n_tiles`` tiles.
 
-    Only array methods are used, so the CuPy backend and the kernel launchers
-    call this same function on their arrays.
+    Each split gets ``ceil(n_tiles / num_splits)`` consecutive tiles (the last
+    ones may get fewer or none): the kernels split the same way.
     """
-    shape = tuple(shape)
-    extra = a.ndim - len(shape)
-    if extra:
-        a = a.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
-    if axes:
-        a = a.sum(axis=axes, keepdims=True)
-    return a.reshape(shape)
+    per = -(-n_tiles // num_splits) if n_tiles else 0
+    return [(min(s * per, n_tiles), min((s + 1) * per, n_tiles)) for s in range(num_splits)]
+
+
+def combine_splits(o_parts, lse_parts, out_dtype):
+    """Merge split partial results exactly.
+
+    Parameters
+    ----------
+    o_parts : ndarray, shape (S, ..., Nq, dv)
+        Each split's output, normalised over its own keys (0 where it saw none).
+    lse_parts : ndarray, shape (S, ..., Nq)
+        Each split's log-sum-exp (-inf where it saw no key).
+    out_dtype : dtype
+        The dtype of the merged output.
+
+    Returns
+    -------
+    o : ndarray, shape (..., Nq, dv), out_dtype
+    lse : ndarray, shape (..., Nq), dtype of lse_parts
+        A row no split saw gives o = 0 and lse = -inf.
+    """
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = lse_parts.max(axis=0)
+        m_safe = np.where(np.isfinite(m), m, 0)
+        w = np.exp(lse_parts - m_safe)                      # exp(-inf) = 0 for empty splits
+        total = w.sum(axis=0)
+        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1)), -np.inf)
+        o = (w[..., None] * o_parts).sum(axis=0) / np.where(total > 0, total, 1)[..., None]
+    return o.astype(out_dtype), lse.astype(lse_parts.dtype)
 
 
 class _Tracker:

@@ -8,7 +8,8 @@ from .._validate import check_attention_inputs
 from .._validate_masks import check_masks
 from .._validate_serving import check_num_splits
 from ._common import (_canonical, _causal_offset, _compute_dtype, _kv_range, _no_track,
-                      _num_workers, _run_tasks, _tile_mask, blas_controllable, default_blocks)
+                      _num_workers, _run_tasks, _tile_mask, blas_controllable, combine_splits,
+                      default_blocks, split_ranges)
 from . import masks
 
 
@@ -54,7 +55,7 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
 
     ``kv_tiles=(j0, j1)`` visits only the key/value tiles j0 <= j < j1 (one
     split of split-KV: o and lse are then those of that key range alone, to be
-    merged by :func:`cuflash.reference.serving.combine_splits`); ``out_dtype``
+    merged by :func:`cuflash.reference._common.combine_splits`); ``out_dtype``
     is o's dtype (default the input dtype; splits keep the compute dtype).
 
     One task per query tile Qi (FA2's outer loop; the tasks run on the thread
@@ -320,7 +321,6 @@ def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None
         # the CPU gains nothing from splitting the keys: None means one split here
         o, lse = _flash_forward(spec, q, k, v, Br, Bc, workers, ms=ms)
     else:
-        from .serving import combine_splits, split_ranges
         ct = _compute_dtype(spec.dtype)
         parts = [_flash_forward(spec, q, k, v, Br, Bc, workers, kv_tiles=r, out_dtype=ct, ms=ms)
                  for r in split_ranges(-(-spec.Nk // Bc) if spec.Nk else 0, num_splits)]

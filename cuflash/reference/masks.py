@@ -17,7 +17,8 @@ The helpers use only array methods and ``xp`` functions where they serve
 """
 import numpy as np
 
-from .._validate_masks import check_dropout, dropout_threshold, visible_range
+from .. import tiling
+from .._validate_masks import check_dropout, check_window, dropout_threshold, visible_range
 
 __all__ = ["philox4x32_10", "dropout_keep", "dropout_mask", "Features", "kv_tile_bounds",
            "problem_index", "memory_features"]
@@ -120,9 +121,11 @@ def dropout_mask(shape, p, seed):
     keep : ndarray of bool, shape ``shape``
         True where the probability is kept (and scaled by 1/(1-p)).  Element
         (..., i, j) of problem (b, h) (b the flat index over ``shape[:-3]``, h
-        over ``shape[-3]``) is a 16-bit half of a word of Philox4x32-10 with key
-        ``(seed % 2^32, seed // 2^32)`` (:func:`dropout_keep` says which), kept
-        iff it is at least ``round(p * 2^16)``.
+        over ``shape[-3]``) is kept iff a 16-bit number drawn by Philox4x32-10
+        with key ``(seed % 2^32, seed // 2^32)`` at a counter made of
+        (b, h, i, j) is at least ``round(p * 2^16)``: a function of the logical
+        index alone, so every backend and every tile size drops the same
+        elements.  The bit layout is in the source tree's ``docs/kernels.md``.
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
@@ -256,8 +259,6 @@ def memory_features(out, bias_shape=None, window=None):
       tile's band (:func:`cuflash.tiling.flash_fwd_masked_traffic`), so they
       grow with the window, not with Nk.  The standard algorithm is unchanged.
     """
-    from .. import tiling
-    from .._validate_masks import check_window
     N, Nk, d = out["N"], out["Nk"], out["d"]
     B, H = out["batch"], out["heads"]
     acc = 8 if out["dtype"] == "float64" else 4

@@ -1,9 +1,11 @@
 """The memory and HBM-traffic model, and the instrumented forward that records its largest array.
 """
+from .. import tiling
 from .._validate import check_attention_inputs, check_positive_int
 from .._validate_serving import check_num_splits
 from ._common import _Tracker, _dtype_from_name, _kv_range, default_blocks
 from .flash_forward import _flash_forward
+from .masks import memory_features
 
 
 # ---------------------------------------------------------------------------
@@ -43,7 +45,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     tiles -- Qi, Kj, Vj in ``dtype``, the S/P tile, the acc tile and m, l in
     the accumulation type (float32; float64 for float64) -- which lives in the
     CPU's caches.  The kernel backends fill ``sram_bytes_per_block`` with
-    their shared memory (``cuflash._launch_fwd.memory_analysis``).
+    their shared memory (``cuflash.launch.fwd.memory_analysis``).
 
     ``num_splits`` > 1 models a split-KV forward: each split's partial outputs
     and lse in the compute type (``split_workspace_bytes``) and the traffic of
@@ -53,7 +55,6 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
     ``bias_shape`` / ``window`` add what those features cost
     (:func:`cuflash.reference.masks.memory_features`).
     """
-    from .. import tiling
     num_splits = check_num_splits(num_splits) or 1
     N = check_positive_int(N, "N") if N != 0 else 0
     d = check_positive_int(d, "d")
@@ -105,7 +106,6 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         if t_read + t_written else float("inf"),
     }
     if bias_shape is not None or window is not None:
-        from .masks import memory_features
         memory_features(out, bias_shape, window)
     return out
 

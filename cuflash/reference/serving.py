@@ -26,50 +26,12 @@ from .._validate import check_attention_inputs, check_backward_inputs
 from .._validate_masks import check_serving_masks, sequence_masks
 from .._validate_serving import (check_kvcache_inputs, check_varlen_backward,
                                  check_varlen_inputs, to_host)
-from ._common import _compute_dtype
+from ._common import _compute_dtype, combine_splits, split_ranges
 from .flash_backward import _flash_backward, tiled_attention_backward
 from .flash_forward import _flash_forward, _resolve_blocks, _workers_for, tiled_attention
 
 __all__ = ["combine_splits", "split_ranges", "attention_with_kvcache", "varlen_attention",
            "varlen_attention_backward", "kv_append_positions"]
-
-
-def split_ranges(n_tiles, num_splits):
-    """The key/value tile ranges ``[(j0, j1), ...]`` of ``num_splits`` splits of ``n_tiles`` tiles.
-
-    Each split gets ``ceil(n_tiles / num_splits)`` consecutive tiles (the last
-    ones may get fewer or none): the kernels split the same way.
-    """
-    per = -(-n_tiles // num_splits) if n_tiles else 0
-    return [(min(s * per, n_tiles), min((s + 1) * per, n_tiles)) for s in range(num_splits)]
-
-
-def combine_splits(o_parts, lse_parts, out_dtype):
-    """Merge split partial results exactly.
-
-    Parameters
-    ----------
-    o_parts : ndarray, shape (S, ..., Nq, dv)
-        Each split's output, normalised over its own keys (0 where it saw none).
-    lse_parts : ndarray, shape (S, ..., Nq)
-        Each split's log-sum-exp (-inf where it saw no key).
-    out_dtype : dtype
-        The dtype of the merged output.
-
-    Returns
-    -------
-    o : ndarray, shape (..., Nq, dv), out_dtype
-    lse : ndarray, shape (..., Nq), dtype of lse_parts
-        A row no split saw gives o = 0 and lse = -inf.
-    """
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        m = lse_parts.max(axis=0)
-        m_safe = np.where(np.isfinite(m), m, 0)
-        w = np.exp(lse_parts - m_safe)                      # exp(-inf) = 0 for empty splits
-        total = w.sum(axis=0)
-        lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1)), -np.inf)
-        o = (w[..., None] * o_parts).sum(axis=0) / np.where(total > 0, total, 1)[..., None]
-    return o.astype(out_dtype), lse.astype(lse_parts.dtype)
 
 
 def _sequence_forward(q, k, v, scale, causal, ms, num_splits=None):

@@ -1,4 +1,5 @@
-"""Launching the serving forward (``flash_fwd.cu`` with ``-DCUFLASH_FWD_SERVING``).
+"""Launching the serving forward (``flash_fwd.cu`` with ``-DCUFLASH_FWD_SERVING``), with or
+without the logit features (``flash_fwd_serving_masked``: ``-DCUFLASH_MASKS`` as well).
 
 One kernel, ``flash_fwd_serving``, covers what a serving system asks of the
 forward, with the geometry of ``kernels_cu/fwd_problem.cuh``:
@@ -20,11 +21,12 @@ the device; their values are checked on the host only when ``check_inputs``.
 """
 import numpy as np
 
-from . import kernels, tiling
-from ._launch import (alloc_output, cached_call, contiguous_strides, flatten_lead, fold_grid,
-                      launch, make_params, pointer_arg, problem_dims)
-from ._validate_serving import (check_kvcache_shapes, check_kvcache_values, check_num_splits,
-                                check_varlen_inputs)
+from .. import kernels, tiling
+from .._validate_serving import (check_kvcache_shapes, check_kvcache_values, check_num_splits,
+                                 check_varlen_inputs)
+from .common import (acc_dtype, alloc_output, cached_call, contiguous_strides, flatten_lead,
+                     fold_grid, launch, make_params, pointer_arg, problem_dims)
+from .features import DEFINES, prepare_serving, serving_key
 
 __all__ = ["tiled_attention_split", "attention_with_kvcache", "varlen_attention",
            "serving_plan"]
@@ -59,7 +61,7 @@ def serving_plan(runtime, d, dv, dtype, rows, block_q=None, block_kv=None, kerne
     return default
 
 
-def _dummy(runtime):
+def _index_dummy(runtime):
     """A 1-element int32 array standing in for index arrays a call does not have."""
     d = getattr(runtime, "_serving_dummy", None)
     if d is None:
@@ -74,18 +76,20 @@ class _Geometry:
         self.__dict__.update(kw)
 
 
-def _build(runtime, g, num_splits):
-    """The prepared serving forward of geometry ``g``: ``run(q, k, v, idx..., o, lse)``.
+def _build(runtime, g, num_splits, feats=None):
+    """The prepared serving forward of geometry ``g``: ``run(q, k, v, idx..., f) -> (o, lse)``.
 
     ``g`` holds B, H (problems per batch entry after packing), group, rows,
     q_period, Nk, d, dv, dtype, lse_dtype, scale, causal (None or the
     alignment), strides of q/k/v/o/lse, the varlen / KV-cache / paging fields
-    and ``n_out_rows`` (lse elements).
+    and ``n_out_rows`` (lse elements).  ``feats``: the call's prepared logit
+    features (:func:`cuflash.launch.features.prepare_serving`), None for none;
+    ``f`` carries each call's feature arrays.
     """
     xp = runtime.xp
-    masks = getattr(g, "masks", None)
+    masked = feats is not None and feats.ms is not None
     plan = serving_plan(runtime, g.d, g.dv, g.dtype, g.rows, g.block_q, g.block_kv,
-                        "flash_fwd" if masks is None else "flash_fwd_masked")
+                        "flash_fwd_masked" if masked else "flash_fwd")
     n_tiles = max(1, -(-g.rows // plan.block_q))
     n_kv = -(-g.max_keys // plan.block_kv) if g.max_keys else 0
     blocks = n_tiles * g.H * g.B
@@ -94,10 +98,9 @@ def _build(runtime, g, num_splits):
             blocks, n_kv, tiling.split_slots(runtime.num_sms, plan.threads))
     split_tiles = max(1, -(-n_kv // num_splits)) if n_kv else 1
     defines = dict(kernels.plan_defines(plan), **_SERVING)
-    # the logit features (cuflash._launch_masks.serving_masks): the masked variant of the kernel
     name = "flash_fwd_serving"
-    if masks is not None:
-        defines["CUFLASH_MASKS"] = None
+    if masked:  # the features variant of the kernel
+        defines.update(DEFINES)
         name = "flash_fwd_serving_masked"
     fn, comb, app = kernels.get_functions(runtime, [
         (_FILE, name, defines, plan.shared_bytes),
@@ -115,14 +118,14 @@ def _build(runtime, g, num_splits):
         causal_br=int(g.causal == "bottom_right"), total_q=g.total_q, total_k=g.total_k,
         seqlens_add=g.seqlens_add, kv_capacity=g.kv_capacity, varlen=int(g.varlen),
         kv_cache=int(g.kv_cache), page_size=g.page_size, num_pages=g.num_pages,
-        max_pages=g.max_pages, head_d=g.d, head_dv=g.dv, **(masks or {}))
+        max_pages=g.max_pages, head_d=g.d, head_dv=g.dv, **(feats.fields if masked else {}))
     grid = fold_grid(n_tiles * num_splits, g.H, g.B,
                      f"{name} ({n_tiles} tiles x {num_splits} splits)")
     rt = runtime.name
     helper_blocks = _MAX_HELPER_BLOCKS.get(rt, 2)
     comb_grid = (max(1, min(-(-g.n_out_rows // (_COMBINE_THREADS // 32)), helper_blocks)),)
     ws_size = num_splits * g.n_out_rows * (g.dv + 1) if num_splits > 1 else 1
-    acc = np.dtype(np.float64) if tiling.accumulator_bytes(g.dtype) == 8 else np.dtype(np.float32)
+    acc = acc_dtype(g.dtype)
     comb_smem = (_COMBINE_THREADS // 32) * num_splits * acc.itemsize  # a weight per split, warp
     append = None
     if g.seqlens_add:
@@ -133,7 +136,8 @@ def _build(runtime, g, num_splits):
     emulator = rt == "emulator"
     out_shape, lse_shape = g.out_shape, g.lse_shape
 
-    def run(q, k, v, cu_q, cu_k, seqlens, table, k_new=None, v_new=None, features=()):
+    def run(q, k, v, cu_q, cu_k, seqlens, table, k_new=None, v_new=None, f=None):
+        extra = feats.args(f) if masked else ()
         if emulator:  # strided views (a cache too) as the span of their buffer
             q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
         if append is not None:
@@ -146,7 +150,7 @@ def _build(runtime, g, num_splits):
             return o, lse
         ws = alloc_output(xp, (ws_size,), acc, "split partials (compute type)")
         launch(rt, fn, name, grid, (plan.threads,),
-               (q, k, v, o, lse, params, cu_q, cu_k, seqlens, table, ws) + tuple(features),
+               (q, k, v, o, lse, params, cu_q, cu_k, seqlens, table, ws) + extra,
                plan.shared_bytes)
         if num_splits > 1:
             launch(rt, comb, "flash_fwd_combine", comb_grid, (_COMBINE_THREADS,),
@@ -200,7 +204,7 @@ def tiled_attention_split(runtime, q, k, v, spec, num_splits):
                       out_shape=spec.out_shape, lse_shape=spec.lse_shape,
                       block_q=spec.block_q, block_kv=spec.block_kv)
         inner = _build(runtime, g, num_splits)
-        dummy = _dummy(runtime)
+        dummy = _index_dummy(runtime)
 
         def run(q, k, v):
             if copies[0]:
@@ -225,15 +229,15 @@ def attention_with_kvcache(runtime, q, k_cache, v_cache, cache_seqlens, k_new, v
 
     Shapes are validated on the first call of a kind; the index values (a host
     copy) on every call with ``check_inputs``, before anything is written.
-    ``features``: the logit features (bias, window, ...) as keywords, or None.
+    ``features``: the logit features as one value (:func:`cuflash.launch.features.of`),
+    None for none; a call with features does not split the keys.
     """
-    from ._launch_masks import feature_key
     arrays = (q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     try:
         key = ("kvcache",) + tuple((a.shape, a.strides, a.dtype) if a is not None else None
                                    for a in arrays) + (
             scale.__class__, scale, causal.__class__, causal, num_splits.__class__, num_splits,
-            feature_key(features))
+            serving_key(features))
     except (AttributeError, TypeError):
         key = None
 
@@ -288,14 +292,12 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits,
                   num_pages=spec.num_pages, max_pages=spec.max_pages, append=append,
                   out_shape=(spec.B, spec.H, spec.Nq, spec.dv),
                   lse_shape=(spec.B, spec.H, spec.Nq), block_q=None, block_kv=None)
-    from ._launch_masks import serving_masks
-    ms, g.masks, feature_args = serving_masks(runtime, q, spec.B, spec.H, spec.Nq,
-                                              spec.capacity, spec.dtype, features,
-                                              pack=spec.group if packed is not None else 1)
-    if ms is not None:
+    feats = prepare_serving(runtime, q, spec.B, spec.H, spec.Nq, spec.capacity, spec.dtype,
+                            features, pack=spec.group if packed is not None else 1)
+    if feats.ms is not None:
         num_splits = 1  # feature calls do not split the keys
-    inner = _build(runtime, g, num_splits)
-    dummy = _dummy(runtime)
+    inner = _build(runtime, g, num_splits, feats)
+    dummy = _index_dummy(runtime)
     emulator = runtime.name == "emulator"
 
     def run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, features=None):
@@ -305,7 +307,7 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits,
         if emulator and k_new is not None:
             k_new, v_new = pointer_arg(runtime, k_new), pointer_arg(runtime, v_new)
         return inner(q, k_cache, v_cache, dummy, dummy, cache_seqlens, table, k_new, v_new,
-                     feature_args(features))
+                     features)
     run.spec = spec
     run.num_splits = inner.num_splits
     return run
@@ -318,15 +320,15 @@ def varlen_attention(runtime, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      scale, causal, return_lse, check_inputs, features=None):
     """``cuflash.varlen_attention`` on the kernels (documented there).
 
-    ``features``: the logit features (bias, window, ...) as keywords, or None.
+    ``features``: the logit features as one value (:func:`cuflash.launch.features.of`),
+    None for none.
     """
-    from ._launch_masks import feature_key, serving_masks
     spec = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, scale=scale, causal=causal,
                                check_inputs=check_inputs)
     key = ("varlen", q.shape, q.strides, q.dtype, k.shape, k.strides, v.shape, v.strides,
            cu_seqlens_q.shape, spec.max_q, spec.max_k, spec.scale, spec.causal,
-           feature_key(features))
+           serving_key(features))
 
     def build():
         qs = [s // q.itemsize for s in q.strides]
@@ -346,14 +348,14 @@ def varlen_attention(runtime, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       kv_cache=False, page_size=0, num_pages=0, max_pages=0,
                       out_shape=(spec.total_q, spec.H, spec.dv),
                       lse_shape=(spec.total_q, spec.H), block_q=None, block_kv=None)
-        _, g.masks, feature_args = serving_masks(runtime, q, spec.B, spec.H, spec.max_q,
-                                                 spec.max_k, spec.dtype, features)
-        inner = _build(runtime, g, 1)
+        feats = prepare_serving(runtime, q, spec.B, spec.H, spec.max_q, spec.max_k, spec.dtype,
+                                features)
+        inner = _build(runtime, g, 1, feats)
 
         def run(q, k, v, cu_q, cu_k, dummy, features):
-            return inner(q, k, v, cu_q, cu_k, dummy, dummy, features=feature_args(features))
+            return inner(q, k, v, cu_q, cu_k, dummy, dummy, f=features)
         return run
     run = cached_call(runtime, key, build)
-    dummy = _dummy(runtime)
+    dummy = _index_dummy(runtime)
     o, lse = run(q, k, v, cu_seqlens_q, cu_seqlens_k, dummy, features)
     return (o, lse) if return_lse else o

@@ -3,8 +3,7 @@
 Before a method is timed on a kind of problem (dtype, head dim, causal,
 grouped heads, decode or not, with or without gradients) it runs once on a
 smaller problem of that kind, and its output (and gradients) are compared on
-the host with plain float64 NumPy attention.  The rule is the one of
-``docs/testing.md``:
+the host with plain float64 NumPy attention.  The rule:
 
 * float16 / bfloat16 (the flash-attn rule): ``max|out - ref| <= f * max|base - ref| + tiny``,
   ``f = 2`` for the output, ``3`` for dq, dk, dv (and dbias), where ``base`` is the same

@@ -1,17 +1,23 @@
-"""Output of the GPU benchmark (``cuflash/_bench_gpu.py``): header, tables, JSON and plot.
+"""Output of the GPU benchmark (``gpu.py``): header, tables, JSON and plot.
 
 Every number printed here comes from the results dict that ``run`` measured;
 nothing is computed here except ratios and unit conversions of those numbers.
 """
 import importlib.metadata
 import json
-import math
 import os
 import platform
 
 import numpy as np
 
-from ._bench_gpu_methods import L2_SPAN
+from .gpu_common import sig
+from .gpu_features import kind_text as features_kind_text
+from .gpu_features import print_features
+from .gpu_methods import L2_SPAN
+from .gpu_serving import _kind_text as serving_kind_text
+from .gpu_serving import print_serving
+from .gpu_tiles import kind_text as tiles_kind_text
+from .gpu_tiles import print_tiles
 
 __all__ = ["versions", "print_report", "format_cases", "write_json", "save_plot", "sig"]
 
@@ -33,16 +39,6 @@ def versions(torch_):
             "flash_attn": _dist_version("flash-attn", "flash_attn"), "vllm": _dist_version("vllm"),
             "torch_cuda": getattr(getattr(getattr(torch_, "torch", None), "version", None),
                                   "cuda", None) or "none"}
-
-
-def sig(x, n=4):
-    """``x`` with ``n`` significant digits and no exponent unless it is below 1e-3."""
-    if x is None or not math.isfinite(x):
-        return "n/a"
-    if x == 0 or abs(x) < 1e-3:
-        return f"{x:.{n - 1}e}"
-    decimals = max(0, n - 1 - int(math.floor(math.log10(abs(x)))))
-    return f"{x:,.{decimals}f}"
 
 
 def _causal(c):
@@ -118,10 +114,6 @@ _NOTES = [
 def print_report(res, file=None):
     """Print the header, the grid, decode, KV-cache, varlen and features tables with footnotes,
     first-call times, host time per call and the correctness checks."""
-    from ._bench_gpu_features import print_features
-    from ._bench_gpu_serving import print_serving
-    from ._bench_gpu_tiles import print_tiles
-
     def say(s=""):
         print(s, file=file, flush=True)
     for line in _header(res):
@@ -156,13 +148,10 @@ def print_report(res, file=None):
 
 def _kind_text(k):
     if k.get("section") == "features":
-        from ._bench_gpu_features import kind_text
-        return kind_text(k)
+        return features_kind_text(k)
     if k.get("section") == "tiles":
-        from ._bench_gpu_tiles import kind_text
-        return kind_text(k)
-    from ._bench_gpu_serving import _kind_text as text  # knows the serving sections' kinds too
-    return text(k)
+        return tiles_kind_text(k)
+    return serving_kind_text(k)  # knows the serving sections' kinds too
 
 
 def _print_first_calls(res, say):
@@ -217,7 +206,7 @@ def _print_host_time(res, say):
 def _print_checks(res, say):
     say()
     say("## Correctness checks (against float64 NumPy on the host; the rule is in "
-        "cuflash/_bench_gpu_check.py)")
+        "bench/cuflash_bench/gpu_check.py)")
     say()
     say("| kind | grads | shape B,H,Hk,Nq,Nk | method | result | worst output: rel err "
         "(max err / bound) |")

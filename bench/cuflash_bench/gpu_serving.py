@@ -6,7 +6,7 @@
 ``Nq`` queries attend over all ``Nk`` keys (causal bottom-right).  Every
 timed call gets the same ``cache_seqlens = Nk - Nq``: its append overwrites
 the rows the previous call wrote, so the cache never grows or overflows and
-every call does the same work.  Methods (``_bench_gpu_serving_methods.py``):
+every call does the same work.  Methods (``gpu_serving_methods.py``):
 cuflash ``attention_with_kvcache`` on a contiguous cache (``check_inputs``
 False, as a decode loop runs it, and True to show that check's cost) and on
 paged caches (``--kv-page-sizes``, shuffled block tables), cuflash
@@ -32,13 +32,13 @@ repeats), and a method that cannot run says why once, in a footnote.
 """
 import numpy as np
 
-from ._bench_gpu import DECODE, flops
-from ._bench_gpu_check import (GRAD_NAMES, LOW_PRECISION, attention, failure_reason, judge,
-                                np_dtype)
-from ._bench_gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set, measure,
-                                 reason_of, record_warnings, to_host64)
-from ._bench_gpu_serving_methods import (CuflashVarlen, FlashAttnVarlen, KVProblem, kv_arrays,
-                                         kv_methods, varlen_set)
+from .gpu_check import (GRAD_NAMES, LOW_PRECISION, attention, failure_reason, judge,
+                        np_dtype)
+from .gpu_common import DECODE, flops, sig
+from .gpu_methods import (CuflashTiled, first_call, input_sets_needed, make_set, measure,
+                          reason_of, record_warnings, to_host64)
+from .gpu_serving_methods import (CuflashVarlen, FlashAttnVarlen, KVProblem, kv_arrays,
+                                  kv_methods, varlen_set)
 
 __all__ = ["Serving", "ragged_lengths", "varlen_flops", "varlen_reference", "kv_reference",
            "print_serving"]
@@ -117,7 +117,7 @@ def kv_reference(host, prob, low=None):
 
 
 class Serving:
-    """The serving sections of one benchmark run (``bench``: the :class:`~._bench_gpu.Bench`
+    """The serving sections of one benchmark run (``bench``: the :class:`~.gpu.Bench`
     whose device, torch, options, checks and cases they share)."""
 
     def __init__(self, bench):
@@ -413,7 +413,6 @@ VARLEN_NOTES = [
 
 
 def _cell(e, value_key, ratio_key=None):
-    from ._bench_gpu_report import sig
     if e["status"] != "ok":
         return f"{'failed check' if e['status'] == 'failed check' else 'n/a'} [{e['note']}]"
     text = f"{sig(e['ms'])} / {sig(e[value_key])}"

@@ -6,9 +6,9 @@ holds 2^31 - 1 of them.
 """
 import numpy as np
 
-from . import kernels, tiling
-from ._launch import _elem_strides, alloc_output, launch, pointer_arg, record_copy
-from ._validate import check_float_dtype, check_positive_int
+from .. import kernels, tiling
+from .._validate import check_float_dtype, check_positive_int
+from .common import acc_dtype, alloc_output, elem_strides, launch, pointer_arg, record_copy
 
 __all__ = ["online_softmax_rows", "online_softmax"]
 
@@ -24,7 +24,7 @@ def online_softmax_rows(runtime, x, chunk_size=None):
     t = tiling.kernel_tiling("online_softmax_rows")
     rows_per_block = tiling.ONLINE_SOFTMAX_ROWS_PER_BLOCK
     lead, M = tuple(x.shape[:-1]), int(x.shape[-1])
-    stat_dtype = np.float64 if tiling.accumulator_bytes(x.dtype) == 8 else np.float32
+    stat_dtype = acc_dtype(x.dtype)
     p = alloc_output(xp, x.shape, x.dtype, "p")
     m = alloc_output(xp, lead, stat_dtype, "m")
     l = alloc_output(xp, lead, stat_dtype, "l")
@@ -38,10 +38,10 @@ def online_softmax_rows(runtime, x, chunk_size=None):
             runtime.name == "emulator" and any(st < 0 for st in x2.strides)):
         x2 = xp.ascontiguousarray(x2)
         record_copy("contiguous copy", x2)
-    es = _elem_strides(x2)
+    es = elem_strides(x2)
     if es is None:
         x2 = xp.ascontiguousarray(x2)
-        es = _elem_strides(x2)
+        es = elem_strides(x2)
     chunk = M if chunk_size is None else int(chunk_size)
     chunk = max(1, min(chunk, 2 ** 31 - 1))
     fn = kernels.get_function(runtime, "online_softmax.cu", "online_softmax_rows",

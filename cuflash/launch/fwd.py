@@ -1,48 +1,55 @@
-"""Launching the forward kernels (``flash_fwd.cu``, ``flash_fwd_tc.cu``) for "cuda" and "emulator".
+"""Launching the dense forward kernels, with or without the logit features.
 
-``flash_fwd_tc.cu`` holds two kernels: ``flash_fwd_tc`` (float16/bfloat16) and
-``flash_fwd_tf32`` (float32 as 3xTF32); the planner picks them on sm_80+ and the
-SIMT ``flash_fwd`` otherwise (float64, sm_75, head dims they lack).
+The planner (:func:`cuflash.tiling.plan_flash_fwd`) picks the kernel:
+``flash_fwd_tc`` (float16/bfloat16) or ``flash_fwd_tf32`` (float32 as 3xTF32)
+of ``flash_fwd_tc.cu`` on sm_80+, the SIMT ``flash_fwd`` of ``flash_fwd.cu``
+otherwise (float64, sm_75, head dims they lack).  A call with features runs
+the same kernel compiled with ``-DCUFLASH_MASKS`` (``flash_fwd_tc_masked``,
+``flash_fwd_tf32_masked``, ``flash_fwd_masked``).
 
 :func:`tiled_attention` is the public forward of both kernel backends: on the
-first call of a kind it validates, plans (which kernel, which tiles:
-:func:`cuflash.tiling.plan_flash_fwd`), compiles and packs a ``FwdParams``
+first call of a kind it validates, plans, compiles and packs a ``FwdParams``
 block; it keeps all of that as one closure in ``runtime.calls``, so an
 identical later call costs a key lookup, two allocations (o, lse) and one
-launch.  :func:`memory_analysis` and :func:`verify_no_full_materialization`
-are the kernel versions of the reference's.
+launch.  Split-KV calls go to the serving kernel (:mod:`cuflash.launch.serving`).
+:func:`memory_analysis` and :func:`verify_no_full_materialization` are the
+kernel versions of the reference's.
 """
 import numpy as np
 
-from . import kernels, tiling
-from ._launch import (aligned16, aligned_copies, alloc_output, cached_call, contiguous_strides, flatten_lead,
-                      fold_grid, kv_heads_for_kernel, launch, make_params, pointer_arg,
-                      problem_dims, record_copy, track_allocations)
-from ._validate import check_attention_inputs, check_positive_int
-from ._validate_serving import check_num_splits
+from .. import kernels, tiling
+from .._validate import check_attention_inputs, check_positive_int
+from .._validate_serving import check_num_splits
+from .common import (acc_dtype, aligned16, aligned_copies, alloc_output, array_key, cached_call,
+                     contiguous_strides, flatten_lead, fold_grid, kv_heads_for_kernel, launch,
+                     pointer_arg, problem_dims, record_copy, track_allocations)
+from .features import (DEFINES, Prepared, cache_key, check_cached_seed, prepared_key,
+                       validate)
+from .serving import serving_plan, tiled_attention_split
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
-           "kernels_needed", "tc_scale"]
+           "tc_scale"]
 
 
-def _build(runtime, spec, q, k, v, kernel=None):
-    """The prepared forward for this call's shapes and strides: ``run(q, k, v) -> (o, lse)``.
+def _build(runtime, spec, ms, q, k, v, kernel=None):
+    """The prepared forward for this call's shapes and strides: ``run(q, k, v, f) -> (o, lse)``.
 
-    ``kernel`` None lets the planner choose (tensor cores for float16/bfloat16
-    where supported: flash_fwd_tc for float16/bfloat16, flash_fwd_tf32 for float32);
-    tests force "flash_fwd", "flash_fwd_tc" or "flash_fwd_tf32".
+    ``ms`` is the call's MaskSpec (None: a plain call); ``f`` carries the feature
+    arrays and seed of each call (:class:`cuflash.launch.features.Prepared`).
+    ``kernel`` None lets the planner choose; tests force one of the six kernels.
     """
     xp = runtime.xp
-    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel)
-    out_shape, lse_shape = spec.out_shape, spec.lse_shape
+    plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv, kernel,
+                            masked=ms is not None)
     scale, q_transform = tc_scale(xp, plan, spec.scale)
     if q_transform is not None:
         q = q_transform(q)
         record_copy("scaled copy", q)
+    out_shape, lse_shape = spec.out_shape, spec.lse_shape
     dtype, lse_dtype = spec.dtype, spec.lse_dtype
     B, H = problem_dims(spec.lead)
     if spec.Nq == 0 or B * H == 0:
-        def run_empty(q, k, v):
+        def run_empty(q, k, v, f=None):
             return (alloc_output(xp, out_shape, dtype, "o"),
                     alloc_output(xp, lse_shape, lse_dtype, "lse"))
         return run_empty
@@ -56,25 +63,26 @@ def _build(runtime, spec, q, k, v, kernel=None):
     o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
     l_sb, l_sh = contiguous_strides(lead, (spec.Nq,))
     n_tiles = -(-spec.Nq // plan.block_q)
-    grid = fold_grid(n_tiles, H, B, f"{plan.kernel} (Nq={spec.Nq}, block_q={plan.block_q})")
-    block = (plan.threads,)
-    smem = plan.shared_bytes
     name = plan.kernel
-    fn = kernels.get_function(runtime, kernels.KERNEL_SOURCES[name], name,
-                              kernels.plan_defines(plan), smem)
-    params = make_params(
-        runtime, "FwdParams",
+    grid = fold_grid(n_tiles, H, B, f"{name} (Nq={spec.Nq}, block_q={plan.block_q})")
+    block, smem = (plan.threads,), plan.shared_bytes
+    defines = kernels.plan_defines(plan)
+    if ms is not None:
+        defines.update(DEFINES)
+    fn = kernels.get_function(runtime, kernels.KERNEL_SOURCES[name], name, defines, smem)
+    feats = Prepared(runtime, spec, ms, acc_dtype(spec.dtype))
+    params = feats.params("FwdParams", dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], o_sb=o_sb, o_sh=o_sh, o_sr=spec.dv,
         lse_sb=l_sb, lse_sh=l_sh, scale=scale, Nq=spec.Nq, Nk=spec.Nk, H=H,
         group=spec.group, causal=int(spec.causal is not None),
         causal_offset=spec.Nk - spec.Nq if spec.causal == "bottom_right" else 0,
-        n_tiles=n_tiles, **dense_serving_fields(spec, B * H))
-    needs_align = name in tiling.TC_KERNELS  # cp.async copies 16 bytes
+        n_tiles=n_tiles, **dense_serving_fields(spec, B * H)))
+    needs_align = name in tiling.TC_KERNELS + tiling.TC_MASKED_KERNELS  # cp.async: 16 bytes
     emulator = runtime.name == "emulator"
     rt_name = runtime.name
 
-    def run(q, k, v):
+    def run(q, k, v, f=None):
         q_in = q
         if q_transform is not None:
             q = q_transform(q)
@@ -85,12 +93,14 @@ def _build(runtime, spec, q, k, v, kernel=None):
         if copy_v:
             v = flatten_lead(runtime, v, lead, grouped)[0]
         if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
-            return _misaligned(runtime, spec, q_in, k, v, kernel)
+            return _misaligned(runtime, spec, ms, q_in, k, v, kernel, f)
         if emulator:
             q, k, v = pointer_arg(runtime, q), pointer_arg(runtime, k), pointer_arg(runtime, v)
+        extra = feats.args(f)
+        p = params(f)
         o = alloc_output(xp, out_shape, dtype, "o")
         lse = alloc_output(xp, lse_shape, lse_dtype, "lse")
-        launch(rt_name, fn, name, grid, block, (q, k, v, o, lse, params), smem)
+        launch(rt_name, fn, name, grid, block, (q, k, v, o, lse, p) + extra, smem)
         return o, lse
     return run
 
@@ -122,51 +132,55 @@ def dense_serving_fields(spec, problems):
                 kv_cache=0, page_size=0, num_pages=0, max_pages=0, head_d=spec.d, head_dv=spec.dv)
 
 
-def _misaligned(runtime, spec, q, k, v, kernel):
+def _misaligned(runtime, spec, ms, q, k, v, kernel, f):
     """An input view whose rows cp.async cannot read aligned: run on contiguous copies."""
     q, k, v = aligned_copies(runtime.xp, (q, k, v))
-    return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
+    return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, f)
 
 
-def _key(q, k, v, scale, causal, block_q, block_kv, kernel=None):
+def _cached(runtime, spec, ms, q, k, v, kernel=None):
+    key = ("fwd-validated", spec, prepared_key(ms), kernel) + array_key(q, k, v)
+    return cached_call(runtime, key, lambda: _build(runtime, spec, ms, q, k, v, kernel))
+
+
+def _key(q, k, v, scale, causal, block_q, block_kv, num_splits, features):
     try:
-        return ("fwd", q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype,
-                v.shape, v.strides, v.dtype, scale.__class__, scale, causal.__class__, causal,
-                block_q.__class__, block_q, block_kv.__class__, block_kv, kernel)
-    except AttributeError:  # not arrays: the validation below says what is wrong
+        return ("fwd",) + array_key(q, k, v) + (
+            scale.__class__, scale, causal.__class__, causal, block_q.__class__, block_q,
+            block_kv.__class__, block_kv, num_splits.__class__, num_splits, cache_key(features))
+    except (AttributeError, TypeError):  # not arrays: the validation below says what is wrong
         return None
 
 
-def _cached(runtime, spec, q, k, v, kernel=None):
-    key = _key(q, k, v, spec.scale, spec.causal, spec.block_q, spec.block_kv, kernel)
-    return cached_call(runtime, key, lambda: _build(runtime, spec, q, k, v, kernel))
-
-
 def tiled_attention(runtime, q, k, v, scale, causal, block_q, block_kv, return_lse,
-                    num_splits=None):
+                    num_splits=None, features=None):
     """The flash attention forward on the kernels: ``o`` or ``(o, lse)``.
 
     Validation, planning and compilation happen on the first call of a kind;
-    see the module docstring.  Arguments as :func:`cuflash.tiled_attention`.
-    Split-KV calls go to the serving kernel (:mod:`cuflash._launch_serving`):
+    see the module docstring.  Arguments as :func:`cuflash.tiled_attention`,
+    the logit features as one value (:func:`cuflash.launch.features.of`).
+    Split-KV calls go to the serving kernel (:mod:`cuflash.launch.serving`):
     ``num_splits`` > 1, or None when every head's queries fit one tile (decode
     and short queries, where the keys are the only parallelism left) and
     :func:`cuflash.tiling.num_splits_heuristic` finds the GPU underfilled --
     but where the dense plan is a tensor-core kernel, only when a kv head has at
     most ``tiling.SPLIT_MAX_ROWS_OVER_TC`` query rows (the split kernel is SIMT).
+    A call with features runs the dense kernels and does not read ``num_splits``.
     """
-    key = _key(q, k, v, scale, causal, block_q, block_kv, ("splits", num_splits))
+    key = _key(q, k, v, scale, causal, block_q, block_kv, num_splits, features)
 
     def build():
         spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                       block_kv=block_kv)
+        if features is not None:
+            return _build(runtime, spec, validate(spec, q, features), q, k, v)
         splits = _splits_for(runtime, spec, check_num_splits(num_splits))
         if splits > 1:
-            from . import _launch_serving
-            return lambda q, k, v: _launch_serving.tiled_attention_split(runtime, q, k, v, spec,
-                                                                         splits)
-        return _build(runtime, spec, q, k, v)
-    o, lse = cached_call(runtime, key, build)(q, k, v)
+            return lambda q, k, v, f: tiled_attention_split(runtime, q, k, v, spec, splits)
+        return _build(runtime, spec, None, q, k, v)
+    run = cached_call(runtime, key, build)
+    check_cached_seed(features)
+    o, lse = run(q, k, v, features)
     return (o, lse) if return_lse else o
 
 
@@ -182,7 +196,6 @@ def _splits_for(runtime, spec, num_splits):
     if plan.kernel in tiling.TC_KERNELS and group * spec.Nq > tiling.SPLIT_MAX_ROWS_OVER_TC:
         return 1
     # the split runs the serving kernel: its tiles (as short as the rows allow) and threads
-    from ._launch_serving import serving_plan
     sp = serving_plan(runtime, spec.d, spec.dv, spec.dtype, group * spec.Nq, spec.block_q,
                       spec.block_kv)
     blocks = B * Hk * -(-(group * spec.Nq) // sp.block_q)
@@ -190,8 +203,10 @@ def _splits_for(runtime, spec, num_splits):
                                        tiling.split_slots(runtime.num_sms, sp.threads))
 
 
-def flash_fwd(runtime, q, k, v, spec, kernel=None):
-    """Run the forward for a validated call: ``(o, lse)``; ``kernel`` forces one kernel.
+def flash_fwd(runtime, q, k, v, spec, ms=None, kernel=None):
+    """Run the forward for a validated call (``ms``: its MaskSpec or None): ``(o, lse)``.
+
+    ``kernel`` forces one kernel (tests; the race checks pass a race-checked runtime).
 
     Raises
     ------
@@ -199,52 +214,51 @@ def flash_fwd(runtime, q, k, v, spec, kernel=None):
         Tiles or head dims the kernel does not support (from cuflash.tiling), or
         a grid beyond CUDA's 2^31 - 1 blocks.
     """
-    return _cached(runtime, spec, q, k, v, kernel)(q, k, v)
-
-
-def kernels_needed(runtime, d, dv, dtype):
-    """``(filename, kernel, defines, shared_bytes)`` of a default-tile forward (for precompile)."""
-    plan = runtime.plan_fwd(d, dv, dtype)
-    return [(kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, kernels.plan_defines(plan),
-             plan.shared_bytes)]
+    return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, ms)
 
 
 def _dtype_label(dtype):
     return dtype if isinstance(dtype, str) else np.dtype(dtype).name
 
 
-def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, num_splits=1):
+def memory_analysis(runtime, reference_model, N, d, dtype, Nk, block_q, block_kv, batch, heads,
+                    num_splits=1, bias_shape=None, window=None):
     """memory_analysis for the kernels: the reference's model with the kernel's tiles.
 
-    The tiles and ``sram_bytes_per_block`` are those the forward launches with
+    ``reference_model`` is :func:`cuflash.reference.memory_analysis` (the
+    backends pass it: the launchers sit below them).  The tiles and
+    ``sram_bytes_per_block`` are those the forward launches with
     (cuflash.tiling, against this runtime's shared-memory limit, which is
-    reported).  ``tiled_extra_bytes`` keeps the reference's definition (row
-    statistics plus one S/P tile pair, whatever memory holds them);
+    reported); split-KV reports the serving kernel's, and a call with
+    ``bias_shape``/``window`` those of the forward the planner picks with
+    ``masked=True`` (flash_fwd_tc_masked, flash_fwd_tf32_masked or
+    flash_fwd_masked), with the feature keys of
+    :func:`cuflash.reference.masks.memory_features`.
+    ``tiled_extra_bytes`` keeps the reference's definition (row statistics
+    plus one S/P tile pair, whatever memory holds them);
     ``kernel_global_extra_bytes`` is what the kernel path actually keeps in
-    global memory besides q, k, v, o: the lse rows (m, l live in registers,
-    the S/P tile in registers and shared memory).  The HBM model is the reference's
+    global memory besides q, k, v, o: the lse rows (m, l live in registers, the
+    S/P tile in registers and shared memory).  The HBM model is the reference's
     (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
     :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
     the kernel is measured to move.
     """
-    from . import reference
     d_ = check_positive_int(d, "d")
     bq = check_positive_int(block_q, "block_q")
     bkv = check_positive_int(block_kv, "block_kv")
-    splits = check_num_splits(num_splits) or 1
+    masked = bias_shape is not None or window is not None
+    splits = 1 if masked else (check_num_splits(num_splits) or 1)  # features never split keys
     if splits > 1:  # split-KV runs the serving kernel, with its tiles
-        from ._launch_serving import serving_plan
         plan = serving_plan(runtime, d_, d_, _dtype_label(dtype), N, bq, bkv)
-    else:
-        plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv)
-    out = reference.memory_analysis(N, d, dtype, Nk=Nk, block_q=plan.block_q,
-                                    block_kv=plan.block_kv, batch=batch, heads=heads,
-                                    num_splits=splits)
-    BH = out["batch"] * out["heads"]
+    else:  # calls with features run the forward the planner picks with masked=True
+        plan = runtime.plan_fwd(d_, d_, _dtype_label(dtype), bq, bkv, masked=masked)
+    out = reference_model(N, d, dtype, Nk=Nk, block_q=plan.block_q, block_kv=plan.block_kv,
+                          batch=batch, heads=heads, num_splits=splits,
+                          bias_shape=bias_shape, window=window)
     out.pop("cpu_tile_bytes_per_worker", None)  # the reference's CPU figure: not this path
     out.update({
         "backend": runtime.name,
-        "kernel": plan.kernel,
+        "kernel": "flash_fwd_serving" if splits > 1 else plan.kernel,
         "tiles_chosen": plan.chosen,
         "threads_per_block": plan.threads,
         "sram_bytes_per_block": plan.shared_bytes,
@@ -252,7 +266,7 @@ def memory_analysis(runtime, N, d, dtype, Nk, block_q, block_kv, batch, heads, n
             plan.block_q, plan.block_kv, d_, d_, plan.acc_bytes),
         "sram_limit_bytes": plan.limit,
         "sram_limit_source": plan.limit_source,
-        "kernel_global_extra_bytes": BH * out["N"] * plan.acc_bytes,
+        "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,
     })
     return out
 
@@ -274,7 +288,7 @@ def verify_no_full_materialization(runtime, q, k, v, block_size):
         raise ValueError("block_size must be a positive int, got None")
     spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
     with track_allocations() as ledger:
-        o, _ = _build(runtime, spec, q, k, v)(q, k, v)  # uncached: every copy is seen
+        o, _ = _build(runtime, spec, None, q, k, v)(q, k, v)  # uncached: every copy is seen
     plan = runtime.plan_fwd(spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv)
     bq, bkv, d, dv = plan.block_q, plan.block_kv, spec.d, spec.dv
     if plan.kernel in tiling.TC_KERNELS:  # shared-memory tiles (K/V in two stages)

@@ -1,4 +1,4 @@
-"""Devices, inputs, methods and timing of the GPU benchmark (``cuflash/_bench_gpu.py``).
+"""Devices, inputs, methods and timing of the GPU benchmark (``gpu.py``).
 
 Two devices: :class:`CudaDevice` (CuPy arrays, CUDA-event timing) and
 :class:`HostDevice` (the emulator backend: NumPy arrays, ``time.perf_counter``).
@@ -18,7 +18,7 @@ import warnings
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, failure_reason, judge, np_dtype
+from .gpu_check import GRAD_NAMES, failure_reason, judge, np_dtype
 
 __all__ = ["HostDevice", "CudaDevice", "Torch", "InputSet", "make_set", "make_methods",
            "CuflashTiled", "CuflashStandard", "Sdpa", "SDPA_BACKENDS", "first_call", "measure",
@@ -73,7 +73,7 @@ class HostDevice:
         pass
 
     def info(self):
-        from . import available_backends
+        from cuflash import available_backends
         cpu = platform.processor() or platform.machine()
         try:
             with open("/proc/cpuinfo") as f:
@@ -402,7 +402,7 @@ def record_warnings():
 def check_method(device, m, x, grad, ref, base, dtype, what, rec, names=GRAD_NAMES):
     """Run method ``m`` once on the check set ``x`` (the forward; with ``grad`` the backward
     too, its outputs named ``names``) and judge the outputs against the float64 ``ref`` and
-    the low-precision baseline ``base`` (cuflash/_bench_gpu_check.py's rule).  Fills ``rec``:
+    the low-precision baseline ``base`` (``gpu_check.py``'s rule).  Fills ``rec``:
     ``status`` (passed, failed, or n/a when the method cannot run here or raised), ``errors``,
     ``reason``, ``first_fwd_ms`` and ``first_bwd_ms`` (first calls: they include any compile);
     returns it."""

@@ -1,7 +1,8 @@
-"""The GPU benchmark: cuflash against torch SDPA's backends, the method of docs/gpu-baseline.md.
+"""The GPU benchmark: cuflash against torch SDPA's backends, the method of the project's GPU
+baseline notes.
 
-Run it as ``python -m cuflash bench --gpu`` (installed package) or
-``python bench/bench_gpu.py`` (checkout); ``--help`` lists the options.
+Run it from a source checkout as ``python -m cuflash bench --gpu`` or
+``python bench/bench_gpu.py``; ``--help`` lists the options.
 
 What it does, in order:
 
@@ -13,13 +14,13 @@ What it does, in order:
 2. **Decode shapes**: ``Nq = 1`` against ``Nk`` keys, MHA at batch 1 and 8 and
    GQA (32 query heads on 8 key/value heads), forward only.
 3. **KV-cache decode** and 4. **varlen** batches, the serving calls
-   (``cuflash/_bench_gpu_serving.py``, whose docstring describes them).
+   (``gpu_serving.py``, whose docstring describes them).
 5. **Logit features**: the plain call against each feature alone (bias,
    dbias, ALiBi, softcap, dropout, a sliding window) and a table of window
-   widths (``cuflash/_bench_gpu_features.py``, whose docstring describes it).
+   widths (``gpu_features.py``, whose docstring describes it).
 6. **Tiles** (only when named): every block_q x block_kv pair that the
    forward's and the backward's kernel accept, timed against the default
-   (``cuflash/_bench_gpu_tiles.py``).
+   (``gpu_tiles.py``).
 7. **Host time per call** of a tiny problem, 200 calls without synchronising.
 ``--sections`` picks among them (default: all but tiles).
 
@@ -30,15 +31,15 @@ CuPy; the NumPy reference on the emulator), and when torch can run them
 efficient, math).  All read the same inputs: torch views the CuPy arrays
 through DLPack.  Before a method is timed on a kind of problem it must pass a
 correctness check on a smaller problem of that kind
-(``cuflash/_bench_gpu_check.py``); a method that fails, or cannot run a case,
+(``gpu_check.py``); a method that fails, or cannot run a case,
 shows ``n/a`` or ``failed check`` with the reason once in a footnote.
 
-Timing (``cuflash/_bench_gpu_methods.py``): the first call of every case is
+Timing (``gpu_methods.py``): the first call of every case is
 timed alone (it includes any first-use compile); after warm-up, ``n`` calls
 per repeat so that one repeat takes about ``--target-ms``, CUDA events around
 each repeat, the median of ``--reps`` repeats.  When one input set is small
 enough to sit in the device's L2 cache, the calls cycle through several sets.
-TFLOP/s in the flash-attn convention (``docs/testing.md``).
+TFLOP/s in the flash-attn convention (``gpu_common.flops``).
 
 ``--backend emulator`` runs the same code on the CPU with the emulated
 kernels (tiny sizes, ``time.perf_counter``): that is how the tests check the
@@ -49,13 +50,17 @@ import sys
 import tempfile
 import time
 
-from ._bench_gpu_features import window_sizes
-from ._bench_gpu_tiles import TILE_FEATURES, parse_pairs
-from ._bench_gpu_check import LOW_PRECISION, attention
-from ._bench_gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, check_method,
-                                 input_sets_needed, make_methods, make_set, measure, reason_of,
-                                 record_warnings)
-from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
+from cuflash._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
+
+from . import gpu_report as report
+from .gpu_check import LOW_PRECISION, attention
+from .gpu_common import DECODE, flops
+from .gpu_features import LABELS, run_features, window_sizes
+from .gpu_methods import (CudaDevice, CuflashTiled, HostDevice, Sdpa, Torch, check_method,
+                          input_sets_needed, make_methods, make_set, measure, reason_of,
+                          record_warnings)
+from .gpu_serving import DENSE, Serving
+from .gpu_tiles import TILE_FEATURES, parse_pairs, run_tiles
 
 __all__ = ["main", "build_parser", "run", "flops"]
 
@@ -64,7 +69,6 @@ SECTIONS = ("grid", "decode", "kvcache", "varlen", "features", "tiles", "host")
 # tiles compiles, checks and times every accepted tile pair: asked for by name
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "tiles")
 MODES = ("fwd", "bwd", "fwdbwd")
-MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 # Defaults per backend; the emulator's are tiny (an emulated launch takes 0.05-0.1 s).
 DEFAULTS = {
@@ -79,11 +83,6 @@ DEFAULTS = {
                      kv_page_sizes=[4, 16], varlen_mean=[16], target_ms=10.0, feature_n=32,
                      tiles_n=32),
 }
-# decode configurations (B, H, Hk) of the decode and KV-cache sections: MHA at batch 1 and 8,
-# GQA with 4 query heads per kv head (FlashAttention-2 on an H100: 0.36 ms for B1 H32 Nk=65536,
-# 0.10 ms for B8 H32/8 Nk=8192, docs/gpu-baseline.md of the project notes)
-DECODE = {"cuda": ((1, 32, 32), (8, 32, 32), (8, 32, 8)),
-          "emulator": ((1, 4, 4), (2, 4, 4), (2, 4, 2))}
 # the host-time problem (B, H, Hk, Nq, Nk, d)
 HOST_SHAPE = {"cuda": (1, 1, 1, 128, 128, 64), "emulator": (1, 1, 1, 32, 32, 16)}
 MIN_REPS_CUDA = 5
@@ -92,15 +91,6 @@ MIN_REPS_CUDA = 5
 # the cuflash method that must run in some case of these sections, else the run failed
 MAIN_METHOD = {"cuflash tiled": ("grid", "decode", "features", "tiles"), "cuflash kvcache": ("kvcache",),
                "cuflash varlen": ("varlen",)}
-
-
-def flops(B, H, Nq, Nk, d, causal, mode):
-    """FLOPs of one call, flash-attn convention: forward ``4 B H Nq Nk d`` (halved when causal
-    with ``Nq == Nk``), backward 2.5x, forward + backward 3.5x that."""
-    f = 4.0 * B * H * Nq * Nk * d
-    if causal and Nq == Nk:
-        f /= 2
-    return f * MODE_FACTOR[mode]
 
 
 def _log(msg):
@@ -196,7 +186,8 @@ def build_parser(prog=None):
     p.add_argument("--tiles-feature", choices=TILE_FEATURES, default=None,
                    help="a logit feature for the tiles section's calls, so that it times the "
                    "tiles of the kernels with the features (flash_fwd_tc_masked, "
-                   "flash_bwd_tc_masked, ...; the features section's arguments; non-causal only)")
+                   "flash_bwd_tc_masked, ...; the features section's arguments; non-causal only): "
+                   + ", ".join(f"{n} = {LABELS[n]}" for n in TILE_FEATURES))
     p.add_argument("--host-calls", type=nonneg_int,
                    help=f"calls timed for the host time per call, 0 to skip ({dflt('host_calls')})")
     p.add_argument("--check-n", type=positive_int,
@@ -467,7 +458,6 @@ def _footnotes(res):
 
 def run(args, log=_log):
     """Run the benchmark for parsed and finished ``args``; the results dict (JSON-ready)."""
-    from . import _bench_gpu_report as report
     t0 = time.perf_counter()
     bench = Bench(args, log)
     a, dev = args, bench.device
@@ -489,7 +479,6 @@ def run(args, log=_log):
             for Nk in a.decode_nk:
                 bench.run_shape("decode", dtype, (B, H, Hk, 1, Nk, a.decode_dim), False, ["fwd"])
     if sections & {"kvcache", "varlen"}:
-        from ._bench_gpu_serving import DENSE, Serving
         srv = Serving(bench)
         res["kv_methods"] = [m.name for m in srv.kv]
         res["varlen_methods"] = [m.name for m in srv.varlen] + [srv.equal.name, DENSE]
@@ -498,10 +487,8 @@ def run(args, log=_log):
         if "varlen" in sections:
             srv.run_varlen()
     if "features" in sections:
-        from ._bench_gpu_features import run_features
         run_features(bench)
     if "tiles" in sections:
-        from ._bench_gpu_tiles import run_tiles
         run_tiles(bench)
     res["host_time"] = (bench.host_time(a.dtypes[0])
                         if a.host_calls and "host" in sections else [])
@@ -526,13 +513,12 @@ def main(argv=None, prog=None):
         tmp = tempfile.mkdtemp(prefix="cuflash-cold-cache-")
         os.environ["CUPY_CACHE_DIR"] = os.path.join(tmp, "cupy")
         os.environ["CUFLASH_CACHE_DIR"] = tmp
-    from . import available_backends
+    from cuflash import available_backends
     ok, why = available_backends().get(args.backend, (False, "unknown backend"))
     if not ok:
         print(f"{parser.prog}: cannot run --backend {args.backend}: "
               f"{' '.join(str(why).split())}", file=sys.stderr)
         return 2
-    from . import _bench_gpu_report as report
     res = run(args)
     report.print_report(res)
     if args.json:

@@ -1,12 +1,8 @@
 """What every kernel launcher shares: addressing inputs, allocating outputs, parameter blocks.
 
-The launchers are one module per kernel family -- :mod:`cuflash._launch_fwd`
-(the forward kernels), :mod:`cuflash._launch_bwd` (the backward kernels) and
-:mod:`cuflash._launch_softmax` (online softmax) -- and all of them take a
-:class:`cuflash.kernels.Runtime` (array module, module factory, shared-memory
-limit), so CuPy arrays on a GPU and NumPy arrays on the emulator go through
-identical launch code.  Imports run one way: backends -> launchers -> this
-module -> :mod:`cuflash.kernels` / :mod:`cuflash.tiling`.
+All launchers take a :class:`cuflash.kernels.Runtime` (array module, module
+factory, shared-memory limit), so CuPy arrays on a GPU and NumPy arrays on the
+emulator go through identical launch code.
 
 The repeated-call path.  A launcher validates and plans a call once per
 distinct (shapes, strides, dtypes, scalar options) and keeps the result -- the
@@ -28,7 +24,9 @@ Helpers:
   blocks of ``kernels_cu/params.cuh`` as a device buffer;
 * :func:`launch` -- every kernel launch goes through it, so tests can observe
   launches (:func:`observe_launches`) without patching the launchers;
-* :func:`fold_grid` -- the one-axis grid of (tiles x heads x batch).
+* :func:`fold_grid` -- the one-axis grid of (tiles x heads x batch);
+* :func:`grad_shapes` / :func:`sum_back` / :func:`zero_grads` -- the gradients of
+  broadcast inputs, which both backward families compute at the full shape.
 """
 import contextlib
 import functools
@@ -37,13 +35,15 @@ import threading
 
 import numpy as np
 
-from . import kernels
+from .. import emulator, kernels, tiling
+from .._validate import sum_to_shape
 
 __all__ = [
     "problem_dims", "flatten_lead", "pointer_arg", "contiguous_strides", "alloc_output",
     "output_hook", "track_allocations", "observe_launches", "launch", "params_dtype",
-    "make_params", "fold_grid", "cached_call", "MAX_GRID_X", "data_ptr", "aligned16",
-    "aligned_copies", "kv_heads_for_kernel",
+    "make_params", "fold_grid", "cached_call", "array_key", "MAX_GRID_X", "data_ptr", "aligned16",
+    "aligned_copies", "kv_heads_for_kernel", "record_copy", "elem_strides", "collapse_strides",
+    "acc_dtype", "grad_shapes", "sum_back", "zero_grads",
 ]
 
 # CUDA's limit on gridDim.x (y and z: 65535, which is why batch/heads are folded into x)
@@ -99,7 +99,6 @@ def observe_launches():
         entry = {"kernel": name, "grid": tuple(grid), "block": tuple(block),
                  "shared_mem": int(shared_mem)}
         if runtime_name == "emulator":
-            from . import emulator
             st = emulator.last_launch_stats()
             entry.update(global_bytes_read=st["global_bytes_read"],
                          global_bytes_written=st["global_bytes_written"])
@@ -163,6 +162,11 @@ def cached_call(runtime, key, build):
     return run
 
 
+def array_key(*arrays):
+    """The (shape, strides, dtype) of each array: what a prepared call depends on in them."""
+    return tuple((tuple(a.shape), tuple(a.strides), a.dtype) for a in arrays)
+
+
 # --------------------------------------------------------------------------
 # addressing inputs
 # --------------------------------------------------------------------------
@@ -179,14 +183,15 @@ def problem_dims(lead):
     return B, int(lead[-1])
 
 
-def _elem_strides(x):
+def elem_strides(x):
+    """``x``'s strides in elements, or None when one is not a whole number of them."""
     isz = x.itemsize
     if any(s % isz for s in x.strides):
         return None
     return [s // isz for s in x.strides]
 
 
-def _collapse(sizes, strides):
+def collapse_strides(sizes, strides):
     """One stride for iterating ``sizes`` (C order) as a flat index, or None if impossible."""
     dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
     if not dims:
@@ -260,11 +265,11 @@ def flatten_lead(runtime, x, lead, grouped=False):
             no_negative and any(s < 0 for s in x.strides)):
         x = xp.ascontiguousarray(x)
         _record("contiguous copy", x)
-    es = _elem_strides(x)
+    es = elem_strides(x)
     if es is None:  # strides that are not whole elements (views of odd buffers)
         x = xp.ascontiguousarray(x)
         _record("contiguous copy", x)
-        es = _elem_strides(x)
+        es = elem_strides(x)
     nl = len(lead)
     sr = es[-2]
     if nl == 0:
@@ -277,16 +282,16 @@ def flatten_lead(runtime, x, lead, grouped=False):
     sh = 0 if head_size == 1 else strides[-1]
     batch_strides = [0 if n == 1 else s for n, s in zip(sizes[:-1], strides[:-1])]
     # broadcast axes read index 0 (stride 0); the others must match lead's size
-    sb = _collapse(lead[:-1], batch_strides)
+    sb = collapse_strides(lead[:-1], batch_strides)
     if sb is None:
         # no single batch stride exists: materialise the broadcast (see Notes)
         full = tuple(lead[:-1]) + (head_size,) + tuple(x.shape[-2:])
         x = xp.ascontiguousarray(xp.broadcast_to(x.reshape((1,) * pad + x.shape), full))
         _record("broadcast copy", x)
-        es = _elem_strides(x)
+        es = elem_strides(x)
         sr = es[-2]
         sh = 0 if head_size == 1 else es[-3]
-        sb = _collapse(lead[:-1], [0 if n == 1 else s for n, s in zip(lead[:-1], es[:-3])])
+        sb = collapse_strides(lead[:-1], [0 if n == 1 else s for n, s in zip(lead[:-1], es[:-3])])
     return x, (int(sb), int(sh), int(sr))
 
 
@@ -306,6 +311,11 @@ def kv_heads_for_kernel(spec):
     if spec.lead and kv_heads == 1 and H > 1:
         return 1, H
     return H, 1
+
+
+def acc_dtype(dtype):
+    """The compute (accumulator) dtype of an input dtype: float64 for float64, else float32."""
+    return np.dtype(np.float64) if tiling.accumulator_bytes(dtype) == 8 else np.dtype(np.float32)
 
 
 def contiguous_strides(lead, tail):
@@ -417,3 +427,51 @@ def fold_grid(n_tiles, heads, batch, what):
                          f"{batch} batch entries), more than a CUDA grid holds ({MAX_GRID_X}); "
                          "split the call along the batch")
     return (blocks,)
+
+
+# --------------------------------------------------------------------------
+# gradients of broadcast inputs (both backward families)
+# --------------------------------------------------------------------------
+def grad_shapes(spec, q, k, v, Hk):
+    """``(want, summed, alloc_shape)`` per gradient name ("dq", "dk", "dv").
+
+    A kernel writes one gradient per problem it computes -- dq per query head
+    problem of ``lead``, dk/dv per kv head and batch entry -- so the gradient of
+    an input broadcast along a leading axis is allocated at that full shape
+    (``summed`` True) and summed back to the input's shape (``want``) by
+    :func:`sum_back`.
+    """
+    lead = spec.lead
+    kv_lead = tuple(lead[:-1]) + (Hk,) if lead else ()
+    full = {"dq": tuple(lead) + (spec.Nq, spec.d), "dk": kv_lead + (spec.Nk, spec.d),
+            "dv": kv_lead + (spec.Nk, spec.dv)}
+    want = {"dq": tuple(q.shape), "dk": tuple(k.shape), "dv": tuple(v.shape)}
+    summed = {n: int(np.prod(want[n], dtype=np.int64)) != int(np.prod(full[n], dtype=np.int64))
+              for n in full}
+    alloc_shape = {n: full[n] if summed[n] else want[n] for n in full}
+    return want, summed, alloc_shape
+
+
+def sum_back(xp, acc, dtype, want, summed):
+    """``fn(g, name)``: gradient ``name`` in its input's shape (see :func:`grad_shapes`)."""
+    def fn(g, name):
+        if not summed[name]:
+            return g
+        # sums in the accumulator precision, rounded once to the input dtype
+        return xp.ascontiguousarray(sum_to_shape(g.astype(acc), want[name]).astype(dtype))
+    return fn
+
+
+def zero_grads(xp, spec, q, k, v, ms):
+    """The prepared backward of a call without query rows, keys or problems: zeros.
+
+    ``ms`` (a MaskSpec with ``return_dbias``) adds a zero bias gradient.
+    """
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    dtype = spec.dtype
+    want_db = ms is not None and ms.return_dbias
+
+    def run_empty(do, q, k, v, o, lse, f=None):
+        grads = tuple(xp.zeros(s, dtype) for s in shapes)
+        return grads + ((xp.zeros(ms.bias_shape, ms.bias.dtype),) if want_db else ())
+    return run_empty

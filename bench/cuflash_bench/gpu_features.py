@@ -5,17 +5,18 @@
 (``B = tokens // N``, ``H = hidden // d``, as the grid) runs through cuflash's
 ``tiled_attention`` (and its backward) once without any feature -- the plain
 call, the kernels a call without features runs -- and once with each feature
-alone (:data:`FEATURES`):
+alone (:data:`FEATURES`; the name a command line takes, then the table's label):
 
-* ``bias (B,1,1,N)``: a key-padding bias (the last eighth of each row
-  ``-inf``), broadcast over heads and rows;
-* ``bias (1,H,N,N)``: a relative-position bias, broadcast over the batch (it
-  adds ``4 H N^2`` bytes of reads per batch entry), and the same with
+* ``bias-key-padding``, ``bias (B,1,1,N)``: a key-padding bias (the last
+  eighth of each row ``-inf``), broadcast over heads and rows;
+* ``bias-full``, ``bias (1,H,N,N)``: a relative-position bias, broadcast over
+  the batch (it adds ``4 H N^2`` bytes of reads per batch entry), and
+  ``bias-full-dbias``, ``bias (1,H,N,N) + dbias``: the same with
   ``return_dbias=True``;
-* ``ALiBi``: slopes ``2^(-8 h / H)``;
-* ``softcap 30``;
-* ``dropout 0.1``;
-* ``window (N/8, 0)``: a sliding window of ``N/8 + 1`` keys.
+* ``alibi``, ``ALiBi``: slopes ``2^(-8 h / H)``;
+* ``softcap30``, ``softcap 30``;
+* ``dropout0.1``, ``dropout 0.1``;
+* ``window``, ``window (N/8, 0)``: a sliding window of ``N/8 + 1`` keys.
 
 Each row gives the median time, the overhead over the plain call of the same
 mode and, on the ``fwdbwd`` rows, issue 13's target: a feature costs at most
@@ -30,24 +31,32 @@ Like the rest of the benchmark, each row's call (the plain one too) is checked b
 timed, on a small problem (``B, H = 2, 2``, ``--check-n`` queries and keys): output and
 gradients (and dbias) against float64 NumPy (:func:`feature_attention`, the logits built in
 full, every feature written out here; the dropout mask from :func:`cuflash.dropout_mask`, the
-definition every backend draws), with the rule of ``cuflash/_bench_gpu_check.py``.
+definition every backend draws), with the rule of ``gpu_check.py``.
 """
 import math
 
 import numpy as np
 
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, precision
-from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
+from .gpu_check import GRAD_NAMES, LOW_PRECISION, precision
+from .gpu_common import flops, sig
+from .gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
-__all__ = ["FEATURES", "TARGETS", "CuflashFeature", "feature_attention", "feature_kwargs",
+__all__ = ["FEATURES", "LABELS", "TARGETS", "CuflashFeature", "feature_attention", "feature_kwargs",
            "meets_target", "visible_fraction", "window_sizes", "run_features", "print_features",
            "kind_text"]
 
 NONE = "none"
-# (name, target overhead on fwdbwd or None); the order of the table
-FEATURES = (("bias (B,1,1,N)", 0.10), ("bias (1,H,N,N)", 0.10), ("bias (1,H,N,N) + dbias", 0.10),
-            ("ALiBi", 0.10), ("softcap 30", 0.10), ("dropout 0.1", 0.20), ("window (N/8, 0)", None))
-TARGETS = dict(FEATURES)
+# (name, label, target overhead on fwdbwd or None), in the order of the table: the name is what
+# a command line takes (--tiles-feature), the label what the tables, logs and JSON show
+FEATURES = (("bias-key-padding", "bias (B,1,1,N)", 0.10),
+            ("bias-full", "bias (1,H,N,N)", 0.10),
+            ("bias-full-dbias", "bias (1,H,N,N) + dbias", 0.10),
+            ("alibi", "ALiBi", 0.10),
+            ("softcap30", "softcap 30", 0.10),
+            ("dropout0.1", "dropout 0.1", 0.20),
+            ("window", "window (N/8, 0)", None))
+LABELS = {NONE: NONE, **{name: label for name, label, _ in FEATURES}}
+TARGETS = {name: target for name, _, target in FEATURES}
 SOFTCAP, DROPOUT_P, DROPOUT_SEED = 30.0, 0.1, 1234
 
 
@@ -80,27 +89,27 @@ def feature_kwargs(name, host, xp, B, H, N, dtype, window=None):
     bt = np.float64 if dtype == "float64" else np.float32
     if name == NONE:
         return {}
-    if name.startswith("bias (B,1,1,N)"):
+    if name == "bias-key-padding":
         b = np.zeros((B, 1, 1, N), bt)
         b[..., N - max(1, N // 8):] = -np.inf
         return {"bias": mod.asarray(b)}
-    if name.startswith("bias (1,H,N,N)"):
+    if name in ("bias-full", "bias-full-dbias"):
         # a smooth relative-position term, built where it is used (on the device for the
         # timed calls: (1, H, N, N) float32 is 2 GiB at N = 4096, H = 32)
         ij = (mod.arange(N)[:, None] - mod.arange(N)[None, :]).astype(bt)
         per_head = (0.5 + mod.arange(H, dtype=bt) / H).reshape(1, H, 1, 1)
         kw = {"bias": mod.cos(bt(0.37) * ij)[None, None] * per_head}
-        if name.endswith("+ dbias"):
+        if name == "bias-full-dbias":
             kw["return_dbias"] = True
         return kw
-    if name == "ALiBi":
+    if name == "alibi":
         return {"alibi_slopes": mod.asarray((2.0 ** (-8.0 * np.arange(1, H + 1) / H))
                                             .astype(np.float32))}
-    if name.startswith("softcap"):
+    if name == "softcap30":
         return {"softcap": SOFTCAP}
-    if name.startswith("dropout"):
+    if name == "dropout0.1":
         return {"dropout_p": DROPOUT_P, "seed": DROPOUT_SEED}
-    if name.startswith("window"):
+    if name == "window":
         return {"window": (N // 8 if window is None else window, 0)}
     raise KeyError(name)
 
@@ -137,7 +146,7 @@ def feature_attention(q, k, v, do, kw, low=None):
     p = rnd(np.where(seen, e / np.where(seen, lsum, 1), 0))
     zk = 1.0
     if kw.get("dropout_p", 0) > 0:
-        from . import dropout_mask
+        from cuflash import dropout_mask
         zk = dropout_mask((B, H, Nq, Nk), kw["dropout_p"], kw["seed"]) / (1 - kw["dropout_p"])
     o = rnd(np.matmul(rnd(p * zk), v))
     out = {"o": o}
@@ -160,7 +169,8 @@ def feature_attention(q, k, v, do, kw, low=None):
 
 
 class CuflashFeature(CuflashTiled):
-    """cuflash tiled_attention (and backward) with one feature's keyword arguments."""
+    """cuflash tiled_attention (and backward) with one feature's keyword arguments (``name``:
+    one of :data:`FEATURES`' names)."""
 
     def __init__(self, backend, name, kw):
         super().__init__(backend)
@@ -182,7 +192,8 @@ def _check(bench, dtype, d, name, grad):
     a, dev = bench.args, bench.device
     n = a.check_n
     shape = (2, 2, 2, n, n, d)
-    what = f"{dtype} d={d} {name}{' with gradients' if grad else ''}"
+    label = LABELS[name]
+    what = f"{dtype} d={d} {label}{' with gradients' if grad else ''}"
     bench.log(f"check features {what} at B,H,Hk,Nq,Nk,d={shape} against float64")
     x, host = make_set(dev, bench.torch, shape, dtype, False, a.seed + 11, host=True)
     hkw = feature_kwargs(name, True, None, 2, 2, n, dtype)
@@ -191,14 +202,14 @@ def _check(bench, dtype, d, name, grad):
     base = (feature_attention(*host[:3], do, hkw if grad else _fwd_only(hkw), low=dtype)
             if dtype in LOW_PRECISION else None)
     m = CuflashFeature(a.backend, name, feature_kwargs(name, False, dev.xp, 2, 2, n, dtype))
-    rec = {"kind": {"section": "features", "dtype": dtype, "d": d, "feature": name,
+    rec = {"kind": {"section": "features", "dtype": dtype, "d": d, "feature": label,
                     "causal": False, "group": 1, "decode": False, "grad": grad},
            "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
            "method": m.name, "status": "n/a"}
     names = GRAD_NAMES + (("dbias",) if hkw.get("return_dbias") else ())
     check_method(dev, m, x, grad, ref, base, dtype, what, rec, names)
-    bench.log(f"  {m.name} {name}: {rec['status']}" + (f" ({rec['reason']})"
-                                                      if rec.get("reason") else ""))
+    bench.log(f"  {m.name} {label}: {rec['status']}" + (f" ({rec['reason']})"
+                                                       if rec.get("reason") else ""))
     bench.checks.append(rec)
     dev.release()
     return rec
@@ -210,7 +221,6 @@ def _fwd_only(kw):
 
 def run_features(bench):
     """Time the plain call and each feature (and the window sizes); appends to bench.cases."""
-    from ._bench_gpu import flops
     a, dev = bench.args, bench.device
     N = a.feature_n
     verdicts = {}
@@ -223,24 +233,25 @@ def run_features(bench):
             nsets = input_sets_needed(x0.nbytes + x0.q.nbytes, dev.l2_bytes)
             sets = [x0] + [make_set(dev, bench.torch, shape, dtype, False, a.seed + i)
                            for i in range(1, nsets)]
-            rows = [(NONE, None)] + [(f, None) for f, _ in FEATURES] + [
+            # the window table's rows share the window row's check (at the default width)
+            rows = [(NONE, None)] + [(name, None) for name, _, _ in FEATURES] + [
                 ("window", w) for w in a.feature_windows]
             for mode in a.modes:
                 grad = mode != "fwd"
                 base_ms = None
                 for name, w in rows:
-                    key = (dtype, d, "window (N/8, 0)" if name == "window" else name, grad)
+                    key = (dtype, d, name, grad)
                     if key not in verdicts:  # the plain call too: this section may run alone
-                        verdicts[key] = _check(bench, dtype, d, key[2], grad)
-                    kw = feature_kwargs(key[2], False, dev.xp, B, H, N, dtype, window=w)
-                    m = CuflashFeature(a.backend, key[2], kw)
+                        verdicts[key] = _check(bench, dtype, d, name, grad)
+                    kw = feature_kwargs(name, False, dev.xp, B, H, N, dtype, window=w)
+                    m = CuflashFeature(a.backend, name, kw)
                     e = bench.time_method(m, mode, sets, verdicts[key])
                     kw = None
                     frac = visible_fraction(N, N, w if w is not None else N // 8) \
-                        if name.startswith("window") else 1.0
+                        if name == "window" else 1.0
                     case = {"section": "features", "dtype": dtype, "d": d, "causal": False,
                             "mode": mode, "B": B, "H": H, "Hk": H, "Nq": N, "Nk": N,
-                            "feature": name if w is None else f"window ({w}, 0)",
+                            "feature": LABELS[name] if w is None else f"window ({w}, 0)",
                             "table": "windows" if w is not None else "features",
                             "window_left": w, "visible_fraction": frac,
                             "flops": flops(B, H, N, N, d, False, mode) * frac,
@@ -273,7 +284,6 @@ def _pct(x):
 
 def print_features(res, say):
     """The features section's two tables and notes, if it ran."""
-    from ._bench_gpu_report import sig
     cases = [c for c in res["cases"] if c["section"] == "features"]
     if not cases:
         return

@@ -1,6 +1,6 @@
 """Problems, cache layouts and methods of the GPU benchmark's serving sections.
 
-Two kinds of problem (``cuflash/_bench_gpu_serving.py`` runs them):
+Two kinds of problem (``gpu_serving.py`` runs them):
 
 * **KV-cache decode** (:class:`KVProblem`): B sequences whose cache holds
   ``L = Nk - Nq`` tokens; a call appends ``Nq`` new tokens (``k_new``/``v_new``)
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ._bench_gpu_check import np_dtype
+from .gpu_check import np_dtype
 
 __all__ = ["KVProblem", "kv_arrays", "page_table", "to_pages", "kv_methods", "VarlenSet",
            "varlen_set", "CuflashVarlen", "FlashAttnVarlen", "GPU_ONLY"]

@@ -13,22 +13,24 @@ one) is shown as such and not timed: the table compares the tiles of one kernel.
 
 Each row gives the pair, the kernel's threads and shared memory, the median time, TFLOP/s
 and the speed against the default pair; a line per problem names the fastest pair.  That is
-the evidence for moving a default (the preference lists in ``cuflash/tiling``), which
+the evidence for moving a default (the curated tables in ``cuflash/tiling/curated.py``), which
 instruction counts on a CPU cannot give.
 
 Like the rest of the benchmark, each pair's call is checked before it is timed, on the check
 problem (``B, H = 2, 2``, ``--check-n`` queries and keys, the same causal case) against
-float64 NumPy with the rule of ``cuflash/_bench_gpu_check.py``; the kernel the check launched
+float64 NumPy with the rule of ``gpu_check.py``; the kernel the check launched
 is the one the row names.
 
-``--tiles-feature NAME`` (one of the features section's, the window left out) gives every call
+``--tiles-feature NAME`` (one of the features section's names, the window left out: e.g.
+``bias-key-padding``) gives every call
 that feature's arguments, so the rows are the tiles of the kernels with the logit features
 (flash_fwd_tc_masked, flash_bwd_tc_masked, ...), checked against the features section's
 float64 oracle (non-causal: it has no causal mask).
 """
-from ._bench_gpu_check import GRAD_NAMES, LOW_PRECISION, attention
-from ._bench_gpu_features import FEATURES, feature_attention, feature_kwargs
-from ._bench_gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
+from .gpu_check import GRAD_NAMES, LOW_PRECISION, attention
+from .gpu_common import flops, sig
+from .gpu_features import FEATURES, LABELS, feature_attention, feature_kwargs
+from .gpu_methods import CuflashTiled, check_method, input_sets_needed, make_set
 
 __all__ = ["TILE_MODES", "MAIN_KERNELS", "TILE_FEATURES", "CuflashTiles", "parse_pairs",
            "candidate_pairs", "run_tiles", "print_tiles", "kind_text"]
@@ -40,8 +42,8 @@ MAIN_KERNELS = {"fwd": ("flash_fwd_tc", "flash_fwd_tf32", "flash_fwd", "flash_fw
                         "flash_fwd_tf32_masked", "flash_fwd_masked"),
                 "bwd": ("flash_bwd_tc", "flash_bwd_tf32", "flash_bwd_dkdv", "flash_bwd_tc_masked",
                         "flash_bwd_tf32_masked", "flash_bwd_dkdv_masked")}
-# --tiles-feature: the features section's (a window changes the work a pair does)
-TILE_FEATURES = tuple(f for f, _ in FEATURES if not f.startswith("window"))
+# --tiles-feature: the features section's names (a window changes the work a pair does)
+TILE_FEATURES = tuple(name for name, _, _ in FEATURES if name != "window")
 
 
 def parse_pairs(text):
@@ -91,9 +93,9 @@ class CuflashTiles(CuflashTiled):
 
 def _runtime(backend):
     if backend == "cuda":
-        from . import cuda_backend as mod
+        from cuflash import cuda_backend as mod
     else:
-        from . import emulator_backend as mod
+        from cuflash import emulator_backend as mod
     return mod.runtime()
 
 
@@ -102,7 +104,7 @@ def candidate_pairs(runtime, kernel, d, dtype, only=None):
     (d, d) ``dtype`` problem: the pairs of its tiling's choices that ``cuflash.tiling.plan``
     accepts at the runtime's limit; with ``only`` (a list of pairs), those of them -- and the
     ones the planner refuses, with its reason (a pair asked for is never dropped silently)."""
-    from . import tiling
+    from cuflash import tiling
     kw = dict(limit=runtime.smem_limit, limit_source=runtime.smem_source)
     dflt = tiling.plan(kernel, d, d, dtype, **kw)
     t = tiling.kernel_tiling(kernel)
@@ -121,7 +123,7 @@ def candidate_pairs(runtime, kernel, d, dtype, only=None):
 
 def _check(bench, dtype, d, causal, mode, bq, bkv):
     """Run one pair's call on the check problem, judge it and name the kernel it launched."""
-    from ._launch import observe_launches
+    from cuflash.launch.common import observe_launches
     a, dev = bench.args, bench.device
     n = a.check_n
     shape = (2, 2, 2, n, n, d)
@@ -133,20 +135,21 @@ def _check(bench, dtype, d, causal, mode, bq, bkv):
     x, host = make_set(dev, bench.torch, shape, dtype, causal, a.seed + 13, host=True)
     do = host[3] if grad else None
     feature, names = a.tiles_feature, GRAD_NAMES
+    label = LABELS[feature] if feature else None
     if feature:  # the features section's oracle (non-causal), its arguments on the device
         hkw = feature_kwargs(feature, True, None, 2, 2, n, dtype)
         names += ("dbias",) if grad and hkw.get("return_dbias") else ()
         ref = feature_attention(*host[:3], do, hkw)
         base = feature_attention(*host[:3], do, hkw, low=dtype) if dtype in LOW_PRECISION else None
         kw = feature_kwargs(feature, False, dev.xp, 2, 2, n, dtype)
-        what += f" with {feature}"
+        what += f" with {label}"
     else:
         ref = attention(*host[:3], causal, do)
         base = attention(*host[:3], causal, do, low=dtype) if dtype in LOW_PRECISION else None
         kw = None
     m = CuflashTiles(a.backend, mode, bq, bkv, kw)
     rec = {"kind": {"section": "tiles", "dtype": dtype, "d": d, "causal": causal, "mode": mode,
-                    "block_q": bq, "block_kv": bkv, "feature": feature, "group": 1,
+                    "block_q": bq, "block_kv": bkv, "feature": label, "group": 1,
                     "decode": False, "grad": grad},
            "shape": dict(zip(("B", "H", "Hk", "Nq", "Nk", "d"), shape)),
            "method": m.name, "status": "n/a"}
@@ -164,7 +167,6 @@ def _check(bench, dtype, d, causal, mode, bq, bkv):
 
 def run_tiles(bench):
     """Time the default call and every other accepted pair; appends to bench.cases."""
-    from ._bench_gpu import flops
     a, dev = bench.args, bench.device
     N = a.tiles_n
     runtime = _runtime(a.backend)
@@ -229,7 +231,7 @@ def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, b
     e["tflops"] = nflops / (ms * 1e-3) / 1e12 if ms else None
     return {"section": "tiles", "dtype": dtype, "d": d, "causal": causal, "mode": mode,
             "B": B, "H": H, "Hk": H, "Nq": N, "Nk": N, "default": default, "kernel": kernel,
-            "feature": feature,
+            "feature": LABELS[feature] if feature else None,
             "block_q": bq, "block_kv": bkv, "threads": plan.threads if plan else None,
             "shared_bytes": plan.shared_bytes if plan else None, "flops": nflops,
             "input_sets": nsets, "methods": {"cuflash tiled": e}, "speed_vs_default": None}
@@ -237,7 +239,6 @@ def _case(dtype, d, causal, mode, shape, nflops, nsets, default, kernel, plan, b
 
 def print_tiles(res, say):
     """The tiles section's table and its fastest pair per problem, if it ran."""
-    from ._bench_gpu_report import sig
     cases = [c for c in res["cases"] if c["section"] == "tiles"]
     if not cases:
         return

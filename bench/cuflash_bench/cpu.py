@@ -1,12 +1,12 @@
 """The CPU benchmark: naive NumPy, cuflash standard, cuflash tiled and torch SDPA.
 
-Run it as ``python -m cuflash bench`` (installed package) or
-``python bench/bench_cpu.py`` (checkout); ``--help`` lists the options.
+Run it from a source checkout as ``python -m cuflash bench`` or
+``python bench/bench_cpu.py``; ``--help`` lists the options.
 
 For each sequence length N it checks every method against the naive NumPy
 result (the check must pass before anything is timed), warms up, times
 ``--reps`` runs and reports the median, the GFLOP/s of the flash-attn
-convention (``4 * B * H * N^2 * d`` for the forward, ``docs/testing.md``) and
+convention (``4 * B * H * N^2 * d`` for the forward) and
 the peak memory of one call:
 
 * NumPy methods: ``tracemalloc`` (NumPy reports its allocations to it): the
@@ -38,7 +38,7 @@ import tracemalloc
 
 import numpy as np
 
-from ._cliargs import Parser, int_list, nonneg_int, positive_int
+from cuflash._cliargs import Parser, int_list, nonneg_int, positive_int
 
 METHODS = ("naive numpy", "cuflash standard", "cuflash tiled", "torch sdpa")
 
@@ -167,7 +167,7 @@ def machine_info():
     except OSError:
         pass
     try:
-        from . import reference
+        from cuflash import reference
         b = reference._blas()
         info["blas"] = "OpenBLAS" if b.set is not None else "unknown (not OpenBLAS?)"
         if b.get is not None:

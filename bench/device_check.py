@@ -1,0 +1,473 @@
+"""The GPU check in one call: what a lent GPU must run, within one device call of 10 minutes.
+
+Run from the repository root of a checkout on the GPU machine (it installs nothing)::
+
+    python bench/device_check.py --out "$OUT"          # the whole check, ~6 min on an H100
+    python bench/device_check.py --backend emulator    # the same stages on a CPU, tiny sizes
+    python bench/device_check.py --status OUT/device_check.json --readme README.md
+
+Stages, each a subprocess with its own time limit inside one overall budget (``--budget-s``,
+default 540 s), its output kept in ``OUT/<stage>.log``:
+
+* ``env``: the GPU (nvidia-smi), CuPy, NVRTC, PyTorch versions, the commit;
+* ``tests``: ``pytest -m cuda`` -- every CUDA test with pytest-xdist (-n 8), else the
+  representative subset :data:`SUBSET` (one test of every kernel family);
+* ``racecheck``: compute-sanitizer's racecheck on a float16 and a float32 forward + backward;
+* ``bench``: ``python -m cuflash bench --gpu`` -- FlashAttention-2's grid against SDPA's flash,
+  cuDNN and efficient kernels (forward and forward + backward, d = 64 and 128, float16,
+  bfloat16, float32), a decode shape and the host time per call;
+* ``ncu``: Nsight Compute on flash_fwd_tc and flash_bwd_tc (float16, d = 64 and 128);
+* optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its
+  tile sweep (every block_q x block_kv the kernels accept, against the default).
+
+Everything lands in ``OUT/device_check.json`` and a table in ``OUT/device_check.md``;
+``--status`` rewrites the README's status box (between ``<!-- status:begin -->`` and
+``<!-- status:end -->``) from such a JSON.  With ``--backend emulator`` every stage runs on
+the CPU with tiny shapes (tests: a few emulator tests; racecheck and ncu: the profiled
+programs run on the emulator without the tools) -- the rehearsal CI runs.
+"""
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# one CUDA test of every kernel family (by test function), for a GPU machine without xdist
+SUBSET = [
+    "test_forward_against_oracle",               # flash_fwd_tc, flash_fwd_tf32, flash_fwd (SIMT)
+    "test_tc_backward_against_oracle",           # flash_bwd_tc
+    "test_backward_against_oracle",              # flash_bwd_dkdv / dq (SIMT), flash_bwd_tf32
+    "test_tensor_core_forward_with_features",    # flash_fwd_tc_masked, flash_fwd_tf32_masked
+    "test_tensor_core_backward_with_features",   # flash_bwd_tc_masked
+    "test_tf32_backward_with_features",          # flash_bwd_tf32_masked
+    "test_split_kv_matches_oracle",              # split-KV serving kernels and the combine
+    "test_kvcache_matches_oracle",               # KV cache (contiguous, paged, append)
+    "test_varlen_forward_backward",              # varlen batches
+    "test_online_softmax_kernel",                # online_softmax_rows
+    "test_cuda_zero_copy_on_torch_stream",       # cuflash.torch on a CUDA stream
+]
+# the rehearsal's tests: quick emulator tests, enough to show the stage's plumbing works
+REHEARSAL_TESTS = ["tests/test_errors.py", "-k", "emulator and (non_finite_scale or fewer_than)"]
+
+STAGE_CAPS = {"env": 30, "tests": 240, "racecheck": 90, "bench": 240, "ncu": 150,
+              "features": 400, "tiles": 400}
+
+RACE_CALL = """
+import sys
+import numpy as np, cuflash
+backend = sys.argv[1]
+xp = np
+if backend == "cuda":
+    import cupy as xp
+rng = np.random.default_rng(0)
+n = 200 if backend == "cuda" else 40  # rows that end mid-tile; small on the emulator
+for dtype, d in (("float16", 64), ("float32", 64)):
+    q, k, v, do = (xp.asarray(rng.standard_normal((1, 2, n, d)).astype(dtype)) for _ in range(4))
+    o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=True, backend=backend)
+if backend == "cuda":
+    xp.cuda.Device().synchronize()
+print("race call ok")
+"""
+
+NCU_CALL = """
+import sys
+import numpy as np, cuflash
+backend, d, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+xp = np
+if backend == "cuda":
+    import cupy as xp
+rng = np.random.default_rng(0)
+shape = (2, max(1, 2048 // d), n, d) if backend == "cuda" else (1, 1, n, d)
+q, k, v, do = (xp.asarray(rng.standard_normal(shape).astype(np.float16)) for _ in range(4))
+for _ in range(2):  # the second pair is the profiled one (compile and first use outside)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend=backend)
+    cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend=backend)
+if backend == "cuda":
+    xp.cuda.Device().synchronize()
+print("ncu call ok")
+"""
+
+# the Nsight Compute metrics the summary keeps (section "details" page, CSV)
+NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Registers Per Thread",
+               "Achieved Occupancy", "Theoretical Occupancy", "Dynamic Shared Memory Per Block",
+               "Executed Ipc Active", "Issue Slots Busy")
+
+
+def _run(cmd, log, timeout, env=None):
+    """Run cmd with output to log; (returncode or 'timeout', seconds)."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                               env=env)
+            rc = r.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, round(time.time() - t0, 1)
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _status(rc):
+    return "ok" if rc == 0 else ("timeout" if rc == "timeout" else f"failed (exit {rc})")
+
+
+def stage_env(ctx, timeout):
+    out = {"commit": _git("rev-parse", "--short", "HEAD"), "python": sys.version.split()[0],
+           "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if ctx.backend == "cuda" and shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=timeout)
+        out["gpu"] = r.stdout.strip().splitlines()[0] if r.stdout.strip() else r.stderr.strip()
+    else:
+        out["gpu"] = "none (emulator rehearsal)" if ctx.backend == "emulator" else "nvidia-smi not found"
+    code = ("import json, numpy\nv = {'numpy': numpy.__version__}\n"
+            "for m in ('cupy', 'torch'):\n    try:\n        v[m] = __import__(m).__version__\n"
+            "    except Exception as e:\n        v[m] = 'absent'\n"
+            "from cuflash import _nvrtc\ntry:\n    v['nvrtc'] = '.'.join(map(str, _nvrtc.version()))\n"
+            "except Exception:\n    v['nvrtc'] = 'absent'\nprint(json.dumps(v))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT, env=_env())
+    out["versions"] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-500:]}
+    out["status"] = "ok"
+    return out
+
+
+def _git(*args):
+    r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+def parse_pytest(text):
+    """Counts of the summary line ('3 failed, 590 passed, 11 skipped in 50.2s') and the FAILED ids."""
+    counts = {}
+    for line in reversed(text.strip().splitlines()):
+        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", line)
+        if found and re.search(r" in [\d.]+s", line):
+            counts = {("error" if k.startswith("error") else k): int(n) for n, k in found}
+            break
+    failed = [ln.split()[1] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    return counts, failed
+
+
+def stage_tests(ctx, timeout):
+    log = ctx.out / "tests.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+    if ctx.backend == "emulator":
+        cmd += REHEARSAL_TESTS
+        how = "rehearsal: " + " ".join(REHEARSAL_TESTS)
+    elif _importable("xdist"):
+        cmd += ["-m", "cuda", "-n", "8"]
+        how = "every CUDA test (pytest -m cuda -n 8)"
+    else:
+        cmd += ["-m", "cuda", "-k", " or ".join(SUBSET)]
+        how = "the representative subset (no pytest-xdist here)"
+    rc, secs = _run(cmd, log, timeout, _env())
+    counts, failed = parse_pytest(log.read_text(errors="replace"))
+    return {"status": _status(rc) if rc != 1 else "tests failed", "seconds": secs, "selection": how,
+            "counts": counts, "failed": failed[:50]}
+
+
+def _importable(name):
+    r = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True)
+    return r.returncode == 0
+
+
+def stage_racecheck(ctx, timeout):
+    script = ctx.out / "race_call.py"
+    script.write_text(RACE_CALL)
+    log = ctx.out / "racecheck.log"
+    if ctx.backend == "cuda":
+        tool = shutil.which("compute-sanitizer")
+        if tool is None:
+            return {"status": "skipped: compute-sanitizer not found"}
+        cmd = [tool, "--tool", "racecheck", "--error-exitcode", "3", sys.executable, str(script), "cuda"]
+    else:
+        cmd = [sys.executable, str(script), "emulator"]
+    rc, secs = _run(cmd, log, timeout, _env())
+    text = log.read_text(errors="replace")
+    m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    out = {"status": _status(rc), "seconds": secs, "call_ok": "race call ok" in text}
+    if m:
+        out.update(hazards=int(m.group(1)), errors=int(m.group(2)), warnings=int(m.group(3)))
+    elif ctx.backend == "emulator":
+        out["note"] = "the call ran on the emulator; racecheck needs a GPU (the test suite races the emulator)"
+    return out
+
+
+def bench_command(ctx, json_path):
+    cmd = [sys.executable, "-m", "cuflash", "bench", "--gpu", "--sections", "grid,decode,host",
+           "--plot", "", "--json", str(json_path)]
+    if ctx.backend == "emulator":
+        return cmd + ["--backend", "emulator", "--dtypes", "float16,float32", "--dims", "16",
+                      "--seqlens", "32", "--causal", "no", "--modes", "fwd,fwdbwd",
+                      "--decode-nk", "32"]
+    dtypes = "float16,bfloat16,float32" if _importable("ml_dtypes") else "float16,float32"
+    # 20 ms repeats: at the default 50 ms the 48 grid cases took past 240 s on an H200
+    return cmd + ["--dtypes", dtypes, "--dims", "64,128", "--seqlens", "4096,16384",
+                  "--causal", "both", "--modes", "fwd,fwdbwd", "--decode-nk", "8192",
+                  "--target-ms", "20"]
+
+
+def summarize_bench(res):
+    """Rows of the grid (cuflash, FA2, cuDNN, efficient TFLOP/s and time ratios), the decode rows
+    and the host time, from the benchmark's JSON."""
+    def tf(m):
+        return float(f"{m['tflops']:.4g}") if m and m.get("tflops") else None
+
+    rows = []
+    for c in res.get("cases", []):
+        ms = c["methods"]
+        mine = ms.get("cuflash tiled", {})
+        row = {"section": c["section"], "dtype": c["dtype"], "d": c["d"], "causal": c["causal"],
+               "mode": c["mode"], "Nq": c["Nq"], "Nk": c["Nk"], "B": c["B"], "H": c["H"],
+               "cuflash": tf(mine), "cuflash_ms": mine.get("ms"),
+               "sdpa_flash": tf(ms.get("sdpa flash")), "sdpa_cudnn": tf(ms.get("sdpa cudnn")),
+               "sdpa_efficient": tf(ms.get("sdpa efficient"))}
+        for other in ("sdpa flash", "sdpa cudnn", "sdpa efficient"):
+            o = ms.get(other, {})
+            if mine.get("ms") and o.get("ms"):
+                row["time_vs_" + other.split()[1]] = round(mine["ms"] / o["ms"], 3)
+        rows.append(row)
+    return {"rows": rows, "host_time": res.get("host_time", []), "device": res.get("device", {}),
+            "checks_failed": [c for c in res.get("checks", []) if c.get("status") not in ("passed", "n/a")]}
+
+
+def stage_bench(ctx, timeout):
+    jp = ctx.out / "bench.json"
+    rc, secs = _run(bench_command(ctx, jp), ctx.out / "bench.log", timeout, _env())
+    out = {"status": _status(rc), "seconds": secs}
+    if jp.exists():
+        out.update(summarize_bench(json.loads(jp.read_text())))
+    return out
+
+
+def parse_ncu_csv(text):
+    """{kernel: {metric: value}} for NCU_METRICS from ``ncu --csv --page details`` output."""
+    start = text.find('"ID"')
+    if start < 0:
+        return {}
+    out = {}
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        name, metric = row.get("Kernel Name", ""), row.get("Metric Name", "")
+        if metric in NCU_METRICS:
+            kernel = name.split("(")[0].strip()
+            unit = row.get("Metric Unit", "")
+            out.setdefault(kernel, {})[metric] = (row.get("Metric Value", "") + (" " + unit if unit else "")).strip()
+    return out
+
+
+def stage_ncu(ctx, timeout):
+    script = ctx.out / "ncu_call.py"
+    script.write_text(NCU_CALL)
+    out = {"kernels": {}}
+    tool = shutil.which("ncu") if ctx.backend == "cuda" else None
+    t0 = time.time()
+    for d in (64, 128):
+        left = timeout - (time.time() - t0)
+        log = ctx.out / f"ncu_d{d}.log"
+        if tool:
+            cmd = [tool, "--csv", "--page", "details", "--kernel-name", "regex:flash_(fwd|bwd)_tc$",
+                   "--launch-skip", "2", "--launch-count", "2", "--section", "SpeedOfLight",
+                   "--section", "Occupancy", "--section", "LaunchStats", "--section",
+                   "ComputeWorkloadAnalysis", sys.executable, str(script), "cuda", str(d), "4096"]
+        else:
+            cmd = [sys.executable, str(script), ctx.backend, str(d), "32" if ctx.backend == "emulator" else "4096"]
+        rc, _ = _run(cmd, log, max(5, left), _env())
+        out[f"d{d}"] = _status(rc)
+        for k, v in parse_ncu_csv(log.read_text(errors="replace")).items():
+            out["kernels"][f"{k} d={d}"] = v
+    out["seconds"] = round(time.time() - t0, 1)
+    bad = [v for k, v in out.items() if k.startswith("d") and v != "ok"]
+    out["status"] = "ok" if not bad else bad[0]
+    if not tool:
+        out["note"] = ("ncu not found: the profiled program ran without it" if ctx.backend == "cuda"
+                       else "the profiled program ran on the emulator; Nsight Compute needs a GPU")
+    return out
+
+
+def _bench_section(ctx, timeout, name, extra):
+    """An optional benchmark section, run as the harness runs it (its table in OUT/<name>.md)."""
+    jp = ctx.out / f"{name}.json"
+    cmd = [sys.executable, "-m", "cuflash", "bench", "--gpu", "--plot", "", "--json", str(jp)] + extra
+    if ctx.backend == "emulator":
+        cmd += ["--backend", "emulator"]
+    rc, secs = _run(cmd, ctx.out / f"{name}.md", timeout, _env())
+    return {"status": _status(rc), "seconds": secs, "json": jp.name if jp.exists() else None}
+
+
+def stage_features(ctx, timeout):
+    """Each logit feature against the plain call, and the window widths (float16, float32)."""
+    dims = "64,128" if ctx.backend == "cuda" else "16"
+    return _bench_section(ctx, timeout, "features", ["--sections", "features", "--dtypes",
+                          "float16,float32", "--dims", dims, "--modes", "fwd,fwdbwd"])
+
+
+def stage_tiles(ctx, timeout):
+    """Every block_q x block_kv the forward's and backward's kernels accept, against the default."""
+    dims = "64,128" if ctx.backend == "cuda" else "16"
+    return _bench_section(ctx, timeout, "tiles", ["--sections", "tiles", "--dtypes", "float16,float32",
+                          "--dims", dims, "--causal", "no", "--modes", "fwd,bwd"])
+
+
+STAGES = {"env": stage_env, "tests": stage_tests, "racecheck": stage_racecheck,
+          "bench": stage_bench, "ncu": stage_ncu, "features": stage_features, "tiles": stage_tiles}
+DEFAULT_STAGES = ("env", "tests", "racecheck", "bench", "ncu")
+
+
+def render_markdown(res):
+    """The check as a Markdown report."""
+    env = res["stages"].get("env", {})
+    lines = [f"# Device check: {env.get('gpu', '?')}, {env.get('when', '?')}, commit {env.get('commit', '?')}",
+             "", f"Command: `{res['command']}`; versions: {json.dumps(env.get('versions', {}))}", "",
+             "| stage | status | seconds |", "|---|---|---:|"]
+    for name, st in res["stages"].items():
+        lines.append(f"| {name} | {st.get('status', '?')} | {st.get('seconds', '')} |")
+    t = res["stages"].get("tests")
+    if t:
+        lines += ["", f"**Tests** ({t.get('selection', '')}): {_counts(t.get('counts', {}))}"]
+        lines += [f"- FAILED {f}" for f in t.get("failed", [])]
+    r = res["stages"].get("racecheck")
+    if r:
+        lines += ["", "**Racecheck**: " + (f"{r['hazards']} hazards, {r['errors']} errors"
+                                            if "hazards" in r else r.get("note", r.get("status", "")))]
+    b = res["stages"].get("bench")
+    if b and b.get("rows"):
+        lines += ["", "**Benchmark** (TFLOP/s, flash-attn convention; time ratios below 1: cuflash faster)",
+                  "", "| section | dtype | d | causal | mode | B x H | N | cuflash | SDPA flash (FA2) | "
+                  "SDPA cuDNN | SDPA efficient | time / FA2 | time / cuDNN |",
+                  "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for w in b["rows"]:
+            n = w["Nq"] if w["Nq"] == w["Nk"] else f"{w['Nq']}x{w['Nk']}"
+            lines.append(f"| {w['section']} | {w['dtype']} | {w['d']} | {'yes' if w['causal'] else 'no'} | "
+                         f"{w['mode']} | {w['B']} x {w['H']} | {n} | {_f(w['cuflash'])} | "
+                         f"{_f(w['sdpa_flash'])} | {_f(w['sdpa_cudnn'])} | {_f(w['sdpa_efficient'])} | "
+                         f"{_f(w.get('time_vs_flash'))} | {_f(w.get('time_vs_cudnn'))} |")
+        if b.get("host_time"):
+            lines += ["", "**Host time per call** (no synchronisation between calls)", "",
+                      "| method | mode | dtype | us per call |", "|---|---|---|---:|"]
+            lines += [f"| {h.get('method')} | {h.get('mode')} | {h.get('dtype')} | "
+                      f"{_f(h.get('us_per_call') and round(h['us_per_call'], 1))} |"
+                      for h in b["host_time"]]
+    n = res["stages"].get("ncu")
+    if n and n.get("kernels"):
+        metrics = [m for m in NCU_METRICS if any(m in v for v in n["kernels"].values())]
+        lines += ["", "**Nsight Compute**", "", "| kernel | " + " | ".join(metrics) + " |",
+                  "|---|" + "---|" * len(metrics)]
+        for k, v in n["kernels"].items():
+            lines.append(f"| {k} | " + " | ".join(v.get(m, "") for m in metrics) + " |")
+    elif n:
+        lines += ["", "**Nsight Compute**: " + n.get("note", n.get("status", ""))]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x):
+    return "n/a" if x is None else f"{x:g}"
+
+
+def _counts(c):
+    return ", ".join(f"{n} {k}" for k, n in c.items()) or "no summary line"
+
+
+def status_box(res):
+    """The README status box (between the markers) from a check's JSON."""
+    env = res["stages"].get("env", {})
+    t = res["stages"].get("tests", {})
+    r = res["stages"].get("racecheck", {})
+    rows = res["stages"].get("bench", {}).get("rows", [])
+    lines = ["| | |", "|---|---|",
+             f"| Last device check | {env.get('gpu', '?')}, {env.get('when', '?')}, commit "
+             f"{env.get('commit', '?')} (`python bench/device_check.py`) |",
+             f"| CUDA tests | {_counts(t.get('counts', {}))} ({t.get('selection', 'not run')}) |"]
+    if "hazards" in r:
+        lines.append(f"| Racecheck | {r['hazards']} hazards, {r['errors']} errors |")
+    for dtype in ("float16", "bfloat16", "float32"):
+        for mode in ("fwd", "fwdbwd"):
+            ratios = [w.get("time_vs_flash" if dtype != "float32" else "time_vs_efficient")
+                      for w in rows if w["section"] == "grid" and w["dtype"] == dtype and w["mode"] == mode]
+            ratios = [x for x in ratios if x is not None]
+            if ratios:
+                other = "SDPA efficient" if dtype == "float32" else "FlashAttention-2 (SDPA flash)"
+                lines.append(f"| {dtype} {'forward' if mode == 'fwd' else 'forward + backward'} | "
+                             f"{min(ratios):.2f}-{max(ratios):.2f}x the time of {other} |")
+    if env.get("gpu", "").startswith("none"):
+        lines.append("| Speed | not measured: an emulator rehearsal (no GPU) |")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- status:begin -->", "<!-- status:end -->"
+
+
+def rewrite_status(readme_text, res):
+    """readme_text with the lines between the status markers replaced by the box of res."""
+    i, j = readme_text.find(BEGIN), readme_text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"no {BEGIN} ... {END} block in the README")
+    return readme_text[:i + len(BEGIN)] + "\n" + status_box(res) + "\n" + readme_text[j:]
+
+
+def run_check(backend, out, budget_s, stages):
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = argparse.Namespace(backend=backend, out=out)
+    deadline = time.time() + budget_s
+    res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "backend": backend,
+           "budget_s": budget_s, "stages": {}}
+    for i, name in enumerate(stages):
+        later = sum(min(20, STAGE_CAPS[s]) for s in stages[i + 1:])
+        timeout = min(STAGE_CAPS[name], max(5, deadline - time.time() - later))
+        print(f"== {name} (limit {timeout:.0f} s)", flush=True)
+        try:
+            res["stages"][name] = STAGES[name](ctx, timeout)
+        except Exception as e:  # a broken stage must not lose the others' results
+            res["stages"][name] = {"status": f"error: {type(e).__name__}: {e}"}
+        print(f"   {res['stages'][name].get('status')}", flush=True)
+        (out / "device_check.json").write_text(json.dumps(res, indent=1))
+    (out / "device_check.md").write_text(render_markdown(res))
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="bench/device_check.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("cuda", "emulator"), default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT") or "device_check_out",
+                   help="output folder (default: $OUT, else ./device_check_out)")
+    p.add_argument("--budget-s", type=float, default=540, help="all stages together (default 540)")
+    p.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                   help=f"comma-separated, of {','.join(STAGES)} (default: "
+                   f"{','.join(DEFAULT_STAGES)}; features and tiles are the optional benchmark "
+                   "sections, minutes each on a GPU)")
+    p.add_argument("--status", metavar="JSON", help="rewrite the README's status box from this JSON")
+    p.add_argument("--readme", default=str(ROOT / "README.md"), help="README to rewrite with --status")
+    a = p.parse_args(argv)
+    if a.status:
+        res = json.loads(Path(a.status).read_text())
+        path = Path(a.readme)
+        path.write_text(rewrite_status(path.read_text(), res))
+        print(f"status box of {path} rewritten from {a.status}")
+        return 0
+    stages = [s for s in a.stages.split(",") if s]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        p.error(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
+    res = run_check(a.backend, Path(a.out), a.budget_s, stages)
+    print((Path(a.out) / "device_check.md").read_text())
+    failed = [n for n, s in res["stages"].items() if s.get("status") != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Launching the 16-bit tensor-core backward (``flash_bwd_tc.cu``), with or without the features.
+
+float16/bfloat16 with head dims that are multiples of 16 on sm_80+ (the
+planner's choice, :func:`cuflash.tiling.plan_flash_bwd`) run three kernels:
+
+1. ``flash_bwd_tc_preprocess``: ``D = rowsum(dO * O)`` and ``lse * log2(e)``
+   into a float32 workspace, zeroing the float32 dQ accumulator(s);
+2. ``flash_bwd_tc`` (``flash_bwd_tc_masked`` with the logit features: the same
+   source with ``-DCUFLASH_MASKS``, which also writes dbias): dK, dV in
+   registers, dQ by float32 reds -- one block per (KV tile, kv head, batch) on
+   the atomic path, or ``n_splits`` blocks per (kv head, batch) with one
+   accumulator slice each when ``deterministic=True`` (:func:`dq_splits`);
+3. ``flash_bwd_tc_dq_convert``: dQ = scale * (sum of the slices, in order).
+
+The helpers (1, 3) are one module per (dtype, d, dv), shared by both variants;
+the main kernel is compiled per plan.
+"""
+import numpy as np
+
+from .. import kernels, tiling
+from .common import (aligned16, aligned_copies, alloc_output, array_key, cached_call,
+                     flatten_lead, fold_grid, grad_shapes, kv_heads_for_kernel, launch,
+                     pointer_arg, problem_dims, sum_back)
+from .features import DEFINES, Prepared, prepared_key
+
+__all__ = ["build", "requests", "dq_splits"]
+
+_FILE = "flash_bwd_tc.cu"
+# flash_bwd_tc_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
+# emulator (which starts the block's threads for every block) only a few
+_CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
+
+
+def requests(plan):
+    """``(file, kernel, defines, shared_bytes)`` of the three kernels of a plan: the helpers'
+    module (dtype, d, dv) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked)."""
+    main = kernels.plan_defines(plan)
+    main["CUFLASH_BWD_TC_MAIN"] = None
+    if plan.kernel == "flash_bwd_tc_masked":
+        main.update(DEFINES)
+    helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
+               "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BWD_TC_HELPERS": None}
+    return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
+            (_FILE, plan.kernel, main, plan.shared_bytes),
+            (_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
+
+
+def _concurrent_blocks(runtime, plan):
+    """Blocks of flash_bwd_tc that run at once: SMs x blocks per SM (the dQ split model).
+
+    GPU: the multiprocessor count times what shared memory and a full register file
+    (255 registers per thread) allow, at least 1.  Emulator: a nominal 4, so that the
+    small test shapes run several KV tiles per split.
+    """
+    if runtime.name != "cuda":
+        return 4
+    per_sm = min(max(1, runtime.smem_limit // max(plan.shared_bytes, 1)),
+                 max(1, 65536 // (255 * plan.threads)))
+    return runtime.num_sms * per_sm
+
+
+def dq_splits(runtime, plan, n_kv_tiles, problems, deterministic):
+    """dQ accumulator slices of a tensor-core backward call (1 on the atomic path)."""
+    if not deterministic:
+        return 1
+    return tiling.bwd_dq_splits(n_kv_tiles, problems, _concurrent_blocks(runtime, plan))
+
+
+def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
+    """The prepared backward: ``run(do, q, k, v, o, lse, f) -> (dq, dk, dv[, dbias])``.
+
+    ``plan`` is the main kernel's (flash_bwd_tc, or flash_bwd_tc_masked for a call
+    with features, ``ms`` its MaskSpec); the call has rows, keys and problems
+    (the caller serves the empty ones).
+    """
+    xp = runtime.xp
+    dtype, acc = spec.dtype, np.dtype(np.float32)
+    Nq, Nk, d, lead = spec.Nq, spec.Nk, spec.d, spec.lead
+    B, H = problem_dims(lead)
+    Hk, group = kv_heads_for_kernel(spec)
+    want, summed, alloc_shape = grad_shapes(spec, q, k, v, Hk)
+    grouped = group > 1
+    groups_of = (False, grouped, grouped, False, False)
+    flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
+    strides = [st for _, st in flat]
+    copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
+    qs, ks, vs, os_, dos = strides
+    bq, bkv = plan.block_q, plan.block_kv
+    n_q_tiles, n_kv_tiles = -(-Nq // bq), -(-Nk // bkv)
+    nq_pad = n_q_tiles * bq
+    n_splits = dq_splits(runtime, plan, n_kv_tiles, B * Hk, deterministic)
+    n_kv_blocks = n_splits if deterministic else n_kv_tiles
+    n_rows = B * H * Nq
+    rows_pad = B * H * nq_pad
+    ws_size = 2 * rows_pad + n_splits * n_rows * d  # lse2, D, then the dQ accumulator slices
+    # preprocess: a GPU gets blocks of 64 rows; the emulator (which starts every block's
+    # threads) one block per head
+    pre_rows = 64 if runtime.name == "cuda" else nq_pad
+    n_pre = -(-nq_pad // pre_rows)
+    feats = Prepared(runtime, spec, ms, acc)
+    params = feats.params("BwdParams", dict(
+        q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
+        v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
+        o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, head_d=d, head_dv=spec.dv,
+        dq_accum_offset=2 * rows_pad, scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
+        causal=int(spec.causal is not None),
+        causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
+        pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
+        d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
+        n_kv_blocks=n_kv_blocks))
+    what = f"the backward (Nq={Nq}, Nk={Nk})"
+    pre_grid = fold_grid(n_pre, H, B, what)
+    main_grid = fold_grid(n_kv_blocks, Hk, B, what)
+    conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),
+                             _CONVERT_BLOCKS.get(runtime.name, 4)))
+    pre, main, conv = kernels.get_functions(runtime, requests(plan))
+    rt_name = runtime.name
+    emulator = rt_name == "emulator"
+    back = sum_back(xp, acc, dtype, want, summed)
+
+    def run(do, q, k, v, o, lse, f=None):
+        ins = [q, k, v, o, do]
+        for i, c in enumerate(copies):
+            if c:
+                ins[i] = flatten_lead(runtime, ins[i], lead, groups_of[i])[0]
+        if not all(aligned16(x, st) for x, st in zip(ins, strides)):
+            # rows that cp.async / 16-byte loads cannot read aligned (a rare view):
+            # contiguous copies, prepared once per layout
+            return _misaligned(runtime, spec, ms, plan, ins, lse, deterministic, f)
+        if emulator:
+            ins = [pointer_arg(runtime, x) for x in ins]
+        q_, k_, v_, o_, do_ = ins
+        if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+            lse = xp.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
+        extra = feats.args(f)
+        p = params(f)
+        dq = alloc_output(xp, alloc_shape["dq"], dtype, "dq")
+        dk = alloc_output(xp, alloc_shape["dk"], dtype, "dk")
+        dv_ = alloc_output(xp, alloc_shape["dv"], dtype, "dv")
+        ws = alloc_output(xp, (ws_size,), np.float32,
+                          "workspace: lse2, D, float32 dQ accumulator(s)")
+        db = feats.dbias_args()
+        launch(rt_name, pre, "flash_bwd_tc_preprocess", pre_grid, (tiling.BWD_TC_PRE_THREADS,),
+               (o_, do_, lse, ws, p), 0)
+        launch(rt_name, main, plan.kernel, main_grid, (plan.threads,),
+               (q_, k_, v_, do_, ws, dk, dv_, p) + extra + db, plan.shared_bytes)
+        launch(rt_name, conv, "flash_bwd_tc_dq_convert", (conv_blocks,),
+               (tiling.BWD_TC_CONVERT_THREADS,), (ws, dq, p), 0)
+        return (back(dq, "dq"), back(dk, "dk"), back(dv_, "dv")) + feats.dbias_result(db)
+    return run
+
+
+def _misaligned(runtime, spec, ms, plan, ins, lse, deterministic, f):
+    """Inputs whose rows 16-byte copies cannot read aligned: run on contiguous copies."""
+    q, k, v, o, do = aligned_copies(runtime.xp, ins)
+    key = ("bwd_tc-aligned", spec, prepared_key(ms), plan.kernel, plan.block_q, plan.block_kv,
+           deterministic) + array_key(q, k, v, o, do)
+    run = cached_call(runtime, key,
+                      lambda: build(runtime, spec, ms, plan, do, q, k, v, o, deterministic))
+    return run(do, q, k, v, o, lse, f)
