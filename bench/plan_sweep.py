@@ -17,7 +17,8 @@ dropped, conditionals on the groups' defines resolved: :func:`source_hash`) and,
 a short digest of its options and the most registers of its kernels.  tests/test_curated_plans.py
 (CI) compiles every curated plan of a group whose record is not of the current sources, NVRTC
 and options (all of them with ``CUFLASH_PLAN_CHECK=all``), and takes the record's word for the
-rest: after a kernel edit, CI compiles the affected groups until the record is rewritten.
+rest, of which it compiles a sample (:func:`sample_jobs`) that must match it: after a kernel
+edit, CI compiles the affected groups until the record is rewritten.
 
 ``--candidates`` compiles every tile pair that the planner's formulas allow in one cell (for a
 person choosing the cell's alternatives), without recording anything.
@@ -131,6 +132,29 @@ def group_jobs(group):
                 job = Job(group, f"{group} {dtype} sm_{arch}", {kernels.dtype_define(dtype): None},
                           arch)
                 jobs[job.key] = job
+    return sorted(jobs.values(), key=lambda j: j.key)
+
+
+def sample_jobs(group):
+    """A few of ``group``'s compiles, which the tests compile on every run to hold the record
+    to the installed NVRTC: per table, dtype class and architecture class, the default of the
+    largest head-dim class (the most registers); the helpers at 256/256, online_softmax all."""
+    if group == "online_softmax":
+        return group_jobs(group)
+    if group == "flash_bwd_tc_helpers":
+        return [j for j in group_jobs(group) if " 256/256 " in j.key]
+    jobs = {}
+    for kernel in GROUPS[group][2]:
+        classes = []   # one dtype of each dtype class (the dtypes of one grid)
+        for dtype, grid in curated.CURATED[kernel].items():
+            if all(grid != g for _, g in classes):
+                classes.append((dtype, grid))
+        for dtype, grid in classes:
+            c = max(grid)
+            for arch_class, pairs in grid[c].items():
+                if pairs:
+                    job = _plan_job(group, kernel, dtype, c, pairs[0], arch_class, False)
+                    jobs.setdefault(job.key, job)
     return sorted(jobs.values(), key=lambda j: j.key)
 
 

@@ -10,8 +10,9 @@
   SpillError naming the curated plans of its cell.
 * The compile check: every curated plan compiled with NVRTC (bench/plan_sweep.py) without
   local memory.  A group whose record (bench/results/plan_sweep.json) is of the current
-  sources, NVRTC and options is taken from the record; the others are compiled here
-  (``CUFLASH_PLAN_CHECK=all``: every group, ignoring the record).
+  sources, NVRTC and options is taken from the record, a sample of it compiled here to match
+  it; the others are compiled here (``CUFLASH_PLAN_CHECK=all``: every group, ignoring the
+  record).  One family after a kernel edit: ``-k flash_fwd_tc`` (its plain and masked groups).
 """
 import importlib.util
 import json
@@ -357,6 +358,37 @@ def test_spill_error_names_the_curated_plans(_fresh_checks):
     assert (rt.device_key, "flash_bwd_tc", opts) in kernels._CHECKED
 
 
+@pytest.mark.skipif(not _nvrtc.is_available()[0], reason="NVRTC not available")
+def test_spill_error_from_nvrtc_output(_fresh_checks):
+    """Explicit tiles the size formulas take but ptxas spills (flash_fwd_tc_masked float16
+    d = 96, 64 x 64 on sm_80): the plan is honoured, and check_compiled, fed the local memory
+    NVRTC's ptxas reports for the launch's options (CuPy's local_size_bytes is the stack frame,
+    spill slots included), refuses to run it, naming the curated plans of the cell."""
+    rt = _FakeRuntime(LIMITS["sm_80"])
+    p = tiling.plan("flash_fwd_tc_masked", 96, 96, "float16", 64, 64, limit=rt.smem_limit)
+    assert p.chosen == "explicit" and (64, 64) not in curated.cell("flash_fwd_tc_masked", "float16",
+                                                                   96, "sm_80")
+    opts = kernels.build_options(dict(kernels.plan_defines(p), CUFLASH_MASKS=None))
+    res = _nvrtc.compile((ROOT / "kernels_cu" / "flash_fwd_tc.cu").read_text(), "flash_fwd_tc.cu",
+                         ["-arch=sm_80", "--ptxas-options=-v", *opts])
+    info = _nvrtc.parse_ptxas_info(res.log)["flash_fwd_tc_masked"]
+    assert info["spill_stores"] > 0 and info["stack_frame"] > 0
+    with pytest.raises(kernels.SpillError) as e:
+        kernels.check_compiled(rt, _FakeFunction(info["stack_frame"]), "flash_fwd_tc_masked", opts)
+    msg = str(e.value)
+    assert f"{info['stack_frame']} bytes of local memory" in msg and "CUFLASH_BLOCK_Q=64" in msg
+    assert ("curated plans of flash_fwd_tc_masked for float16 at head dims 96/96" in msg
+            and "(128, 32) (the default), (64, 32), (32, 32) (curated for sm_80)" in msg)
+    # the cell's default, compiled the same way, has no local memory: nothing raised
+    d = tiling.plan("flash_fwd_tc_masked", 96, 96, "float16", limit=rt.smem_limit)
+    dopts = kernels.build_options(dict(kernels.plan_defines(d), CUFLASH_MASKS=None))
+    res = _nvrtc.compile((ROOT / "kernels_cu" / "flash_fwd_tc.cu").read_text(), "flash_fwd_tc.cu",
+                         ["-arch=sm_80", "--ptxas-options=-v", *dopts])
+    local = _nvrtc.parse_ptxas_info(res.log)["flash_fwd_tc_masked"]["stack_frame"]
+    assert local == 0
+    kernels.check_compiled(rt, _FakeFunction(local), "flash_fwd_tc_masked", dopts)
+
+
 def test_no_error_points_at_files_a_wheel_lacks():
     """What the planner and the kernels module raise names no repository file (a wheel ships
     neither bench/ nor tests/)."""
@@ -387,6 +419,23 @@ def test_curated_plans_compile_without_local_memory(group):
                if SWEEP.bad(info)]
     assert not failing, (f"{len(failing)} of {len(todo)} compiles use local memory or fail; "
                          f"edit their cells in cuflash/tiling/curated.py: {failing[:20]}")
+
+
+@pytest.mark.skipif(not ok, reason=f"NVRTC not available: {why}")
+@pytest.mark.parametrize("group", sorted(SWEEP.GROUPS))
+def test_record_matches_a_fresh_compile(group):
+    """A sample of the group's compiles (the default of the largest head-dim class per dtype
+    class and architecture class) compiles clean here, with the registers the record holds
+    where the record is of these sources and this NVRTC: the record's word stays checked."""
+    jobs = SWEEP.sample_jobs(group)
+    assert jobs and {j.key for j in jobs} <= {j.key for j in SWEEP.group_jobs(group)}
+    rec = SWEEP.load_record()["groups"].get(group)
+    current = (rec is not None and rec["source_hash"] == SWEEP.group_hash(group)
+               and rec["nvrtc"] == SWEEP.nvrtc_version())
+    for key, digest, info, _ in SWEEP.compile_all(jobs, progress=False):
+        assert SWEEP.bad(info) is None, (key, SWEEP.bad(info))
+        if current:
+            assert rec["rows"].get(digest) == max(f["registers"] for f in info.values()), key
 
 
 def test_check_rule_sees_spills_and_stack_frames():
