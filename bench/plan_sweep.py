@@ -6,19 +6,20 @@ block_kv) pair of every cell is compiled, with the options a launch uses
 compiled for (sm_75, sm_80 for sm_80 and sm_86, sm_90), in every module that launches it --
 a *group*: a kernel file with the defines of one build (the serving and feature builds of
 flash_fwd.cu, the main kernels of flash_bwd_tc.cu, ...), the tensor-core groups also in their
-padded build (``-DCUFLASH_HEAD_DIMS_PADDED``, the build of calls with d != dv).  ptxas' report
+padded build of each cell's default (``-DCUFLASH_HEAD_DIMS_PADDED``, the build of calls with
+d != dv).  ptxas' report
 (``--ptxas-options=-v``) must show no spill stores or loads and no stack frame for any kernel
 of the module.  Besides the tables: flash_bwd_tc.cu's helper kernels at every (dtype, d, dv)
-they take, and online_softmax.cu per dtype.  No GPU needed; 0.2-6 s per compile.
+they take, and online_softmax.cu per dtype.  No GPU needed; 0.1-2 s per compile.
 
 ``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
 version, a hash of the group's sources (its kernel file and the headers it includes, comments
 dropped, conditionals on the groups' defines resolved: :func:`source_hash`) and, per compile,
 a short digest of its options and the most registers of its kernels.  tests/test_curated_plans.py
-(CI) compiles every curated plan of a group whose record is not of the current sources, NVRTC
-and options (all of them with ``CUFLASH_PLAN_CHECK=all``), and takes the record's word for the
-rest, of which it compiles a sample (:func:`sample_jobs`) that must match it: after a kernel
-edit, CI compiles the affected groups until the record is rewritten.
+(CI) takes the record's word for the compiles it vouches for (of the current sources, NVRTC and
+options), of which it compiles a sample (:func:`sample_jobs`) that must match it, and compiles
+the defaults (``Job.default``) among the others; ``CUFLASH_PLAN_CHECK=all`` compiles every
+one, ignoring the record.  After a kernel edit: ``--groups <its groups> --write``.
 
 ``--candidates`` compiles every tile pair that the planner's formulas allow in one cell (for a
 person choosing the cell's alternatives), without recording anything.
@@ -72,10 +73,12 @@ TC_DIMS = tuple(range(16, 257, 16))
 
 
 class Job:
-    """One compile: a group's kernel file for ``arch`` with ``defines`` (name -> value or None)."""
+    """One compile: a group's kernel file for ``arch`` with ``defines`` (name -> value or None).
+    ``default``: a compile that calls without tiles launch (a cell's default, the serving
+    kernel's decoding tiles, the helpers), which the tests compile even without a record."""
 
-    def __init__(self, group, key, defines, arch):
-        self.group, self.key, self.arch = group, key, arch
+    def __init__(self, group, key, defines, arch, default=True):
+        self.group, self.key, self.arch, self.default = group, key, arch, default
         self.defines = dict(GROUPS[group][1], **defines)
         self.options = (f"-arch=sm_{arch}", "--ptxas-options=-v",
                         *kernels.build_options(self.defines))
@@ -92,31 +95,40 @@ def _pad_step(kernel):
     return 32 if kernel.startswith("flash_bwd_tf32") else 16
 
 
-def _plan_job(group, kernel, dtype, c, pair, arch_class, padded):
+def _plan_job(group, kernel, dtype, c, pair, arch_class, padded, default=True):
     """The Job of one curated pair (``padded``: the padded build, for calls with d < dv)."""
     step = _pad_step(kernel)
     plan = tiling.plan(kernel, c - step if padded else c, c, dtype, *pair,
                        limit=tiling.EMULATOR_ARCHES[arch_class], limit_source=arch_class)
     arch = curated.COMPILED_FOR[arch_class]
     key = (f"{group} {dtype} {c} {pair[0]}x{pair[1]} sm_{arch}" + (" padded" if padded else ""))
-    return Job(group, key, kernels.plan_defines(plan), arch)
+    return Job(group, key, kernels.plan_defines(plan), arch, default)
 
 
 def group_jobs(group):
-    """Every compile of ``group``, without duplicates (sm_86's and sm_80's cells share sm_80)."""
+    """Every compile of ``group``, without duplicates (sm_86's and sm_80's cells share sm_80).
+
+    Each curated pair in the build of calls with d == dv; the padded build (calls with d !=
+    dv on the tensor cores) of each cell's default -- explicit tiles there are checked when
+    compiled on a GPU (``kernels.check_compiled``).  The serving groups' pairs are all
+    defaults: the serving kernel chooses its decoding tiles among them by the query rows."""
     fname, _, tables = GROUPS[group]
+    serving = "CUFLASH_FWD_SERVING" in GROUPS[group][1]
     jobs = {}
     for kernel in tables:
         t = tiling.kernel_tiling(kernel)
         for dtype, grid in curated.CURATED[kernel].items():
             for c, row in grid.items():
-                # the padded build too where a call with d != dv compiles for c
-                pads = (False, True) if t.pad_define and c > _pad_step(kernel) else (False,)
+                padded = t.pad_define is not None and c > _pad_step(kernel)
                 for arch_class, pairs in row.items():
-                    for pair in pairs:
-                        for padded in pads:
-                            job = _plan_job(group, kernel, dtype, c, pair, arch_class, padded)
-                            jobs.setdefault(job.key, job)
+                    for i, pair in enumerate(pairs):
+                        for pad in ((False, True) if padded and i == 0 else (False,)):
+                            job = _plan_job(group, kernel, dtype, c, pair, arch_class, pad,
+                                            serving or i == 0)
+                            if job.key in jobs:
+                                jobs[job.key].default |= job.default
+                            else:
+                                jobs[job.key] = job
     if group == "flash_bwd_tc_helpers":  # the helpers' module: dtype, d and dv only
         for dtype in tiling.TC_DTYPES:
             for d in TC_DIMS:
@@ -322,7 +334,8 @@ def nvrtc_version():
 
 
 def load_record():
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"groups": {}}
+    rec = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    return rec if "groups" in rec else {"groups": {}}
 
 
 def unrecorded(group, jobs, record=None):
@@ -401,40 +414,47 @@ def main(argv=None):
     jobs = [j for js in todo.values() for j in js]
     print(f"{len(jobs)} compiles (NVRTC {nvrtc_version()}, {args.jobs} jobs)", file=sys.stderr)
     t0 = time.perf_counter()
-    results = compile_all(jobs, args.jobs)
-    seconds = time.perf_counter() - t0
-    by_key = {key: (digest, info) for key, digest, info, _ in results}
-    cpu = {key: c for key, _, _, c in results}
-    failing = 0
-    print(f"{'group':26s} {'compiles':>8s} {'CPU s':>7s} {'max regs':>8s}  failing")
-    for g, js in todo.items():
+    failing, n, cpu_all = 0, 0, 0.0
+    print(f"{'group':26s} {'compiles':>8s} {'wall s':>7s} {'CPU s':>7s} {'max regs':>8s}  failing",
+          flush=True)
+    for g, js in todo.items():   # group by group, each recorded as soon as it is compiled
+        tg = time.perf_counter()
+        results = compile_all(js, args.jobs)
+        by_key = {key: (digest, info) for key, digest, info, _ in results}
+        cpu = sum(c for _, _, _, c in results)
         infos = [by_key[j.key][1] for j in js]
         fails = [(j.key, bad(i)) for j, i in zip(js, infos) if bad(i)]
-        failing += len(fails)
+        failing, n, cpu_all = failing + len(fails), n + len(js), cpu_all + cpu
         regs = [f["registers"] for i in infos for f in i.values() if isinstance(f, dict)]
-        print(f"{g:26s} {len(js):8d} {sum(cpu[j.key] for j in js):7.0f} {max(regs, default=0):8d}  "
-              f"{len(fails)}")
+        print(f"{g:26s} {len(js):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
+              f"{max(regs, default=0):8d}  {len(fails)}", flush=True)
         for key, why in fails:
-            print(f"    {key}: {why}")
-    print(f"{len(results)} compiles in {seconds:.0f} s ({sum(cpu.values()):.0f} CPU s in the "
+            print(f"    {key}: {why}", flush=True)
+        if args.write:
+            record = _record_group(load_record(), g, js, by_key, args.stale)
+            RESULTS.write_text(_dump(record))
+    print(f"{n} compiles in {time.perf_counter() - t0:.0f} s ({cpu_all:.0f} CPU s in the "
           f"compiling processes, {args.jobs} at a time), {failing} failing")
     if args.write:
-        for g, js in todo.items():
-            keep = record["groups"].get(g) if args.stale else None
-            if keep is not None and (keep["source_hash"] != group_hash(g)
-                                     or keep["nvrtc"] != nvrtc_version()):
-                keep = None
-            rows = dict(keep["rows"]) if keep else {}
-            for j in js:
-                digest, info = by_key[j.key]
-                rows[digest] = bad(info) or max(f["registers"] for f in info.values())
-            live = {j.digest for j in group_jobs(g)}   # drop rows of plans no longer curated
-            record["groups"][g] = {"nvrtc": nvrtc_version(), "source_hash": group_hash(g),
-                                   "rows": {k: rows[k] for k in sorted(rows) if k in live}}
-        record = {"groups": {g: rec for g, rec in sorted(record["groups"].items()) if g in GROUPS}}
-        RESULTS.write_text(_dump(record))
         print(f"wrote {RESULTS.relative_to(ROOT)} ({RESULTS.stat().st_size} B)")
     return 1 if failing else 0
+
+
+def _record_group(record, g, js, by_key, stale):
+    """``record`` with group ``g``'s rows from this run's results (``by_key``), keeping the
+    rows of its other compiles with ``stale`` where the record is of these sources."""
+    keep = record["groups"].get(g) if stale else None
+    if keep is not None and (keep["source_hash"] != group_hash(g)
+                             or keep["nvrtc"] != nvrtc_version()):
+        keep = None
+    rows = dict(keep["rows"]) if keep else {}
+    for j in js:
+        digest, info = by_key[j.key]
+        rows[digest] = bad(info) or max(f["registers"] for f in info.values())
+    live = {j.digest for j in group_jobs(g)}   # drop rows of plans no longer curated
+    record["groups"][g] = {"nvrtc": nvrtc_version(), "source_hash": group_hash(g),
+                           "rows": {k: rows[k] for k in sorted(rows) if k in live}}
+    return {"groups": {k: rec for k, rec in sorted(record["groups"].items()) if k in GROUPS}}
 
 
 def _dump(record):

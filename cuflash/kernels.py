@@ -377,7 +377,8 @@ def check_compiled(runtime, fn, kernel_name, options):
         raise SpillError(
             f"kernel {kernel_name} [{defines}] compiled to {local} bytes of local memory per "
             f"thread ({getattr(fn, 'num_regs', '?')} registers): register spills, which make it "
-            f"many times slower, so it is not run. {_curated_advice(runtime, kernel_name, options)}")
+            "many times slower, so it is not run. "
+            + _curated_advice(runtime, kernel_name, options))
     _CHECKED.add(key)
 
 

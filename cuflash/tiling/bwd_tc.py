@@ -1,5 +1,6 @@
 """flash_bwd_tc (float16/bfloat16 backward on tensor cores), the backward's kernel choice (:func:`plan_flash_bwd`) and its traffic model."""
-from .core import MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register, square_head_dims
+from .core import (MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register,
+                   square_head_dims)
 from .fwd import TC_DTYPES, TC_PAD_DEFINE, _refuse_off_tensor_cores
 
 

@@ -229,8 +229,9 @@ def device_sm_count(backend, arch=None):
 # per kv head (decode: GQA group x new tokens): one m16 tile of rows, where a 64-128-row
 # tensor-core tile does mostly padding.  Above it the tensor cores' per-FLOP advantage
 # (on the H100 the SIMT forward ran float32 at 12.9 TFLOP/s, flash_fwd_tc float16 at
-# 166-172, d=128: docs/gpu-baseline.md) is assumed to beat the split's extra parallelism -- not yet
-# measured against the split kernel; num_splits=k forces a split at any row count.
+# 166-172, d=128: the H100 baseline in bench/results/gpu) is assumed to beat the split's
+# extra parallelism -- not yet measured against the split kernel; num_splits=k forces a
+# split at any row count.
 SPLIT_MAX_ROWS_OVER_TC = 16
 
 
@@ -338,7 +339,7 @@ def _fits(t, bq, bkv, d, dv, acc, limit):
 
 # Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
 # leaves fewer resident warps than that idles schedulers outright, and nothing hides its
-# memory latency.  The H100 tile sweep (docs/gpu-baseline.md) measured such a plan: float32
+# memory latency.  The H100 tile sweep (bench/results/gpu) measured such a plan: float32
 # d=128 with block_q=16, block_kv=128 (64 threads, 148 KB: one block, 2 warps per SM) ran
 # 9x slower than the default.  Defaults skip these plans while any other fits; explicit
 # tiles that fall below it are refused where a plan above it exists (float64 at d=256 has
