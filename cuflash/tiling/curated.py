@@ -33,9 +33,10 @@ Design
   ``SpillError`` naming this table's cell when the compiled kernel uses local memory.
 * **Evidence**: every pair of every cell is compiled with NVRTC (the options of
   ``cuflash.kernels.build_options``, ``-ftz=true`` included) for the architecture its class
-  is compiled for, in every module that launches it (the serving and feature builds too, the
-  padded build of the tensor-core kernels), and must use no local memory: the repository's
-  tests/test_curated_plans.py, with bench/plan_sweep.py to compile and record them.
+  is compiled for, in every module that launches it (the serving and feature builds too; a
+  cell's default also in the tensor-core kernels' padded build), and must use no local
+  memory: the repository's tests/test_curated_plans.py, with bench/plan_sweep.py to compile
+  and record them.
 
 A cell is written ``BQxBKV BQxBKV ...`` (default first); ``=`` repeats the cell to its left,
 ``-`` is a cell with no plan.  The SIMT forward's alternatives are the serving kernel's
