@@ -121,14 +121,16 @@ def group_jobs(group):
             for c, row in grid.items():
                 padded = t.pad_define is not None and c > _pad_step(kernel)
                 for arch_class, pairs in row.items():
-                    for i, pair in enumerate(pairs):
-                        for pad in ((False, True) if padded and i == 0 else (False,)):
-                            job = _plan_job(group, kernel, dtype, c, pair, arch_class, pad,
-                                            serving or i == 0)
-                            if job.key in jobs:
-                                jobs[job.key].default |= job.default
-                            else:
-                                jobs[job.key] = job
+                    todo = [(pair, False, serving or i == 0) for i, pair in enumerate(pairs)]
+                    if padded:   # the padded build's default (the cell's own after "/")
+                        todo += [(pair, True, True) for pair in
+                                 curated.cell(kernel, dtype, c, arch_class, padded=True)[:1]]
+                    for pair, pad, default in todo:
+                        job = _plan_job(group, kernel, dtype, c, pair, arch_class, pad, default)
+                        if job.key in jobs:
+                            jobs[job.key].default |= job.default
+                        else:
+                            jobs[job.key] = job
     if group == "flash_bwd_tc_helpers":  # the helpers' module: dtype, d and dv only
         for dtype in tiling.TC_DTYPES:
             for d in TC_DIMS:

@@ -341,13 +341,14 @@ def _curated_advice(runtime, kernel_name, options):
         tiles = (int(defs["CUFLASH_BLOCK_Q"]), int(defs["CUFLASH_BLOCK_KV"]))
     except (KeyError, ValueError):
         kd = kdv = tiles = None
-    cells = (tiling.curated_plans(planned, dtype, kd, kdv, runtime.smem_limit)
+    padded = planned in tiling.CURATED and tiling.kernel_tiling(planned).pad_define in defs
+    cells = (tiling.curated_plans(planned, dtype, kd, kdv, runtime.smem_limit, padded)
              if dtype is not None and kd is not None else [])
     if not cells:
         return ("It has no curated tile plans to fall back on (a helper kernel, not tiled): "
                 "please report it")
     listed = tiles in cells[0][1]
-    text = tiling.curated_text(planned, dtype, kd, kdv, runtime.smem_limit)
+    text = tiling.curated_text(planned, dtype, kd, kdv, runtime.smem_limit, padded)
     return (f"The curated plans of {planned} for {dtype} at head dims {kd}/{kdv} on this GPU "
             f"(block_q, block_kv): {text}. "
             + ("These tiles are one of them, which CI compiles without spills: the compiler "

@@ -60,9 +60,20 @@ def test_old_defaults_are_the_tables_defaults():
                     continue
             else:
                 got = _row(tiling.plan(kernel, int(d), int(d), dtype, limit=LIMITS[arch]))
-            assert got == want, (key, arch)
+            if (key, arch) in MOVED:
+                assert got == MOVED[key, arch] != want, (key, arch)
+            else:
+                assert got == want, (key, arch)
             n += 1
     assert n > 1200
+
+
+# defaults the tables moved, with the reason in their cells' comment in curated.py
+MOVED = {
+    # 64 x 16 spills 36 B with -ftz=true (NVRTC 13.0, sm_90): 64 x 32
+    ("flash_fwd_tf32_masked float32 256", "sm_90"): [64, 32, 128, 205824, 256, 256],
+}
+MOVED_DISPATCH = {("fwd_masked float32 256", "sm_90"): ["flash_fwd_tf32_masked", 64, 32, 256, 256]}
 
 
 def test_old_kernel_choices_and_serving_tiles_are_kept():
@@ -78,7 +89,11 @@ def test_old_kernel_choices_and_serving_tiles_are_kept():
         for arch, want in archs.items():
             p = fns[what.replace("_masked", "")](int(d), int(d), dtype, limit=LIMITS[arch],
                                                  masked=masked)
-            assert [p.kernel, p.block_q, p.block_kv, p.kd, p.kdv] == want, (key, arch)
+            got = [p.kernel, p.block_q, p.block_kv, p.kd, p.kdv]
+            if (key, arch) in MOVED_DISPATCH:
+                assert got == MOVED_DISPATCH[key, arch] != want, (key, arch)
+            else:
+                assert got == want, (key, arch)
     rts = {a: kernels.get_runtime("emulator", arch=a) for a in ("sm_80", "sm_90")}
     for key, rows in OLD["serving"].items():
         kernel, dtype, d, arch = key.split()
@@ -102,6 +117,10 @@ def test_every_curated_pair_fits_its_class():
     for kernel, dtype, c, arch, pairs in _cells():
         for bq, bkv in pairs:
             p = tiling.plan(kernel, c, c, dtype, bq, bkv, limit=LIMITS[arch])
+            assert (p.kd, p.kdv, p.chosen) == (c, c, "explicit")
+        step = 32 if kernel.startswith("flash_bwd_tf32") else 16
+        for bq, bkv in pairs.padded or ():   # the padded build's own: a call with d < dv
+            p = tiling.plan(kernel, c - step, c, dtype, bq, bkv, limit=LIMITS[arch])
             assert (p.kd, p.kdv, p.chosen) == (c, c, "explicit")
 
 
@@ -132,6 +151,10 @@ def test_grid_parser():
     """)
     assert g == {16: {"a": ((64, 32), (32, 32)), "b": ((64, 32), (32, 32)), "c": ()},
                  128: {"a": ((16, 16),), "b": ((32, 8), (16, 8)), "c": ((32, 8), (16, 8))}}
+    g = curated._grid(("a", "b", "c"), "32 | 64x32 32x32 / 32x32 | = | 16x16 / -")
+    assert g[32]["b"] == ((64, 32), (32, 32)) and g[32]["b"].padded == ((32, 32),)
+    assert g[32]["c"] == ((16, 16),) and g[32]["c"].padded == ()
+    assert g[32]["a"].padded == ((32, 32),)
     with pytest.raises(ValueError, match="2 cells"):
         curated._grid(("a", "b", "c"), "16 | 64x32 | =")
     with pytest.raises(ValueError, match="twice"):
@@ -164,6 +187,25 @@ def test_head_dim_classes_square_the_pairs():
     # dims the tensor-core kernels do not take stay unpadded, and are refused
     with pytest.raises(ValueError, match="multiples of 16"):
         tiling.plan("flash_fwd_tc", 72, 64, "float16")
+
+
+def test_padded_build_has_its_own_defaults_where_the_table_says():
+    """A cell's pairs after ``/`` are the padded build's: a tensor-core call with d != dv
+    takes them, one with d == dv the cell's own; without ``/`` both take the same."""
+    lim = LIMITS["sm_90"]
+    for kernel, dtype, (d, dv), plain, padded in (
+            ("flash_fwd_tc_masked", "float16", (128, 64), (128, 32), (128, 16)),
+            ("flash_fwd_tc_masked", "bfloat16", (48, 80), (128, 64), (128, 32)),
+            ("flash_fwd_tf32_masked", "float32", (96, 128), (128, 16), (128, 32)),
+            ("flash_fwd_tc", "float16", (64, 128), (128, 32), (128, 32))):
+        c = max(d, dv)
+        p, q = tiling.plan(kernel, d, dv, dtype, limit=lim), tiling.plan(kernel, c, c, dtype, limit=lim)
+        assert ((q.block_q, q.block_kv), (p.block_q, p.block_kv)) == (plain, padded), kernel
+        assert "CUFLASH_HEAD_DIMS_PADDED" in kernels.plan_defines(p)
+    # no padded pair in the sm_80 cell (flash_fwd_tf32_masked at 256): the next class's cell
+    p = tiling.plan("flash_fwd_tf32_masked", 256, 128, "float32", limit=LIMITS["sm_80"])
+    assert (p.block_q, p.block_kv) == curated.cell("flash_fwd_tf32_masked", "float32", 256,
+                                                   "sm_86", padded=True)[0]
 
 
 def _default_jobs():

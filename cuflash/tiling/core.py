@@ -300,26 +300,27 @@ def _class_order(kernel, limit):
     return below + above
 
 
-def curated_plans(kernel, dtype, kd, kdv, limit=None):
+def curated_plans(kernel, dtype, kd, kdv, limit=None, padded=False):
     """[(architecture class, ((block_q, block_kv), ...))] of ``kernel``'s curated table for
     ``dtype`` at the compiled head dims ``kd``/``kdv`` and a shared-memory ``limit``: the cells
     a default is chosen from, in the order they are tried (the first cell's first pair is the
-    default where it fits); empty where the table has none."""
+    default where it fits); empty where the table has none.  ``padded``: the cells of the
+    padded build (a tensor-core call with d != dv)."""
     if kd != kdv:
         return []
     dt = _dtype_name(dtype)
     out = []
     for arch in _class_order(kernel, limit):
-        pairs = cell(kernel, dt, kd, arch)
+        pairs = cell(kernel, dt, kd, arch, padded)
         if pairs:
             out.append((arch, pairs))
     return out
 
 
-def curated_text(kernel, dtype, kd, kdv, limit=None):
+def curated_text(kernel, dtype, kd, kdv, limit=None, padded=False):
     """The curated pairs of :func:`curated_plans`'s first cell, for messages: ``"(64, 32) (the
     default), (32, 32) (curated for sm_80)"``, or a sentence saying there are none."""
-    cells = curated_plans(kernel, dtype, kd, kdv, limit)
+    cells = curated_plans(kernel, dtype, kd, kdv, limit, padded)
     if not cells:
         return f"{kernel} has no curated plans for {_dtype_name(dtype)} at head dims {kd}/{kdv}"
     arch, pairs = cells[0]
@@ -427,7 +428,8 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                              f"{list(choices)} (shared-memory budget {lim_text})")
     real = (d, dv)
     d, dv = t.compiled_dims(d, dv)  # every rule below is the compiled kernel's
-    cells = curated_plans(kernel, dtname, d, dv, limit)
+    padded = t.pad_define is not None and real != (d, dv)   # the padded build's own cells
+    cells = curated_plans(kernel, dtname, d, dv, limit, padded)
     curated = [ab for _, pairs in cells for ab in pairs]
     if block_q is not None and block_kv is not None:
         pairs, chosen = [(block_q, block_kv)], "explicit"
@@ -468,7 +470,8 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     reason = why if why else (f"needs {need} B of shared memory "
                               f"({t.layout(bq, bkv, d, dv, acc)}) but the budget is {lim_text}")
     if chosen == "default" and len(pairs) > 1:
-        reason = (f"none of its curated plans fits ({curated_text(kernel, dtname, d, dv, limit)}); "
+        listed = curated_text(kernel, dtname, d, dv, limit, padded)
+        reason = (f"none of its curated plans fits ({listed}); "
                   f"the first: {reason}")
     cls = "" if real == (d, dv) else f" (head-dim class {d}/{dv})"
     raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={real[0]}, dv={real[1]}{cls}, "

@@ -39,7 +39,9 @@ Design
   and record them.
 
 A cell is written ``BQxBKV BQxBKV ...`` (default first); ``=`` repeats the cell to its left,
-``-`` is a cell with no plan.  The SIMT forward's alternatives are the serving kernel's
+``-`` is a cell with no plan.  ``... / BQxBKV ...`` gives the pairs of the tensor-core
+kernels' padded build (calls with d != dv) where its registers differ from the plain build's
+(``-`` after the ``/``: none, so such calls run the SIMT kernel).  The SIMT forward's alternatives are the serving kernel's
 decoding tiles (block_q down to 8 at the default's block_kv), which it takes for short query
 blocks; the SIMT backward has its default only.
 """
@@ -54,9 +56,22 @@ _SIMT = ARCH_CLASSES
 _TC = ("sm_86", "sm_80", "sm_90")
 
 
+class Cell(tuple):
+    """A cell's pairs, default first; ``padded``: the pairs of the padded build (calls with
+    d != dv on the tensor cores) where the cell gives its own after ``/``, else None."""
+    padded = None
+
+
+def _pairs(text, line):
+    pairs = () if text == "-" else tuple(tuple(int(x) for x in p.split("x")) for p in text.split())
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"curated table row {line!r}: a pair twice in one cell")
+    return pairs
+
+
 def _grid(arches, text):
-    """{head-dim class: {arch class: ((block_q, block_kv), ...)}} from a table's rows
-    ``c | cell | cell ...`` (one cell per class of ``arches``)."""
+    """{head-dim class: {arch class: Cell}} from a table's rows ``c | cell | cell ...`` (one
+    cell per class of ``arches``; ``pairs / pairs``: the padded build's after the ``/``)."""
     out = {}
     for line in text.strip().splitlines():
         key, *cells = (x.strip() for x in line.split("|"))
@@ -67,11 +82,10 @@ def _grid(arches, text):
             if cell_text == "=":
                 cell_text = prev
             prev = cell_text
-            pairs = () if cell_text == "-" else tuple(
-                tuple(int(x) for x in p.split("x")) for p in cell_text.split())
-            if len(set(pairs)) != len(pairs):
-                raise ValueError(f"curated table row {line!r}: a pair twice in one cell")
-            row[arch] = pairs
+            main, slash, pad = cell_text.partition("/")
+            row[arch] = Cell(_pairs(main.strip(), line))
+            if slash:
+                row[arch].padded = _pairs(pad.strip(), line)
         out[int(key)] = row
     return out
 
@@ -220,6 +234,15 @@ CURATED["flash_bwd_dq_masked"] = CURATED["flash_bwd_dkdv_masked"]
 # flash_fwd_tf32 keeps hi and lo fragments besides: 128 x 32 up to 80, 128 x 16 to 128, 64 x 16
 # above (64 x 32 after it where 64 x 16 spilled: one split of each Q fragment per 32 keys --
 # 265 against 309 instructions per logit, flash_fwd_tf32_masked d = 256, sm_90 SASS).
+# The masked kernels with the options of a launch (-ftz=true) and NVRTC 13.0 on sm_90:
+# flash_fwd_tf32_masked d = 256 64 x 16 spills 36 B, so 64 x 32 is the default there; 64 x 32
+# of flash_fwd_tc_masked at d = 128 spills 8 B.  The padded build (d != dv) keeps more
+# registers (the column predicates): on sm_90 its defaults are 128 x 32 for
+# flash_fwd_tc_masked at 80 (128 x 64 spills 12 B), 128 x 16 at 128 (128 x 32 spills 16 B),
+# and 128 x 32 for flash_fwd_tf32_masked at 128 (16 rows per warp: 213 registers; 128 x 16
+# and 64 x 16 spill 8 B); on sm_80 flash_fwd_tf32_masked at 256 has no padded plan (64 x 16
+# spills 28 B, and every smaller one leaves fewer than 4 warps per SM): such calls take the
+# sm_86 cell's 16 x 16 (one warp per SM on an A100; not yet timed against the SIMT kernel).
 # --------------------------------------------------------------------------
 CURATED["flash_fwd_tc"] = _table(_TC, float16_bfloat16="""
      16 | 128x64 128x32 64x64 | = | =
@@ -244,10 +267,10 @@ CURATED["flash_fwd_tc_masked"] = _table(_TC, float16_bfloat16="""
      32 | 128x64 128x32 64x64 | = | =
      48 | 128x64 128x32 64x64 | = | =
      64 | 128x32 64x32 32x32 | = | 128x64 128x32 64x64
-     80 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | 128x64 128x32 64x64
+     80 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | 128x64 128x32 64x64 / 128x32
      96 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | =
     112 | 128x32 64x32 128x16 | = | =
-    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
+    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | 128x32 128x16 / 128x16
     144 | 64x32 64x16 32x16 | = | =
     160 | 64x32 64x16 32x16 | = | =
     176 | 64x32 64x16 32x16 | = | =
@@ -283,7 +306,7 @@ CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
      80 | 128x32 128x16 | 128x32 64x32 128x16 | =
      96 | 128x16 | 128x16 16x16 | =
     112 | 128x16 | 128x16 64x16 16x16 | 128x16 64x16 32x16
-    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16
+    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16 / 128x32
     144 | 64x16 | 64x16 64x32 32x16 | =
     160 | 64x16 | 64x16 64x32 32x16 | =
     176 | 64x16 | 64x16 64x32 32x16 | =
@@ -291,7 +314,7 @@ CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
     208 | 32x16 | 64x16 64x32 32x16 | =
     224 | 32x16 | 64x16 | 64x16 64x32 32x16
     240 | 32x16 | 64x16 | 64x16 64x32 32x16
-    256 | 16x16 | 64x16 | 64x16 64x32
+    256 | 16x16 | 64x16 / - | 64x32
 """)
 
 # --------------------------------------------------------------------------
@@ -372,7 +395,10 @@ def table_arches(kernel):
     return tuple(a for a in ARCH_CLASSES if a in row)
 
 
-def cell(kernel, dtype, c, arch):
+def cell(kernel, dtype, c, arch, padded=False):
     """The curated pairs of ``kernel`` for ``dtype`` at head-dim class ``c`` and architecture
-    class ``arch``, default first: a tuple of (block_q, block_kv), empty where there is none."""
-    return CURATED.get(kernel, {}).get(dtype, {}).get(c, {}).get(arch, ())
+    class ``arch``, default first: a tuple of (block_q, block_kv), empty where there is none;
+    ``padded``: those of the padded build (the cell's own after ``/``, else the same)."""
+    pairs = CURATED.get(kernel, {}).get(dtype, {}).get(c, {}).get(arch, ())
+    own = getattr(pairs, "padded", None)
+    return tuple(pairs) if not padded or own is None else own
