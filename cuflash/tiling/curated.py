@@ -329,6 +329,10 @@ CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
 # instructions per logit against 66.4 at d = 64, sm_80); where 64 x 128 would need two passes
 # (d in 80..128), 128 x 64 in one pass on sm_90 (51.2 per logit against 91.6 at d = 128) and
 # 32 x 128 or 64 x 64 below it.
+# The masked kernel's padded build at 256 (d != dv; NVRTC 13.0, -ftz=true) spills with 16 x 32
+# on sm_80 (12 B) and sm_90 (28 B) and 16 x 64 (12 B, 24 B): it runs 16 x 16 (233 and 245
+# registers), which on sm_80's 163 KB leaves 3 warps per SM -- below the floor, so the sm_80
+# cell has no padded pair and such calls take the sm_86 cell's.
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
      16 | 32x128 64x128 32x64 | = | =
@@ -364,17 +368,18 @@ CURATED["flash_bwd_tc_masked"] = _table(_TC, float16_bfloat16="""
     208 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
     224 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
     240 | 16x64 | 16x64 16x32 | 16x64 16x32 16x16
-    256 | 16x32 | 16x64 16x32 | 16x64 16x32 16x16
+    256 | 16x32 / 16x16 | 16x64 16x32 / - | 16x64 16x32 16x16 / 16x16
 """)
 
 # --------------------------------------------------------------------------
 # float32's tensor-core backward (flash_bwd_tf32.cu; _masked with the features): 16 keys per
-# warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.
+# warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.  The padded build at 64
+# on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers).
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
      32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
-     64 | 32x64 16x32 | 64x64 32x64 32x32 | =
+     64 | 32x64 16x32 | 64x64 32x64 32x32 | 64x64 32x64 32x32 / 32x64
      96 | 16x64 | 32x64 16x64 16x32 | 32x64 16x64 32x32
     128 | 16x32 | 16x64 16x32 | =
 """)
