@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from cuflash.tiling import curated
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("plan_sweep", ROOT / "bench" / "plan_sweep.py")
 SWEEP = importlib.util.module_from_spec(_spec)
+sys.modules["plan_sweep"] = SWEEP   # its compile workers pickle its functions by module name
 _spec.loader.exec_module(SWEEP)
 OLD = json.loads((ROOT / "tests" / "data" / "old_defaults.json").read_text())
 LIMITS = tiling.EMULATOR_ARCHES
@@ -462,15 +464,28 @@ def test_curated_plans_compile_without_local_memory(group):
         todo = jobs
     else:
         todo = [j for j in SWEEP.unrecorded(group, jobs) if j.default]
-    failing = [(key, SWEEP.bad(info)) for key, _, info, _ in SWEEP.compile_all(todo, progress=False)
-               if SWEEP.bad(info)]
-    assert not failing, (f"{len(failing)} of {len(todo)} compiles use local memory or fail; "
-                         f"edit their cells in cuflash/tiling/curated.py: {failing[:20]}")
+    failing = {key: SWEEP.bad(info) for key, _, info, _ in SWEEP.compile_all(todo, progress=False)
+               if SWEEP.bad(info)}
     rec = SWEEP.load_record()["groups"].get(group)
     if rec is not None and rec["source_hash"] == SWEEP.group_hash(group) \
             and rec["nvrtc"] == SWEEP.nvrtc_version():
-        bad = {k: v for k, v in rec["rows"].items() if not isinstance(v, int)}
-        assert not bad, f"the record of {group} holds failing compiles: {bad}"
+        keys = {j.digest: j.key for j in jobs}
+        failing.update({keys[k]: v for k, v in rec["rows"].items()
+                        if not isinstance(v, int) and keys[k] not in failing})
+    known = {k for k in KNOWN_HELPER_SPILLS if k.startswith(group + " ")}
+    assert set(failing) == known, (
+        f"{len(set(failing) - known)} compiles use local memory or fail"
+        + (f", {len(known - set(failing))} known ones no longer do (drop them from "
+           "KNOWN_HELPER_SPILLS)" if known - set(failing) else "")
+        + f"; edit their cells in cuflash/tiling/curated.py: "
+        f"{sorted((k, v) for k, v in failing.items() if k not in known)[:20]}")
+
+
+# flash_bwd_tc_preprocess (a helper, not tiled) at dv = 192 for sm_90, every d, both dtypes:
+# 40 registers with 8-36 B of local memory (NVRTC 13.0, -ftz=true).  A kernel defect to fix
+# in flash_bwd_tc.cu; until then a backward with dv = 192 on sm_90 raises SpillError.
+KNOWN_HELPER_SPILLS = frozenset(f"flash_bwd_tc_helpers {dt} {d}/192 sm_90"
+                                for dt in ("float16", "bfloat16") for d in range(16, 257, 16))
 
 
 @pytest.mark.skipif(not ok, reason=f"NVRTC not available: {why}")
