@@ -482,8 +482,9 @@ def test_curated_plans_compile_without_local_memory(group):
 
 
 # flash_bwd_tc_preprocess (a helper, not tiled) at dv = 192 for sm_90, every d, both dtypes:
-# 40 registers with 8-36 B of local memory (NVRTC 13.0, -ftz=true).  A kernel defect to fix
-# in flash_bwd_tc.cu; until then a backward with dv = 192 on sm_90 raises SpillError.
+# 40 registers with 8-36 B of local memory (NVRTC 13.0, with or without -ftz=true; the same
+# at commit 61daee7).  A kernel defect to fix in flash_bwd_tc.cu; until then a tensor-core
+# backward with dv = 192 on sm_90 raises SpillError when compiled.
 KNOWN_HELPER_SPILLS = frozenset(f"flash_bwd_tc_helpers {dt} {d}/192 sm_90"
                                 for dt in ("float16", "bfloat16") for d in range(16, 257, 16))
 
