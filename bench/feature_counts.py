@@ -24,8 +24,8 @@ often as one trip executes it (the dQ loop over a warp's output tiles keeps a ru
 count and is counted once).  Static counts say nothing about stalls, and the variants are
 text edits that must still match the sources (each edit asserts it found its text).
 
-The tables are for sm_80 at each kernel's default without a shared-memory limit (a plan that
-spills on one architecture is refused there); the last ones count float16 d=64 and d=128 on
+The tables are for sm_80 at each kernel's default at sm_80's shared-memory limit (its curated
+plan for the A100); the last ones count float16 d=64 and d=128 on
 the H100's own plans (sm_90 SASS, the defaults at sm_90's limit), and turn those counts into
 time by a pipe model (:data:`PIPE_MODEL_TEXT`: issue, MUFU and tensor pipe at published
 rates -- an estimate, not a measurement).
@@ -85,11 +85,10 @@ def _count_variants(tmp, tag, fn, plan, extra, variants, arch=80):
 
 
 def _default(kernel, d, dtype, arch):
-    """The kernel's default plan: without a shared-memory limit (arch 80: every architecture's
-    refusals apply), or at sm_90's limit (the H100's plan)."""
-    if arch == 90:
-        return tiling.plan(kernel, d, d, dtype, limit=tiling.EMULATOR_ARCHES["sm_90"], limit_source="sm_90")
-    return tiling.plan(kernel, d, d, dtype)
+    """The kernel's default plan at the shared-memory limit of sm_80 (the A100's plan) or
+    sm_90 (the H100's)."""
+    sm = f"sm_{arch}"
+    return tiling.plan(kernel, d, d, dtype, limit=tiling.EMULATOR_ARCHES[sm], limit_source=sm)
 
 
 def forward(tmp, kernel, dtype, d, arch=80):
@@ -177,7 +176,7 @@ def _bwd_logits(plan, masked):
 def backward_tf32(tmp, d):
     """flash_bwd_tf32_masked (float32): the features per element behind uniform branches."""
     fn = "flash_bwd_tf32.cu"
-    plan = tiling.plan("flash_bwd_tf32_masked", d, d, "float32")
+    plan = _default("flash_bwd_tf32_masked", d, "float32", 80)
     extra = {"CUFLASH_MASKS": None}
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
     interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
@@ -208,7 +207,7 @@ def backward_tf32(tmp, d):
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1)}
     mixes = _count_variants(tmp, "t", fn, plan, extra, variants)
-    pplan = tiling.plan("flash_bwd_tf32", d, d, "float32")
+    pplan = _default("flash_bwd_tf32", d, "float32", 80)
     plain_edits = [unroll, (fn, "const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool mask = false;")]
     plain = _loop_count(_variant(tmp, "tplain", plain_edits), fn, pplan, {})
@@ -285,8 +284,7 @@ def main():
     both(results[1], results[4], "float16 d=64")
     both(results[0], results[3], "float16 d=128")
     both(results[2], results[5], "float32 (3xTF32) d=64")
-    print("On the H100 (sm_90 SASS; the default plans at sm_90's shared-memory limit, where a plan "
-          "that spills only on sm_80 is taken): float16 d=64, forward "
+    print("On the H100 (sm_90 SASS; the default plans at sm_90's shared-memory limit): float16 d=64, forward "
           f"{_tiles(h100[0].plan)} (plain {_tiles(h100[0].pplan)}), backward {_tiles(h100[1].plan)} "
           f"(plain {_tiles(h100[1].pplan)}).")
     print()

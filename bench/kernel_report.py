@@ -90,7 +90,7 @@ def _defines(options):
     return out
 
 
-# kernels launched with another kernel's plan (cuflash/_launch_masks.py, _launch_serving.py)
+# kernels launched with another kernel's plan (cuflash/launch/features.py, launch/serving.py)
 _PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked"}
 
 
@@ -155,32 +155,6 @@ def _compile_one(job):
     return job, res, None
 
 
-# The tensor-core backward's and the float32 forward's plans that the planner refuses on one
-# architecture only, because ptxas spills them there (cuflash/tiling/_arch_spills.py,
-# _asym_spills.py): a specialisation planned for sm_80 is not compiled for an architecture that
-# never launches it.  File -> kernel (flash_fwd_tc.cu: its float32 build only).
-_TC_REFUSAL_FILES = {"flash_bwd_tc.cu": "flash_bwd_tc", "flash_bwd_tf32.cu": "flash_bwd_tf32",
-                     "flash_fwd_tc.cu": "flash_fwd_tf32"}
-SKIPPED = []
-
-
-def _refused_on(fname, options, arch):
-    """True when the plan of such a specialisation is refused for ``arch``."""
-    if fname not in _TC_REFUSAL_FILES:
-        return False
-    from cuflash.tiling import core
-    d = _defines(options)
-    if fname == "flash_fwd_tc.cu" and "CUFLASH_DTYPE_F32" not in d:
-        return False
-    try:
-        key = tuple(int(d[k]) for k in ("CUFLASH_BLOCK_Q", "CUFLASH_BLOCK_KV", "CUFLASH_HEAD_DIM",
-                                        "CUFLASH_HEAD_DIM_V"))
-    except KeyError:  # the helpers' module: no tiles
-        return False
-    kernel = _TC_REFUSAL_FILES[fname] + ("_masked" if "CUFLASH_MASKS" in d else "")
-    return arch in core.spill_archs(kernel, key)[0]
-
-
 def jobs(archs, include_tests, only=None, sass=False):
     try:
         from cuflash.kernels import compile_variants
@@ -197,9 +171,6 @@ def jobs(archs, include_tests, only=None, sass=False):
             continue
         for opts in variants.get(f.name) or extra.get(f.name) or [()]:
             for arch in archs:
-                if _refused_on(f.name, opts, arch):
-                    SKIPPED.append((f.name, _short(tuple(opts)), arch))
-                    continue
                 out.append((str(f), tuple(opts), arch, sass))
     return out
 
@@ -263,9 +234,6 @@ def main(argv=None):
             ex.shutdown()
     print(file=sys.stderr)
     _print_table(rows)
-    for fname, variant, arch in SKIPPED:
-        print(f"\nNot compiled for sm_{arch}: {fname} {variant} -- the planner refuses this plan there "
-              "(ptxas spills it; cuflash/tiling/_arch_spills.py), so no sm_" f"{arch} launch runs it.")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if any("sass_total" in r for r in rows):

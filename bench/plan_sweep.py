@@ -1,35 +1,35 @@
-"""Compile every tile plan the planner accepts, on every architecture, and check that none spills.
+"""Compile every curated plan with NVRTC and check that none uses local memory.
 
-Issue 12: a tile pair the library accepts must not fall off a register cliff (the H100 tile
-sweep measured 10-270x slowdowns for some accepted plans).  For each kernel family below and
-each supported architecture, every (dtype, head dims, block_q, block_kv) that
-``cuflash.tiling.plan`` accepts at that architecture's shared-memory limit is compiled with
-NVRTC (``--ptxas-options=-v``) and its registers, spill stores/loads and stack frame are read
-from ptxas' report.  No GPU needed; ~1-4 s per compile.
+The evidence of the curated plan tables (``cuflash/tiling/curated.py``): every (block_q,
+block_kv) pair of every cell is compiled, with the options a launch uses
+(``cuflash.kernels.build_options``: ``-ftz=true`` included), for the architecture its class is
+compiled for (sm_75, sm_80 for sm_80 and sm_86, sm_90), in every module that launches it --
+a *group*: a kernel file with the defines of one build (the serving and feature builds of
+flash_fwd.cu, the main kernels of flash_bwd_tc.cu, ...), the tensor-core groups also in their
+padded build of each cell's default (``-DCUFLASH_HEAD_DIMS_PADDED``, the build of calls with
+d != dv).  ptxas' report
+(``--ptxas-options=-v``) must show no spill stores or loads and no stack frame for any kernel
+of the module.  Besides the tables: flash_bwd_tc.cu's helper kernels at every (dtype, d, dv)
+they take, and online_softmax.cu per dtype.  No GPU needed; 0.1-2 s per compile.
 
-``--write`` stores the rows of the swept families in ``bench/results/plan_sweep.json``, each
-with a hash of its kernel source and the headers it includes, as the family compiles them
-(conditionals on the families' own defines resolved: ``source_hash``); ``tests/test_plan_sweep.py``
-(CI) re-enumerates the accepted plans of every recorded family and fails when one is missing
-from that file, spills there, or its sources changed since (rerun this script then).
-``tests/test_tc_plans.py`` compiles the largest plans live on every CI run.
+``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
+version, a hash of the group's sources (its kernel file and the headers it includes, comments
+dropped, conditionals on the groups' defines resolved: :func:`source_hash`) and, per compile,
+a short digest of its options and the most registers of its kernels.  tests/test_curated_plans.py
+(CI) takes the record's word for the compiles it vouches for (of the current sources, NVRTC and
+options), of which it compiles a sample (:func:`sample_jobs`) that must match it, and compiles
+the defaults (``Job.default``) among the others; ``CUFLASH_PLAN_CHECK=all`` compiles every
+one, ignoring the record.  After a kernel edit: ``--groups <its groups> --write``.
 
-A plan that spills is refused by the planner with the reason (the refusal sets of
-``cuflash.tiling``, among them ``_asym_spills.py`` for the d != dv defaults); ``--missing``
-then compiles the plans those refusals made accepted (a default moves to the next preferred
-pair), and ``--lift-refusals`` sweeps with the refusal sets emptied, to derive them anew.
-The SIMT kernels' refusals (tiling.SIMT_FWD_FLOAT64_SPILLS, tiling.SIMT_BWD_SPILLS) are compiled
-by every ``--write`` / ``--missing`` of their families and kept in the record (their spills
-are the refusals' evidence, not failures; one that compiles clean is printed).
+``--candidates`` compiles every tile pair that the planner's formulas allow in one cell (for a
+person choosing the cell's alternatives), without recording anything.
 
 Usage::
 
-    python bench/plan_sweep.py                      # every family and architecture, summary
-    python bench/plan_sweep.py --write              # ... and store bench/results/plan_sweep.json
-    python bench/plan_sweep.py --families flash_fwd_tc --arch 90
-    python bench/plan_sweep.py --families flash_bwd_tc_asym --missing   # add the unswept plans
-    python bench/plan_sweep.py --families flash_bwd_tc_masked --lift-refusals --json rows.json
-    python bench/plan_sweep.py --bwd-tc-edge        # flash_bwd_tc d != dv near its budget
+    python bench/plan_sweep.py                           # every group: compile, print, check
+    python bench/plan_sweep.py --groups flash_fwd_tc flash_fwd_tc_masked --write
+    python bench/plan_sweep.py --stale --write           # the groups whose record is stale
+    python bench/plan_sweep.py --candidates flash_bwd_tc float16 128 sm_90
 """
 import argparse
 import concurrent.futures as cf
@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,98 +46,187 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cuflash import _nvrtc, kernels, tiling  # noqa: E402
+from cuflash.tiling import curated  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "plan_sweep.json"
-ARCHS = (75, 80, 90)
-# sm_86 and sm_89 (99 KB of shared memory per block) run sm_80's register file and
-# instruction set: their plans are compiled for sm_80 (COMPILED_FOR), together with sm_80's.
-COMPILED_FOR = {75: 75, 80: 80, 86: 80, 89: 80, 90: 90}
-TC_DIMS = tuple(range(16, 257, 16))
-# The SIMT kernels (flash_fwd.cu, flash_bwd.cu) are compiled per head-dim class
-# (tiling.simt_head_dim_class), so their families hold every pair of classes: each tile pair
-# where d == dv and at tiling.SIMT_ASYM_SWEPT, the default plan at the other 88 (the planner
-# takes no other there).
-SIMT_CLASS_DIMS = tuple((d, dv) for d in tiling.SIMT_HEAD_DIM_CLASSES
-                        for dv in tiling.SIMT_HEAD_DIM_CLASSES)
-# Tensor-core kernels with d != dv: every pair of multiples of 16.  The planner accepts every
-# tile pair at tiling.TC_ASYM_SWEPT and only the default plan at the others (every tile pair
-# of every pair would be ~48,000 compiles), so these families hold ~6,000 plans.
-TC_ASYM_DIMS = tuple((d, dv) for d in TC_DIMS for dv in TC_DIMS if d != dv)
-ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
+SERVING, MASKS = {"CUFLASH_FWD_SERVING": None}, {"CUFLASH_MASKS": None}
+MAIN, HELPERS = {"CUFLASH_BWD_TC_MAIN": None}, {"CUFLASH_BWD_TC_HELPERS": None}
 
-# family -> (source file, planned kernel, kernels checked in the module, dtypes, head dims,
-#            extra defines, architectures: None = every one)
-FAMILIES = {
-    "flash_fwd": ("flash_fwd.cu", "flash_fwd", ("flash_fwd",), ALL_DTYPES, SIMT_CLASS_DIMS, {}, None),
-    "flash_fwd_serving": ("flash_fwd.cu", "flash_fwd", ("flash_fwd_serving",), ALL_DTYPES,
-                          SIMT_CLASS_DIMS, {"CUFLASH_FWD_SERVING": None}, None),
-    "flash_fwd_tc": ("flash_fwd_tc.cu", "flash_fwd_tc", ("flash_fwd_tc",), ("float16", "bfloat16"),
-                     tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
-    "flash_fwd_tf32": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
-                       tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
-    "flash_bwd": ("flash_bwd.cu", "flash_bwd_dkdv", ("flash_bwd_dkdv", "flash_bwd_dq"), ALL_DTYPES,
-                  SIMT_CLASS_DIMS, {}, None),
-    "flash_bwd_tc": ("flash_bwd_tc.cu", "flash_bwd_tc", ("flash_bwd_tc",), ("float16", "bfloat16"),
-                     tuple((d, d) for d in TC_DIMS), {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
-    "flash_bwd_tf32": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
-                       tuple((d, d) for d in TC_DIMS), {}, (80, 86, 89, 90)),
-    # d != dv on the tensor-core kernels (TC_ASYM_DIMS)
-    "flash_fwd_tc_asym": ("flash_fwd_tc.cu", "flash_fwd_tc", ("flash_fwd_tc",), ("float16", "bfloat16"),
-                          TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
-    "flash_fwd_tf32_asym": ("flash_fwd_tc.cu", "flash_fwd_tf32", ("flash_fwd_tf32",), ("float32",),
-                            TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
-    "flash_bwd_tc_asym": ("flash_bwd_tc.cu", "flash_bwd_tc", ("flash_bwd_tc",), ("float16", "bfloat16"),
-                          TC_ASYM_DIMS, {"CUFLASH_BWD_TC_MAIN": None}, (80, 86, 89, 90)),
-    "flash_bwd_tf32_asym": ("flash_bwd_tf32.cu", "flash_bwd_tf32", ("flash_bwd_tf32",), ("float32",),
-                            TC_ASYM_DIMS, {}, (80, 86, 89, 90)),
-    # the logit features (bias, window, ALiBi, softcap, dropout: -DCUFLASH_MASKS) build their
-    # own kernels from the same sources, planned as flash_fwd_masked (flash_fwd's tiles with a
-    # float64 register cap) and the backward's kernels (cuflash/_launch_masks.py)
-    "flash_fwd_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_masked",), ALL_DTYPES, SIMT_CLASS_DIMS,
-                         {"CUFLASH_MASKS": None}, None),
-    "flash_fwd_serving_masked": ("flash_fwd.cu", "flash_fwd_masked", ("flash_fwd_serving_masked",),
-                                 ALL_DTYPES, SIMT_CLASS_DIMS,
-                                 {"CUFLASH_FWD_SERVING": None, "CUFLASH_MASKS": None}, None),
-    "flash_bwd_masked": ("flash_bwd.cu", "flash_bwd_dkdv_masked", ("flash_bwd_dkdv_masked",
-                                                            "flash_bwd_dq_masked"),
-                         ALL_DTYPES, SIMT_CLASS_DIMS, {"CUFLASH_MASKS": None}, None),
-    # ... on the tensor-core backward (flash_bwd_tc.cu with -DCUFLASH_MASKS, main kernel)
-    "flash_bwd_tc_masked": ("flash_bwd_tc.cu", "flash_bwd_tc_masked", ("flash_bwd_tc_masked",),
-                            ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),
-                            {"CUFLASH_BWD_TC_MAIN": None, "CUFLASH_MASKS": None}, (80, 86, 89, 90)),
-    "flash_bwd_tc_masked_asym": ("flash_bwd_tc.cu", "flash_bwd_tc_masked", ("flash_bwd_tc_masked",),
-                                 ("float16", "bfloat16"), TC_ASYM_DIMS,
-                                 {"CUFLASH_BWD_TC_MAIN": None, "CUFLASH_MASKS": None},
-                                 (80, 86, 89, 90)),
-    # ... on float32's tensor-core backward (flash_bwd_tf32.cu with -DCUFLASH_MASKS)
-    "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", "flash_bwd_tf32_masked", ("flash_bwd_tf32_masked",),
-                              ("float32",), tuple((d, d) for d in TC_DIMS), {"CUFLASH_MASKS": None},
-                              (80, 86, 89, 90)),
-    "flash_bwd_tf32_masked_asym": ("flash_bwd_tf32.cu", "flash_bwd_tf32_masked",
-                                   ("flash_bwd_tf32_masked",), ("float32",), TC_ASYM_DIMS,
-                                   {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
-    # ... and on the tensor-core forward (flash_fwd_tc.cu with -DCUFLASH_MASKS)
-    "flash_fwd_tc_masked": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
-                            ("float16", "bfloat16"), tuple((d, d) for d in TC_DIMS),
-                            {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
-    "flash_fwd_tf32_masked": ("flash_fwd_tc.cu", "flash_fwd_tf32_masked", ("flash_fwd_tf32_masked",),
-                              ("float32",), tuple((d, d) for d in TC_DIMS),
-                              {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
-    "flash_fwd_tc_masked_asym": ("flash_fwd_tc.cu", "flash_fwd_tc_masked", ("flash_fwd_tc_masked",),
-                                 ("float16", "bfloat16"), TC_ASYM_DIMS, {"CUFLASH_MASKS": None},
-                                 (80, 86, 89, 90)),
-    "flash_fwd_tf32_masked_asym": ("flash_fwd_tc.cu", "flash_fwd_tf32_masked",
-                                   ("flash_fwd_tf32_masked",), ("float32",), TC_ASYM_DIMS,
-                                   {"CUFLASH_MASKS": None}, (80, 86, 89, 90)),
+# group -> (kernel file, defines of the build, kernels whose curated tables it compiles)
+GROUPS = {
+    "flash_fwd": ("flash_fwd.cu", {}, ("flash_fwd",)),
+    "flash_fwd_serving": ("flash_fwd.cu", SERVING, ("flash_fwd",)),
+    "flash_fwd_masked": ("flash_fwd.cu", MASKS, ("flash_fwd_masked",)),
+    "flash_fwd_serving_masked": ("flash_fwd.cu", {**SERVING, **MASKS}, ("flash_fwd_masked",)),
+    "flash_bwd": ("flash_bwd.cu", {}, ("flash_bwd_dkdv",)),
+    "flash_bwd_masked": ("flash_bwd.cu", MASKS, ("flash_bwd_dkdv_masked",)),
+    "flash_fwd_tc": ("flash_fwd_tc.cu", {}, ("flash_fwd_tc", "flash_fwd_tf32")),
+    "flash_fwd_tc_masked": ("flash_fwd_tc.cu", MASKS, ("flash_fwd_tc_masked", "flash_fwd_tf32_masked")),
+    "flash_bwd_tc": ("flash_bwd_tc.cu", MAIN, ("flash_bwd_tc",)),
+    "flash_bwd_tc_masked": ("flash_bwd_tc.cu", {**MAIN, **MASKS}, ("flash_bwd_tc_masked",)),
+    "flash_bwd_tc_helpers": ("flash_bwd_tc.cu", HELPERS, ()),
+    "flash_bwd_tf32": ("flash_bwd_tf32.cu", {}, ("flash_bwd_tf32",)),
+    "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", MASKS, ("flash_bwd_tf32_masked",)),
+    "online_softmax": ("online_softmax.cu", {}, ()),
 }
+TC_DIMS = tuple(range(16, 257, 16))
 
 
-# The -D names that select code regions of a family (FAMILIES' extra defines).  The hash of a
-# family resolves #if / #ifdef on these names, so an edit inside a region that the family
-# does not compile (e.g. -DCUFLASH_MASKS code, for the plain kernels) does not invalidate its
-# sweep.  Every other conditional is hashed as it stands, both branches (conservative).
-# CUFLASH_BWD_TC_HELPERS (flash_bwd_tc.cu's helper-kernel build) is one no sweep compile sets.
-REGION_DEFINES = frozenset(k for f in FAMILIES.values() for k in f[5]) | {"CUFLASH_BWD_TC_HELPERS"}
+class Job:
+    """One compile: a group's kernel file for ``arch`` with ``defines`` (name -> value or None).
+    ``default``: a compile that calls without tiles launch (a cell's default, the serving
+    kernel's decoding tiles, the helpers), which the tests compile even without a record."""
+
+    def __init__(self, group, key, defines, arch, default=True):
+        self.group, self.key, self.arch, self.default = group, key, arch, default
+        self.defines = dict(GROUPS[group][1], **defines)
+        self.options = (f"-arch=sm_{arch}", "--ptxas-options=-v",
+                        *kernels.build_options(self.defines))
+
+    @property
+    def digest(self):
+        """8 hex digits naming the key and options (the record's key of the compile)."""
+        text = self.key + "\0" + " ".join(o for o in self.options if not o.startswith("-I"))
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _pad_step(kernel):
+    """The step of a padded kernel's head dims (a call's d, dv are multiples of it)."""
+    return 32 if kernel.startswith("flash_bwd_tf32") else 16
+
+
+def _plan_job(group, kernel, dtype, c, pair, arch_class, padded, default=True):
+    """The Job of one curated pair (``padded``: the padded build, for calls with d < dv)."""
+    step = _pad_step(kernel)
+    plan = tiling.plan(kernel, c - step if padded else c, c, dtype, *pair,
+                       limit=tiling.EMULATOR_ARCHES[arch_class], limit_source=arch_class)
+    arch = curated.COMPILED_FOR[arch_class]
+    key = (f"{group} {dtype} {c} {pair[0]}x{pair[1]} sm_{arch}" + (" padded" if padded else ""))
+    return Job(group, key, kernels.plan_defines(plan), arch, default)
+
+
+def group_jobs(group):
+    """Every compile of ``group``, without duplicates (sm_86's and sm_80's cells share sm_80).
+
+    Each curated pair in the build of calls with d == dv; the padded build (calls with d !=
+    dv on the tensor cores) of each cell's default -- explicit tiles there are checked when
+    compiled on a GPU (``kernels.check_compiled``).  The serving groups' pairs are all
+    defaults: the serving kernel chooses its decoding tiles among them by the query rows."""
+    fname, _, tables = GROUPS[group]
+    serving = "CUFLASH_FWD_SERVING" in GROUPS[group][1]
+    jobs = {}
+    for kernel in tables:
+        t = tiling.kernel_tiling(kernel)
+        for dtype, grid in curated.CURATED[kernel].items():
+            for c, row in grid.items():
+                padded = t.pad_define is not None and c > _pad_step(kernel)
+                for arch_class, pairs in row.items():
+                    todo = [(pair, False, serving or i == 0) for i, pair in enumerate(pairs)]
+                    if padded:   # the padded build's default (the cell's own after "/")
+                        todo += [(pair, True, True) for pair in
+                                 curated.cell(kernel, dtype, c, arch_class, padded=True)[:1]]
+                    for pair, pad, default in todo:
+                        job = _plan_job(group, kernel, dtype, c, pair, arch_class, pad, default)
+                        if job.key in jobs:
+                            jobs[job.key].default |= job.default
+                        else:
+                            jobs[job.key] = job
+    if group == "flash_bwd_tc_helpers":  # the helpers' module: dtype, d and dv only
+        for dtype in tiling.TC_DTYPES:
+            for d in TC_DIMS:
+                for dv in TC_DIMS:
+                    for arch in (80, 90):
+                        defines = {kernels.dtype_define(dtype): None, "CUFLASH_HEAD_DIM": d,
+                                   "CUFLASH_HEAD_DIM_V": dv}
+                        job = Job(group, f"{group} {dtype} {d}/{dv} sm_{arch}", defines, arch)
+                        jobs[job.key] = job
+    if group == "online_softmax":
+        for dtype in ("float16", "bfloat16", "float32", "float64"):
+            for arch in (75, 80, 90):
+                job = Job(group, f"{group} {dtype} sm_{arch}", {kernels.dtype_define(dtype): None},
+                          arch)
+                jobs[job.key] = job
+    return sorted(jobs.values(), key=lambda j: j.key)
+
+
+def sample_jobs(group):
+    """A few of ``group``'s compiles, which the tests compile on every run to hold the record
+    to the installed NVRTC: per table, dtype class and architecture class, the default of the
+    largest head-dim class (the most registers); the helpers at 256/256, online_softmax all."""
+    if group == "online_softmax":
+        return group_jobs(group)
+    if group == "flash_bwd_tc_helpers":
+        return [j for j in group_jobs(group) if " 256/256 " in j.key]
+    jobs = {}
+    for kernel in GROUPS[group][2]:
+        classes = []   # one dtype of each dtype class (the dtypes of one grid)
+        for dtype, grid in curated.CURATED[kernel].items():
+            if all(grid != g for _, g in classes):
+                classes.append((dtype, grid))
+        for dtype, grid in classes:
+            c = max(grid)
+            for arch_class, pairs in grid[c].items():
+                if pairs:
+                    job = _plan_job(group, kernel, dtype, c, pairs[0], arch_class, False)
+                    jobs.setdefault(job.key, job)
+    return sorted(jobs.values(), key=lambda j: j.key)
+
+
+def compile_result(job, kdir=None):
+    """NVRTC's CompileResult of a job (ptxas' report in its log, the cubin), compiled from
+    ``kdir`` (a kernels_cu directory; default this one's)."""
+    kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
+    fname = GROUPS[job.group][0]
+    opts = [f"-I{kdir}" if o.startswith("-I") else o for o in job.options]
+    return _nvrtc.compile((kdir / fname).read_text(), fname, opts)
+
+
+def compile_job(job):
+    """(key, digest, {kernel: ptxas figures} or {"error": log}, CPU seconds) of one compile."""
+    t0 = time.process_time()
+    try:
+        info = _nvrtc.parse_ptxas_info(compile_result(job).log)
+    except _nvrtc.NVRTCError as e:
+        info = {"error": e.log[-2000:]}
+    return job.key, job.digest, info, time.process_time() - t0
+
+
+def bad(info):
+    """Why a compile fails the rule (an error, spills, a stack frame), or None."""
+    if "error" in info:
+        return "compile error: " + info["error"].strip().splitlines()[-1][:200]
+    if not info:
+        return "no kernel in ptxas' report"
+    for k, f in sorted(info.items()):
+        if f["spill_stores"] or f["spill_loads"] or f["stack_frame"]:
+            return (f"{k}: {f['registers']} registers, spills {f['spill_stores']}/"
+                    f"{f['spill_loads']} B, stack {f['stack_frame']} B")
+    return None
+
+
+def compile_all(jobs, workers=None, progress=True):
+    """[(key, digest, info, CPU seconds)] of ``jobs``, compiled ``workers`` at a time (default:
+    the CPUs)."""
+    if not jobs:
+        return []
+    workers = max(1, workers or os.cpu_count() or 1)
+    out, t0 = [], time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=workers) as ex:
+        for i, res in enumerate(ex.map(compile_job, jobs, chunksize=2), 1):
+            out.append(res)
+            if progress and (i % 50 == 0 or i == len(jobs)):
+                el = time.perf_counter() - t0
+                print(f"[{i}/{len(jobs)}] {el:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+# -- the sources a group compiles, hashed -------------------------------------------------------
+# The -D names that select code regions of a group (GROUPS' defines).  The hash resolves #if /
+# #ifdef on these names, so an edit inside a region a group does not compile (e.g. the
+# -DCUFLASH_MASKS code, for the plain kernels) leaves its hash.  Every other conditional is
+# hashed as it stands, both branches -- CUFLASH_HEAD_DIMS_PADDED among them, which the padded
+# compiles of a group set and its other compiles do not.
+REGION_DEFINES = frozenset(k for g in GROUPS.values() for k in g[1])
 _DIRECTIVE = re.compile(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif|define|undef)\b(.*)")
 _TERM = re.compile(r"(!?)\s*defined\s*(?:\(\s*(\w+)\s*\)|(\w+))")
 
@@ -215,9 +305,9 @@ def resolve_regions(text, defined):
 def source_hash(fname, defines=(), kdir=None):
     """sha256 of a kernel file and every kernels_cu header it includes (recursively), as
     compiled with the -D names ``defines``: comments dropped, conditionals over REGION_DEFINES
-    resolved (only the code such a build can see counts), all else as written.  A file the resolver cannot follow
-    (one that #defines a region name, an #elif it cannot evaluate) is hashed whole.
-    ``kdir``: another copy of kernels_cu (bench/plan_sweep_rehash.py), default this one."""
+    resolved (only the code such a build can see counts), all else as written.  A file the
+    resolver cannot follow (one that #defines a region name, an #elif it cannot evaluate) is
+    hashed whole.  ``kdir``: another copy of kernels_cu, default this one."""
     kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
     defined = frozenset(defines)
     seen, todo, h = set(), [fname], hashlib.sha256()
@@ -236,307 +326,149 @@ def source_hash(fname, defines=(), kdir=None):
     return h.hexdigest()
 
 
-def family_hash(family, kdir=None):
-    """source_hash of a family's kernel file under the family's region defines."""
-    return source_hash(FAMILIES[family][0], FAMILIES[family][5], kdir)
+def group_hash(group, kdir=None):
+    """source_hash of a group's kernel file under the group's defines."""
+    return source_hash(GROUPS[group][0], GROUPS[group][1], kdir)
 
 
-def accepted_plans(family, arch):
-    """Every plan of ``family`` that cuflash.tiling accepts at ``arch``'s shared-memory limit
-    (``arch`` 80: at sm_80's, sm_86's or sm_89's -- those are compiled for sm_80)."""
-    if arch in COMPILED_FOR.values():
-        seen = {}
-        for a, c in COMPILED_FOR.items():
-            if c == arch:
-                for p in _accepted_at(family, a):
-                    seen.setdefault((p.dtype, p.d, p.dv, p.block_q, p.block_kv), p)
-        return list(seen.values())
-    return _accepted_at(family, arch)
+def nvrtc_version():
+    return ".".join(map(str, _nvrtc.version()))
 
 
-def _accepted_at(family, arch):
-    fname, kernel, _, dtypes, dims, _, archs = FAMILIES[family]
-    if archs is not None and arch not in archs:
-        return []
-    limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
-    t = tiling.kernel_tiling(kernel)
-    out = []
-    for dt in dtypes:
-        for d, dv in dims:
-            for bq in t.block_q_choices:
-                for bkv in t.block_kv_choices:
-                    try:
-                        out.append(tiling.plan(kernel, d, dv, dt, bq, bkv, limit=limit,
-                                               limit_source=f"sm_{arch}"))
-                    except ValueError:
-                        pass
+def load_record():
+    rec = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    return rec if "groups" in rec else {"groups": {}}
+
+
+def unrecorded(group, jobs, record=None):
+    """The jobs of ``group`` that its record does not vouch for: all of them when the record is
+    of other sources or another NVRTC, else those whose digest it lacks or records failing."""
+    rec = (record or load_record())["groups"].get(group)
+    if (rec is None or rec["source_hash"] != group_hash(group)
+            or rec["nvrtc"] != nvrtc_version()):
+        return list(jobs)
+    return [j for j in jobs if not isinstance(rec["rows"].get(j.digest), int)]
+
+
+def export_kernels(rev, dest):
+    """kernels_cu as of git revision ``rev``, written under ``dest``; returns that directory."""
+    out = Path(dest) / "kernels_cu"
+    out.mkdir(parents=True)
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "kernels_cu/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{name}"], check=True,
+                              capture_output=True).stdout
+        (out / Path(name).name).write_bytes(blob)
     return out
 
 
-def _refusal_sets(family):
-    """(module, attribute, key) of the SIMT refusal set that holds ``family``'s spilling plans,
-    and a function entry -> (dtypes, block_q, block_kv, d class, dv class); None for others."""
-    from cuflash.tiling import bwd, fwd
-    kernel = FAMILIES[family][1]
-    if kernel in fwd.SIMT_FWD_FLOAT64_SPILLS:   # (block_q, block_kv, d, dv), float64
-        return fwd, "SIMT_FWD_FLOAT64_SPILLS", kernel, lambda e: (("float64",), *e)
-    if family in bwd.SIMT_BWD_SPILLS:           # (accumulator bytes, block_q, block_kv, d, dv)
-        return bwd, "SIMT_BWD_SPILLS", family, lambda e: (
-            ("float64",) if e[0] == 8 else ("float16", "bfloat16", "float32"), *e[1:])
-    return None
-
-
-def refused_spill_plans(family, arch):
-    """The plans of a SIMT family that its ptxas refusal set (tiling.SIMT_FWD_FLOAT64_SPILLS,
-    tiling.SIMT_BWD_SPILLS) refuses at ``arch`` (grouped as accepted_plans), each as the
-    planner takes it with that one entry lifted (an entry can be a default only once the
-    entries before it refuse theirs).  --write and --missing compile them too and keep their
-    rows: the refusals stand on them (tests/test_head_dim_classes.py checks each set against
-    the record's spilling rows).  Returns [(entry, plan)]."""
-    found = _refusal_sets(family)
-    if found is None:
-        return []
-    mod, attr, key, unpack = found
-    refused = getattr(mod, attr)[key]
-    out = {}
-    try:
-        for entry in sorted(refused):
-            dtypes, bq, bkv, d, dv = unpack(entry)
-            setattr(mod, attr, dict(getattr(mod, attr), **{key: refused - {entry}}))
-            for a, c in COMPILED_FOR.items():
-                if c != arch or (FAMILIES[family][6] is not None and a not in FAMILIES[family][6]):
-                    continue
-                for dt in dtypes:
-                    try:
-                        p = tiling.plan(FAMILIES[family][1], d, dv, dt, bq, bkv,
-                                        limit=tiling.EMULATOR_ARCHES[f"sm_{a}"],
-                                        limit_source=f"sm_{a}")
-                    except ValueError:
-                        continue
-                    out.setdefault((entry, dt), (entry, p))
-    finally:
-        setattr(mod, attr, dict(getattr(mod, attr), **{key: refused}))
-    return list(out.values())
-
-
-# flash_bwd_tc with d != dv near its register budget (cuflash/tiling/_bwd_tc_spills.py): every
-# float16 plan of the pairs outside TC_ASYM_DIMS whose register arrays are within EDGE_SLACK
-# floats of the budget, as the planner accepted them before the spills found here were refused.
-EDGE_RESULTS = ROOT / "bench" / "results" / "bwd_tc_edge_sweep.json"
-EDGE_SLACK = 16
-
-
-def bwd_tc_edge_plans():
-    """[(plan, compiled arch)] of the flash_bwd_tc edge sweep.
-
-    Call :func:`forget_edge_spills` first to enumerate the plans that sweep refused since.
-    """
-    from cuflash.tiling import bwd_tc
-    jobs = {}
-    for arch in (80, 86, 89, 90):
-        limit = tiling.EMULATOR_ARCHES[f"sm_{arch}"]
-        for d in TC_DIMS:
-            for dv in TC_DIMS:
-                if d == dv or (d, dv) in tiling.TC_ASYM_SWEPT:
-                    continue
-                for bq in tiling.BWD_TC_TILE_CHOICES:
-                    for bkv in tiling.BWD_TC_TILE_CHOICES:
-                        try:
-                            p = tiling.plan("flash_bwd_tc", d, dv, "float16", bq, bkv, limit=limit,
-                                            limit_source=f"sm_{arch}")
-                        except ValueError:
-                            continue
-                        _, mt, passes, qs = bwd_tc.bwd_tc_layout(bq, bkv, d, dv)
-                        slack = bwd_tc._bwd_tc_budget(passes) - bwd_tc._bwd_tc_arrays(
-                            bq, d, dv, mt, passes, qs)
-                        if slack <= EDGE_SLACK:
-                            jobs.setdefault((COMPILED_FOR[arch], d, dv, bq, bkv), p)
-    return [(p, key[0]) for key, p in sorted(jobs.items())]
-
-
-def forget_edge_spills():
-    """Let this process's planner accept the plans the edge sweep refused (to sweep them again),
-    and every tile pair of flash_bwd_tc at d != dv (the sweep predates the default-only rule
-    of tiling.TC_ASYM_SWEPT)."""
-    import dataclasses
-    from cuflash.tiling import bwd_tc
-    bwd_tc.BWD_TC_PTXAS_SPILLS = bwd_tc.BWD_TC_PTXAS_SPILLS - bwd_tc.BWD_TC_EDGE_SPILLS
-    tiling.register(dataclasses.replace(tiling.kernel_tiling("flash_bwd_tc"), asym_swept=None))
-
-
-def lift_refusals():
-    """Let this process's planner accept the plans refused because ptxas spilled them (the
-    refusal sets of cuflash.tiling), to compile them again and re-derive those sets."""
-    from cuflash.tiling import bwd, bwd_tc, core, fwd
-    core.ASYM_DEFAULT_SPILLS = {}
-    core.ARCH_SPILLS = {}
-    bwd_tc.BWD_TC_PTXAS_SPILLS = frozenset()
-    bwd_tc.BWD_TC_MASKED_PTXAS_SPILLS = frozenset()
-    bwd.BWD_TF32_MASKED_PTXAS_SPILLS = frozenset()
-    fwd.TC_MASKED_PTXAS_SPILLS = {k: frozenset() for k in fwd.TC_MASKED_PTXAS_SPILLS}
-    fwd.SIMT_FWD_FLOAT64_SPILLS = {k: frozenset() for k in fwd.SIMT_FWD_FLOAT64_SPILLS}
-    bwd.SIMT_BWD_SPILLS = {k: frozenset() for k in bwd.SIMT_BWD_SPILLS}
-
-
-def plan_key(family, plan, arch):
-    """The record's key of a plan: what is compiled (its head dims are the compiled ones,
-    ``kd``/``kdv``: the class of d and dv on the SIMT kernels)."""
-    return f"{family} {plan.dtype} d={plan.kd} dv={plan.kdv} {plan.block_q}x{plan.block_kv} sm_{arch}"
-
-
-def compile_family_plan(family, plan, arch, kdir=None, more=None):
-    """NVRTC's CompileResult of one plan of ``family`` for ``sm_{arch}`` (ptxas -v log),
-    from ``kdir`` (a kernels_cu directory; default this one's), with the defines ``more``
-    ({name: value or None}) added."""
-    kdir = Path(kdir) if kdir is not None else ROOT / "kernels_cu"
-    fname, extra = FAMILIES[family][0], FAMILIES[family][5]
-    defines = dict(kernels.plan_defines(plan), **extra, **(more or {}))
-    opts = (f"-arch=sm_{arch}", "--ptxas-options=-v", f"-I{kdir}",
-            *[o for o in kernels.build_options(defines) if not o.startswith("-I")])
-    return _nvrtc.compile((kdir / fname).read_text(), fname, opts)
-
-
-def compile_plan(job):
-    """(family, plan, arch) -> row: registers, spill bytes, stack frame per checked kernel."""
-    family, plan, arch = job
-    checked = FAMILIES[family][2]
-    t0 = time.perf_counter()
-    row = dict(key=plan_key(family, plan, arch), family=family, dtype=plan.dtype, d=plan.kd,
-               dv=plan.kdv, block_q=plan.block_q, block_kv=plan.block_kv, threads=plan.threads,
-               shared_bytes=plan.shared_bytes, arch=arch)
-    try:
-        res = compile_family_plan(family, plan, arch)
-    except _nvrtc.NVRTCError as e:
-        row["error"] = e.log[-2000:]
-        return row
-    info = _nvrtc.parse_ptxas_info(res.log)
-    row["kernels"] = {k: {f: info[k][f] for f in ("registers", "spill_stores", "spill_loads",
-                                                  "stack_frame")} for k in checked}
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    return row
-
-
-def bad(row):
-    """Why a row fails the rule (compile error, spills, a stack frame), or None."""
-    if "error" in row:
-        return "compile error"
-    for k, f in row["kernels"].items():
-        if f["spill_stores"] or f["spill_loads"] or f["stack_frame"]:
-            return (f"{k}: spills {f['spill_stores']}/{f['spill_loads']} B, stack "
-                    f"{f['stack_frame']} B")
-    return None
+def candidates(kernel, dtype, c, arch_class, workers):
+    """Compile every tile pair the planner's formulas take in one cell; print a table."""
+    group = next(g for g, spec in GROUPS.items() if kernel in spec[2])
+    t = tiling.kernel_tiling(kernel)
+    limit = tiling.EMULATOR_ARCHES[arch_class]
+    jobs, plans = [], {}
+    for bq in t.block_q_choices:
+        for bkv in t.block_kv_choices:
+            try:
+                p = tiling.plan(kernel, c, c, dtype, bq, bkv, limit=limit, limit_source=arch_class)
+            except ValueError:
+                continue
+            job = Job(group, f"{group} {dtype} {c} {bq}x{bkv} sm_{curated.COMPILED_FOR[arch_class]}",
+                      kernels.plan_defines(p), curated.COMPILED_FOR[arch_class])
+            jobs.append(job)
+            plans[job.key] = p
+    cell = curated.cell(kernel, dtype, c, arch_class)
+    print(f"{kernel} {dtype} head dims {c} on {arch_class}: {len(jobs)} pairs the formulas take; "
+          f"curated: {' '.join(f'{a}x{b}' for a, b in cell) or 'none'}")
+    print(f"{'tiles':>8s} {'threads':>7s} {'shared B':>9s} {'registers':>9s}  ptxas")
+    for key, _, info, _ in compile_all(jobs, workers, progress=False):
+        p = plans[key]
+        regs = max((f["registers"] for f in info.values() if isinstance(f, dict)), default=0)
+        mark = " curated" if (p.block_q, p.block_kv) in cell else ""
+        print(f"{p.block_q:>3d}x{p.block_kv:<4d} {p.threads:7d} {p.shared_bytes:9d} {regs:9d}  "
+              f"{bad(info) or 'clean'}{mark}")
+    return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
-    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
-    ap.add_argument("--json", help="write every row to this file")
-    ap.add_argument("--write", action="store_true",
-                    help=f"store the rows and source hashes in {RESULTS.relative_to(ROOT)} "
-                         "(needs the default --families and --arch)")
-    ap.add_argument("--missing", action="store_true",
-                    help="compile only the accepted plans that the record lacks (families whose "
-                         "record is of the current sources) and add them to it")
-    ap.add_argument("--lift-refusals", action="store_true",
-                    help="sweep with the planner's ptxas refusal sets emptied (to re-derive them; "
-                         "not with --write or --missing)")
-    ap.add_argument("--bwd-tc-edge", action="store_true",
-                    help=f"instead: the flash_bwd_tc d != dv edge sweep, rows to "
-                         f"{EDGE_RESULTS.relative_to(ROOT)} (refused plans included)")
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--stale", action="store_true",
+                    help="only the compiles the record does not vouch for")
+    ap.add_argument("--write", action="store_true", help=f"record the results in {RESULTS.name}")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--candidates", nargs=4, metavar=("KERNEL", "DTYPE", "HEAD_DIM", "ARCH"),
+                    help="instead: compile every tile pair of one cell the formulas allow")
     args = ap.parse_args(argv)
-    if args.bwd_tc_edge:
-        return edge_sweep(args.jobs)
-    if (args.write or args.missing) and set(args.arch) != set(ARCHS):
-        ap.error("--write / --missing record whole families: leave --arch at its default")
-    if args.lift_refusals and (args.write or args.missing):
-        ap.error("--lift-refusals sweeps plans the planner refuses: not for the record")
-    if args.lift_refusals:
-        lift_refusals()
-    doc = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"families": {}}
     ok, why = _nvrtc.is_available()
     if not ok:
         print(f"NVRTC not available: {why}", file=sys.stderr)
         return 2
-    todo = [(f, p, a) for f in args.families for a in args.arch for p in accepted_plans(f, a)]
-    refused = set()   # keys of the refused plans compiled for the record
-    if args.write or args.missing:
-        more = [(f, p, a) for f in args.families for a in args.arch
-                for _, p in refused_spill_plans(f, a)]
-        refused = {plan_key(*job) for job in more}
-        todo += more
-    if args.missing:
-        for fam in args.families:
-            rec = doc["families"].get(fam)
-            if rec is not None and rec["source_hash"] != family_hash(fam):
-                ap.error(f"{fam}: its sources changed since its record: sweep it whole (--write)")
-            if rec is not None and rec["nvrtc"] != ".".join(map(str, _nvrtc.version())):
-                ap.error(f"{fam}: recorded with NVRTC {rec['nvrtc']}: sweep it whole (--write)")
-        have = {r["key"] for fam in args.families
-                for r in doc["families"].get(fam, {"rows": []})["rows"]}
-        todo = [(f, p, a) for f, p, a in todo if plan_key(f, p, a) not in have]
-    print(f"{len(todo)} compiles (NVRTC {'.'.join(map(str, _nvrtc.version()))}, {args.jobs} jobs)",
-          file=sys.stderr)
-    rows, t0 = [], time.perf_counter()
-    with cf.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-        for i, row in enumerate(ex.map(compile_plan, todo, chunksize=4), 1):
-            rows.append(row)
-            if i % 20 == 0 or i == len(todo):
-                el = time.perf_counter() - t0
-                print(f"[{i}/{len(todo)}] {el:.0f} s, ~{el / i * (len(todo) - i):.0f} s left",
-                      file=sys.stderr, flush=True)
-    failing = [(r, bad(r)) for r in rows if bad(r) and r["key"] not in refused]
-    for r, why in failing:
-        print(f"{r['key']} ({r['threads']} threads): {why}")
-    print(f"{'family':18s} {'plans':>6s} {'max regs':>8s}  spilling")
-    for fam in args.families:
-        fr = [r for r in rows if r["family"] == fam]
-        regs = [f["registers"] for r in fr if "kernels" in r for f in r["kernels"].values()]
-        # a refused plan may compile clean in one family or architecture and spill in another
-        # (the set is per kernel or build); the test of the set reads the union
-        nref = sum(1 for r in fr if r["key"] in refused)
-        nclean = sum(1 for r in fr if r["key"] in refused and not bad(r))
-        print(f"{fam:18s} {len(fr):6d} {max(regs, default=0):8d}  "
-              f"{sum(1 for r in fr if bad(r) and r['key'] not in refused)}"
-              + (f" (and {nref} refused plans compiled for the record, {nclean} clean here)"
-                 if nref else ""))
-    print(f"{len(rows)} plans compiled, {len(failing)} spill or fail")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    if args.write or args.missing:  # --write replaces the swept families' rows, --missing adds
-        for fam in args.families:
-            new = {r["key"]: r for r in rows if r["family"] == fam}
-            old = doc["families"].get(fam, {"rows": []})["rows"] if args.missing else []
-            doc["families"][fam] = {
-                "nvrtc": ".".join(map(str, _nvrtc.version())),
-                "source_hash": family_hash(fam),
-                "rows": sorted([r for r in old if r["key"] not in new] + list(new.values()),
-                               key=lambda r: r["key"])}
-        RESULTS.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
-        print(f"wrote {RESULTS}")
+    if args.candidates:
+        k, dt, c, arch = args.candidates
+        return candidates(k, dt, int(c), arch, args.jobs)
+    record = load_record()
+    todo = {g: group_jobs(g) for g in args.groups}
+    if args.stale:
+        todo = {g: unrecorded(g, jobs, record) for g, jobs in todo.items()}
+    jobs = [j for js in todo.values() for j in js]
+    print(f"{len(jobs)} compiles (NVRTC {nvrtc_version()}, {args.jobs} jobs)", file=sys.stderr)
+    t0 = time.perf_counter()
+    failing, n, cpu_all = 0, 0, 0.0
+    print(f"{'group':26s} {'compiles':>8s} {'wall s':>7s} {'CPU s':>7s} {'max regs':>8s}  failing",
+          flush=True)
+    for g, js in todo.items():   # group by group, each recorded as soon as it is compiled
+        tg = time.perf_counter()
+        results = compile_all(js, args.jobs)
+        by_key = {key: (digest, info) for key, digest, info, _ in results}
+        cpu = sum(c for _, _, _, c in results)
+        infos = [by_key[j.key][1] for j in js]
+        fails = [(j.key, bad(i)) for j, i in zip(js, infos) if bad(i)]
+        failing, n, cpu_all = failing + len(fails), n + len(js), cpu_all + cpu
+        regs = [f["registers"] for i in infos for f in i.values() if isinstance(f, dict)]
+        print(f"{g:26s} {len(js):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
+              f"{max(regs, default=0):8d}  {len(fails)}", flush=True)
+        for key, why in fails:
+            print(f"    {key}: {why}", flush=True)
+        if args.write:
+            record = _record_group(load_record(), g, js, by_key, args.stale)
+            RESULTS.write_text(_dump(record))
+    print(f"{n} compiles in {time.perf_counter() - t0:.0f} s ({cpu_all:.0f} CPU s in the "
+          f"compiling processes, {args.jobs} at a time), {failing} failing")
+    if args.write:
+        print(f"wrote {RESULTS.relative_to(ROOT)} ({RESULTS.stat().st_size} B)")
     return 1 if failing else 0
 
 
-def _side_sweep(todo, jobs, path, command):
-    """Compile ``todo``, print the spills, write every row to ``path`` (not the record)."""
-    print(f"{len(todo)} compiles", file=sys.stderr)
-    with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as ex:
-        rows = list(ex.map(compile_plan, todo, chunksize=4))
-    bad_rows = [r for r in rows if bad(r)]
-    for r in bad_rows:
-        print(f"{r['key']}: {bad(r)}")
-    print(f"{len(rows)} plans compiled, {len(bad_rows)} spill")
-    path.write_text(json.dumps({"command": command, "rows": sorted(rows, key=lambda r: r["key"])},
-                               indent=0, sort_keys=True))
-    return 0
+def _record_group(record, g, js, by_key, stale):
+    """``record`` with group ``g``'s rows from this run's results (``by_key``), keeping the
+    rows of its other compiles with ``stale`` where the record is of these sources."""
+    keep = record["groups"].get(g) if stale else None
+    if keep is not None and (keep["source_hash"] != group_hash(g)
+                             or keep["nvrtc"] != nvrtc_version()):
+        keep = None
+    rows = dict(keep["rows"]) if keep else {}
+    for j in js:
+        digest, info = by_key[j.key]
+        rows[digest] = bad(info) or max(f["registers"] for f in info.values())
+    live = {j.digest for j in group_jobs(g)}   # drop rows of plans no longer curated
+    record["groups"][g] = {"nvrtc": nvrtc_version(), "source_hash": group_hash(g),
+                           "rows": {k: rows[k] for k in sorted(rows) if k in live}}
+    return {"groups": {k: rec for k, rec in sorted(record["groups"].items()) if k in GROUPS}}
 
 
-def edge_sweep(jobs):
-    """Compile the flash_bwd_tc edge plans (the worker processes inherit forget_edge_spills)."""
-    forget_edge_spills()
-    return _side_sweep([("flash_bwd_tc", p, arch) for p, arch in bwd_tc_edge_plans()], jobs,
-                       EDGE_RESULTS, "python bench/plan_sweep.py --bwd-tc-edge")
+def _dump(record):
+    """The record as JSON with one line per group's rows (small, and diffs by group)."""
+    lines = ["{", '"groups": {']
+    items = list(record["groups"].items())
+    for i, (g, rec) in enumerate(items):
+        head = json.dumps({k: v for k, v in rec.items() if k != "rows"})[1:-1]
+        rows = json.dumps(rec["rows"], separators=(",", ":"))
+        lines.append(f'{json.dumps(g)}: {{{head}, "rows": {rows}}}' + ("," if i + 1 < len(items) else ""))
+    lines += ["}", "}"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

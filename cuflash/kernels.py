@@ -133,14 +133,18 @@ def plan_defines(plan):
     The same names in every kernel: dtype, ``CUFLASH_HEAD_DIM`` (d),
     ``CUFLASH_HEAD_DIM_V`` (dv), ``CUFLASH_BLOCK_Q``, ``CUFLASH_BLOCK_KV`` and
     ``CUFLASH_THREADS``.  The head dims are the plan's compiled ones (``kd``, ``kdv``): the
-    class of d and dv for the SIMT kernels, which read the call's own from their params.
+    head-dim class of d and dv; the SIMT kernels read the call's own from their params, the
+    tensor-core kernels where their build is padded (``KernelTiling.pad_define``, when the
+    call's head dims are not the compiled ones).
     """
+    t = tiling.kernel_tiling(plan.kernel)
     out = {dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.kd,
            "CUFLASH_HEAD_DIM_V": plan.kdv, "CUFLASH_BLOCK_Q": plan.block_q,
            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
     # kernel-specific defines of the plan (KernelTiling.defines, e.g. flash_bwd_tc's passes)
-    out.update(tiling.kernel_tiling(plan.kernel).defines(plan.block_q, plan.block_kv, plan.kd,
-                                                         plan.kdv))
+    out.update(t.defines(plan.block_q, plan.block_kv, plan.kd, plan.kdv))
+    if t.pad_define is not None and (plan.d, plan.dv) != (plan.kd, plan.kdv):
+        out[t.pad_define] = None
     return out
 
 
@@ -311,17 +315,57 @@ class SpillError(RuntimeError):
 
 _CHECKED = set()
 
+# kernels whose tiles come from another kernel's plan (the curated table that names them)
+_PLANNED_AS = {"flash_fwd_serving": "flash_fwd", "flash_fwd_serving_masked": "flash_fwd_masked",
+               "flash_bwd_dq": "flash_bwd_dkdv", "flash_bwd_dq_masked": "flash_bwd_dkdv_masked"}
+
+
+def _option_defines(options):
+    """{name: value or None} of the ``-D`` options of a compile."""
+    out = {}
+    for o in options:
+        if o.startswith("-D"):
+            name, _, val = o[2:].partition("=")
+            out[name] = val or None
+    return out
+
+
+def _curated_advice(runtime, kernel_name, options):
+    """What to pass instead of a spilling specialisation: its family's curated plans for the
+    dtype, head dims and architecture class of the compile (a sentence)."""
+    defs = _option_defines(options)
+    planned = _PLANNED_AS.get(kernel_name, kernel_name)
+    dtype = next((n for n, m in _DTYPE_DEFINES.items() if m in defs), None)
+    try:
+        kd, kdv = int(defs["CUFLASH_HEAD_DIM"]), int(defs["CUFLASH_HEAD_DIM_V"])
+        tiles = (int(defs["CUFLASH_BLOCK_Q"]), int(defs["CUFLASH_BLOCK_KV"]))
+    except (KeyError, ValueError):
+        kd = kdv = tiles = None
+    padded = planned in tiling.CURATED and tiling.kernel_tiling(planned).pad_define in defs
+    cells = (tiling.curated_plans(planned, dtype, kd, kdv, runtime.smem_limit, padded)
+             if dtype is not None and kd is not None else [])
+    if not cells:
+        return ("It has no curated tile plans to fall back on (a helper kernel, not tiled): "
+                "please report it")
+    listed = tiles in cells[0][1]
+    text = tiling.curated_text(planned, dtype, kd, kdv, runtime.smem_limit, padded)
+    return (f"The curated plans of {planned} for {dtype} at head dims {kd}/{kdv} on this GPU "
+            f"(block_q, block_kv): {text}. "
+            + ("These tiles are one of them, which CI compiles without spills: the compiler "
+               "here differs from CI's; please report it, and pass another pair meanwhile"
+               if listed else "Pass one of them as block_q/block_kv, or neither for the default"))
+
 
 def check_compiled(runtime, fn, kernel_name, options):
-    """Second line of defence against plans that spill: the compiled kernel's own attributes.
+    """The check of explicit tiles, and a guard on the rest: the compiled kernel's attributes.
 
-    The planner (:mod:`cuflash.tiling`) refuses plans that spill, calibrated
-    by NVRTC compiles of every accepted plan's edge cases; on a GPU each
-    compiled specialisation is still checked once here: CuPy reports its
-    local-memory bytes per thread (``local_size_bytes``, register spills and
-    stack-resident arrays), which none of cuflash's kernels is designed to
-    use.  Raises :class:`SpillError` naming the kernel and its defines.  The
-    emulator compiles for the host and has no such attribute: nothing to check.
+    The planner takes any tiles its size formulas allow; its defaults are curated plans that
+    CI compiles with NVRTC without spills.  On a GPU each compiled specialisation is checked
+    once here: CuPy reports its local-memory bytes per thread (``local_size_bytes``,
+    register spills and stack-resident arrays), which none of cuflash's kernels is designed
+    to use.  Raises :class:`SpillError` naming the kernel, its defines and the curated
+    plans of its family to pass instead -- a spilling kernel is never run, nor replaced
+    silently.  The emulator compiles for the host and has no such attribute: nothing to check.
     """
     if runtime.name != "cuda":
         return
@@ -334,8 +378,8 @@ def check_compiled(runtime, fn, kernel_name, options):
         raise SpillError(
             f"kernel {kernel_name} [{defines}] compiled to {local} bytes of local memory per "
             f"thread ({getattr(fn, 'num_regs', '?')} registers): register spills, which make it "
-            "many times slower. The tile planner should have refused this plan; please report "
-            "it, and pass other block_q/block_kv meanwhile")
+            "many times slower, so it is not run. "
+            + _curated_advice(runtime, kernel_name, options))
     _CHECKED.add(key)
 
 
@@ -433,11 +477,11 @@ def compile_variants():
         for d in (64, 128):
             add("flash_fwd_tc", dt, d)
     add("flash_fwd_tc", "float16", 256)
-    add("flash_fwd_tc", "bfloat16", 128, dv=64, bq=16, bkv=32)  # d != dv: a pair swept at every tile
+    add("flash_fwd_tc", "bfloat16", 128, dv=64, bq=16, bkv=32)  # d != dv: the padded build
     for d in (64, 128):
         add("flash_fwd_tf32", "float32", d)
     add("flash_fwd_tf32", "float32", 256)
-    add("flash_fwd_tf32", "float32", 64, dv=128, bq=16, bkv=16)
+    add("flash_fwd_tf32", "float32", 64, dv=128, bq=64, bkv=16)
     # flash_bwd_tf32.cu: the default plans at d = 64 and 128, and dv != d
     for d in (64, 128):
         add("flash_bwd_tf32", "float32", d)

@@ -106,6 +106,13 @@
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
 // CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), all from cuflash.tiling
 // ("flash_bwd_tc", which also holds the register arrays to what compiles without spills).
+// Head dims: the main kernel is compiled for d and dv, or -- with -DCUFLASH_HEAD_DIMS_PADDED,
+// the build of a call whose d != dv (cuflash.tiling compiles it for max(d, dv)) -- for larger
+// ones than the call's, which it reads from BwdParams head_d, head_dv: the columns of K, Q past
+// d and of V, dO past dv are zero-filled in shared memory (every product is exact), those of
+// dK, dQ past d and of dV past dv are not written, and dK, dV and the dQ accumulator keep the
+// call's row lengths.  The helpers are compiled for the call's own d and dv.
+//
 // Limits: d, dv multiples of 16 up to 256; Br, Bc multiples of 16; 16-byte aligned rows of
 // q, k, v, o, do (element strides multiples of 8; the launcher copies other inputs).  On
 // GPUs before sm_80 portable.cuh's software mma and synchronous copies run instead.
@@ -136,6 +143,11 @@
 constexpr int kD = CUFLASH_HEAD_DIM;
 constexpr int kDv = CUFLASH_HEAD_DIM_V;
 static_assert(kD % 16 == 0 && kDv % 16 == 0 && kD <= 256 && kDv <= 256, "d, dv: multiples of 16 up to 256");
+#ifdef CUFLASH_HEAD_DIMS_PADDED
+constexpr bool kPadded = true;   // the call's head dims (BwdParams) may be below kD, kDv
+#else
+constexpr bool kPadded = false;
+#endif
 // float32 log2(e): exp(x) = exp2(x * log2(e))
 #define CUFLASH_LOG2E 1.4426950408889634f
 
@@ -185,7 +197,7 @@ static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 // The tiles' copies (tile_copy.cuh: per-thread offsets computed once, compile-time steps;
 // rows past `rows` zero-filled), with this kernel's element type and threads.
 template <int kRows, int kCols, int kSt>
-using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt>;
+using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 // (a compile-time trip count, as TileCopy: no remainder loop)
@@ -344,6 +356,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const int Nq = p.Nq, Nk = p.Nk, group = p.group, causal = p.causal, off = p.causal_offset;
 #endif
     const int nq_pad = p.nq_pad;
+    // the columns the call has: the row lengths of dK, dV and the dQ accumulator
+    const int d_cols = kPadded ? p.head_d : kD, dv_cols = kPadded ? p.head_dv : kDv;
     const float scale_log2 = (float)p.scale * CUFLASH_LOG2E;
     const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
     const int hk = fi.h, b = fi.b;
@@ -398,11 +412,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #endif
         const int n_i = it1 - it0;
         const int T = group * n_i;            // (head, Q tile) pairs this block visits
-        elem_t* dKt = dK + (bhk * Nk + kv0) * kD;
-        elem_t* dVt = dV + (bhk * Nk + kv0) * kDv;
+        elem_t* dKt = dK + (bhk * Nk + kv0) * d_cols;
+        elem_t* dVt = dV + (bhk * Nk + kv0) * dv_cols;
         if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
-            for (int e = tid; e < kv_rows * kD; e += kThreads) gstore(dKt + e, elem_t(0.0f));
-            for (int e = tid; e < kv_rows * kDv; e += kThreads) gstore(dVt + e, elem_t(0.0f));
+            for (int e = tid; e < kv_rows * d_cols; e += kThreads) gstore(dKt + e, elem_t(0.0f));
+            for (int e = tid; e < kv_rows * dv_cols; e += kThreads) gstore(dVt + e, elem_t(0.0f));
             continue;
         }
 
@@ -418,17 +432,17 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const int h = hk * group + gg;
                 const int q0 = i * kBr;
                 const int rows = min(kBr, Nq - q0);
-                TileCopy<kBr, kD, kKS>(tid, p.q_sr).template issue<false>(Qs + buf * kBr * kKS,
+                TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS,
                                                           Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, rows);
-                TileCopy<kBr, kDv, kVS>(tid, p.do_sr).template issue<false>(dOs + buf * kBr * kVS,
+                TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs + buf * kBr * kVS,
                                                             dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, rows);
                 const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
             };
             if (pass == 0) {
-                TileCopy<kBc, kD, kKS>(tid, p.k_sr).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
-                TileCopy<kBc, kDv, kVS>(tid, p.v_sr).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
+                TileCopy<kBc, kD, kKS>(tid, p.k_sr, d_cols).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
+                TileCopy<kBc, kDv, kVS>(tid, p.v_sr, dv_cols).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
             issue_tile(0, it0, 0);
             cp_async_commit();
@@ -830,7 +844,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 
                 // -- dQ_i += dS K_j (pass 0): kDqM x kDqN tiles, float32 reds
                 if (pass == 0) {
-                    float* dq_rows = dq_acc + (((size_t)b * p.H + h) * Nq + q0) * kD;
+                    float* dq_rows = dq_acc + (((size_t)b * p.H + h) * Nq + q0) * d_cols;
                     for (int tq = warp; tq < kDqTiles; tq += kWarps) {
                         const int rq = (tq / (kD / kDqN)) * kDqM;
                         const int cq = (tq - (tq / (kD / kDqN)) * (kD / kDqN)) * kDqN;
@@ -865,8 +879,9 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 if (q0 + r < Nq) {
 #pragma unroll
                                     for (int n = 0; n < kDqN / 8; ++n)
-                                        gred_add_v2(dq_rows + r * kD + cq + n * 8 + 2 * t, acc[m][n][2 * hh],
-                                                    acc[m][n][2 * hh + 1]);
+                                        if (!kPadded || cq + n * 8 < d_cols)
+                                            gred_add_v2(dq_rows + r * d_cols + cq + n * 8 + 2 * t,
+                                                        acc[m][n][2 * hh], acc[m][n][2 * hh + 1]);
                                 }
                             }
                     }
@@ -887,21 +902,21 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                             for (int n = 0; n < 2 * kKC; ++n) {
                                 const int col = slice * kKC * 16 + n * 8 + 2 * t;
-                                if (kSlices == 1 || col < kD)
-                                    gstore(reinterpret_cast<uint32_t*>(dKt + key * kD + col),
+                                if ((kSlices == 1 && !kPadded) || col < d_cols)
+                                    gstore(reinterpret_cast<uint32_t*>(dKt + key * d_cols + col),
                                            cvt_pack2<elem_t>(dk[mt][n][2 * hh] * (float)p.scale,
                                                              dk[mt][n][2 * hh + 1] * (float)p.scale));
                             }
 #pragma unroll
                             for (int n = 0; n < 2 * kVC; ++n) {
                                 const int col = slice * kVC * 16 + n * 8 + 2 * t;
-                                if (kSlices == 1 || col < kDv)
+                                if ((kSlices == 1 && !kPadded) || col < dv_cols)
 #ifdef CUFLASH_MASKS
-                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
+                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh] * dv_scale(p),
                                                              dv[mt][n][2 * hh + 1] * dv_scale(p)));
 #else
-                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * kDv + col),
+                                    gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
 #endif
                             }

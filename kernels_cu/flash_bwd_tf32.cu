@@ -38,6 +38,11 @@
 // Compile-time parameters: CUFLASH_DTYPE_F32, CUFLASH_HEAD_DIM (d), CUFLASH_HEAD_DIM_V (dv),
 // CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS (2 * Bc).  Arguments and
 // launch as flash_bwd_dkdv (grid ceil(Nk / Bc) * Hk * B), BwdParams with atomic_dq = 1.
+// Head dims: compiled for d and dv, or -- with -DCUFLASH_HEAD_DIMS_PADDED, the build of a call
+// whose d != dv (cuflash.tiling compiles it for max(d, dv)) -- for larger ones than the
+// call's, which it reads from BwdParams head_d, head_dv: the columns of K, Q past d and of V,
+// dO past dv are zero-filled in shared memory, those of dK, dQ past d and of dV past dv are
+// not written, and dK, dV and the dQ accumulator keep the call's row lengths.
 // Limits: d, dv multiples of 32 (a 128-bit B load feeds four n8 tiles), <= 128 (dK, dV in
 // registers); Br a multiple of 16; 16-byte aligned rows (the launcher copies other inputs).
 // Before sm_80 portable.cuh's software mma and synchronous copies run instead.
@@ -63,6 +68,11 @@
 
 constexpr int kD = CUFLASH_HEAD_DIM;
 constexpr int kDv = CUFLASH_HEAD_DIM_V;
+#ifdef CUFLASH_HEAD_DIMS_PADDED
+constexpr bool kPadded = true;   // the call's head dims (BwdParams) may be below kD, kDv
+#else
+constexpr bool kPadded = false;
+#endif
 constexpr int kBr = CUFLASH_BLOCK_Q;
 constexpr int kBc = CUFLASH_BLOCK_KV;
 constexpr int kThreads = CUFLASH_THREADS;
@@ -116,14 +126,16 @@ __device__ __forceinline__ void sts2(float* p, float a, float b) {
 }
 
 // cp.async of rows [0, rows) of a (kRows, kCols) float tile (global row stride gs) into shared
-// memory (row stride kSS), rows >= rows zero-filled; a rolled loop over the 16-byte chunks.
+// memory (row stride kSS), rows >= rows zero-filled, and columns >= cols in a padded build; a
+// rolled loop over the 16-byte chunks.
 template <int kRows, int kCols, int kSS>
-__device__ __forceinline__ void load_tile(float* s, const float* g, long long gs, int rows, int tid) {
+__device__ __forceinline__ void load_tile(float* s, const float* g, long long gs, int rows, int tid,
+                                          int cols) {
     constexpr int kCpr = kCols / 4;
 #pragma unroll 4
     for (int idx = tid; idx < kRows * kCpr; idx += kThreads) {
         const int r = idx / kCpr, c = (idx - r * kCpr) * 4;
-        const bool valid = r < rows;
+        const bool valid = r < rows && (!kPadded || c < cols);
         cp_async_16_zfill(s + r * kSS + c, valid ? g + r * gs + c : g, valid);
     }
 }
@@ -194,10 +206,11 @@ __device__ __forceinline__ void mma_xb(float (&acc)[kN / 8][4], const float (&x)
 }
 
 // Rows r0 + g (+ 8) of a (16 x kN) accumulator tile of mma_xb as float4 stores: lane (g, t)
-// holds columns 32c + 8t + 4e + m in acc[4c + m][2 half + e].
+// holds columns 32c + 8t + 4e + m in acc[4c + m][2 half + e]; in a padded build the columns
+// past `cols` (a multiple of 32) are not stored.
 template <int kN>
 __device__ __forceinline__ void store_xb(float* base, long long row_stride, const float (&acc)[kN / 8][4],
-                                         int g, int t, int rows, float mul) {
+                                         int g, int t, int rows, float mul, int cols) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = g + 8 * half;
@@ -207,9 +220,10 @@ __device__ __forceinline__ void store_xb(float* base, long long row_stride, cons
             for (int c = 0; c < kN / 32; ++c)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
-                    gstore(reinterpret_cast<float4*>(row + c * 32 + 8 * t + 4 * e),
-                           make_float4(mul * acc[4 * c][2 * half + e], mul * acc[4 * c + 1][2 * half + e],
-                                       mul * acc[4 * c + 2][2 * half + e], mul * acc[4 * c + 3][2 * half + e]));
+                    if (!kPadded || c * 32 < cols)
+                        gstore(reinterpret_cast<float4*>(row + c * 32 + 8 * t + 4 * e),
+                               make_float4(mul * acc[4 * c][2 * half + e], mul * acc[4 * c + 1][2 * half + e],
+                                           mul * acc[4 * c + 2][2 * half + e], mul * acc[4 * c + 3][2 * half + e]));
         }
     }
 }
@@ -250,9 +264,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
     const int hk = (int)(bhk % (unsigned)p.Hk), b = (int)(bhk / (unsigned)p.Hk);
     const int kv0 = kv_tile * kBc, kv_rows = min(kBc, Nk - kv0);
     float* dq_accum = dq_accum_ws + p.dq_accum_offset;
+    // the columns the call has: the row lengths of dK, dV and the dQ accumulator
+    const int d_cols = kPadded ? p.head_d : kD, dv_cols = kPadded ? p.head_dv : kDv;
 
-    load_tile<kBc, kD, kKS>(Ks, K + b * p.k_sb + hk * p.k_sh + kv0 * p.k_sr, p.k_sr, kv_rows, tid);
-    load_tile<kBc, kDv, kVS>(Vs, V + b * p.v_sb + hk * p.v_sh + kv0 * p.v_sr, p.v_sr, kv_rows, tid);
+    load_tile<kBc, kD, kKS>(Ks, K + b * p.k_sb + hk * p.k_sh + kv0 * p.k_sr, p.k_sr, kv_rows, tid, d_cols);
+    load_tile<kBc, kDv, kVS>(Vs, V + b * p.v_sb + hk * p.v_sh + kv0 * p.v_sr, p.v_sr, kv_rows, tid, dv_cols);
     // (one group with the first Q tile below; K_j, V_j are read after its barrier)
 
     const int n_q_tiles = (Nq + kBr - 1) / kBr;
@@ -285,9 +301,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
     auto issue = [&](int gg, int iq, int stage) {
         const int h = hk * group + gg, q0 = iq * kBr;
         const int rows = min(kBr, Nq - q0);
-        load_tile<kBr, kD, kQS>(Qs + stage * kBr * kQS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, p.q_sr, rows, tid);
+        load_tile<kBr, kD, kQS>(Qs + stage * kBr * kQS, Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, p.q_sr, rows,
+                                tid, d_cols);
         load_tile<kBr, kDv, kOS>(dOs + stage * kBr * kOS, dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr,
-                                 p.do_sr, rows, tid);
+                                 p.do_sr, rows, tid, dv_cols);
         const size_t row0 = ((size_t)b * p.H + h) * Nq + q0;
 #pragma unroll
         for (int k = 0; k < (kBr + kThreads - 1) / kThreads; ++k) {  // (compile-time trip count)
@@ -508,9 +525,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
 
         // -- dQ_i += scale * dS K_j: warp sub-tiles of 16 queries x 32 columns, one atomic each
         const int q_rows = min(kBr, Nq - q0);
-        float* dq_tile = dq_accum + (((size_t)b * p.H + h) * Nq + q0) * kD;
+        float* dq_tile = dq_accum + (((size_t)b * p.H + h) * Nq + q0) * d_cols;
         for (int sub = warp; sub < kSubs; sub += kWarps) {
             const int r0 = (sub / (kD / 32)) * 16, c0 = (sub % (kD / 32)) * 32;
+            if (kPadded && c0 >= d_cols) continue;  // columns the call does not have
             float acc[4][4];
 #pragma unroll
             for (int m = 0; m < 4; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
@@ -541,7 +559,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                 if (r < q_rows)
 #pragma unroll
                     for (int m = 0; m < 4; ++m)
-                        gatomic_add(dq_tile + (size_t)r * kD + c0 + 8 * t + 4 * (i & 1) + m, scale * acc[m][i]);
+                        gatomic_add(dq_tile + (size_t)r * d_cols + c0 + 8 * t + 4 * (i & 1) + m, scale * acc[m][i]);
             }
         }
         gg = gg1;
@@ -552,10 +570,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
     // -- dK_j = scale * sum dS^T Q, dV_j (rows past Nk are not written)
     const size_t row0 = ((size_t)b * p.Hk + hk) * Nk + kv0 + warp * 16;
     const int rows = kv_rows - warp * 16;
-    store_xb<kD>(dK + row0 * kD, kD, dk, g, t, rows, scale);
+    store_xb<kD>(dK + row0 * d_cols, d_cols, dk, g, t, rows, scale, d_cols);
 #ifdef CUFLASH_MASKS
-    store_xb<kDv>(dV + row0 * kDv, kDv, dv, g, t, rows, dv_scale(p));  // dropout's 1 / (1 - p)
+    store_xb<kDv>(dV + row0 * dv_cols, dv_cols, dv, g, t, rows, dv_scale(p), dv_cols);  // dropout's 1 / (1 - p)
 #else
-    store_xb<kDv>(dV + row0 * kDv, kDv, dv, g, t, rows, 1.0f);
+    store_xb<kDv>(dV + row0 * dv_cols, dv_cols, dv, g, t, rows, 1.0f, dv_cols);
 #endif
 }

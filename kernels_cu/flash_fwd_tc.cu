@@ -75,9 +75,15 @@
 //     are those of the undropped softmax), and 1 / (1 - p) multiplies O at the end with
 //     1 / l (P stays <= 2^kLazy in 16-bit: no overflow for p near 1).
 //
+// Head dims: compiled for d and dv, or -- with -DCUFLASH_HEAD_DIMS_PADDED, the build of a call
+// whose d != dv (cuflash.tiling compiles it for max(d, dv), its head-dim class) -- for larger
+// ones than the call's, which it reads from FwdParams head_d, head_dv: the columns of Q, K
+// past d and of V past dv are zero-filled in shared memory (S and O are exact) and those of O
+// past dv are not stored.
+//
 // Limits: d, dv multiples of 16, <= 256; block_q = warps * 16 * kMT, block_kv a multiple of
 // 16; register arrays grow with block_kv and dv (cuflash.tiling refuses the tiles that would
-// spill).  cp.async moves 16 bytes: the launcher guarantees 16-byte aligned base pointers and
+// not fit its register budget).  cp.async moves 16 bytes: the launcher guarantees 16-byte aligned base pointers and
 // element strides that are multiples of 16 bytes (else it copies the input).  Before sm_80
 // portable.cuh computes the mma in software and cp.async is a synchronous copy (correct,
 // slow: the planner picks the SIMT flash_fwd there).  float64 uses flash_fwd.cu.
@@ -116,6 +122,11 @@
 
 constexpr int kD = CUFLASH_HEAD_DIM;
 constexpr int kDv = CUFLASH_HEAD_DIM_V;
+#ifdef CUFLASH_HEAD_DIMS_PADDED
+constexpr bool kPadded = true;   // the call's head dims (FwdParams) may be below kD, kDv
+#else
+constexpr bool kPadded = false;
+#endif
 constexpr int kBr = CUFLASH_BLOCK_Q;
 constexpr int kBc = CUFLASH_BLOCK_KV;
 constexpr int kThreads = CUFLASH_THREADS;
@@ -214,7 +225,7 @@ __device__ __forceinline__ void gstore_pair(T* p, float a, float b) {  // two 16
 // The tiles' copies (tile_copy.cuh), with this kernel's element type and threads; the
 // interior-only count build takes the full-tile path alone.
 template <int kRows, int kCols, int kSS>
-using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSS, CUFLASH_FWD_INTERIOR_ONLY != 0>;
+using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSS, CUFLASH_FWD_INTERIOR_ONLY != 0, kPadded>;
 
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
@@ -596,6 +607,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const elem_t* Qb = Q + b * p.q_sb + h * p.q_sh + q0 * q_sr;
     const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
     const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
+    // the columns the call has (the copies zero-fill the rest; O's past dv are not stored)
+    const int d_cols = kPadded ? p.head_d : kD, dv_cols = kPadded ? p.head_dv : kDv;
 
     const int rows_q = min(kBr, Nq - q0);
     int kv_end = Nk;  // keys [0, kv_end) are visible to some row of the tile
@@ -628,9 +641,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const int row0 = warp * kRowsW;  // the warp's first row in the tile
 
     // -- Q_i and the first K/V tile: one cp.async group
-    const TileCopy<kBc, kD, kKS> kcopy(tid, k_sr);
-    const TileCopy<kBc, kDv, kVS> vcopy(tid, v_sr);
-    TileCopy<kBr, kD, kQS>(tid, q_sr).issue(Qs, Qb, rows_q);
+    const TileCopy<kBc, kD, kKS> kcopy(tid, k_sr, d_cols);
+    const TileCopy<kBc, kDv, kVS> vcopy(tid, v_sr, dv_cols);
+    TileCopy<kBr, kD, kQS>(tid, q_sr, d_cols).issue(Qs, Qb, rows_q);
     if (n_kv > j0) {
         kcopy.issue(Ks, Kb + (long long)j0 * kBc * k_sr, min(kBc, Nk - j0 * kBc));
         vcopy.issue(Vs, Vb + (long long)j0 * kBc * v_sr, min(kBc, Nk - j0 * kBc));
@@ -667,8 +680,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         __syncthreads();
         if (j + 1 < n_kv) {
             const int k1 = k0 + kBc;
-            TileCopy<kBc, kD, kKS>(tid, k_sr).issue(Ks + (stage ^ 1) * kBc * kKS, Kb + k1 * k_sr, min(kBc, Nk - k1));
-            TileCopy<kBc, kDv, kVS>(tid, v_sr).issue(Vs + (stage ^ 1) * kBc * kVS, Vb + k1 * v_sr, min(kBc, Nk - k1));
+            TileCopy<kBc, kD, kKS>(tid, k_sr, d_cols).issue(Ks + (stage ^ 1) * kBc * kKS, Kb + k1 * k_sr, min(kBc, Nk - k1));
+            TileCopy<kBc, kDv, kVS>(tid, v_sr, dv_cols).issue(Vs + (stage ^ 1) * kBc * kVS, Vb + k1 * v_sr, min(kBc, Nk - k1));
         }
         cp_async_commit();  // (possibly empty) group of tile j + 1
 #if CUFLASH_TF32
@@ -828,12 +841,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #if CUFLASH_TF32
 #pragma unroll
                 for (int cc = 0; cc < kDv / 16; ++cc)  // columns 16cc + 4t .. 4t+3 (see compute_pv)
-                    gstore4(orow + cc * 16 + 4 * t, o[mt][2 * cc][2 * rr] * inv, o[mt][2 * cc + 1][2 * rr] * inv,
-                            o[mt][2 * cc][2 * rr + 1] * inv, o[mt][2 * cc + 1][2 * rr + 1] * inv);
+                    if (!kPadded || cc * 16 < dv_cols)
+                        gstore4(orow + cc * 16 + 4 * t, o[mt][2 * cc][2 * rr] * inv, o[mt][2 * cc + 1][2 * rr] * inv,
+                                o[mt][2 * cc][2 * rr + 1] * inv, o[mt][2 * cc + 1][2 * rr + 1] * inv);
 #else
 #pragma unroll
                 for (int nt = 0; nt < kOT; ++nt)
-                    gstore_pair(orow + nt * 8 + 2 * t, o[mt][nt][2 * rr] * inv, o[mt][nt][2 * rr + 1] * inv);
+                    if (!kPadded || nt * 8 < dv_cols)
+                        gstore_pair(orow + nt * 8 + 2 * t, o[mt][nt][2 * rr] * inv, o[mt][nt][2 * rr + 1] * inv);
 #endif
                 // lse = ln(sum 2^(S c)) = ln 2 * (mc + log2(l))
                 if (t == 0) gstore(LSEb + i, empty ? -INFINITY : (mc_i[mt][rr] + log2f(l)) * 0.6931471805599453f);

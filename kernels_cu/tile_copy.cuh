@@ -9,12 +9,16 @@
 // with a compile-time trip count (a loop `for (idx = tid; idx < total; idx += kThreads)`
 // leaves ptxas an unknown count: an unrolled body plus a remainder loop).
 // kAlwaysFull: every tile has all kRows rows (the forward's interior-only count build).
+// kPadCols: only the first `cols` columns (a run-time multiple of kChunk) are copied, the rest
+// zero-filled (a build for head dims larger than the call's: -DCUFLASH_HEAD_DIMS_PADDED);
+// without it every column is copied and `cols` is not kept.
 // Requires cp_async_16_zfill (portable.cuh).
 #ifndef CUFLASH_TILE_COPY_CUH
 #define CUFLASH_TILE_COPY_CUH
 
 // (TileCopyT: each kernel names its own TileCopy alias with its element type and threads.)
-template <typename T, int kThreads, int kRows, int kCols, int kSS, bool kAlwaysFull = false>
+template <typename T, int kThreads, int kRows, int kCols, int kSS, bool kAlwaysFull = false,
+          bool kPadCols = false>
 struct TileCopyT {
     static constexpr int kChunk = 16 / (int)sizeof(T);   // elements per 16-byte cp.async
     static constexpr int kCpr = kCols / kChunk;          // chunks per row
@@ -31,11 +35,16 @@ struct TileCopyT {
     int soff;        // its first chunk's shared-memory offset (elements)
     long long goff;  // its first chunk's global offset (elements)
     long long gs;    // global row stride
-    __device__ __forceinline__ TileCopyT(int tid_, long long gs_) : tid(tid_), gs(gs_) {
+    int cols;        // kPadCols: the columns copied (the rest zero-filled)
+    bool col_ok;     // kPadCols, unrolled: this thread's column (the same in all its chunks)
+                     // is one of them
+    __device__ __forceinline__ TileCopyT(int tid_, long long gs_, int cols_ = kCols)
+        : tid(tid_), gs(gs_), cols(cols_) {
         row = tid / kCpr;
         const int col = (tid % kCpr) * kChunk;
         soff = row * kSS + col;
         goff = row * gs + col;
+        col_ok = !kPadCols || col < cols;
     }
     // Start copying the tile at g (global) into s (shared), all kRows rows (kFull) or rows
     // [0, rows) with the rest zero-filled (K/V rows past Nk must not hold NaN: P = 0 times
@@ -48,7 +57,7 @@ struct TileCopyT {
 #pragma unroll
             for (int i = 0; i < kIters; ++i) {
                 if (kExact || row + i * kRowStep < kRows) {
-                    const bool valid = kFull || row + i * kRowStep < rows;
+                    const bool valid = (kFull || row + i * kRowStep < rows) && (!kPadCols || col_ok);
                     cp_async_16_zfill(s + soff + i * kRowStep * kSS, valid ? src : g, valid);
                 }
                 src += step;
@@ -57,7 +66,7 @@ struct TileCopyT {
 #pragma unroll 1
             for (int idx = tid; idx < kTotal; idx += kThreads) {
                 const int r = idx / kCpr, c = (idx - r * kCpr) * kChunk;
-                const bool valid = kFull || r < rows;
+                const bool valid = (kFull || r < rows) && (!kPadCols || c < cols);
                 cp_async_16_zfill(s + r * kSS + c, valid ? g + r * gs + c : g, valid);
             }
         }

@@ -1,14 +1,14 @@
-"""The SIMT kernels compiled per head-dim class (issue 12).
+"""The SIMT kernels compiled per head-dim class.
 
 flash_fwd.cu (flash_fwd, flash_fwd_masked and the serving kernels) and flash_bwd.cu
 (flash_bwd_preprocess, flash_bwd_dkdv, flash_bwd_dq and their _masked builds) are compiled for
-the class of d and dv (``tiling.simt_head_dim_class``: 8, 16, 32, 64, 96, ..., 256) and read
-the call's own head dims at run time, their padding columns zero in shared memory.  So the
-planner's rules apply to the class, every accepted plan at any head dim is a plan of the spill
-sweep's record, and the results at head dims between classes are the oracle's.  The emulator NaN-poisons dynamic
-shared memory before every block, so a padding column left unwritten fails these cases.
+the class of max(d, dv) (``tiling.simt_head_dim_class``: 8, 16, 32, 64, 96, ..., 256), for d
+and dv alike, and read the call's own head dims at run time, their padding columns zero in
+shared memory.  So the planner's rules and curated tables apply to the class (every default
+is a curated plan: tests/test_curated_plans.py), and the results at head dims between
+classes, and at d != dv, are the oracle's.  The emulator NaN-poisons dynamic shared memory
+before every block, so a padding column left unwritten fails these cases.
 """
-import json
 import random
 import re
 
@@ -22,10 +22,6 @@ from cuflash import tiling
 from cuflash.launch import common as launch_common
 
 from test_masks import check_simt_masked_backward
-from test_plan_sweep import SWEEP
-SIMT_FWD_FAMILIES = ("flash_fwd", "flash_fwd_serving", "flash_fwd_masked", "flash_fwd_serving_masked")
-SIMT_BWD_FAMILIES = ("flash_bwd", "flash_bwd_masked")
-SIMT_FAMILIES = SIMT_FWD_FAMILIES + SIMT_BWD_FAMILIES
 
 
 def test_head_dim_class():
@@ -40,9 +36,10 @@ def test_head_dim_class():
 @pytest.mark.parametrize("kernel", ["flash_fwd", "flash_fwd_masked", "flash_bwd_dkdv",
                                     "flash_bwd_dkdv_masked", "flash_bwd_dq"])
 def test_a_head_dim_plans_as_its_class(kernel):
-    """Tiles, threads and shared memory at any head dims are those of their classes, default
-    and explicit alike; the plan keeps the call's d and dv and names the class."""
-    cls = tiling.simt_head_dim_class
+    """Tiles, threads and shared memory at any head dims are those of the class of max(d, dv),
+    default and explicit alike; the plan keeps the call's d and dv and names the class."""
+    def cls(x, other=None):
+        return tiling.simt_head_dim_class(max(x, x if other is None else other))
     rnd = random.Random(5)
     pairs = [(d, d) for d in range(1, 257)] + [(rnd.randint(1, 256), rnd.randint(1, 256))
                                                for _ in range(60)]
@@ -50,26 +47,26 @@ def test_a_head_dim_plans_as_its_class(kernel):
         lim = tiling.EMULATOR_ARCHES[arch]
         for dt in ("float32", "float64"):
             for d, dv in pairs:
+                c = cls(d, dv)
                 try:
-                    c = tiling.plan(kernel, cls(d), cls(dv), dt, limit=lim)
+                    cp = tiling.plan(kernel, c, c, dt, limit=lim)
                 except ValueError as e:  # no plan of the class fits (float64 on sm_75 ...)
-                    named = f"head-dim class {cls(d)}/{cls(dv)}" if (d, dv) != (cls(d), cls(dv)) \
-                        else re.escape(str(e))
+                    named = f"head-dim class {c}/{c}" if (d, dv) != (c, c) else re.escape(str(e))
                     with pytest.raises(ValueError, match=named):
                         tiling.plan(kernel, d, dv, dt, limit=lim)
                     continue
                 p = tiling.plan(kernel, d, dv, dt, limit=lim)
-                assert (p.d, p.dv, p.kd, p.kdv) == (d, dv, cls(d), cls(dv))
+                assert (p.d, p.dv, p.kd, p.kdv) == (d, dv, c, c)
                 assert (p.block_q, p.block_kv, p.threads, p.shared_bytes) == \
-                    (c.block_q, c.block_kv, c.threads, c.shared_bytes)
+                    (cp.block_q, cp.block_kv, cp.threads, cp.shared_bytes)
     p = tiling.plan(kernel, 65, 7, "float64")
-    assert (p.kd, p.kdv) == (96, 8) and "head-dim class 96/8" in p.describe()
+    assert (p.kd, p.kdv) == (96, 96) and "head-dim class 96/96" in p.describe()
     # explicit tiles: accepted exactly where the class accepts them
     for d, dv in ((7, 7), (65, 65), (100, 100), (16, 250), (250, 9), (40, 20)):
         for bq in (8, 16, 32, 64, 128):
             for bkv in (8, 16, 32, 64, 128):
                 got = []
-                for dd, ddv in ((d, dv), (cls(d), cls(dv))):
+                for dd, ddv in ((d, dv), (cls(d, dv), cls(d, dv))):
                     try:
                         got.append(tiling.plan(kernel, dd, ddv, "float64", bq, bkv,
                                                limit=tiling.EMULATOR_ARCHES["sm_80"]).shared_bytes)
@@ -79,53 +76,21 @@ def test_a_head_dim_plans_as_its_class(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["flash_fwd", "flash_bwd_dkdv"])
-def test_unswept_class_pairs_take_the_default_tiles_only(kernel):
-    """d != dv classes outside tiling.SIMT_ASYM_SWEPT: explicit tiles only where they are the
-    default plan (the sweep compiles only that one there), refused with the rule otherwise."""
+def test_d_ne_dv_takes_every_tile_pair_the_class_takes(kernel):
+    """d != dv compiles for the class of max(d, dv): explicit tiles are taken wherever they
+    are at that class with d == dv (no pair is the default's alone), the extremes included."""
     lim = tiling.EMULATOR_ARCHES["sm_80"]
-    d, dv = 40, 20  # classes 64/32
-    assert (64, 32) not in tiling.SIMT_ASYM_SWEPT
-    dflt = tiling.plan(kernel, d, dv, "float64", limit=lim)
-    assert tiling.plan(kernel, d, dv, "float64", dflt.block_q, dflt.block_kv,
-                       limit=lim).block_q == dflt.block_q
-    other = 8 if dflt.block_q != 8 else 16
-    with pytest.raises(ValueError, match="explicit tiles are taken only where ptxas was run"):
-        tiling.plan(kernel, d, dv, "float64", other, dflt.block_kv, limit=lim)
-    # the swept extremes take every tile pair that fits, also at head dims inside the class
-    assert tiling.plan(kernel, 250, 9, "float64", 8, 8, limit=lim).kdv == 16
-
-
-def _recorded_keys(families):
-    doc = json.loads(SWEEP.RESULTS.read_text())["families"]
-    return {r["key"] for f in families for r in doc[f]["rows"]}
-
-
-@pytest.mark.parametrize("families", [SIMT_FWD_FAMILIES, SIMT_BWD_FAMILIES],
-                         ids=["forward", "backward"])
-def test_every_accepted_plan_at_any_head_dim_was_swept(families):
-    """The accepted SIMT plans at every d == dv in 1..256 and at 200 random d != dv pairs,
-    each tile pair and the default, at every architecture's limit: each compiles as a plan of
-    the record (whose rows the sweep test holds spill-free)."""
-    have = _recorded_keys(families)
-    rnd = random.Random(11)
-    pairs = [(d, d) for d in range(1, 257)] + [(rnd.randint(1, 256), rnd.randint(1, 256))
-                                               for _ in range(200)]
-    checked = 0
-    for fam in families:
-        kernel = SWEEP.FAMILIES[fam][1]
-        for a, arch in SWEEP.COMPILED_FOR.items():
-            lim = tiling.EMULATOR_ARCHES[f"sm_{a}"]
-            for dt in ("float16", "float32", "float64"):
-                for d, dv in pairs[::7] if dt != "float64" else pairs:
-                    tiles = [(None, None)] + [(bq, bkv) for bq in (8, 32, 128) for bkv in (8, 64)]
-                    for bq, bkv in tiles:
-                        try:
-                            p = tiling.plan(kernel, d, dv, dt, bq, bkv, limit=lim)
-                        except ValueError:
-                            continue
-                        assert SWEEP.plan_key(fam, p, arch) in have, (fam, d, dv, bq, bkv, a)
-                        checked += 1
-    assert checked > 4000 * len(families)
+    for d, dv in ((40, 20), (250, 9), (9, 250), (100, 128)):
+        c = tiling.simt_head_dim_class(max(d, dv))
+        for bq in (8, 16, 32, 64, 128):
+            for bkv in (8, 16, 32, 64, 128):
+                try:
+                    want = tiling.plan(kernel, c, c, "float64", bq, bkv, limit=lim).shared_bytes
+                except ValueError:
+                    with pytest.raises(ValueError):
+                        tiling.plan(kernel, d, dv, "float64", bq, bkv, limit=lim)
+                    continue
+                assert tiling.plan(kernel, d, dv, "float64", bq, bkv, limit=lim).shared_bytes == want
 
 
 def _cases():
@@ -191,24 +156,6 @@ def test_kvcache_split_between_classes_matches_oracle(rng):
         kl = np.stack([kcd[table[b, j // ps], :, j % ps] for j in range(L)], axis=1)
         vl = np.stack([vcd[table[b, j // ps], :, j % ps] for j in range(L)], axis=1)
         oracle.check_forward(o[b], q[b], kl, vl, None, True, lse=lse[b])
-
-
-def test_float64_spills_of_the_class_sweep_are_recorded_and_refused():
-    """Each plan in tiling.SIMT_FWD_FLOAT64_SPILLS spilled in the record (dense, serving or
-    their feature builds) and the planner refuses it, naming the reason."""
-    doc = json.loads(SWEEP.RESULTS.read_text())["families"]
-    fams = {"flash_fwd": ("flash_fwd", "flash_fwd_serving"),
-            "flash_fwd_masked": ("flash_fwd_masked", "flash_fwd_serving_masked")}
-    n = 0
-    for kernel, plans in tiling.SIMT_FWD_FLOAT64_SPILLS.items():
-        spilled = {(r["block_q"], r["block_kv"], r["d"], r["dv"]) for f in fams[kernel]
-                   for r in doc[f]["rows"] if SWEEP.bad(r) and r["dtype"] == "float64"}
-        assert plans == spilled, kernel
-        for bq, bkv, d, dv in plans:
-            with pytest.raises(ValueError, match="ptxas spills this float64 plan"):
-                tiling.plan(kernel, d, dv, "float64", bq, bkv)
-            n += 1
-    assert n == 43
 
 
 def test_race_check_forward_between_classes(rng):
@@ -290,26 +237,3 @@ def test_race_check_backward_between_classes(rng):
             grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
         assert "flash_bwd_dkdv" in [e["kernel"] for e in seen]
         oracle.check_backward(grads, do, q, k, v, None, True)
-
-
-def test_backward_spills_of_the_class_sweep_are_recorded_and_refused():
-    """tiling.SIMT_BWD_SPILLS holds exactly the (accumulator bytes, tiles, classes) of the rows
-    that spilled in each backward family's record, and the planner refuses each of them in both
-    kernels of the build, for every dtype of that accumulator width."""
-    doc = json.loads(SWEEP.RESULTS.read_text())["families"]
-    n = 0
-    for build, plans in tiling.SIMT_BWD_SPILLS.items():
-        spilled = {(8 if r["dtype"] == "float64" else 4, r["block_q"], r["block_kv"], r["d"],
-                    r["dv"]) for r in doc[build]["rows"] if SWEEP.bad(r)}
-        assert plans == spilled, build
-        suffix = build[len("flash_bwd"):]
-        for acc, bq, bkv, d, dv in plans:
-            for dt in (("float64",) if acc == 8 else ("float16", "bfloat16", "float32")):
-                for kernel in ("flash_bwd_dkdv", "flash_bwd_dq"):
-                    with pytest.raises(ValueError, match="ptxas spills this"):
-                        tiling.plan(kernel + suffix, d, dv, dt, bq, bkv)
-            n += 1
-    assert n == N_BWD_SPILLS
-
-
-N_BWD_SPILLS = 8  # plan tuples refused (tiling.SIMT_BWD_SPILLS), flash_bwd + flash_bwd_masked

@@ -13,7 +13,7 @@ one) is shown as such and not timed: the table compares the tiles of one kernel.
 
 Each row gives the pair, the kernel's threads and shared memory, the median time, TFLOP/s
 and the speed against the default pair; a line per problem names the fastest pair.  That is
-the evidence for moving a default (the preference lists in ``cuflash/tiling``), which
+the evidence for moving a default (the curated tables in ``cuflash/tiling/curated.py``), which
 instruction counts on a CPU cannot give.
 
 Like the rest of the benchmark, each pair's call is checked before it is timed, on the check

@@ -8,14 +8,16 @@ repeats these formulas (flash-attn keeps one copy in C++ and one in Python;
 here the kernels receive every size as a ``-D`` define built from a plan).
 
 A kernel is described by a :class:`KernelTiling`: the tile sizes it supports,
-a formula for its dynamic shared memory, its threads per block, and an ordered
-list of preferred default tiles per head dim.  ``plan(kernel, ...)``
+a formula for its dynamic shared memory, its threads per block and its register
+rules; its default tiles are in a curated table (:mod:`.curated`, chosen by a
+person per dtype class, head-dim class and architecture class).  ``plan(kernel, ...)``
 
-* honours explicit ``block_q``/``block_kv`` or refuses them (``ValueError``
-  stating the budget and the supported choices) -- never changes them;
-* picks, when a size is None, the first preferred tile pair that fits the
-  device's shared-memory limit (so one table serves an sm_75 with 64 KB as well
-  as an H100 with 227 KB);
+* honours explicit ``block_q``/``block_kv`` that the size formulas allow, or
+  refuses them (``ValueError`` stating the budget and the supported choices) --
+  never changes them; whether ptxas spills them shows when they are compiled on
+  a GPU (``cuflash.kernels.check_compiled``);
+* picks, when a size is None, the first curated pair of the device's
+  architecture class that fits its shared-memory limit;
 * checks the total against the limit the device allows with opt-in
   (``cudaDevAttrMaxSharedMemoryPerBlockOptin`` on a real GPU; a nominal sm_80
   or sm_90 figure on the emulator, stated as such in every output).
@@ -27,6 +29,7 @@ The package is split by kernel family, each module registering its kernels'
 ``KernelTiling`` entries with :func:`register` when imported; everything else
 (planning, limits, messages) is in ``core`` and shared:
 
+* ``curated``: the curated plan tables (the design of the defaults is its docstring);
 * ``core``: :class:`KernelTiling`, :class:`TilePlan`, the registry, device limits,
   the occupancy floor, :func:`plan`, the split-KV heuristic;
 * ``fwd``: flash_fwd (SIMT), flash_fwd_tc / flash_fwd_tf32, the forward's kernel
@@ -38,6 +41,7 @@ The package is split by kernel family, each module registering its kernels'
 Every public name is available as ``cuflash.tiling.<name>``.
 """
 # Each module registers its kernels when imported; the order follows their imports.
+from .curated import ARCH_CLASSES, CURATED  # noqa: F401
 from .core import *  # noqa: F401,F403
 from .fwd import *  # noqa: F401,F403
 from .bwd import *  # noqa: F401,F403
@@ -51,5 +55,6 @@ __all__ = [
     "TC_KERNELS", "TC_MASKED_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
     "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
-    "simt_head_dim_class", "SIMT_HEAD_DIM_CLASSES", "SIMT_ASYM_SWEPT",
+    "simt_head_dim_class", "SIMT_HEAD_DIM_CLASSES", "simt_head_dims", "arch_class",
+    "curated_plans", "curated_text", "ARCH_CLASSES", "CURATED",
 ]

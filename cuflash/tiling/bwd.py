@@ -3,9 +3,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .core import (SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, accumulator_bytes,
-                   kernel_tiling, plan, register, simt_head_dim_class)
-from .fwd import TF32_DTYPES, _refuse_off_tensor_cores
+from .core import (KernelTiling, _dtype_name, accumulator_bytes, kernel_tiling, plan, register,
+                   simt_head_dims, square_head_dims)
+from .fwd import TC_PAD_DEFINE, TF32_DTYPES, _refuse_off_tensor_cores
 
 
 # ==========================================================================
@@ -69,59 +69,25 @@ def _bwd_dq_check(bq, bkv, d, dv):
 
 
 # float64: a double accumulator is two registers, and flash_bwd_dq keeps more beside its dQ
-# row than flash_bwd_dkdv does.  The plan sweep (bench/plan_sweep.py, NVRTC 13.0) compiled
-# every float64 dQ plan: all 13 with 64 doubles per thread spilled 176-248 B (255 registers;
-# d=64 128 x 8/16, d=128 64 x 8/16/32, d=256 32 x 8/16, on sm_80 and/or sm_90), every one
-# with 48 or fewer did not (at most 253 registers).  dK/dV at 64 doubles did not spill.
+# row than flash_bwd_dkdv does.  Every float64 dQ plan compiled with NVRTC 13.0: all 13 with
+# 64 doubles per thread spilled 176-248 B (255 registers; d=64 128 x 8/16, d=128 64 x 8/16/32,
+# d=256 32 x 8/16, on sm_80 and/or sm_90), every one with 48 or fewer did not (at most 253
+# registers).  dK/dV at 64 doubles did not spill.
 BWD_MAX_DQ_ACC_FLOAT64 = 48
 
 
 # float32 accumulators (float32 and 16-bit inputs) of dQ at a head dim that is not a power of
 # two: the row/column split of a thread's dQ elements costs index registers that a power of two
 # makes shifts.  Probed (NVRTC 13.0, sm_80 and sm_90, d = 96 .. 250 at 40-64 floats per thread,
-# plain and masked; issue 12's SIMT sample found d = 127 and 239 spilling): spills from 56
-# floats (d = 112 masked; 60-64 at d = 120, 127, 239), none at 48-50.  Powers of two keep
-# BWD_MAX_ACC (64 floats at d = 128 and 256: swept clean).  The defaults stay below (<= 32).
-# The planner applies these limits at the head-dim classes (d and dv below are classes: 96,
-# 160, 192 and 224 are the ones that are not powers of two); the class sweep checks them.
+# plain and masked; d = 127 and 239 had spilled): spills from 56 floats (d = 112 masked; 60-64
+# at d = 120, 127, 239), none at 48-50.  Powers of two keep BWD_MAX_ACC (64 floats at d = 128
+# and 256: compiled clean).  The defaults stay below (<= 32).  The planner applies these
+# limits at the head-dim classes (d and dv below are classes: 96, 160, 192 and 224 are the
+# ones that are not powers of two).
 BWD_MAX_DQ_ACC_NON_POW2 = 48
 
 
-# Plans of the SIMT backward that ptxas (NVRTC 13.0) spilled in the sweep of every head-dim
-# class pair (bench/plan_sweep.py, issue 12: 2,724 + 2,699 plans, then 22 + 36 in two --missing
-# rounds), per module build (flash_bwd: the plain kernels, flash_bwd_masked: -DCUFLASH_MASKS):
-# (accumulator bytes, block_q, block_kv, d class, dv class).  All are defaults at d != dv class
-# pairs with 28-32 dK/dV accumulators per thread against a non-power-of-two class (224); the
-# default moved on to 8 x 8.
-# flash_bwd_dkdv and flash_bwd_dq of a build launch with one plan's tiles, so a spill in either
-# refuses the tiles for both, at every architecture; a default moves to the next preferred pair,
-# which the sweep then compiled (--missing) until none spilled.
-SIMT_BWD_SPILLS = {
-    "flash_bwd": frozenset({  # all in flash_bwd_dkdv, the defaults (block_kv = 16)
-        (4, 16, 16, 256, 224), (4, 8, 16, 256, 224),  # 72 B (float16/bfloat16, sm_75/80), 16 B
-                                                      # (float32, sm_75/80), 4 B (sm_90)
-        (8, 16, 16, 128, 224), (8, 8, 16, 128, 224),  # float64: 8 B (sm_80)
-    }),
-    "flash_bwd_masked": frozenset({  # flash_bwd_dkdv_masked, the defaults (block_kv = 16)
-        (4, 16, 16, 224, 256), (4, 16, 16, 256, 224),  # 4-92 B (float16/bfloat16/float32,
-        (4, 8, 16, 224, 256), (4, 8, 16, 256, 224),    # sm_75/80/90)
-    }),
-}
-
-
-def _bwd_spill_check(build, bq, bkv, d, dv, acc):
-    if (acc, bq, bkv, d, dv) in SIMT_BWD_SPILLS[build]:
-        return (f"ptxas spills this {'float64' if acc == 8 else 'float32-accumulator'} plan of "
-                f"{build} (block_q={bq}, block_kv={bkv}, head-dim classes {d}/{dv}; in "
-                "flash_bwd_dkdv or flash_bwd_dq, which run with the same tiles: "
-                "bench/results/plan_sweep.json)")
-    return None
-
-
-def _bwd_dq_acc_check(bq, bkv, d, dv, acc, build="flash_bwd"):
-    spill = _bwd_spill_check(build, bq, bkv, d, dv, acc)
-    if spill is not None:
-        return spill
+def _bwd_dq_acc_check(bq, bkv, d, dv, acc):
     n = _per_thread(bq * d)
     if acc == 8 and n > BWD_MAX_DQ_ACC_FLOAT64:
         return (f"block_q={bq} with d={d} needs {n} float64 dQ accumulators per thread in "
@@ -133,58 +99,16 @@ def _bwd_dq_acc_check(bq, bkv, d, dv, acc, build="flash_bwd"):
     return None
 
 
-# float64 dK/dV with d != dv: the two accumulator arrays map their elements to (key, column)
-# through different divisions (by d and by dv), so ptxas keeps two sets of index values beside
-# the doubles.  Probed with NVRTC 13.0 for sm_80 and sm_90 at every accepted tile of 8 d != dv
-# pairs (128/125, 128/96, 254/230, 219/239, 73/150, 131/84, 31/64, 14/181; issue 12's SIMT
-# samples found their defaults spilling 4-708 B): flash_bwd_dkdv clean up to 50 doubles per
-# thread and spilling from 54, its masked build clean up to 32 and spilling from 48.  d == dv
-# keeps BWD_MAX_ACC (swept clean at 64 doubles).
-BWD_MAX_DKDV_ACC_FLOAT64_ASYM = 48
-BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED = 32
-
-
-def _bwd_dkdv_acc_check(limit, name, build):
-    def check(bq, bkv, d, dv, acc):
-        n = _per_thread(bkv * d) + _per_thread(bkv * dv)
-        if acc == 8 and d != dv and n > limit:
-            return (f"block_kv={bkv} with d={d} != dv={dv} needs {n} float64 dK/dV accumulators "
-                    f"per thread in {name} (limit {limit} doubles when d != dv: ptxas spills "
-                    "beyond it)")
-        # the same tiles also launch flash_bwd_dq
-        return _bwd_dq_acc_check(bq, bkv, d, dv, acc, build)
-    return check
-
-
-def _bwd_dq_acc(build):
-    return lambda bq, bkv, d, dv, acc: _bwd_dq_acc_check(bq, bkv, d, dv, acc, build)
-
-
-def _bwd_preferences(d, dv, acc):
-    # best first; plan() takes the first that fits the device (all of these fit an
-    # sm_80's 163 KB in float32; the last of each list fits 48 KB without opt-in)
-    dm = max(d, dv)
-    if dm <= 32:
-        return [(64, 64), (32, 64), (32, 32)]
-    if dm <= 64:
-        return [(64, 64), (32, 64), (32, 32), (16, 32)]
-    if dm <= 128:
-        return [(32, 32), (16, 32), (16, 16)]
-    return [(16, 16), (8, 16), (8, 8)]
-
-
 FLASH_BWD_DKDV = register(KernelTiling(
     name="flash_bwd_dkdv",
     block_q_choices=BWD_TILE_CHOICES,
     block_kv_choices=BWD_TILE_CHOICES,
     shared_bytes=_bwd_dkdv_shared,
     threads=lambda bq, bkv, d, dv: BWD_THREADS,
-    preferences=_bwd_preferences,
     layout=_bwd_layout(True),
     check=_bwd_dkdv_check,
-    check_acc=_bwd_dkdv_acc_check(BWD_MAX_DKDV_ACC_FLOAT64_ASYM, "flash_bwd_dkdv", "flash_bwd"),
-    asym_swept=SIMT_ASYM_SWEPT,
-    head_dim_class=simt_head_dim_class,
+    check_acc=_bwd_dq_acc_check,  # the same tiles also launch flash_bwd_dq
+    head_dims=simt_head_dims,
 ))
 
 FLASH_BWD_DQ = register(KernelTiling(
@@ -193,23 +117,17 @@ FLASH_BWD_DQ = register(KernelTiling(
     block_kv_choices=BWD_TILE_CHOICES,
     shared_bytes=_bwd_dq_shared,
     threads=lambda bq, bkv, d, dv: BWD_THREADS,
-    preferences=_bwd_preferences,
     layout=_bwd_layout(False),
     check=_bwd_dq_check,
-    check_acc=_bwd_dq_acc("flash_bwd"),
-    asym_swept=SIMT_ASYM_SWEPT,
-    head_dim_class=simt_head_dim_class,
+    check_acc=_bwd_dq_acc_check,
+    head_dims=simt_head_dims,
 ))
 
 # flash_bwd_dkdv_masked / flash_bwd_dq_masked (-DCUFLASH_MASKS): the same tiles, threads,
 # shared memory and limits, under their own names so that the feature builds are planned (and
-# swept) as what they are.  The sweep of every accepted plan at every head-dim class pair
-# (family flash_bwd_masked, 2,699 plans x 2 kernels, NVRTC 13.0) refused the four in
-# SIMT_BWD_SPILLS; the float64 dK/dV limit at d != dv is lower with the features (above).
-register(replace(FLASH_BWD_DKDV, name="flash_bwd_dkdv_masked", check_acc=_bwd_dkdv_acc_check(
-    BWD_MAX_DKDV_ACC_FLOAT64_ASYM_MASKED, "flash_bwd_dkdv_masked", "flash_bwd_masked")))
-register(replace(FLASH_BWD_DQ, name="flash_bwd_dq_masked",
-                 check_acc=_bwd_dq_acc("flash_bwd_masked")))
+# curated) as what they are.
+register(replace(FLASH_BWD_DKDV, name="flash_bwd_dkdv_masked"))
+register(replace(FLASH_BWD_DQ, name="flash_bwd_dq_masked"))
 
 
 # D = rowsum(dO * O) in chunks of BWD_PRE_ROWS rows: one partial sum per (row, lane)
@@ -220,9 +138,8 @@ register(KernelTiling(
     block_kv_choices=(BWD_PRE_ROWS,),
     shared_bytes=lambda bq, bkv, d, dv, acc: acc * bq * 33,
     threads=lambda bq, bkv, d, dv: BWD_THREADS,
-    preferences=lambda d, dv, acc: [(BWD_PRE_ROWS, BWD_PRE_ROWS)],
     layout=lambda bq, bkv, d, dv, acc: f"{'double' if acc == 8 else 'float'} red_s[{bq}][33]",
-    head_dim_class=simt_head_dim_class,  # compiled into flash_bwd.cu's module
+    head_dims=simt_head_dims,  # compiled into flash_bwd.cu's module
 ))
 
 
@@ -290,7 +207,7 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
 # lse2 2 x block_q, D 2 x block_q, dS^T (block_kv, ts); strides: ks = qs = os = 20 mod 32 (tiles
 # read as rows g and as rows 2t), vs = 16 mod 32, ts = 4 mod 32 (flash_bwd_tf32.cu says why).
 # Registers per thread: dK and dV of 16 keys ((d + dv) / 2) and S^T, dP^T of block_q queries
-# (block_q); BWD_TF32_MAX_ACC_REGS caps their sum (spill-free, tests/test_tc_plans.py).
+# (block_q); BWD_TF32_MAX_ACC_REGS caps their sum (ptxas spilled beyond it).
 BWD_TF32_MAX_ACC_REGS = 144
 
 
@@ -324,18 +241,12 @@ def _bwd_tf32_check(bq, bkv, d, dv):
     return None
 
 
-def _bwd_tf32_preferences(d, dv, acc):
-    if max(d, dv) <= 64:
-        return [(64, 64), (32, 64), (64, 32), (32, 32), (16, 32)]
-    return [(32, 64), (16, 64), (32, 32), (16, 32)]
-
-
 def _bwd_tf32_tiling(name, check):
     """flash_bwd_tf32.cu's tiling (plain or masked: the same layout)."""
     return KernelTiling(name=name, block_q_choices=(16, 32, 64), block_kv_choices=(32, 64, 128),
                         shared_bytes=_bwd_tf32_shared, threads=lambda bq, bkv, d, dv: 2 * bkv,
-                        preferences=_bwd_tf32_preferences, layout=_bwd_tf32_layout, check=check,
-                        asym_swept=TC_ASYM_SWEPT)
+                        layout=_bwd_tf32_layout, check=check, head_dims=square_head_dims(32),
+                        pad_define=TC_PAD_DEFINE)
 
 
 register(_bwd_tf32_tiling("flash_bwd_tf32", _bwd_tf32_check))
@@ -344,22 +255,10 @@ register(_bwd_tf32_tiling("flash_bwd_tf32", _bwd_tf32_check))
 # flash_bwd_tf32_masked: flash_bwd_tf32.cu with -DCUFLASH_MASKS (bias and dbias, window,
 # ALiBi, softcap, dropout on the S^T fragments, per element in float32), for float32 feature
 # calls on the atomic path in place of flash_bwd_dkdv_masked.  The same layout and register
-# budget; the (block_q, block_kv, d, dv) that ptxas spills would be refused here:
-# bench/plan_sweep.py compiled the plans of families flash_bwd_tf32_masked and its d != dv
-# sample (sm_80 for sm_80/86/89, sm_90) with none refused: none spills (2026-11-24, after the
-# bias/dbias row loops; the one refused before, 64 x 128 at d = 64 on sm_90, compiles clean
-# now -- the kernel's kRowPaths keeps d = dv = 128 at 16 query rows clean).
-BWD_TF32_MASKED_PTXAS_SPILLS = frozenset()
-
-
+# budget.
 def _bwd_tf32_masked_check(bq, bkv, d, dv):
     why = _bwd_tf32_check(bq, bkv, d, dv)
-    if why is not None:
-        return why.replace("flash_bwd_tf32", "flash_bwd_tf32_masked")
-    if (bq, bkv, d, dv) in BWD_TF32_MASKED_PTXAS_SPILLS:
-        return (f"ptxas spills this plan of flash_bwd_tf32_masked (block_q={bq}, block_kv={bkv}, "
-                f"d={d}, dv={dv}: bench/results/plan_sweep.json)")
-    return None
+    return None if why is None else why.replace("flash_bwd_tf32", "flash_bwd_tf32_masked")
 
 
 register(_bwd_tf32_tiling("flash_bwd_tf32_masked", _bwd_tf32_masked_check))
@@ -384,7 +283,7 @@ def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
         return None  # head dims it lacks at every tile size
     if ((block_q is not None and block_q not in t.block_q_choices)
             or (block_kv is not None and block_kv not in t.block_kv_choices)
-            or _bwd_tf32_check(block_q or 16, block_kv or 32, d, dv) is not None):
+            or _bwd_tf32_check(block_q or 16, block_kv or 32, *t.compiled_dims(d, dv)) is not None):
         _refuse_off_tensor_cores(name, d, dv, dtype, block_q, block_kv, limit, limit_source, None)
         return None
     try:

@@ -1,7 +1,7 @@
 """flash_bwd_tc (float16/bfloat16 backward on tensor cores), the backward's kernel choice (:func:`plan_flash_bwd`) and its traffic model."""
-from .core import MAX_HEAD_DIM, TC_ASYM_SWEPT, KernelTiling, _dtype_name, kernel_tiling, plan, register
-from ._bwd_tc_spills import BWD_TC_EDGE_SPILLS
-from .fwd import TC_DTYPES, _refuse_off_tensor_cores
+from .core import (MAX_HEAD_DIM, KernelTiling, _dtype_name, kernel_tiling, plan, register,
+                   square_head_dims)
+from .fwd import TC_DTYPES, TC_PAD_DEFINE, _refuse_off_tensor_cores
 
 
 # --------------------------------------------------------------------------
@@ -22,9 +22,9 @@ from .fwd import TC_DTYPES, _refuse_off_tensor_cores
 # 192 spilled (d = 96, dv = 32, 32 keys per warp, block_q = 32, with P kept in float32), and
 # two passes need ~24 more (on sm_80 d = dv = 256, block_q = 64: 128 + 48 spilled 12 bytes,
 # d = 256, dv = 176, block_q = 64, 4 warps: 112 + 48 spilled 4; 152 compiled clean).  So
-# plans are held to BWD_TC_ARRAY_BUDGET (one pass) and _TWO_PASSES;
-# tests/test_kernels_backward.py compiles plans at the edge of both with NVRTC and asserts
-# no spills.
+# plans are held to BWD_TC_ARRAY_BUDGET (one pass) and _TWO_PASSES; within them ptxas may
+# still spill a plan (at 255 registers, by its allocation, not the count): the curated plans
+# are compiled by CI, explicit ones checked when compiled on a GPU.
 BWD_TC_TILE_CHOICES = (16, 32, 64, 128)
 BWD_TC_ARRAY_BUDGET = 176
 BWD_TC_ARRAY_BUDGET_TWO_PASSES = 152
@@ -43,18 +43,6 @@ def _bwd_tc_budget(passes):
     return BWD_TC_ARRAY_BUDGET if passes == 1 else BWD_TC_ARRAY_BUDGET_TWO_PASSES
 
 
-# (block_q, block_kv, d, dv) of flash_bwd_tc that ptxas (NVRTC 13.0) compiles with spills
-# for sm_90 although the register-array model above accepts them: 255 registers and 8-16 B
-# of spill traffic in the two-pass layout, where the neighbouring head dims with as many
-# array floats (d = 192 at 64 x 64, d = 224 at 32 x 32 / 32 x 128) do not spill.  Found by
-# bench/plan_sweep.py (issue 12); refused so that no accepted plan spills.  The d != dv
-# sample of the sweep added two more (sm_80, 4-20 B): block_q 128, block_kv 64 with d, dv =
-# 128, 64 and 64, 128 (two passes, 144 of the 152 array floats), where d = dv = 96 with the
-# same array count compiled clean.
-BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 64, 224, 224),
-                                 (128, 64, 128, 64), (128, 64, 64, 128)}) | BWD_TC_EDGE_SPILLS
-
-
 # flash_bwd_tc_masked (-DCUFLASH_MASKS: the logit features): besides the arrays above it keeps
 # 1 - tanh^2 of the softcap as float16 pairs (as many registers as P^T: mt * block_q / qs / 4)
 # and ~16 registers of feature state (band, softcap, dropout key and keep bits, bias and dbias
@@ -65,28 +53,6 @@ BWD_TC_PTXAS_SPILLS = frozenset({(64, 64, 176, 176), (64, 128, 176, 176), (32, 6
 # plain defaults at d = 64 and 128).  Its dropout keeps one bit per element of P^T in 64 bits.
 BWD_TC_MASKED_ARRAY_BUDGET = 144
 BWD_TC_MASKED_MAX_BITS = 64
-# (block_q, block_kv, d, dv) of flash_bwd_tc_masked that ptxas spills although the budget
-# accepts them: bench/plan_sweep.py compiled every plan the budget accepts (families
-# flash_bwd_tc_masked and its d != dv sample, float16 and bfloat16, sm_80 for the limits of
-# sm_80/86/89 and sm_90: 860 compiles, with these refusals lifted).  With the feature loops
-# per tile (the sweep of 2026-11-23, night) 52 spilled 4-112 B: at 64 x 32..128 for d = 112
-# and 144, at 32 x 32..128 for the 64 <-> 128 pairs, and at 128 x * for d = 16 and 32 (one
-# warp of 16 keys against 128 queries: 64 keep bits and 16 query tiles of P^T) -- refused on
-# every architecture (the defaults are not among them: d = 112 runs 32 x 128, was 64 x 128;
-# d = 80 now 64 x 128, was 32 x 128).  The previous kernel refused 9 pairs (d = 16 at 128 x *,
-# d = 80 and 192/128 at 64 x *), those at d = 80 and 192/128 clean now.  The re-sweep of
-# 2026-11-24 (softcap's tanh as fmaf(r, -2, 1)) added one: 32 x 64 at 128/64 (8 B, sm_90).
-# Re-derived on 2026-11-24 (sixth session) after the fifth session's leaner backward (tile
-# copies, ldmatrix addresses): the 23 pairs compiled again, both dtypes, sm_80 and sm_90 --
-# 16 compile clean now (accepted again), 2 spill on one architecture only (_arch_spills.py),
-# these 5 on both.  Re-derived again (seventh session) after the 16-bit dropout draws: of the
-# 5, the four at d = 16 spill on one architecture only now (_arch_spills.py), 128 x 128 at
-# d = 32 on both.  Rows: bench/results/plan_sweep.json.
-BWD_TC_MASKED_PTXAS_SPILLS = frozenset({
-    (128, 128, 32, 32),
-})
-
-
 def _bwd_tc_masked_arrays(bq, d, dv, mt, passes, qs=1):
     return _bwd_tc_arrays(bq, d, dv, mt, passes, qs) + mt * (bq // qs // 4)
 
@@ -112,9 +78,6 @@ def bwd_tc_layout(bq, bkv, d, dv, masked=False):
         return f"flash_bwd_tc needs d and dv multiples of 16 up to {MAX_HEAD_DIM}, got d={d}, dv={dv}"
     if bq not in BWD_TC_TILE_CHOICES or bkv not in BWD_TC_TILE_CHOICES:
         return f"flash_bwd_tc takes block_q, block_kv in {list(BWD_TC_TILE_CHOICES)}"
-    if (bq, bkv, d, dv) in (BWD_TC_MASKED_PTXAS_SPILLS if masked else BWD_TC_PTXAS_SPILLS):
-        return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills this plan "
-                "(bench/plan_sweep.py) although its register arrays fit the budget")
     if masked:
         return _bwd_tc_masked_layout(bq, bkv, d, dv)
     if bkv >= 64 and _bwd_tc_arrays(bq, d, dv, 2, 1) <= _bwd_tc_budget(1):
@@ -186,58 +149,17 @@ def _bwd_tc_fns(masked):
                 defines=defines)
 
 
-def _bwd_tc_preferences(d, dv, acc):
-    # best first: 128 keys per block (K/V and dQ reds amortised over the most work), then
-    # smaller tiles for smaller shared-memory budgets (sm_86/89: 99 KB, sm_75: 64 KB)
-    dm = d + dv
-    if dm <= 128:    # 32 keys per warp, 4 warps
-        return [(32, 128), (64, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
-    if dm <= 256:    # query split (32 keys per warp pair): block_q 64 keeps 32 queries per warp
-        # (bench/kernel_report.py model, d = 128: 64 x 128 259 B of shared memory per HMMA,
-        # 64 x 64 272, 32 x 128 336 -- FA2 256)
-        return [(64, 128), (64, 64), (32, 128), (32, 64), (16, 64), (16, 32), (16, 16)]
-    return [(32, 128), (64, 64), (32, 64), (16, 64), (16, 32), (16, 16)]  # two passes
-
-
-def _bwd_tc_masked_preferences(d, dv, acc):
-    # flash_bwd_tc_masked: where its register budget sends 32 x 128 to the query split (d + dv
-    # in (64, 128]: 32 keys per warp pair, 16 queries per warp), block_q = 64 gives each warp 32
-    # queries again, as the plain kernel's 32 x 128 does with 32 keys per warp: the per-warp
-    # work of a trip doubles while its fixed part (copies, addresses, barriers, the dQ reds'
-    # setup) does not.  Counted (bench/feature_counts.py method, float16 d = 64, sm_80, per
-    # logit): 32 x 128 66.4 instructions, 64 x 128 40.5, 64 x 64 (4 warps, fits 99 KB) 41.8;
-    # the plain kernel's default 40.0.
-    # Where 64 x 128 needs two passes over the head dims (d + dv in (128, 256]: 16 keys per
-    # warp), 16 keys per warp pair in one pass at block_q = 128 (211 KB at d = 128: sm_90)
-    # or 64: the second pass recomputed S^T and dP^T.  Counted the same way at d = 128:
-    # 64 x 128 (two passes) 91.6 per logit, 128 x 64 51.2, 64 x 64 79.0; the plain
-    # kernel's 64 x 128 56.1.
-    # Below 128 x 64 (sm_80's 163 KB, sm_86's 99 KB), 32 x 128 where it runs in one pass: counted
-    # with the fifth session's backward (same method, float16, sm_80), d = 96: 32 x 128 32.1
-    # per logit, 64 x 64 32.4; d = 112: 34.2 against 44.2; at d = 128 32 x 128 takes two passes
-    # and 64 x 64 wins (65.2 against 42.8; 128 x 64: 32.9).
-    prefs = _bwd_tc_preferences(d, dv, acc)
-    first = []
-    if d + dv <= 128:
-        lay = bwd_tc_layout(32, 128, d, dv, True)
-        if not isinstance(lay, str) and lay[3] == 2:
-            first = [(64, 128), (64, 64)]
-    elif d + dv <= 256:
-        lay = bwd_tc_layout(64, 128, d, dv, True)
-        if not isinstance(lay, str) and lay[2] == 2:
-            lay32 = bwd_tc_layout(32, 128, d, dv, True)
-            one_pass = not isinstance(lay32, str) and lay32[2] == 1
-            first = [(128, 64)] + ([(32, 128)] if one_pass else []) + [(64, 64)]
-    return first + [x for x in prefs if x not in first]
-
-
+# With d != dv both compile for max(d, dv), the padding columns of K, Q (or V, dO) zero and
+# those of dK, dQ (or dV) not written (-DCUFLASH_HEAD_DIMS_PADDED: the call's head dims from
+# BwdParams).  The helpers' module is compiled for the call's own d and dv (it reads dv
+# columns of O and dO, and d columns of the dQ accumulator).
 for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
     register(KernelTiling(
         name=_name,
         block_q_choices=BWD_TC_TILE_CHOICES,
         block_kv_choices=BWD_TC_TILE_CHOICES,
-        preferences=_bwd_tc_masked_preferences if _masked else _bwd_tc_preferences,
-        asym_swept=TC_ASYM_SWEPT,
+        head_dims=square_head_dims(16),
+        pad_define=TC_PAD_DEFINE,
         **_bwd_tc_fns(_masked),
     ))
 
@@ -249,7 +171,6 @@ for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
         block_q_choices=(64,), block_kv_choices=(64,),
         shared_bytes=lambda bq, bkv, d, dv, acc: 0,
         threads=lambda bq, bkv, d, dv, _t=_threads: _t,
-        preferences=lambda d, dv, acc: [(64, 64)],
         layout=lambda bq, bkv, d, dv, acc: "no shared memory",
     ))
 

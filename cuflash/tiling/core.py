@@ -5,8 +5,7 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
-from ._arch_spills import ARCH_SPILLS
-from ._asym_spills import ASYM_DEFAULT_SPILLS
+from .curated import ARCH_CLASSES, cell, table_arches
 
 
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
@@ -59,77 +58,57 @@ class KernelTiling:
         Exact dynamic shared memory per block, in bytes.
     threads : callable(block_q, block_kv, d, dv) -> int
         Threads per block.
-    preferences : callable(d, dv, acc_bytes) -> sequence of (block_q, block_kv)
-        Default tile pairs, best first; the first that fits the limit is used.
     layout : callable(block_q, block_kv, d, dv, acc_bytes) -> str
         One line naming the shared-memory arrays and their shapes (for messages).
     check : callable(block_q, block_kv, d, dv) -> str or None
-        Further constraints (e.g. register arrays); a message when violated.
+        Further constraints (the register rules: accumulators per thread); a message when
+        violated.
     check_acc : callable(block_q, block_kv, d, dv, acc_bytes) -> str or None
         Constraints that also depend on the accumulator size (a double takes two 32-bit
         registers); a message when violated.  None by default.
     defines : callable(block_q, block_kv, d, dv) -> dict
         Extra ``-D`` defines of a plan beyond dtype, head dims, tiles and threads
         (:func:`cuflash.kernels.plan_defines` adds them); none by default.
-    asym_swept : tuple of (d, dv) or None
-        With d != dv, every tile pair is accepted only at these head-dim pairs, elsewhere
-        only the default plan (:data:`TC_ASYM_SWEPT`, :data:`SIMT_ASYM_SWEPT`: the pairs the
-        spill sweep compiles whole).  None: no such rule.
-    head_dim_class : callable(d) -> int, or None
-        Set on kernels compiled for a head-dim class rather than each head dim (the SIMT
-        forward and backward, :func:`simt_head_dim_class`): every rule (shared memory, registers,
-        preferences, ``asym_swept``) is applied to the class of d and dv, and the plan's
-        ``kd``/``kdv`` are what it compiles.  None: compiled for d and dv themselves.
+    head_dims : callable(d, dv) -> (int, int), or None
+        The head dims the kernel is compiled for (its head-dim class, :mod:`.curated`): every
+        rule (shared memory, registers, the curated table) is applied to them, and the plan's
+        ``kd``/``kdv`` hold them.  None: compiled for d and dv themselves.
+    pad_define : str or None
+        The define a build compiled for head dims larger than the call's needs (the
+        tensor-core kernels: ``CUFLASH_HEAD_DIMS_PADDED``); None where the kernel always
+        reads the call's head dims (the SIMT kernels) or is never padded.
+
+    The default tiles come from the curated table of the kernel (:data:`.curated.CURATED`);
+    a kernel without one has a single block_q and block_kv choice.
     """
     name: str
     block_q_choices: Tuple[int, ...]
     block_kv_choices: Tuple[int, ...]
     shared_bytes: Callable
     threads: Callable
-    preferences: Callable
     layout: Callable
     check: Callable = field(default=lambda bq, bkv, d, dv: None)
     check_acc: Callable = field(default=lambda bq, bkv, d, dv, acc: None)
     max_head_dim: int = MAX_HEAD_DIM
     defines: Callable = field(default=lambda bq, bkv, d, dv: {})
-    asym_swept: Tuple[Tuple[int, int], ...] = None
-    head_dim_class: Callable = None
+    head_dims: Callable = None
+    pad_define: str = None
 
     def compiled_dims(self, d, dv):
-        """(d, dv) as this kernel compiles them: their classes, or themselves."""
-        if self.head_dim_class is None:
-            return d, dv
-        return self.head_dim_class(d), self.head_dim_class(dv)
-
-    def default_only(self, d, dv):
-        """True where only the default tiles are accepted (see ``asym_swept``)."""
-        d, dv = self.compiled_dims(d, dv)
-        return self.asym_swept is not None and d != dv and (d, dv) not in self.asym_swept
+        """(d, dv) as this kernel compiles them: their head-dim class, or themselves."""
+        return (d, dv) if self.head_dims is None else self.head_dims(d, dv)
 
 
-# The tensor-core kernels are compiled per (d, dv) and tile pair, and ptxas' register
-# allocation is not monotone in either (the d != dv edge sweep of flash_bwd_tc found 108 of
-# 1,410 plans near its register budget spilling): every accepted plan must have been compiled
-# (bench/plan_sweep.py, issue 12).  Every tile pair of every d != dv pair of multiples of 16
-# would be ~48,000 compiles (~9 hours on two cores); the sweep covers every tile pair of these
-# d != dv pairs (MLA's 192/128, 64 <-> 128, 128 <-> 256 and both extremes) and the default
-# plan of every other d != dv pair at every architecture's limit (~5,600 compiles).  So with
-# d != dv outside these pairs, explicit tiles are accepted only where they are the default.
-TC_ASYM_SWEPT = ((192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (16, 256), (256, 16))
-
-# Head-dim classes of the SIMT kernels (flash_fwd.cu, flash_bwd.cu): a head dim d runs on the
-# kernel compiled for the smallest class >= d, its columns past d zero in shared memory.  Why: compiled per
-# head dim, these kernels had 256 x 256 (d, dv) pairs per tile plan, of which the spill sweep
-# could compile a sample only, and a random sample of the others found plans that spill
-# (issue 12); per class there are 100 pairs, all of them compiled.  The classes are the head
-# dims FlashAttention-2 instantiates (multiples of 32) plus 8 and 16, so small heads do not pay
-# 4x; a head dim between two classes computes on the padding (e.g. d = 80 on 96 columns: 20%
-# more FMAs and shared memory than a compile for 80), the common ones (32, 64, 96, 128, ...)
-# not at all.
+# Head-dim classes of the SIMT kernels (flash_fwd.cu, flash_bwd.cu): a call runs on the kernel
+# compiled for the smallest class >= max(d, dv), for d and dv alike, its columns past d and dv
+# zero in shared memory (the kernels read the call's head dims at run time).  Why: one plan
+# per class, which the curated tables list and CI compiles, instead of one per (d, dv) pair.
+# The classes are the head dims FlashAttention-2 instantiates (multiples of 32) plus 8 and 16,
+# so small heads do not pay 4x; a head dim between two classes computes on the padding (e.g.
+# d = 80 on 96 columns: 20% more FMAs and shared memory than a compile for 80), the common
+# ones (32, 64, 96, 128, ...) not at all -- nor d != dv pairs, which compute on max(d, dv)
+# columns for both.
 SIMT_HEAD_DIM_CLASSES = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
-# d != dv class pairs whose every tile pair the sweep compiles (the extremes); at the others
-# (88 of them) only the default plan is accepted, as on the tensor cores.
-SIMT_ASYM_SWEPT = ((16, 256), (256, 16))
 
 
 def simt_head_dim_class(d):
@@ -138,6 +117,23 @@ def simt_head_dim_class(d):
         if d <= c:
             return c
     raise ValueError(f"head dim {d} is above the largest class {SIMT_HEAD_DIM_CLASSES[-1]}")
+
+
+def simt_head_dims(d, dv):
+    """The head dims a SIMT kernel is compiled for: the class of max(d, dv), for both."""
+    c = simt_head_dim_class(max(d, dv))
+    return c, c
+
+
+def square_head_dims(step):
+    """The head dims of a tensor-core kernel whose head dims are multiples of ``step``: d and
+    dv themselves when equal, else max(d, dv) for both (the smaller padded with zero columns);
+    dims that are not multiples of ``step`` stay as they are (the kernel's rules refuse them)."""
+    def head_dims(d, dv):
+        if d == dv or d % step or dv % step:
+            return d, dv
+        return max(d, dv), max(d, dv)
+    return head_dims
 
 
 @dataclass(frozen=True)
@@ -155,8 +151,8 @@ class TilePlan:
     limit: int
     limit_source: str
     chosen: str  # "explicit", "default" or "mixed"
-    kd: int      # head dims the kernel is compiled for (the class of d and dv, or d and dv:
-    kdv: int     # KernelTiling.head_dim_class); shared memory and threads are sized for them
+    kd: int      # head dims the kernel is compiled for (its head-dim class, or d and dv:
+    kdv: int     # KernelTiling.head_dims); shared memory and threads are sized for them
 
     @property
     def needs_opt_in(self):
@@ -233,8 +229,9 @@ def device_sm_count(backend, arch=None):
 # per kv head (decode: GQA group x new tokens): one m16 tile of rows, where a 64-128-row
 # tensor-core tile does mostly padding.  Above it the tensor cores' per-FLOP advantage
 # (on the H100 the SIMT forward ran float32 at 12.9 TFLOP/s, flash_fwd_tc float16 at
-# 166-172, d=128: docs/gpu-baseline.md) is assumed to beat the split's extra parallelism -- not yet
-# measured against the split kernel; num_splits=k forces a split at any row count.
+# 166-172, d=128: the H100 baseline in bench/results/gpu) is assumed to beat the split's
+# extra parallelism -- not yet measured against the split kernel; num_splits=k forces a
+# split at any row count.
 SPLIT_MAX_ROWS_OVER_TC = 16
 
 
@@ -282,35 +279,58 @@ def split_slots(n_sms, threads):
     return int(n_sms) * max(1, -(-MIN_RESIDENT_WARPS // warps))
 
 
-def sweep_arch(limit):
-    """The architecture whose compile the spill sweep (bench/plan_sweep.py) records for plans
-    at this shared-memory limit: 90 at sm_90's 227 KB and above, 80 below (sm_80, sm_86 and
-    sm_89 are compiled for sm_80); None without a limit (then every architecture counts)."""
+def arch_class(limit):
+    """The architecture class of the curated tables (:data:`.curated.ARCH_CLASSES`) that plans
+    for a shared-memory ``limit`` are chosen from: the largest class whose nominal opt-in limit
+    (:data:`EMULATOR_ARCHES`) is at most ``limit``, the smallest one below them all; ``sm_90``
+    without a limit."""
     if limit is None or limit == float("inf"):
-        return None
-    return 90 if limit >= EMULATOR_ARCHES["sm_90"] else 80
+        return ARCH_CLASSES[-1]
+    fits = [a for a in ARCH_CLASSES if EMULATOR_ARCHES[a] <= limit]
+    return fits[-1] if fits else ARCH_CLASSES[0]
 
 
-def spill_archs(kernel, key):
-    """The architectures (80, 90) on which ptxas spilled plan ``key`` = (block_q, block_kv, d,
-    dv) of ``kernel`` per _asym_spills.py or _arch_spills.py, and the file that says so."""
-    archs = ASYM_DEFAULT_SPILLS.get(kernel, {}).get(key, ())
-    if archs:
-        return archs, "_asym_spills.py"
-    return ARCH_SPILLS.get(kernel, {}).get(key, ()), "_arch_spills.py"
+def _class_order(kernel, limit):
+    """The architecture classes whose cells a default of ``kernel`` at ``limit`` is taken from,
+    in order: the limit's class, then the smaller ones (largest first), then the larger ones."""
+    arches = table_arches(kernel)
+    own = ARCH_CLASSES.index(arch_class(limit))
+    below = [a for a in reversed(ARCH_CLASSES[:own + 1]) if a in arches]
+    above = [a for a in ARCH_CLASSES[own + 1:] if a in arches]
+    return below + above
+
+
+def curated_plans(kernel, dtype, kd, kdv, limit=None, padded=False):
+    """[(architecture class, ((block_q, block_kv), ...))] of ``kernel``'s curated table for
+    ``dtype`` at the compiled head dims ``kd``/``kdv`` and a shared-memory ``limit``: the cells
+    a default is chosen from, in the order they are tried (the first cell's first pair is the
+    default where it fits); empty where the table has none.  ``padded``: the cells of the
+    padded build (a tensor-core call with d != dv)."""
+    if kd != kdv:
+        return []
+    dt = _dtype_name(dtype)
+    out = []
+    for arch in _class_order(kernel, limit):
+        pairs = cell(kernel, dt, kd, arch, padded)
+        if pairs:
+            out.append((arch, pairs))
+    return out
+
+
+def curated_text(kernel, dtype, kd, kdv, limit=None, padded=False):
+    """The curated pairs of :func:`curated_plans`'s first cell, for messages: ``"(64, 32) (the
+    default), (32, 32) (curated for sm_80)"``, or a sentence saying there are none."""
+    cells = curated_plans(kernel, dtype, kd, kdv, limit, padded)
+    if not cells:
+        return f"{kernel} has no curated plans for {_dtype_name(dtype)} at head dims {kd}/{kdv}"
+    arch, pairs = cells[0]
+    return ", ".join(f"({a}, {b})" + (" (the default)" if i == 0 else "")
+                     for i, (a, b) in enumerate(pairs)) + f" (curated for {arch})"
 
 
 def _why_not(t, bq, bkv, d, dv, acc, limit=None):
-    """The kernel's own refusal of a tile pair (registers, head dims; a ptxas spill recorded
-    for the architecture of ``limit``: :func:`sweep_arch`), or None."""
-    why = t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
-    archs, where = spill_archs(t.name, (bq, bkv, d, dv))
-    arch = sweep_arch(limit)
-    if why is None and archs and (arch is None or arch in archs):
-        on = "/".join(f"sm_{a}" for a in archs if arch is None or a == arch)
-        why = (f"ptxas spills this plan of {t.name} for {on} (block_q={bq}, block_kv={bkv}, d={d}, "
-               f"dv={dv}: bench/results/plan_sweep.json, cuflash/tiling/{where})")
-    return why
+    """The kernel's own refusal of a tile pair (head dims, the register rules), or None."""
+    return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
 
 
 def _fits(t, bq, bkv, d, dv, acc, limit):
@@ -320,7 +340,7 @@ def _fits(t, bq, bkv, d, dv, acc, limit):
 
 # Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
 # leaves fewer resident warps than that idles schedulers outright, and nothing hides its
-# memory latency.  The H100 tile sweep (docs/gpu-baseline.md) measured such a plan: float32
+# memory latency.  The H100 tile sweep (bench/results/gpu) measured such a plan: float32
 # d=128 with block_q=16, block_kv=128 (64 threads, 148 KB: one block, 2 warps per SM) ran
 # 9x slower than the default.  Defaults skip these plans while any other fits; explicit
 # tiles that fall below it are refused where a plan above it exists (float64 at d=256 has
@@ -364,7 +384,7 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
         Input dtype (sets the accumulator size).
     block_q, block_kv : int or None
         Explicit tile sizes are honoured or refused, never changed; None picks
-        the first preferred pair that fits ``limit``.
+        the first curated pair that fits ``limit``.
     limit : int or None
         Shared-memory bytes per block allowed (from :func:`device_smem_limit`);
         None = no limit.
@@ -374,8 +394,14 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     Returns
     -------
     TilePlan
-        For a kernel compiled per head-dim class (``KernelTiling.head_dim_class``), every
-        rule is checked at the classes of d and dv, which the plan's ``kd``/``kdv`` hold.
+        For a kernel compiled per head-dim class (``KernelTiling.head_dims``), every rule is
+        checked at the compiled head dims, which the plan's ``kd``/``kdv`` hold.
+
+    Defaults come from the kernel's curated table (:mod:`.curated`): the first pair of the
+    cells of :func:`curated_plans` that fits ``limit`` and the occupancy floor.  Explicit
+    tiles are taken wherever the size formulas (shared memory, register rules, occupancy
+    floor) allow them; whether ptxas spills them shows when they are compiled
+    (:func:`cuflash.kernels.check_compiled`).
 
     Raises
     ------
@@ -402,25 +428,30 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                              f"{list(choices)} (shared-memory budget {lim_text})")
     real = (d, dv)
     d, dv = t.compiled_dims(d, dv)  # every rule below is the compiled kernel's
+    padded = t.pad_define is not None and real != (d, dv)   # the padded build's own cells
+    cells = curated_plans(kernel, dtname, d, dv, limit, padded)
+    curated = [ab for _, pairs in cells for ab in pairs]
     if block_q is not None and block_kv is not None:
         pairs, chosen = [(block_q, block_kv)], "explicit"
-    else:
-        prefs = list(t.preferences(d, dv, acc))
-        # then every supported pair, largest tiles first, so a fitting pair is always found
-        prefs += sorted(((a, b) for a in t.block_q_choices for b in t.block_kv_choices),
-                        key=lambda ab: (-ab[0] * ab[1], -ab[0]))
-        pairs = [(a, b) for a, b in prefs
+    elif block_q is not None or block_kv is not None:
+        # the curated pairs of the limit's class with the given size first, then every
+        # supported pair with it, largest tiles first, so a fitting pair is found wherever one
+        # exists
+        every = sorted(((a, b) for a in t.block_q_choices for b in t.block_kv_choices),
+                       key=lambda ab: (-ab[0] * ab[1], -ab[0]))
+        own = list(cells[0][1]) if cells else []
+        pairs = [(a, b) for a, b in dict.fromkeys(own + every)
                  if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)]
-        chosen = "default" if block_q is None and block_kv is None else "mixed"
+        chosen = "mixed"
+    else:
+        pairs, chosen = list(dict.fromkeys(curated)), "default"
+        if not pairs:
+            pairs = _uncurated_default(t, kernel, dtname, d, dv, acc)
     fitting = [ab for ab in pairs if _fits(t, *ab, d, dv, acc, lim)]
     # occupancy floor first: defaults take a plan below it only when no other fits
     fitting.sort(key=lambda ab: not _occupancy_ok(t, *ab, d, dv, acc, limit))
     if fitting and not _occupancy_ok(t, *fitting[0], d, dv, acc, limit) and chosen != "default":
         _refuse_low_occupancy(t, kernel, fitting[0], d, dv, acc, dtname, limit, lim_text)
-    if fitting and chosen != "default" and t.default_only(d, dv):
-        dflt = plan(kernel, d, dv, dtype, limit=limit, limit_source=limit_source)
-        if fitting[0] != (dflt.block_q, dflt.block_kv):
-            _refuse_unswept(t, fitting[0], real, dtname, dflt)
     if fitting:
         bq, bkv = fitting[0]
         return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=real[0], dv=real[1],
@@ -438,25 +469,28 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                 else "none at this head dim and dtype")
     reason = why if why else (f"needs {need} B of shared memory "
                               f"({t.layout(bq, bkv, d, dv, acc)}) but the budget is {lim_text}")
+    if chosen == "default" and len(pairs) > 1:
+        listed = curated_text(kernel, dtname, d, dv, limit, padded)
+        reason = (f"none of its curated plans fits ({listed}); "
+                  f"the first: {reason}")
     cls = "" if real == (d, dv) else f" (head-dim class {d}/{dv})"
     raise ValueError(f"{kernel} with block_q={bq}, block_kv={bkv}, d={real[0]}, dv={real[1]}{cls}, "
                      f"{dtname}: {reason}. Supported block_q: {list(t.block_q_choices)}, block_kv: "
                      f"{list(t.block_kv_choices)}; (block_q, block_kv) pairs that fit: {fit_text}")
 
 
-def _refuse_unswept(t, pair, real, dtname, dflt):
-    """Raise for explicit tiles other than the default at a d != dv pair that the spill sweep
-    covers at its default plan only (KernelTiling.asym_swept)."""
-    bq, bkv = pair
-    swept = ", ".join(f"{a}/{b}" for a, b in t.asym_swept)
-    what = "head-dim classes" if t.head_dim_class else "d/dv"
-    raise ValueError(
-        f"{t.name} with block_q={bq}, block_kv={bkv}, d={real[0]}, dv={real[1]}, {dtname}: with "
-        f"d != dv, explicit tiles are taken only where ptxas was run on them "
-        f"(bench/plan_sweep.py: every tile pair at {what} {swept}; the default plan elsewhere), "
-        f"since an unchecked plan may spill registers and run many times slower. "
-        f"(block_q, block_kv) pairs that fit: "
-        f"({dflt.block_q}, {dflt.block_kv}) (the default, {dflt.limit_source})")
+def _uncurated_default(t, kernel, dtname, d, dv, acc):
+    """The default of a kernel without curated plans here: its only tile pair (the fixed-tile
+    helpers), else a ValueError -- the kernel's own refusal of these head dims, or that it has
+    no curated plans for them (no plan is made up)."""
+    if len(t.block_q_choices) == 1 and len(t.block_kv_choices) == 1 and not table_arches(kernel):
+        return [(t.block_q_choices[0], t.block_kv_choices[0])]
+    why = t.check(min(t.block_q_choices), min(t.block_kv_choices), d, dv)
+    if why is not None:  # head dims the kernel does not take
+        raise ValueError(f"{kernel} with d={d}, dv={dv}, {dtname}: {why}")
+    raise ValueError(f"{kernel} has no curated plans for {dtname} at head dims {d}/{dv}: pass "
+                     f"block_q and block_kv (supported block_q: {list(t.block_q_choices)}, "
+                     f"block_kv: {list(t.block_kv_choices)})")
 
 
 def _refuse_low_occupancy(t, kernel, pair, d, dv, acc, dtname, limit, lim_text):

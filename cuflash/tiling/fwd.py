@@ -3,10 +3,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._fwd_tc_masked_spills import FWD_TC_MASKED_SPILLS, FWD_TF32_MASKED_SPILLS
-from .core import (SIMT_ASYM_SWEPT, TC_ASYM_SWEPT, KernelTiling, _dtype_name, _fits, _why_not,
-                   _occupancy_ok, accumulator_bytes, kernel_tiling, plan, register,
-                   simt_head_dim_class)
+from .core import (KernelTiling, _dtype_name, _fits, _why_not, _occupancy_ok, accumulator_bytes,
+                   kernel_tiling, plan, register, simt_head_dims, square_head_dims)
 
 
 # --------------------------------------------------------------------------
@@ -40,83 +38,23 @@ def _fwd_check(bq, bkv, d, dv):
     return None
 
 
-def _fwd_preferences(d, dv, acc):
-    dm = max(d, dv)
-    if dm <= 32:
-        prefs = [(64, 64), (64, 32), (32, 32)]
-    elif dm <= 64:
-        prefs = [(64, 32), (32, 32), (32, 16)]
-    elif dm <= 128:
-        prefs = [(32, 32), (32, 16), (16, 16)]
-    else:
-        prefs = [(16, 32), (16, 16), (8, 16), (8, 8)]
-    return prefs
-
-
-# float64 plans of the SIMT forward that ptxas (NVRTC 13.0) spilled in the sweep of every
-# head-dim class pair (bench/plan_sweep.py; 13,764 plans, issue 12): 4-12 B each, 17 of them in
-# the serving kernel (flash_fwd_serving: its split partials at run-time dv need registers the
-# dense kernel does not; sm_75/80/90) and 21 in flash_fwd_masked (sm_90), all with dv's class
-# >= 192 (including the defaults that replaced refused ones, compiled in two more rounds).
-# (block_q, block_kv, d class, dv class), refused at every architecture (the serving and dense
-# kernels share one plan, so the dense kernel gives these up as well): the default moves to the
-# next preferred pair, which the sweep then compiled (--missing) until none spilled.
-SIMT_FWD_FLOAT64_SPILLS = {
-    "flash_fwd": frozenset({
-        (8, 8, 192, 224), (8, 8, 224, 256), (8, 8, 256, 224), (16, 8, 192, 224), (16, 8, 224, 256),
-        (16, 8, 256, 224), (16, 16, 16, 224), (32, 8, 96, 224), (32, 8, 192, 224), (32, 8, 224, 256),
-        (32, 8, 256, 224), (64, 8, 128, 224), (64, 32, 16, 256), (64, 64, 16, 256), (128, 8, 32, 224),
-        (128, 32, 16, 256), (128, 64, 16, 256),
-    }),
-    "flash_fwd_masked": frozenset({
-        (8, 16, 16, 256), (8, 16, 32, 256), (8, 16, 96, 256), (16, 16, 16, 256), (16, 16, 32, 256),
-        (16, 16, 64, 256), (16, 16, 96, 256), (16, 16, 160, 256), (16, 16, 192, 256), (16, 16, 224, 256),
-        (16, 32, 16, 224), (16, 32, 32, 224), (16, 32, 64, 224), (16, 32, 96, 224),
-        (16, 32, 128, 224), (16, 32, 160, 192), (32, 16, 16, 256), (32, 32, 224, 224), (64, 16, 16, 256),
-        (128, 16, 16, 256),
-        # re-derived after the 16-bit dropout draws (2026-11-25): each entry above compiled
-        # again with the refusals lifted (sm_90, 4-16 B; (16, 32, 96, 192) compiles clean now
-        # and left the set), and these spill newly -- sm_90, 8 B, 254-255 registers before --
-        (8, 16, 64, 256), (16, 16, 128, 256), (16, 16, 256, 256), (32, 16, 256, 256),
-        (64, 16, 256, 256),
-        # -- and in the serving kernel, sm_80, 20 B
-        (16, 32, 8, 192),
-    }),
-}
-
-
-def _fwd_spill_check(name, inner=None):
-    """check_acc of the SIMT forward kernel ``name``: the float64 plans ptxas spilled, refused."""
-    def check(bq, bkv, d, dv, acc):
-        if acc == 8 and (bq, bkv, d, dv) in SIMT_FWD_FLOAT64_SPILLS[name]:
-            return (f"ptxas spills this float64 plan of {name} (block_q={bq}, block_kv={bkv}, "
-                    f"head-dim classes {d}/{dv}; in the serving or dense kernel: "
-                    "bench/results/plan_sweep.json)")
-        return inner(bq, bkv, d, dv, acc) if inner is not None else None
-    return check
-
-
 FLASH_FWD = register(KernelTiling(
     name="flash_fwd",
     block_q_choices=(8, 16, 32, 64, 128),
     block_kv_choices=(8, 16, 32, 64, 128),
     shared_bytes=_fwd_shared,
     threads=_fwd_threads,
-    preferences=_fwd_preferences,
     layout=_fwd_layout,
     check=_fwd_check,
-    check_acc=_fwd_spill_check("flash_fwd"),
-    asym_swept=SIMT_ASYM_SWEPT,
-    head_dim_class=simt_head_dim_class,
+    head_dims=simt_head_dims,
 ))
 
 # flash_fwd_masked and flash_fwd_serving_masked (-DCUFLASH_MASKS): flash_fwd's tiles, threads
 # and shared memory, but the feature state (bias row, ALiBi slope, softcap, Philox key and
-# window bounds) stays live beside the accumulators.  The plan sweep (bench/plan_sweep.py,
-# NVRTC 13.0) compiled every flash_fwd plan with the features, in float64:
+# window bounds) stays live beside the accumulators.  Compiled with the features, in float64
+# (NVRTC 13.0, every plan of the class pairs):
 # * 72 and 80 doubles of logits + output per thread spilled 8-76 B (flash_fwd_masked: 72 on
-#   sm_90, 80 on sm_80/90 -- d = 16, dv = 256 with block_kv 32/64, d = dv = 256 at 32 x 32;
-#   the serving variant: 80 on sm_90); 68 and fewer never did;
+#   sm_90, 80 on sm_80/90; the serving variant: 80 on sm_90); 68 and fewer never did;
 # * block_kv = 128 spilled the serving variant 8-36 B at d = dv = 7 (34 doubles; sm_75/80/90)
 #   although it did not at d = dv = 32 (40 doubles): ptxas, not the count -- so float64
 #   feature calls keep to block_kv <= 64.
@@ -138,8 +76,7 @@ def _fwd_masked_acc_check(bq, bkv, d, dv, acc):
     return None
 
 
-register(replace(FLASH_FWD, name="flash_fwd_masked",
-                 check_acc=_fwd_spill_check("flash_fwd_masked", _fwd_masked_acc_check)))
+register(replace(FLASH_FWD, name="flash_fwd_masked", check_acc=_fwd_masked_acc_check))
 
 
 def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):
@@ -179,8 +116,8 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
 # budget, else 16 (more warps for the same block_q): threads = 32 * block_q / rows_per_warp.
 # Accumulators per thread: rows_per_warp * (block_kv + dv) / 32 (S and O); above
 # TC_MAX_ACC_REGS ptxas spills to local memory (registers are capped at 255), which the H100
-# tile sweep showed as 10-270x slowdowns.  bench/plan_sweep.py compiles every plan the
-# planner accepts and checks that none spills; tests/test_tc_plans.py the largest ones.
+# tile sweep showed as 10-270x slowdowns.  Within the budget ptxas may still spill a plan:
+# the curated plans are compiled by CI, explicit ones checked when compiled on a GPU.
 # Layout: Qs (block_q, qs), Ks 2 x (block_kv, ks), Vs 2 x (block_kv, vs) -- K/V in two cp.async
 # stages.  16-bit: qs = ks = d + 8, vs = dv + 8 (16-byte pads: the 8 rows of an ldmatrix hit
 # different banks); float32: qs = ks = d + 16 if d % 32 == 0 else d (a stride of 16 mod 32
@@ -191,7 +128,7 @@ TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
 # Accumulator budgets (registers per thread for S and O): with 32 rows per warp, and with 16.
 # 32 rows take at most 64 keys per tile (S of 32 x 128 spilled even at d = 16); the 3xTF32
 # kernel keeps hi and lo fragments besides, so it gets less (measured with NVRTC 13 for
-# sm_80 over every plan: bench/plan_sweep.py).
+# sm_80 over every plan the budgets accepted).
 TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
 TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
 TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
@@ -249,10 +186,6 @@ def _tc_check(kernel):
             return f"{kernel} needs d and dv multiples of 16, got d={d}, dv={dv}"
         if max(d, dv) > 256:
             return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
-        if (bq, bkv, d, dv) in TC_MASKED_PTXAS_SPILLS.get(kernel, ()):
-            return (f"block_q={bq}, block_kv={bkv} with d={d}, dv={dv}: ptxas spills {kernel} "
-                    "here (bench/plan_sweep.py) although the plain kernel's register budget "
-                    "accepts it")
         n = tc_acc_regs(kernel, bq, bkv, d, dv)
         if n > TC_MAX_ACC_REGS[_tc_base(kernel)]:
             return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
@@ -262,35 +195,13 @@ def _tc_check(kernel):
     return check
 
 
-def _tc_preferences(kernel):
-    # best first: 4 warps of 32 rows where the budget allows it (every K/V fragment feeds two
-    # MMAs), the longest K/V tile those 32 rows can hold; above d = 128, 4 warps of 16 rows
-    def prefs(d, dv, acc):
-        dm = max(d, dv)
-        if _tc_base(kernel) == "flash_fwd_tf32":
-            if dm <= 96:
-                return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
-            if dm <= 128:
-                return [(128, 16), (64, 16), (32, 16), (16, 16)]
-            # 64 x 32 before 32 x 16 where ptxas spills 64 x 16 (the masked kernel at d = 256):
-            # 4 warps, and each Q fragment split once per 32 keys -- 265 against 309
-            # instructions per logit (flash_fwd_tf32_masked d=256, sm_90 SASS)
-            return [(64, 16), (64, 32), (32, 16), (16, 16)]
-        if dm <= 96:
-            return [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32), (16, 16)]
-        if dm <= 128:
-            return [(128, 32), (64, 32), (128, 16), (32, 32), (16, 16)]
-        return [(64, 32), (64, 16), (32, 16), (16, 16)]
-    return prefs
-
-
 # flash_fwd_tc_masked / flash_fwd_tf32_masked (-DCUFLASH_MASKS): the logit features on the
-# tensor-core forward (kernels_cu/flash_fwd_tc.cu), planned with the plain kernels' tiles and
-# rules; their own names so that the spill sweep (bench/plan_sweep.py) holds them separately.
+# tensor-core forward (kernels_cu/flash_fwd_tc.cu), planned with the plain kernels' rules and
+# their own curated tables (the feature state takes registers beside S and O).
 TC_MASKED_KERNELS = ("flash_fwd_tc_masked", "flash_fwd_tf32_masked")
-# the plans of those that ptxas spills (cuflash/tiling/_fwd_tc_masked_spills.py): refused
-TC_MASKED_PTXAS_SPILLS = {"flash_fwd_tc_masked": FWD_TC_MASKED_SPILLS,
-                          "flash_fwd_tf32_masked": FWD_TF32_MASKED_SPILLS}
+# With d != dv the kernels are compiled for max(d, dv), the padding columns of Q, K or V zero
+# and those of O not stored (-DCUFLASH_HEAD_DIMS_PADDED: the call's head dims from FwdParams).
+TC_PAD_DEFINE = "CUFLASH_HEAD_DIMS_PADDED"
 
 for _k in TC_KERNELS + TC_MASKED_KERNELS:
     register(KernelTiling(
@@ -299,10 +210,10 @@ for _k in TC_KERNELS + TC_MASKED_KERNELS:
         block_kv_choices=(16, 32, 64, 128),
         shared_bytes=_tc_shared(_k),
         threads=_tc_threads(_k),
-        preferences=_tc_preferences(_k),
         layout=_tc_layout(_k),
         check=_tc_check(_k),
-        asym_swept=TC_ASYM_SWEPT,
+        head_dims=square_head_dims(16),
+        pad_define=TC_PAD_DEFINE,
     ))
 
 
@@ -338,7 +249,7 @@ def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
             tc = kernel_tiling(tc_name)
             if ((block_q is None or block_q in tc.block_q_choices)
                     and (block_kv is None or block_kv in tc.block_kv_choices)
-                    and tc.check(block_q or 16, block_kv or 16, d, dv) is None):
+                    and tc.check(block_q or 16, block_kv or 16, *tc.compiled_dims(d, dv)) is None):
                 try:
                     return plan(tc_name, d, dv, dtype, block_q, block_kv, limit=limit,
                                 limit_source=limit_source)
@@ -368,22 +279,19 @@ def _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit, li
     t = kernel_tiling(tc_name)
     acc = accumulator_bytes(dtype)
     lim = float("inf") if limit is None else int(limit)
+    kd, kdv = t.compiled_dims(d, dv)
     good = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
             if (block_q is None or a == block_q) and (block_kv is None or b == block_kv)
-            and _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
+            and _fits(t, a, b, kd, kdv, acc, lim) and _occupancy_ok(t, a, b, kd, kdv, acc, limit)]
     every = [(a, b) for a in t.block_q_choices for b in t.block_kv_choices
-             if _fits(t, a, b, d, dv, acc, lim) and _occupancy_ok(t, a, b, d, dv, acc, limit)]
-    if every and t.default_only(d, dv):  # d != dv swept at the default plan only
-        dflt = plan(tc_name, d, dv, dtype, limit=limit, limit_source=limit_source)
-        every = [(dflt.block_q, dflt.block_kv)]
-        good = [ab for ab in good if ab in every]
+             if _fits(t, a, b, kd, kdv, acc, lim) and _occupancy_ok(t, a, b, kd, kdv, acc, limit)]
     if not every:
         return  # no tensor-core plan at these head dims: the SIMT kernel is the only one
     if why is not None:  # plan()'s refusal: its reason, without the kernel and pair lists
         why = why.split(": ", 1)[-1].split(". Supported")[0].split(". (block_q")[0]
     else:
         bq, bkv = block_q or 16, block_kv or 16
-        why = (_why_not(t, bq, bkv, d, dv, acc, lim) or
+        why = (_why_not(t, bq, bkv, kd, kdv, acc, lim) or
                f"supported block_q: {list(t.block_q_choices)}, block_kv: "
                f"{list(t.block_kv_choices)}")
     asked = ", ".join(f"{n}={v}" for n, v in (("block_q", block_q), ("block_kv", block_kv))
@@ -408,7 +316,6 @@ register(KernelTiling(
     block_kv_choices=(ONLINE_SOFTMAX_DEFAULT_CHUNK,),
     shared_bytes=lambda bq, bkv, d, dv, acc: 0,
     threads=lambda bq, bkv, d, dv: 32 * ONLINE_SOFTMAX_ROWS_PER_BLOCK,
-    preferences=lambda d, dv, acc: [(ONLINE_SOFTMAX_ROWS_PER_BLOCK, ONLINE_SOFTMAX_DEFAULT_CHUNK)],
     layout=lambda bq, bkv, d, dv, acc: "no shared memory",
     max_head_dim=1,
 ))

@@ -1,0 +1,409 @@
+"""The curated plan tables: the tiles each kernel family launches, chosen by a person.
+
+Design
+------
+* **One table per planned kernel family** (``flash_fwd``, ``flash_fwd_tc``, ...; a family's
+  ``_masked`` kernel, built with the logit features, has its own).  A table maps (dtype class,
+  head-dim class, architecture class) to a *cell*: a few (block_q, block_kv) pairs, the
+  default first, then alternatives.  The defaults are the plans the library launched before
+  the tables existed (the planner's preference lists filtered by ptxas sweeps), kept as they
+  were on sm_80 and sm_90; the alternatives are the next pairs of those lists.  A default
+  moves only when its cell is edited.
+* **Dtype classes**: the dtypes that share every plan -- the SIMT kernels' float16, bfloat16
+  and float32 (float accumulators) against float64; float16 and bfloat16 on the tensor cores;
+  float32 (3xTF32) alone.
+* **Head-dim classes**: a kernel is compiled for one head dim ``c`` that holds d and dv (the
+  columns past them zero in shared memory, never stored), so no (d, dv) pair multiplies the
+  plans: the SIMT kernels use the smallest of ``SIMT_HEAD_DIM_CLASSES`` >= max(d, dv) (10
+  classes); the tensor-core kernels use d itself when d == dv and max(d, dv) otherwise (their
+  head dims are multiples of 16: 16 classes; flash_bwd_tf32's multiples of 32 up to 128: 4).
+  A padded tensor-core build is compiled with ``-DCUFLASH_HEAD_DIMS_PADDED``, so the d == dv
+  kernels compile exactly as before.
+* **Architecture classes**, from the shared-memory limit a plan is made for: ``sm_90`` (227
+  KB and above), ``sm_80`` (163 KB: A100), ``sm_86`` (99 KB: sm_86, sm_89; compiled for
+  sm_80), ``sm_75`` (64 KB and below).  ``limit=None`` plans as ``sm_90``.  The tensor-core
+  families have no ``sm_75`` cells (the runtime does not choose them there; asked for, they
+  take the smallest class's cells that fit).
+* **Choosing**: the default is the first pair of the cell that fits the limit (shared memory,
+  the register rules, the occupancy floor), else of the other classes' cells (smaller limits
+  first); nothing else is taken silently.  A request with one tile size given takes the
+  first pair of the limit's cell with that size, else the largest pair the formulas allow.
+  Explicit ``block_q`` and ``block_kv`` are honoured whenever the size formulas allow them --
+  never refused for a ptxas spill: on a GPU, ``cuflash.kernels.check_compiled`` raises
+  ``SpillError`` naming this table's cell when the compiled kernel uses local memory.
+* **Evidence**: every pair of every cell is compiled with NVRTC (the options of
+  ``cuflash.kernels.build_options``, ``-ftz=true`` included) for the architecture its class
+  is compiled for, in every module that launches it (the serving and feature builds too; a
+  cell's default also in the tensor-core kernels' padded build), and must use no local
+  memory: the repository's tests/test_curated_plans.py, with bench/plan_sweep.py to compile
+  and record them.
+
+A cell is written ``BQxBKV BQxBKV ...`` (default first); ``=`` repeats the cell to its left,
+``-`` is a cell with no plan.  ``... / BQxBKV ...`` gives the pairs of the tensor-core
+kernels' padded build (calls with d != dv) where its registers differ from the plain build's
+(``-`` after the ``/``: none, so such calls run the SIMT kernel).  The SIMT forward's alternatives are the serving kernel's
+decoding tiles (block_q down to 8 at the default's block_kv), which it takes for short query
+blocks; the SIMT backward has its default only.
+"""
+
+__all__ = ["ARCH_CLASSES", "COMPILED_FOR", "CURATED", "cell", "table_arches"]
+
+# architecture classes, smallest shared-memory limit first, and the architecture each one's
+# plans are compiled for
+ARCH_CLASSES = ("sm_75", "sm_86", "sm_80", "sm_90")
+COMPILED_FOR = {"sm_75": 75, "sm_86": 80, "sm_80": 80, "sm_90": 90}
+_SIMT = ARCH_CLASSES
+_TC = ("sm_86", "sm_80", "sm_90")
+
+
+class Cell(tuple):
+    """A cell's pairs, default first; ``padded``: the pairs of the padded build (calls with
+    d != dv on the tensor cores) where the cell gives its own after ``/``, else None."""
+    padded = None
+
+
+def _pairs(text, line):
+    pairs = () if text == "-" else tuple(tuple(int(x) for x in p.split("x")) for p in text.split())
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"curated table row {line!r}: a pair twice in one cell")
+    return pairs
+
+
+def _grid(arches, text):
+    """{head-dim class: {arch class: Cell}} from a table's rows ``c | cell | cell ...`` (one
+    cell per class of ``arches``; ``pairs / pairs``: the padded build's after the ``/``)."""
+    out = {}
+    for line in text.strip().splitlines():
+        key, *cells = (x.strip() for x in line.split("|"))
+        if len(cells) != len(arches):
+            raise ValueError(f"curated table row {line!r}: {len(cells)} cells for {arches}")
+        row, prev = {}, None
+        for arch, cell_text in zip(arches, cells):
+            if cell_text == "=":
+                cell_text = prev
+            prev = cell_text
+            main, slash, pad = cell_text.partition("/")
+            row[arch] = Cell(_pairs(main.strip(), line))
+            if slash:
+                row[arch].padded = _pairs(pad.strip(), line)
+        out[int(key)] = row
+    return out
+
+
+def _table(arches, **grids):
+    """{dtype: grid} from ``dtype_class=text`` (the dtypes of a class joined by ``_``)."""
+    return {dt: _grid(arches, text) for names, text in grids.items() for dt in names.split("_")}
+
+
+CURATED = {}
+
+# --------------------------------------------------------------------------
+# SIMT forward (flash_fwd.cu: flash_fwd and the serving kernel flash_fwd_serving; with the
+# logit features flash_fwd_masked and flash_fwd_serving_masked).  Classes: max(d, dv).
+#   sm_75 | sm_86 | sm_80 | sm_90
+# The largest tiles the shared memory and the register rule (block_kv / 4 + dv / 4 <= 96
+# accumulators per thread) allow, 8 rows per warp: 64 x 64 up to 32, 64 x 32 to 64, 32 x 32 to
+# 128, 16 x 32 above; where a plan leaves fewer than 4 resident warps per SM (16 x 32 at 256 on
+# sm_80's 163 KB) the next one.  float64 plans fell back where ptxas spilled them (8 B at
+# 254-255 registers in the sweeps of every class pair).
+# --------------------------------------------------------------------------
+CURATED["flash_fwd"] = _table(
+    _SIMT,
+    float16_bfloat16_float32="""
+      8 | 64x64 32x64 16x64 8x64 | = | = | =
+     16 | 64x64 32x64 16x64 8x64 | = | = | =
+     32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
+     64 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | = | =
+     96 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
+    128 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
+    160 | 16x16 | = | 16x32 | 16x32 8x32
+    192 | 64x8 32x8 16x8 | 16x16 | 16x32 | 16x32 8x32
+    224 | 32x16 | 16x16 | 16x32 | =
+    256 | 32x8 | 64x8 32x8 16x8 | 16x16 | 16x32
+""",
+    float64="""
+      8 | 64x64 32x64 16x64 8x64 | = | = | =
+     16 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
+     32 | 64x32 32x32 16x32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | =
+     64 | 32x32 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | =
+     96 | 32x16 | 32x32 | 32x32 16x32 | =
+    128 | 32x8 | 32x16 | 32x32 | 32x32 16x32
+    160 | 32x8 | 32x16 | 16x16 | 16x32
+    192 | 8x16 | 32x8 | 16x16 | =
+    224 | 8x8 | 32x8 | 64x8 32x8 16x8 | 16x16
+    256 | 8x8 | 32x8 | 32x16 | 16x16
+""")
+
+CURATED["flash_fwd_masked"] = _table(
+    _SIMT,
+    float16_bfloat16_float32="""
+      8 | 64x64 32x64 16x64 8x64 | = | = | =
+     16 | 64x64 32x64 16x64 8x64 | = | = | =
+     32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
+     64 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | = | =
+     96 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
+    128 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
+    160 | 16x16 | = | 16x32 | 16x32 8x32
+    192 | 64x8 32x8 16x8 | 16x16 | 16x32 | 16x32 8x32
+    224 | 32x16 | 16x16 | 16x32 | =
+    256 | 32x8 | 64x8 32x8 16x8 | 16x16 | 16x32
+""",
+    float64="""
+      8 | 64x64 32x64 16x64 8x64 | = | = | =
+     16 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
+     32 | 64x32 32x32 16x32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | =
+     64 | 32x32 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | =
+     96 | 32x16 | 32x32 | 32x32 16x32 | =
+    128 | 32x8 | 32x16 | 32x32 | 32x32 16x32
+    160 | 32x8 | 32x16 | 16x16 | 16x32
+    192 | 8x16 | 32x8 | 16x16 | =
+    224 | 8x8 | 32x8 | 64x8 32x8 16x8 | 16x16
+    256 | 8x8 | 32x8 | 32x8 16x8 | 8x8
+""")
+
+# --------------------------------------------------------------------------
+# SIMT backward (flash_bwd.cu: flash_bwd_dkdv and flash_bwd_dq run with one plan's tiles, with
+# the preprocess and dQ conversion in the same module; _masked with the features).
+#   sm_75 | sm_86 | sm_80 | sm_90
+# 64 x 64 up to 64, 32 x 32 to 128, 16 x 16 above (dK/dV and dQ accumulators at most 64 per
+# thread); float64's where its doubles fit the shared memory.
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_dkdv"] = _table(
+    _SIMT,
+    float16_bfloat16_float32="""
+      8 | 64x64 | = | = | =
+     16 | 64x64 | = | = | =
+     32 | 32x64 | 64x64 | = | =
+     64 | 32x32 | 64x64 | = | =
+     96 | 32x32 | = | = | =
+    128 | 16x32 | 32x32 | = | =
+    160 | 16x16 | = | = | =
+    192 | 16x16 | = | = | =
+    224 | 16x16 | = | = | =
+    256 | 8x16 | 16x16 | = | =
+""",
+    float64="""
+      8 | 32x64 | 64x64 | = | =
+     16 | 32x64 | 64x64 | = | =
+     32 | 32x32 | 32x64 | 64x64 | =
+     64 | 16x32 | 32x32 | 32x64 | 64x64
+     96 | 16x16 | 16x32 | 32x32 | =
+    128 | 16x8 | 16x16 | 32x32 | =
+    160 | 8x16 | 16x16 | = | =
+    192 | 8x8 | 8x16 | 16x16 | =
+    224 | 8x8 | 8x16 | 16x16 | =
+    256 | - | 8x16 | 16x16 | =
+""")
+CURATED["flash_bwd_dkdv_masked"] = _table(
+    _SIMT,
+    float16_bfloat16_float32="""
+      8 | 64x64 | = | = | =
+     16 | 64x64 | = | = | =
+     32 | 32x64 | 64x64 | = | =
+     64 | 32x32 | 64x64 | = | =
+     96 | 32x32 | = | = | =
+    128 | 16x32 | 32x32 | = | =
+    160 | 16x16 | = | = | =
+    192 | 16x16 | = | = | =
+    224 | 16x16 | = | = | =
+    256 | 8x16 | 16x16 | = | =
+""",
+    float64="""
+      8 | 32x64 | 64x64 | = | =
+     16 | 32x64 | 64x64 | = | =
+     32 | 32x32 | 32x64 | 64x64 | =
+     64 | 16x32 | 32x32 | 32x64 | 64x64
+     96 | 16x16 | 16x32 | 32x32 | =
+    128 | 16x8 | 16x16 | 32x32 | =
+    160 | 8x16 | 16x16 | = | =
+    192 | 8x8 | 8x16 | 16x16 | =
+    224 | 8x8 | 8x16 | 16x16 | =
+    256 | - | 8x16 | 16x16 | =
+""")
+CURATED["flash_bwd_dq"] = CURATED["flash_bwd_dkdv"]
+CURATED["flash_bwd_dq_masked"] = CURATED["flash_bwd_dkdv_masked"]
+
+# --------------------------------------------------------------------------
+# Tensor-core forward (flash_fwd_tc.cu): float16/bfloat16 flash_fwd_tc, float32 flash_fwd_tf32
+# (3xTF32); _masked with the features.
+#   sm_86 | sm_80 | sm_90
+# 4 warps of 32 rows where the accumulators fit (every K/V fragment feeds two MMAs) with the
+# longest K/V tile those rows hold (128 x 64 up to 96, 128 x 32 to 128); above 128, 4 warps of
+# 16 rows (64 x 32).  The masked kernel keeps the band, the ALiBi slope and the dropout key
+# beside S and O: at d = 64 and 80 128 x 64 spilled on sm_80, so it runs 128 x 32 there.
+# flash_fwd_tf32 keeps hi and lo fragments besides: 128 x 32 up to 80, 128 x 16 to 128, 64 x 16
+# above (64 x 32 after it where 64 x 16 spilled: one split of each Q fragment per 32 keys --
+# 265 against 309 instructions per logit, flash_fwd_tf32_masked d = 256, sm_90 SASS).
+# The masked kernels with the options of a launch (-ftz=true) and NVRTC 13.0 on sm_90:
+# flash_fwd_tf32_masked d = 256 64 x 16 spills 36 B, so 64 x 32 is the default there; 64 x 32
+# of flash_fwd_tc_masked at d = 128 spills 8 B.  The padded build (d != dv) keeps more
+# registers (the column predicates): on sm_90 its defaults are 128 x 32 for
+# flash_fwd_tc_masked at 80 (128 x 64 spills 12 B), 128 x 16 at 128 (128 x 32 spills 16 B),
+# and 128 x 32 for flash_fwd_tf32_masked at 128 (16 rows per warp: 213 registers; 128 x 16
+# and 64 x 16 spill 8 B); on sm_80 flash_fwd_tf32_masked at 256 has no padded plan (64 x 16
+# spills 28 B, and every smaller one leaves fewer than 4 warps per SM): such calls take the
+# sm_86 cell's 16 x 16 (one warp per SM on an A100; not yet timed against the SIMT kernel).
+# --------------------------------------------------------------------------
+CURATED["flash_fwd_tc"] = _table(_TC, float16_bfloat16="""
+     16 | 128x64 128x32 64x64 | = | =
+     32 | 128x64 128x32 64x64 | = | =
+     48 | 128x64 128x32 64x64 | = | =
+     64 | 128x64 128x32 64x64 | = | =
+     80 | 128x64 128x32 64x32 | 128x64 128x32 64x64 | =
+     96 | 128x64 128x32 64x32 | 128x64 128x32 64x64 | =
+    112 | 128x32 64x32 128x16 | = | =
+    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
+    144 | 64x32 64x16 32x16 | = | =
+    160 | 64x32 64x16 32x16 | = | =
+    176 | 64x32 64x16 32x16 | = | =
+    192 | 64x32 64x16 32x16 | = | =
+    208 | 64x32 64x16 32x16 | = | =
+    224 | 64x32 64x16 32x16 | = | =
+    240 | 64x32 64x16 32x16 | = | =
+    256 | 64x32 64x16 | 64x32 64x16 32x16 | =
+""")
+CURATED["flash_fwd_tc_masked"] = _table(_TC, float16_bfloat16="""
+     16 | 128x64 128x32 64x64 | = | =
+     32 | 128x64 128x32 64x64 | = | =
+     48 | 128x64 128x32 64x64 | = | =
+     64 | 128x32 64x32 32x32 | = | 128x64 128x32 64x64
+     80 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | 128x64 128x32 64x64 / 128x32
+     96 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | =
+    112 | 128x32 64x32 128x16 | = | =
+    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | 128x32 128x16 / 128x16
+    144 | 64x32 64x16 32x16 | = | =
+    160 | 64x32 64x16 32x16 | = | =
+    176 | 64x32 64x16 32x16 | = | =
+    192 | 64x32 64x16 32x16 | = | =
+    208 | 64x32 64x16 32x16 | = | =
+    224 | 64x32 64x16 32x16 | = | =
+    240 | 64x32 64x16 32x16 | = | =
+    256 | 64x32 64x16 | 64x32 64x16 32x16 | 64x32 64x16 16x16
+""")
+CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
+     16 | 128x32 64x32 128x16 | = | =
+     32 | 128x32 64x32 128x16 | = | =
+     48 | 128x32 64x32 128x16 | = | =
+     64 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
+     80 | 128x32 128x16 | 128x32 64x32 128x16 | =
+     96 | 128x16 | 128x32 64x32 128x16 | =
+    112 | 128x16 | 128x16 64x16 16x16 | 128x16 64x16 32x16
+    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16
+    144 | 64x16 | 64x16 64x32 32x16 | =
+    160 | 64x16 | 64x16 64x32 32x16 | =
+    176 | 64x16 | 64x16 64x32 32x16 | =
+    192 | 32x16 | 64x16 64x32 32x16 | =
+    208 | 32x16 | 64x16 64x32 32x16 | =
+    224 | 32x16 | 64x16 | 64x16 64x32 32x16
+    240 | 32x16 | 64x16 | 64x16 64x32 32x16
+    256 | 16x16 | 64x16 | 64x16 64x32 32x16
+""")
+CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
+     16 | 128x32 64x32 128x16 | = | =
+     32 | 128x32 64x32 128x16 | = | =
+     48 | 128x32 64x32 128x16 | = | =
+     64 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
+     80 | 128x32 128x16 | 128x32 64x32 128x16 | =
+     96 | 128x16 | 128x16 16x16 | =
+    112 | 128x16 | 128x16 64x16 16x16 | 128x16 64x16 32x16
+    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16 / 128x32
+    144 | 64x16 | 64x16 64x32 32x16 | =
+    160 | 64x16 | 64x16 64x32 32x16 | =
+    176 | 64x16 | 64x16 64x32 32x16 | =
+    192 | 32x16 | 64x16 64x32 32x16 | =
+    208 | 32x16 | 64x16 64x32 32x16 | =
+    224 | 32x16 | 64x16 | 64x16 64x32 32x16
+    240 | 32x16 | 64x16 | 64x16 64x32 32x16
+    256 | 16x16 | 64x16 / - | 64x32
+""")
+
+# --------------------------------------------------------------------------
+# Tensor-core backward (flash_bwd_tc.cu, float16/bfloat16; _masked with the features).
+#   sm_86 | sm_80 | sm_90
+# 128 keys per block where the shared memory allows (K/V and the dQ reds amortised over the
+# most work): 32 x 128 with 32 keys per warp up to d = 64; 64 x 128 with the query split
+# (32 keys per warp pair, 32 queries per warp) up to 128 (kernel-report model at d = 128:
+# 259 B of shared memory per HMMA at 64 x 128, 272 at 64 x 64, 336 at 32 x 128; FA2 256);
+# 32 x 128 in two passes above.  The masked kernel's register budget is lower: where 32 x 128
+# would take the query split (d <= 64), 64 x 128 gives each warp 32 queries again (40.5
+# instructions per logit against 66.4 at d = 64, sm_80); where 64 x 128 would need two passes
+# (d in 80..128), 128 x 64 in one pass on sm_90 (51.2 per logit against 91.6 at d = 128) and
+# 32 x 128 or 64 x 64 below it.
+# The masked kernel's padded build at 256 (d != dv; NVRTC 13.0, -ftz=true) spills with 16 x 32
+# on sm_80 (12 B) and sm_90 (28 B) and 16 x 64 (12 B, 24 B): it runs 16 x 16 (233 and 245
+# registers), which on sm_80's 163 KB leaves 3 warps per SM -- below the floor, so the sm_80
+# cell has no padded pair and such calls take the sm_86 cell's.
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
+     16 | 32x128 64x128 32x64 | = | =
+     32 | 32x128 64x128 32x64 | = | =
+     48 | 32x128 64x128 32x64 | = | =
+     64 | 32x128 32x64 16x64 | 32x128 64x128 32x64 | =
+     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | =
+    128 | 32x64 16x64 16x32 | 64x64 32x128 32x64 | 64x128 64x64 32x128
+    144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
+    160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
+    176 | 32x64 16x64 16x32 | 32x128 32x64 16x64 | =
+    192 | 16x64 | 32x128 64x64 32x64 | =
+    208 | 16x64 | 32x64 16x64 16x32 | 32x128 32x64 16x64
+    224 | 16x64 | 16x64 16x32 | 32x128 16x64 16x32
+    240 | 16x64 | 32x64 16x64 16x32 | 32x128 32x64 16x64
+    256 | 16x32 | 32x64 16x64 16x32 | 16x64 16x32 16x16
+""")
+CURATED["flash_bwd_tc_masked"] = _table(_TC, float16_bfloat16="""
+     16 | 32x128 64x128 32x64 | = | 32x128 64x128 16x64
+     32 | 32x128 64x128 32x64 | = | 16x64 16x32 16x16
+     48 | 64x128 64x64 32x128 | = | 32x128 32x64 16x64
+     64 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     96 | 32x128 64x64 32x64 | 32x128 64x64 64x128 | 128x64 32x128 64x64
+    112 | 32x64 16x64 16x32 | 32x128 64x64 64x128 | 128x64 32x128 64x64
+    128 | 32x64 16x64 16x32 | 64x64 64x128 32x128 | 128x64 64x64 64x128
+    144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
+    160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
+    176 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
+    192 | 16x64 | 32x128 32x64 16x64 | 32x128 64x64 32x64
+    208 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
+    224 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
+    240 | 16x64 | 16x64 16x32 | 16x64 16x32 16x16
+    256 | 16x32 / 16x16 | 16x64 16x32 / - | 16x64 16x32 16x16 / 16x16
+""")
+
+# --------------------------------------------------------------------------
+# float32's tensor-core backward (flash_bwd_tf32.cu; _masked with the features): 16 keys per
+# warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.  The padded build at 64
+# on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers).
+#   sm_86 | sm_80 | sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
+     32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
+     64 | 32x64 16x32 | 64x64 32x64 32x32 | 64x64 32x64 32x32 / 32x64
+     96 | 16x64 | 32x64 16x64 16x32 | 32x64 16x64 32x32
+    128 | 16x32 | 16x64 16x32 | =
+""")
+CURATED["flash_bwd_tf32_masked"] = _table(_TC, float32="""
+     32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
+     64 | 32x64 16x32 | 64x64 32x64 32x32 | =
+     96 | 16x64 | 32x64 16x64 16x32 | 16x64 16x32
+    128 | 16x32 | 16x64 16x32 | =
+""")
+
+
+def table_arches(kernel):
+    """The architecture classes ``kernel``'s table has cells for (none: no table)."""
+    grids = CURATED.get(kernel)
+    if not grids:
+        return ()
+    row = next(iter(next(iter(grids.values())).values()))
+    return tuple(a for a in ARCH_CLASSES if a in row)
+
+
+def cell(kernel, dtype, c, arch, padded=False):
+    """The curated pairs of ``kernel`` for ``dtype`` at head-dim class ``c`` and architecture
+    class ``arch``, default first: a tuple of (block_q, block_kv), empty where there is none;
+    ``padded``: those of the padded build (the cell's own after ``/``, else the same)."""
+    pairs = CURATED.get(kernel, {}).get(dtype, {}).get(c, {}).get(arch, ())
+    own = getattr(pairs, "padded", None)
+    return tuple(pairs) if not padded or own is None else own
