@@ -849,7 +849,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                     const float m_new = nan_max(m_i[mt][rr], mx[mt][rr]);
                     // no visible key yet: reference 0, so masked logits give 2^-inf = 0, not NaN
                     const float mc_new = m_new == -INFINITY ? 0.0f : m_new * c;
-                    alpha[rr] = cuflash_exp2(mc_i[mt][rr] - mc_new);
+                    // no key seen before this tile: O and l are zero, and 2^(0 - mc_new)
+                    // would be +inf for a first max below -128 / c (0 * inf = NaN)
+                    alpha[rr] = m_i[mt][rr] == -INFINITY ? 0.0f : cuflash_exp2(mc_i[mt][rr] - mc_new);
                     m_i[mt][rr] = m_new;
                     mc_i[mt][rr] = mc_new;
                     l_i[mt][rr] *= alpha[rr];
