@@ -27,6 +27,8 @@
 //   dS^T -> shared memory; after a barrier the block computes dQ_i (Br x d) = dS K_j in warp
 //       sub-tiles of 16 x 32 (A = dS from the stored dS^T, B = rows 2t, 2t+1 of K_j) and adds
 //       scale * dQ_i into the accumulator with one float32 atomic per element and block.
+// dK_w, dV_w are added into the float32 outputs dK, dV every 128 query rows and restart from
+// zero (kFlushRows: the tensor core's accumulation truncates, a long chain drifts).
 //
 // Shared memory (float; strides chosen for the fragment loads, see tc_stride in cuflash.tiling):
 //   Ks (Bc, kKS)  Vs (Bc, kVS)  Qs 2 x (Br, kQS)  dOs 2 x (Br, kOS)  lse2 2 x Br  D 2 x Br  dSTs (Bc, kTS)
@@ -56,9 +58,11 @@
 #define CUFLASH_BWD_TF32_KERNEL flash_bwd_tf32_masked
 #define CUFLASH_BWD_TF32_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
+#define CUFLASH_DV_FACTOR dv_scale(p)  // dV's factor: dropout's 1 / (1 - p)
 #else
 #define CUFLASH_BWD_TF32_KERNEL flash_bwd_tf32
 #define CUFLASH_BWD_TF32_MASK_ARGS
+#define CUFLASH_DV_FACTOR 1.0f
 #endif
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || !defined(CUFLASH_BLOCK_Q) || \
@@ -205,12 +209,13 @@ __device__ __forceinline__ void mma_xb(float (&acc)[kN / 8][4], const float (&x)
     }
 }
 
-// Rows r0 + g (+ 8) of a (16 x kN) accumulator tile of mma_xb as float4 stores: lane (g, t)
-// holds columns 32c + 8t + 4e + m in acc[4c + m][2 half + e]; in a padded build the columns
-// past `cols` (a multiple of 32) are not stored.
+// Rows r0 + g (+ 8) of a (16 x kN) accumulator tile of mma_xb as float4 stores of mul * acc, or
+// with `add` of mul * acc + the stored values (dK, dV's second level): lane (g, t) holds
+// columns 32c + 8t + 4e + m in acc[4c + m][2 half + e]; in a padded build the columns past
+// `cols` (a multiple of 32) are not stored.
 template <int kN>
 __device__ __forceinline__ void store_xb(float* base, long long row_stride, const float (&acc)[kN / 8][4],
-                                         int g, int t, int rows, float mul, int cols) {
+                                         int g, int t, int rows, float mul, bool add, int cols) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = g + 8 * half;
@@ -219,13 +224,47 @@ __device__ __forceinline__ void store_xb(float* base, long long row_stride, cons
 #pragma unroll
             for (int c = 0; c < kN / 32; ++c)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (!kPadded || c * 32 < cols)
-                        gstore(reinterpret_cast<float4*>(row + c * 32 + 8 * t + 4 * e),
-                               make_float4(mul * acc[4 * c][2 * half + e], mul * acc[4 * c + 1][2 * half + e],
-                                           mul * acc[4 * c + 2][2 * half + e], mul * acc[4 * c + 3][2 * half + e]));
+                for (int e = 0; e < 2; ++e) {
+                    if (kPadded && c * 32 >= cols) continue;
+                    float4* dst = reinterpret_cast<float4*>(row + c * 32 + 8 * t + 4 * e);
+                    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (add) x = gload(dst);
+                    const float xs[4] = {x.x, x.y, x.z, x.w};
+                    float y[4];
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        const float a = acc[4 * c + m][2 * half + e];
+                        y[m] = add ? fmaf(mul, a, xs[m]) : mul * a;
+                    }
+                    gstore(dst, make_float4(y[0], y[1], y[2], y[3]));
+                }
         }
     }
+}
+
+// dK and dV's second level.  The tensor core adds each mma into its float accumulator
+// truncating toward zero (the products and the accumulator are summed as one operation and
+// cut to float toward zero, no IEEE rounding), so an accumulator that keeps its sign loses
+// up to an ulp per mma: dK, dV chained through every Q tile had a relative error of 1.7e-5 at
+// Nq = 2048 (d = 64, on the emulator's model of it; float32's rule is 1e-5).  So they chain
+// through kFlushSteps steps only (kFlushRows query rows, at most 3 kFlushRows / 8 mma deep)
+// and are then added into the float32 outputs dK, dV with FFMA (round to nearest) and restart
+// from zero; the end adds the last sums the same way.  A flush needs no registers and costs
+// a load (not at the first flush) and a store of the block's dK, dV rows every kFlushRows
+// query rows; blocks that see fewer never flush.
+constexpr int kFlushRows = 128;
+constexpr int kFlushSteps = kFlushRows / kBr;
+static_assert(kFlushSteps >= 1 && (kFlushSteps & (kFlushSteps - 1)) == 0, "kFlushSteps: a power of two");
+
+// acc = 0 by an AND with `zero` (0 at run time, opaque to ptxas), in place: with zero
+// constants ptxas may keep the accumulators' flushed and unflushed values in separate
+// registers across the loop (it spilled the forward's O that way).
+template <int kN>
+__device__ __forceinline__ void zero_xb(float (&acc)[kN][4], uint32_t zero) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = __uint_as_float(__float_as_uint(acc[i][e]) & zero);
 }
 
 // ------------------------------------------------------------- the kernel
@@ -562,18 +601,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                         gatomic_add(dq_tile + (size_t)r * d_cols + c0 + 8 * t + 4 * (i & 1) + m, scale * acc[m][i]);
             }
         }
+        // -- dK, dV's second level: every kFlushSteps steps, not after the last (the end adds
+        //    dk, dv)
+        if ((s & (kFlushSteps - 1)) == kFlushSteps - 1 && s + 1 < n_steps) {
+            const bool first = s == kFlushSteps - 1;
+            const size_t kr0 = ((size_t)b * p.Hk + hk) * Nk + kv0 + warp * 16;
+            store_xb<kD>(dK + kr0 * d_cols, d_cols, dk, g, t, kv_rows - warp * 16, scale, !first, d_cols);
+            store_xb<kDv>(dV + kr0 * dv_cols, dv_cols, dv, g, t, kv_rows - warp * 16, CUFLASH_DV_FACTOR, !first,
+                          dv_cols);
+            zero_xb(dk, hm & 1u);
+            zero_xb(dv, hm & 1u);
+        }
         gg = gg1;
         iq = iq1;
     }
     cp_async_wait<0>();  // no copy outlives the block (K_j, V_j only, when n_steps == 0)
 
-    // -- dK_j = scale * sum dS^T Q, dV_j (rows past Nk are not written)
+    // -- dK_j = scale * sum dS^T Q, dV_j, plus what the flushes stored (rows past Nk are not
+    //    written)
     const size_t row0 = ((size_t)b * p.Hk + hk) * Nk + kv0 + warp * 16;
     const int rows = kv_rows - warp * 16;
-    store_xb<kD>(dK + row0 * d_cols, d_cols, dk, g, t, rows, scale, d_cols);
-#ifdef CUFLASH_MASKS
-    store_xb<kDv>(dV + row0 * dv_cols, dv_cols, dv, g, t, rows, dv_scale(p), dv_cols);  // dropout's 1 / (1 - p)
-#else
-    store_xb<kDv>(dV + row0 * dv_cols, dv_cols, dv, g, t, rows, 1.0f, dv_cols);
-#endif
+    const bool flushed = n_steps > kFlushSteps;  // dK, dV hold flushed sums
+    store_xb<kD>(dK + row0 * d_cols, d_cols, dk, g, t, rows, scale, flushed, d_cols);
+    store_xb<kDv>(dV + row0 * dv_cols, dv_cols, dv, g, t, rows, CUFLASH_DV_FACTOR, flushed, dv_cols);
 }

@@ -16,6 +16,8 @@
 // l are rescaled, only when a tile's max would make p exceed 2^8 (warp-uniform test), so most
 // tiles skip the rescale.  Causal tiles past the diagonal are never loaded; masks are applied
 // only to the tiles that cross the diagonal or the end of the keys (a tile-uniform branch).
+// float32: O's accumulators are added into the float32 output every 256 keys and restart
+// from zero (flush_o: the tensor core's accumulation truncates, a long chain drifts).
 //
 // Warp layout (as flash-attn 2): kWarps warps, each owning kMT * 16 query rows (kMT = 2
 // for head dims <= 128: every K/V fragment read from shared memory feeds two MMAs; 1 above,
@@ -165,7 +167,8 @@ constexpr float kLazy = 8.0f;
 [[maybe_unused]] constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
 
 // For instruction counting only: compile just the path of a steady-state interior K/V tile
-// (no mask, no partial tile, no move of the reference max).  Results are then wrong.
+// (no mask, no partial tile, no move of the reference max, no flush of O's second level).
+// Results are then wrong.
 #ifndef CUFLASH_FWD_INTERIOR_ONLY
 #define CUFLASH_FWD_INTERIOR_ONLY 0
 #endif
@@ -559,6 +562,64 @@ __device__ __forceinline__ void tc_dropout(float (&s)[kMT][kNT][4], const Dropou
 #define CUFLASH_TC_MASK_ARGS
 #endif
 
+#if CUFLASH_TF32
+// ------------------------------------------------------------- O's second level (float32)
+// The tensor core adds each mma into its float accumulator truncating toward zero (the
+// products and the accumulator are summed as one operation and cut to float toward zero, no
+// IEEE rounding), so an accumulator that keeps its sign loses up to an ulp per mma: chained
+// through every K/V tile, O had a relative error of 1.5e-5 at Nk = 2048 on an H100 (float32's
+// rule is 1e-5).  So o chains through kFlushTiles K/V tiles only (kFlushKeys keys, at most
+// 3 kFlushKeys / 8 mma deep) and is then added into the float32 output with FFMA (round to
+// nearest): O = O * beta + o, beta being the product of the rescale factors alpha applied to
+// o since the last flush (both sides relative to the current reference max), and o restarts
+// from zero.  The epilogue adds the last o the same way.  Partial sums per K/V tile added to
+// o with FADD would need registers beside o (ptxas spilled them from d = 80 on); a flush
+// needs none but beta, and costs a load (not at the first flush) and a store of the block's
+// O rows every kFlushKeys keys.  Rows whose keys fit in kFlushKeys never flush.
+constexpr int kFlushKeys = 256;
+constexpr int kFlushTiles = kFlushKeys / kBc;
+static_assert(kFlushTiles >= 1 && (kFlushTiles & (kFlushTiles - 1)) == 0, "kFlushTiles: a power of two");
+
+// O (global, the warp's rows of the tile at Ot, row stride sr, rows < rows; in a padded build
+// the columns below cols) = O * beta + o (first: = o); then o = 0, beta = 1.  Lane (g, t) holds columns 16cc + 4t .. 4t+3 of its rows
+// (compute_pv): one 16-byte load and store each.  o is zeroed by an AND with `zero` (0 at run
+// time, opaque to ptxas), in place: with zero constants ptxas kept o's flushed and unflushed
+// values in separate registers across the K/V loop and spilled (d = 128: 120 B).
+__device__ __forceinline__ void flush_o(float (&o)[kMT][kOT][4], float (&beta)[kMT][2], bool first, float* Ot,
+                                        long long sr, int rows, int cols, int row0, int g, int t,
+                                        uint32_t zero) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int row = row0 + mt * 16 + g + 8 * rr;
+            if (row < rows) {
+                float* orow = Ot + row * sr + 4 * t;
+                const float bt = beta[mt][rr];
+#pragma unroll
+                for (int cc = 0; cc < kDv / 16; ++cc) {
+                    if (kPadded && cc * 16 >= cols) continue;
+                    const float a = o[mt][2 * cc][2 * rr], b = o[mt][2 * cc + 1][2 * rr];
+                    const float c = o[mt][2 * cc][2 * rr + 1], d = o[mt][2 * cc + 1][2 * rr + 1];
+                    if (first) {
+                        gstore4(orow + cc * 16, a, b, c, d);
+                    } else {
+                        const float4 x = gload(reinterpret_cast<const float4*>(orow + cc * 16));
+                        gstore4(orow + cc * 16, fmaf(x.x, bt, a), fmaf(x.y, bt, b), fmaf(x.z, bt, c), fmaf(x.w, bt, d));
+                    }
+                }
+            }
+            beta[mt][rr] = 1.0f;
+        }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kOT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][nt][e] = __uint_as_float(__float_as_uint(o[mt][nt][e]) & zero);
+}
+#endif
+
 // ------------------------------------------------------------- the kernel
 // __launch_bounds__(threads, 1): without the minimum of one block per SM ptxas capped some
 // specialisations at 168 registers and spilled (measured with NVRTC 13 for sm_80); the
@@ -655,8 +716,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     // CUFLASH_SUM_BY_MMA the MMA accumulator ls (rows g: [0], [1]; g + 8: [2], [3])
     float m_i[kMT][2], mc_i[kMT][2], l_i[kMT][2], ls[kMT][4];
     float o[kMT][kOT][4];
+#if CUFLASH_TF32
+    float beta[kMT][2];  // the rescales of o since its last flush (O's second level)
+#endif
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
+#if CUFLASH_TF32
+        beta[mt][0] = beta[mt][1] = 1.0f;
+#endif
         m_i[mt][0] = m_i[mt][1] = -INFINITY;
         mc_i[mt][0] = mc_i[mt][1] = 0.0f;
         l_i[mt][0] = l_i[mt][1] = 0.0f;
@@ -665,7 +732,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         for (int nt = 0; nt < kOT; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
     }
     const elem_t* Qw = Qs + row0 * kQS;
-#if !CUFLASH_TF32
+#if CUFLASH_TF32
+    // the tile's O rows: O's second level (flush_o) and the result
+    const long long o_sr = P->o_sr;
+    float* const Ot = O + b * P->o_sb + h * P->o_sh + q0 * o_sr;
+#else
     uint32_t qreg[kQInRegs ? kMT : 1][kQInRegs ? kD / 16 : 1][4];
     // the lane's ldmatrix addresses: Q_w, and K / V of stage 0 (stage 1 is a tile further on)
     const saddr_t qa = saddr_of(Qw + q_lane_off(lane));
@@ -778,12 +849,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                     const float m_new = nan_max(m_i[mt][rr], mx[mt][rr]);
                     // no visible key yet: reference 0, so masked logits give 2^-inf = 0, not NaN
                     const float mc_new = m_new == -INFINITY ? 0.0f : m_new * c;
-                    alpha[rr] = cuflash_exp2(mc_i[mt][rr] - mc_new);
+                    // no key seen before this tile: O and l are zero, and 2^(0 - mc_new)
+                    // would be +inf for a first max below -128 / c (0 * inf = NaN)
+                    alpha[rr] = m_i[mt][rr] == -INFINITY ? 0.0f : cuflash_exp2(mc_i[mt][rr] - mc_new);
                     m_i[mt][rr] = m_new;
                     mc_i[mt][rr] = mc_new;
                     l_i[mt][rr] *= alpha[rr];
                     ls[mt][2 * rr] *= alpha[rr];
                     ls[mt][2 * rr + 1] *= alpha[rr];
+#if CUFLASH_TF32
+                    beta[mt][rr] *= alpha[rr];
+#endif
                 }
 #pragma unroll
                 for (int nt = 0; nt < kOT; ++nt) {
@@ -808,6 +884,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         // -- O += P V_j
 #if CUFLASH_TF32
         compute_pv(o, s, Vt, g, t, hi_mask);
+        // -- O's second level: every kFlushTiles tiles, not after the last (the epilogue adds o)
+        if (!CUFLASH_FWD_INTERIOR_ONLY && ((j - j0) & (kFlushTiles - 1)) == kFlushTiles - 1 && j + 1 < n_kv)
+            flush_o(o, beta, j - j0 == kFlushTiles - 1, Ot, o_sr, rows_q, dv_cols, row0, g, t, hi_mask & 1u);
 #else
         compute_pv(o, ls, s, va);
 #endif
@@ -815,7 +894,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     cp_async_wait<0>();  // no copy outlives the block (only Q_i is pending when n_kv == 0)
 
     // -- O_i = O / l, lse = ln 2 * (mc + log2(l)); rows that saw no key: 0 and -inf
+#if CUFLASH_TF32
+    const bool flushed = n_kv - j0 > kFlushTiles;  // O holds flushed sums (flush_o)
+#else
     elem_t* Ob = O + b * P->o_sb + h * P->o_sh;
+#endif
     float* LSEb = LSE + b * P->lse_sb + h * P->lse_sh;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -832,19 +915,35 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                 const int i = q0 + row;
                 const bool empty = l == 0.0f;
 #ifdef CUFLASH_MASKS
+#if CUFLASH_TF32
+                // dropout's 1 / (1 - p), read here: drop.scale held across the K/V loop (as the
+                // double it is loaded from) was spilled beside O's second level
+                const float num = drop.on ? (float)p.mask_drop_scale : 1.0f;
+#else
                 const float num = drop.on ? drop.scale : 1.0f;  // dropout's 1 / (1 - p)
+#endif
 #else
                 const float num = 1.0f;
 #endif
                 const float inv = empty ? 0.0f : __fdividef(num, l);  // MUFU.RCP: no division subroutine
-                elem_t* orow = Ob + i * P->o_sr;
 #if CUFLASH_TF32
+                float* orow = Ot + row * o_sr;
+                const float bt = beta[mt][rr];
 #pragma unroll
-                for (int cc = 0; cc < kDv / 16; ++cc)  // columns 16cc + 4t .. 4t+3 (see compute_pv)
-                    if (!kPadded || cc * 16 < dv_cols)
-                        gstore4(orow + cc * 16 + 4 * t, o[mt][2 * cc][2 * rr] * inv, o[mt][2 * cc + 1][2 * rr] * inv,
-                                o[mt][2 * cc][2 * rr + 1] * inv, o[mt][2 * cc + 1][2 * rr + 1] * inv);
+                for (int cc = 0; cc < kDv / 16; ++cc) {  // columns 16cc + 4t .. 4t+3 (see compute_pv)
+                    if (kPadded && cc * 16 >= dv_cols) continue;
+                    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (flushed) x = gload(reinterpret_cast<const float4*>(orow + cc * 16 + 4 * t));
+                    const float xs[4] = {x.x, x.y, x.z, x.w};
+                    const float y[4] = {o[mt][2 * cc][2 * rr], o[mt][2 * cc + 1][2 * rr],
+                                        o[mt][2 * cc][2 * rr + 1], o[mt][2 * cc + 1][2 * rr + 1]};
+                    float z[4];
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) z[m] = (flushed ? fmaf(xs[m], bt, y[m]) : y[m]) * inv;
+                    gstore4(orow + cc * 16 + 4 * t, z[0], z[1], z[2], z[3]);
+                }
 #else
+                elem_t* orow = Ob + i * P->o_sr;
 #pragma unroll
                 for (int nt = 0; nt < kOT; ++nt)
                     if (!kPadded || nt * 8 < dv_cols)

@@ -195,8 +195,70 @@ def test_traffic_equals_model(qs, ks, causal, rng):
     B, H = launch_common.problem_dims(spec.lead)
     Hk, _ = launch_common.kv_heads_for_kernel(spec)
     want = tiling.flash_bwd_traffic(B, H, Hk, spec.Nq, spec.Nk, d, d, "float32", plan.block_q,
-                                    plan.block_kv, spec.causal, deterministic=False)
+                                    plan.block_kv, spec.causal, deterministic=False,
+                                    flush_rows=tiling.TF32_FLUSH_ROWS)
     assert (total["global_bytes_read"], total["global_bytes_written"]) == want
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "key_padding_bias"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_long_query_runs_keep_float32_accuracy(kernel_backend, d, masked, rng):
+    """dK, dV of one KV tile summed over 2048 query rows.  The tensor core adds each mma into its
+    accumulator truncating toward zero, so dK, dV chained through every Q tile drifted: 1.8e-5
+    and 1.7e-5 (d = 64), 2.0e-5 and 1.8e-5 (d = 128) relative error here on the emulator's model
+    of it, past float32's 1e-5.  They are added into the outputs every 128 query rows: 2.7e-6 /
+    2.2e-6 and 4.2e-6 / 3.2e-6.  On the emulator the bytes moved include those flushes."""
+    Nq, Nk = 2048, 64
+    q, k, v = oracle.qkv(rng, (1, 1, Nq, d), (1, 1, Nk, d), dtype="float32")
+    feat = {}
+    if masked:  # the last 5 keys are padding
+        bias = np.zeros((1, 1, 1, Nk), np.float32)
+        bias[..., Nk - 5:] = -np.inf
+        feat["bias"] = bias
+    o, lse, _ = oracle.attention(q, k, v, None, False, **feat)
+    o, lse = o.astype(np.float32), lse.astype(np.float32)
+    do = oracle.randn(rng, o.shape, "float32")
+    args = [kernel_backend.asarray(x) for x in (do, q, k, v, o, lse)]
+    with poisoned_outputs(), _count_launches() as seen:
+        grads = cuflash.tiled_attention_backward(*args, backend=kernel_backend.name,
+                                                 **{n: kernel_backend.asarray(x) for n, x in feat.items()})
+    kernel = "flash_bwd_tf32_masked" if masked else "flash_bwd_tf32"
+    if kernel_backend.name == "emulator":
+        assert seen["launches"] == ["flash_bwd_preprocess", kernel, "flash_bwd_dq_convert"]
+    oracle.check_backward([kernel_backend.to_numpy(g) for g in grads], do, q, k, v, **feat)
+    if kernel_backend.name == "emulator":
+        plan = tiling.plan_bwd_tf32(d, d, "float32", limit=tiling.EMULATOR_ARCHES["sm_80"], masked=masked)
+        if masked:
+            model = lambda fr: tiling.flash_bwd_tf32_masked_traffic(  # noqa: E731
+                1, 1, 1, Nq, Nk, d, d, plan.block_q, plan.block_kv, plan.threads, bias=True,
+                flush_rows=fr)
+        else:
+            model = lambda fr: tiling.flash_bwd_traffic(  # noqa: E731
+                1, 1, 1, Nq, Nk, d, d, "float32", plan.block_q, plan.block_kv,
+                deterministic=False, flush_rows=fr)
+        # 15 flushes: 15 writes and 15 reads (14 flushes, the end) of the tile's dK, dV rows
+        flushes = tiling.tf32_bwd_flushes(Nq // plan.block_q, plan.block_q, tiling.TF32_FLUSH_ROWS)
+        assert flushes == 15 and plan.block_kv == Nk
+        extra = flushes * Nk * 2 * d * 4
+        assert model(tiling.TF32_FLUSH_ROWS) == tuple(x + extra for x in model(0))
+        assert (seen["global_bytes_read"], seen["global_bytes_written"]) == model(tiling.TF32_FLUSH_ROWS)
+
+
+def test_race_check_with_flushes(rng):
+    """flash_bwd_tf32 under TSan where dK, dV's second level flushes: 16-row Q tiles, a GQA
+    group of 2 and 75 rows (10 steps: a flush after the 8th), two warps, keys past Nk."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 75, 32), (1, 1, 50, 32), dtype="float32")
+    o, lse = _fwd(q, k, v, False)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=16, block_kv=32)
+    with _count_launches() as seen:
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=False)
+    assert seen["launches"][1] == "flash_bwd_tf32"
+    assert seen["global_bytes_written"] > tiling.flash_bwd_traffic(
+        1, 2, 1, 75, 50, 32, 32, "float32", 16, 32, deterministic=False)[1]
+    oracle.check_backward(grads, do, q, k, v)
 
 
 def test_race_check(rng):

@@ -289,6 +289,47 @@ def test_tensor_core_scales_and_moving_max(kernel_backend, dtype, kernel, rng):
                              lse=kernel_backend.to_numpy(lse))
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "key_padding_bias"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_long_rows_keep_float32_accuracy(kernel_backend, d, masked, rng):
+    """flash_fwd_tf32 (and _masked) over 4096 keys.  The tensor core adds each mma into its
+    accumulator truncating toward zero, so O chained through every K/V tile drifted: 3.2e-5
+    (d = 64) and 3.5e-5 (d = 128) relative error here on the emulator's model of it (1.5e-5 at
+    Nk = 2048 on an H100), past float32's 1e-5.  O is added into the output every 256 keys
+    (flush_o): 2.8e-6 and 3.5e-6.  On the emulator the bytes moved include those flushes."""
+    Nq, Nk = 64, 4096
+    q, k, v = oracle.qkv(rng, (1, 1, Nq, d), (1, 1, Nk, d), dtype="float32")
+    feat = {}
+    if masked:  # the last 37 keys are padding
+        bias = np.zeros((1, 1, 1, Nk), np.float32)
+        bias[..., Nk - 37:] = -np.inf
+        feat["bias"] = bias
+    args = [kernel_backend.asarray(x) for x in (q, k, v)]
+    with poisoned_outputs():
+        o, lse = cuflash.tiled_attention(*args, num_splits=1, return_lse=True, backend=kernel_backend.name,
+                                         **{n: kernel_backend.asarray(x) for n, x in feat.items()})
+    o, lse = kernel_backend.to_numpy(o), kernel_backend.to_numpy(lse)
+    if kernel_backend.name == "emulator":
+        st = _emulator_stats()
+        assert st["kernel"] == "flash_fwd_tf32" + ("_masked" if masked else "")
+    oracle.check_forward(o, q, k, v, lse=lse, **feat)
+    if kernel_backend.name == "emulator":
+        plan = kernels.get_runtime("emulator").plan_fwd(d, d, "float32", masked=masked)
+        if masked:
+            model = lambda fk: tiling.flash_fwd_masked_traffic(  # noqa: E731
+                1, 1, Nq, Nk, d, d, "float32", plan.block_q, plan.block_kv, bias=True,
+                threads=plan.threads, flush_keys=fk)
+        else:
+            model = lambda fk: tiling.flash_fwd_traffic(  # noqa: E731
+                1, 1, Nq, Nk, d, d, "float32", plan.block_q, plan.block_kv, flush_keys=fk)
+        # 15 flushes: 15 writes and 15 reads (14 flushes, the end) of the tile's O rows
+        flushes = tiling.tf32_flushes(Nk // plan.block_kv, plan.block_kv, tiling.TF32_FLUSH_KEYS)
+        assert flushes == 15
+        extra = flushes * Nq * d * 4
+        assert model(tiling.TF32_FLUSH_KEYS) == tuple(x + extra for x in model(0))
+        assert (st["global_bytes_read"], st["global_bytes_written"]) == model(tiling.TF32_FLUSH_KEYS)
+
+
 def test_tensor_core_kernel_as_sm75(rng):
     """flash_fwd_tc / flash_fwd_tf32 compiled for sm_75: portable.cuh's software mma and
     synchronous cp.async."""
@@ -576,6 +617,21 @@ def test_race_check_tensor_core_forward(rng, dtype, kernel, bq):
     o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel=kernel)
     assert _emulator_stats()["threads_per_block"] == 32 * max(1, bq // 32)
     oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
+
+
+def test_race_check_float32_flushes(rng):
+    """flash_fwd_tf32 under TSan where O's second level flushes (300 keys in 16-key tiles: one
+    flush after the 16th tile, then the epilogue's read), GQA, causal rows."""
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 20, 16), (1, 1, 300, 16), dtype="float32")
+    spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right", block_q=16,
+                                            block_kv=16)
+    o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel="flash_fwd_tf32")
+    st = _emulator_stats()
+    assert st["kernel"] == "flash_fwd_tf32"
+    assert st["global_bytes_written"] > tiling.flash_fwd_traffic(1, 2, 20, 300, 16, 16, "float32", 16, 16,
+                                                                 "bottom_right")[1]
+    oracle.check_forward(o, q, k, v, None, "bottom_right", lse=lse)
 
 
 def test_race_check_online_softmax(rng):

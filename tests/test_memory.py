@@ -229,3 +229,28 @@ def test_measured_memory_numpy(rng):
     assert peaks_tiled[2048] < S / 8, f"tiled forward peaked at {peaks_tiled[2048]} B at N=2048"
     assert peaks_std[2048] >= 3 * peaks_std[1024] >= 9 * peaks_std[512] * 0.9
     assert peaks_tiled[2048] <= 2.5 * peaks_tiled[1024], peaks_tiled
+
+
+@pytest.mark.parametrize("window", [None, (400, 0)], ids=["dense", "window"])
+def test_kernel_bytes_include_float32_flushes(rng, window):
+    """memory_analysis's kernel_hbm_* bytes are what the launched kernel moves: for float32 on
+    the tensor cores, O's rows go to global memory and back every TF32_FLUSH_KEYS keys, so they
+    exceed the algorithm's tiled_hbm_* (600 keys in 32-key tiles: two flushes of each row)."""
+    from conftest import require_backend
+    require_backend("emulator")
+    from cuflash import emulator
+    N, d = 600, 32
+    m = cuflash.memory_analysis(N, d, "float32", backend="emulator", window=window)
+    assert m["kernel"] == "flash_fwd_tf32" + ("_masked" if window else "")
+    q, k, v = oracle.qkv(rng, (1, 1, N, d), (1, 1, N, d), dtype="float32")
+    cuflash.tiled_attention(q, k, v, window=window, backend="emulator")
+    st = emulator.last_launch_stats()
+    assert st["kernel"] == m["kernel"]
+    assert (st["global_bytes_read"], st["global_bytes_written"]) == \
+        (m["kernel_hbm_read_bytes"], m["kernel_hbm_written_bytes"])
+    extra = m["kernel_hbm_written_bytes"] - m["tiled_hbm_written_bytes"]
+    if window is None:
+        assert extra == 2 * N * d * 4  # every row flushes twice
+    else:
+        assert 0 < extra < 2 * N * d * 4  # the first query tiles span too few keys to flush
+    assert m["kernel_hbm_read_bytes"] - m["tiled_hbm_read_bytes"] == extra

@@ -240,8 +240,11 @@ def memory_analysis(runtime, reference_model, N, d, dtype, Nk, block_q, block_kv
     global memory besides q, k, v, o: the lse rows (m, l live in registers, the
     S/P tile in registers and shared memory).  The HBM model is the reference's
     (``tiled_forward_hbm_bytes``) evaluated for these tiles, which equals
-    :func:`cuflash.tiling.flash_fwd_traffic` and, on the emulator, the bytes
-    the kernel is measured to move.
+    :func:`cuflash.tiling.flash_fwd_traffic` without float32's flushes.
+    ``kernel_hbm_read_bytes`` / ``kernel_hbm_written_bytes`` are the bytes the
+    launched kernel moves (on the emulator, what it is measured to move): the
+    same but for float32 on the tensor cores, whose O rows also go to global
+    memory and back every ``tiling.TF32_FLUSH_KEYS`` keys of a row.
     """
     d_ = check_positive_int(d, "d")
     bq = check_positive_int(block_q, "block_q")
@@ -268,6 +271,21 @@ def memory_analysis(runtime, reference_model, N, d, dtype, Nk, block_q, block_kv
         "sram_limit_source": plan.limit_source,
         "kernel_global_extra_bytes": out["batch"] * out["heads"] * out["N"] * plan.acc_bytes,
     })
+    read, written = out["tiled_hbm_read_bytes"], out["tiled_hbm_written_bytes"]
+    if splits == 1 and plan.kernel.startswith("flash_fwd_tf32"):
+        # O's second level: the flushes' bytes, the traffic model with them less without
+        if masked:
+            model = lambda fk: tiling.flash_fwd_masked_traffic(  # noqa: E731
+                out["batch"], out["heads"], out["N"], out["Nk"], d_, d_, "float32", plan.block_q,
+                plan.block_kv, None, window, bias_shape is not None, False, threads=plan.threads,
+                flush_keys=fk)
+        else:
+            model = lambda fk: tiling.flash_fwd_traffic(  # noqa: E731
+                out["batch"], out["heads"], out["N"], out["Nk"], d_, d_, "float32", plan.block_q,
+                plan.block_kv, flush_keys=fk)
+        (r1, w1), (r0, w0) = model(tiling.TF32_FLUSH_KEYS), model(0)
+        read, written = read + r1 - r0, written + w1 - w0
+    out.update(kernel_hbm_read_bytes=read, kernel_hbm_written_bytes=written)
     return out
 
 

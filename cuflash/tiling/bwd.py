@@ -143,8 +143,22 @@ register(KernelTiling(
 ))
 
 
+# flash_bwd_tf32 (and its masked build) add their dK, dV accumulators into the float32 outputs
+# every TF32_FLUSH_ROWS query rows of a KV tile's steps (kFlushRows in kernels_cu/flash_bwd_tf32.cu:
+# the tensor core's truncating accumulation would otherwise drift dK, dV past float32 accuracy).
+TF32_FLUSH_ROWS = 128
+
+
+def tf32_bwd_flushes(n_steps, block_q, flush_rows):
+    """Flushes of dK, dV's second level by a block of ``n_steps`` (query head, Q tile) steps: one
+    after every ``flush_rows // block_q`` steps but the last (0 when ``flush_rows`` is 0)."""
+    if not flush_rows or n_steps <= 0:
+        return 0
+    return (n_steps - 1) // (flush_rows // block_q)
+
+
 def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, block_kv,
-                      causal=None, deterministic=True):
+                      causal=None, deterministic=True, flush_rows=0):
     """Modelled global-memory bytes (read, written) of one backward call's kernels.
 
     ``batch * heads`` query problems, ``batch * kv_heads`` key/value problems
@@ -155,6 +169,10 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
     the group), writes dK, dV once, and on the atomic path adds into dQ
     (4 bytes read + 4 written per element per visible (Q tile, KV tile) pair);
     dq reads Q, dO, lse, D once and K, V of every KV tile its Q tile can see.
+    ``flush_rows``: flash_bwd_tf32's TF32_FLUSH_ROWS (the atomic path on tensor
+    cores) -- a KV tile whose steps pass more Q rows than that also writes its dK,
+    dV rows at every flush and reads them back at every flush but the first and
+    at the end (as many reads as writes).
     """
     isz = np.dtype(dtype).itemsize
     acc = accumulator_bytes(dtype)
@@ -169,6 +187,7 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
     # dkdv: per KV tile, the Q rows of the Q tiles from the first visible one on
     q_rows = 0
     pairs_rows = 0  # sum over (visible Q tile, KV tile) of the Q tile's rows (atomic dQ)
+    flushed_rows = 0  # sum over KV tiles of flushes x the tile's keys
     for j in range(nk_t):
         kv0 = j * block_kv
         it0 = 0
@@ -178,8 +197,12 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
         rows = max(Nq - it0 * block_q, 0)
         q_rows += rows
         pairs_rows += rows
+        flushed_rows += (tf32_bwd_flushes(group * (nq_t - it0), block_q, flush_rows)
+                         * min(block_kv, Nk - kv0))
     read += bhk * Nk * (d + dv) * isz + bhk * group * q_rows * ((d + dv) * isz + 2 * acc)
     written += bhk * Nk * (d + dv) * isz
+    read += bhk * flushed_rows * (d + dv) * isz
+    written += bhk * flushed_rows * (d + dv) * isz
     if not deterministic:
         read += bh * pairs_rows * d * 4
         written += bh * pairs_rows * d * 4

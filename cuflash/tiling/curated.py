@@ -374,7 +374,8 @@ CURATED["flash_bwd_tc_masked"] = _table(_TC, float16_bfloat16="""
 # --------------------------------------------------------------------------
 # float32's tensor-core backward (flash_bwd_tf32.cu; _masked with the features): 16 keys per
 # warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.  The padded build at 64
-# on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers).
+# on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers);
+# the masked padded build at 128 on sm_80 spills 16 x 64 (28 B) and runs 16 x 32.
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
@@ -387,7 +388,7 @@ CURATED["flash_bwd_tf32_masked"] = _table(_TC, float32="""
      32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
      64 | 32x64 16x32 | 64x64 32x64 32x32 | =
      96 | 16x64 | 32x64 16x64 16x32 | 16x64 16x32
-    128 | 16x32 | 16x64 16x32 | =
+    128 | 16x32 | 16x64 16x32 / 16x32 | 16x64 16x32
 """)
 
 

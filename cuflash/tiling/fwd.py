@@ -79,18 +79,36 @@ def _fwd_masked_acc_check(bq, bkv, d, dv, acc):
 register(replace(FLASH_FWD, name="flash_fwd_masked", check_acc=_fwd_masked_acc_check))
 
 
-def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None):
+# flash_fwd_tf32 (and its masked build) add their O accumulators into the float32 output every
+# TF32_FLUSH_KEYS keys (kFlushKeys in kernels_cu/flash_fwd_tc.cu: the tensor core's truncating
+# accumulation would otherwise drift O past float32 accuracy on long rows).
+TF32_FLUSH_KEYS = 256
+
+
+def tf32_flushes(n_tiles, block_kv, flush_keys):
+    """Flushes of O's second level by a block that loads ``n_tiles`` K/V tiles: one after every
+    ``flush_keys // block_kv`` tiles but the last (0 when ``flush_keys`` is 0)."""
+    if not flush_keys or n_tiles <= 0:
+        return 0
+    return (n_tiles - 1) // (flush_keys // block_kv)
+
+
+def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None,
+                      flush_keys=0):
     """Exact global-memory bytes (read, written) of flash_fwd for one launch.
 
     Per query head and Q tile: the Q tile once; K and V rows of every KV tile
     the tile loads (tiles entirely above the causal boundary are never loaded;
     the last tile loads only the rows < Nk); O and lse once.  This is what the
-    emulator's byte counters report for the kernel.
+    emulator's byte counters report for the kernel.  ``flush_keys``:
+    flash_fwd_tf32's TF32_FLUSH_KEYS -- a Q tile that loads more than that many
+    keys' tiles also writes its O rows at every flush and reads them back at
+    every flush but the first and at the end (as many reads as writes).
     """
     isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
     lse_sz = accumulator_bytes(dtype)
     n_tiles = -(-Nq // block_q) if Nq else 0
-    kv_rows = 0
+    kv_rows = flushed_rows = 0
     for i in range(n_tiles):
         q0 = i * block_q
         rows = min(block_q, Nq - q0)
@@ -101,9 +119,10 @@ def flash_fwd_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, cau
             end = min(max(q0 + rows - 1 + off + 1, 0), Nk)
         n_kv = -(-end // block_kv)
         kv_rows += min(n_kv * block_kv, Nk)
+        flushed_rows += tf32_flushes(n_kv, block_kv, flush_keys) * rows
     bh = batch * heads
-    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
-    written = bh * (Nq * dv * isz + Nq * lse_sz)
+    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz + flushed_rows * dv * isz)
+    written = bh * (Nq * dv * isz + Nq * lse_sz + flushed_rows * dv * isz)
     return read, written
 
 

@@ -1,8 +1,9 @@
 """The logit features' kernels (-DCUFLASH_MASKS): visible keys and exact traffic models."""
 import numpy as np
 
-from .bwd import BWD_THREADS
+from .bwd import BWD_THREADS, TF32_FLUSH_ROWS, tf32_bwd_flushes
 from .core import _dtype_name, accumulator_bytes
+from .fwd import tf32_flushes
 
 
 # --------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def _fwd_tile_keys(lo, hi, q0, rows, Nk, block_kv, causal_end):
 
 
 def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_kv, causal=None,
-                             window=None, bias=False, alibi=False, threads=None):
+                             window=None, bias=False, alibi=False, threads=None, flush_keys=0):
     """Exact global bytes (read, written) of flash_fwd_masked (and of flash_fwd_tc_masked /
     flash_fwd_tf32_masked, with their ``threads``) for one dense launch.
 
@@ -54,13 +55,15 @@ def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_
     the last row's last visible key (tiles left and right of the window's band
     are never loaded); with a bias, one element (compute type) per visible
     (row, key); with ALiBi, one slope per thread (``threads`` per block:
-    flash_fwd_masked's 4 * block_q by default); O and lse once.
+    flash_fwd_masked's 4 * block_q by default); O and lse once; with
+    ``flush_keys`` (flash_fwd_tf32_masked: TF32_FLUSH_KEYS), O's rows again at
+    every flush of the tile (:func:`cuflash.tiling.flash_fwd_traffic`).
     """
     isz = 2 if _dtype_name(dtype) == "bfloat16" else np.dtype(dtype).itemsize
     acc = accumulator_bytes(dtype)
     lo, hi = visible_keys(Nq, Nk, causal, window)
     seen = np.maximum(hi - lo, 0)
-    kv_rows = 0
+    kv_rows = flushed_rows = 0
     n_tiles = -(-Nq // block_q) if Nq else 0
     off = Nk - Nq if causal == "bottom_right" else 0
     for t in range(n_tiles):
@@ -69,13 +72,14 @@ def flash_fwd_masked_traffic(batch, heads, Nq, Nk, d, dv, dtype, block_q, block_
         cend = Nk if causal is None else min(max(q0 + rows - 1 + off + 1, 0), Nk)
         k0, k1 = _fwd_tile_keys(lo, np.minimum(hi, Nk), q0, rows, Nk, block_kv, cend)
         kv_rows += k1 - k0
+        flushed_rows += tf32_flushes(-(-(k1 - k0) // block_kv), block_kv, flush_keys) * rows
     bh = batch * heads
-    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz)
+    read = bh * (Nq * d * isz + kv_rows * (d + dv) * isz + flushed_rows * dv * isz)
     if bias:
         read += bh * int(seen.sum()) * acc
     if alibi:
         read += bh * n_tiles * (4 * block_q if threads is None else threads) * acc
-    written = bh * (Nq * dv * isz + Nq * acc)
+    written = bh * (Nq * dv * isz + Nq * acc + flushed_rows * dv * isz)
     return read, written
 
 
@@ -234,7 +238,7 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
 
 def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
                                   threads, causal=None, window=None, bias=False, alibi=False,
-                                  dbias=None):
+                                  dbias=None, flush_rows=TF32_FLUSH_ROWS):
     """Exact global bytes (read, written) of a float32 backward call on flash_bwd_tf32_masked.
 
     flash_bwd_preprocess (O, dO read; D and the zeroed dQ accumulator written),
@@ -245,7 +249,8 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
     bias element per element of every step's tile pair (rows past Nq and keys past Nk read an
     in-bounds element in their place), one ALiBi slope per thread and step, ``dbias``
     "store" (a write) or "atomic" (a read and a write) per element of a step's pair inside
-    [0, Nq) x [0, Nk).
+    [0, Nq) x [0, Nk); dK, dV's rows again at every flush of a KV tile's steps (every
+    ``flush_rows`` query rows: :func:`cuflash.tiling.flash_bwd_traffic`).
     """
     bh, bhk = batch * heads, batch * kv_heads
     group = heads // kv_heads if kv_heads else 1
@@ -268,6 +273,9 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
         steps += group * (it1 - it0)
         q_rows_all += group * q_rows
         in_range += group * q_rows * kv_rows
+        flushes = tf32_bwd_flushes(group * (it1 - it0), block_q, flush_rows)
+        read += bhk * flushes * kv_rows * (d + dv) * 4
+        written += bhk * flushes * kv_rows * (d + dv) * 4
     read += bhk * q_rows_all * ((d + dv) * 4 + 8)    # Q, dO rows, lse, D
     read += bhk * q_rows_all * d * 4                 # dQ atomics
     written += bhk * q_rows_all * d * 4
