@@ -53,7 +53,8 @@ def sdpa_bnhd(q, k, v, bottom_right=True, bias=None):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     Nq, Nk = q.shape[-2], k.shape[-2]
-    mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq) if bottom_right else None
+    mask = (torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
+            if bottom_right else None)
     if bias is not None:
         mask = torch.where(mask, bias, float("-inf")) if mask is not None else bias
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
