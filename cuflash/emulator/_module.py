@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import CompileError, InterBlockRaceError, LaunchError, describe_address, launch_flags
+from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
+                      describe_memcheck, launch_flags, memcheck_enabled)
 from ._race import run_tsan
 
 __all__ = ["RawModule", "RawKernel", "last_launch_stats", "cache_dir", "kernels_cu_dir"]
@@ -32,9 +33,15 @@ HOST_HEADER = _HERE / "cuda_host.h"
 # headers cuda_host.h includes (part of the cache key with it)
 _ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "7"
-# -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
-_LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
+_LAUNCHER_VERSION = "8"
+# -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds.
+# The memcheck (cuda_host.h): every load and store calls a hook (kernel-address
+# instrumentation through calls, no shadow memory, no stack or global redzones); -g1 gives
+# the line tables that name a stray access's source line.
+_MEMCHECK_FLAGS = ("-DCUFLASH_EMULATOR_MEMCHECK=1", "-g1", "-fsanitize=kernel-address",
+                   "--param", "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0",
+                   "--param", "asan-globals=0")
+_LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", *_MEMCHECK_FLAGS)
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
 _DEFAULT_ARCH = 800
 _MAX_THREADS_PER_BLOCK = 1024
@@ -209,6 +216,9 @@ def _launcher_code(kernels, tsan_main=False):
             f"  static const std::string s = ::cuflash_emu::signature_of({name}); return s.c_str();",
             "}",
         ]
+    lines.append('extern "C" __attribute__((visibility("default"))) void __cuflash_memcheck_buffers('
+                 "const unsigned long long* ranges, const unsigned* args, unsigned n) "
+                 "{ ::cuflash_emu::set_buffers(ranges, args, n); }")
     if tsan_main:
         lines.append(_TSAN_MAIN.replace("@TABLE@", ", ".join(
             f'{{"{n}", __cuflash_launch_{n}}}' for n in kernels)))
@@ -301,6 +311,7 @@ def _set_stats(**kw):
 
 # ---------------------------------------------------------------- module
 _libs = {}  # cache key -> ctypes.CDLL (a library is loaded once per process)
+_lib_paths = {}  # cache key -> the library's file (memcheck messages name source lines from it)
 _libs_lock = threading.Lock()
 # `__shared__` arrays are statics of the library: launches of one library from
 # several Python threads must not overlap
@@ -425,6 +436,7 @@ class RawModule:
         with _libs_lock:
             if key in _libs:
                 self._lib = _libs[key]
+                self._lib_path = _lib_paths[key]
                 self._launch_lock = _launch_locks[key]
                 return self._lib
             so = cache_dir() / f"{key}.so"
@@ -435,6 +447,7 @@ class RawModule:
                      f"compiling {self._what()} for the emulator")
                 os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
+            self._lib_path = _lib_paths[key] = so
             _share_fiber_pool(self._lib)
             self._launch_lock = _launch_locks.setdefault(key, threading.Lock())
         return self._lib
@@ -631,22 +644,35 @@ class RawKernel:
         lib = self.module._compile()
         fn = getattr(lib, f"__cuflash_launch_{self.name}")
         fn.restype = ctypes.c_int
+        flags = launch_flags()
+        if memcheck_enabled():
+            flags |= 2
+            # (first byte, end) of each pointer argument, and its parameter index
+            ptr_params = [i for i, p in enumerate(self.params) if p[1] == "p"]
+            ranges = (ctypes.c_ulonglong * max(1, 2 * len(arrays)))(
+                *[v for a in arrays for v in (a.ctypes.data, a.ctypes.data + a.nbytes)])
+            which = (ctypes.c_uint * max(1, len(arrays)))(*ptr_params)
         argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                                            for h in holders])
         grid3, block3 = (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b)
         stats = (ctypes.c_ulonglong * 2)()
         err = ctypes.create_string_buffer(4096)
         with self.module._launch_lock:
+            if flags & 2:
+                getattr(lib, "__cuflash_memcheck_buffers")(ranges, which, ctypes.c_uint(len(arrays)))
             t0 = time.perf_counter()
             rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)),
-                    ctypes.c_uint(launch_flags()))
+                    ctypes.c_uint(flags))
             dt = time.perf_counter() - t0
         self._record(g, b, shmem, stats[0], stats[1], dt)
         if rc == 2:
             raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
-        del arrays  # kept alive until here: the kernel wrote through their pointers
         if rc != 0:
-            raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {err.value.decode(errors='replace')}")
+            msg = err.value.decode(errors="replace")
+            if msg.startswith("memcheck:"):
+                raise MemcheckError(describe_memcheck(msg, self.params, arrays, self.module._lib_path))
+            raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {msg}")
+        del arrays  # kept alive until here: the kernel wrote through their pointers
 
     def _record(self, g, b, shmem, rd, wr, dt):
         _set_stats(global_bytes_read=int(rd), global_bytes_written=int(wr), blocks=g[0] * g[1] * g[2],

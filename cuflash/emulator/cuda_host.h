@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -53,6 +54,8 @@
 #include <utility>
 #include <vector>
 #include <math.h>
+#include <dlfcn.h>
+#include <sys/mman.h>
 #endif
 
 // Which engine runs the threads of a block (see the top of this file).
@@ -406,6 +409,152 @@ inline T shfl_from(unsigned mask, T v, int src, bool own, const char* what) {
     return out;
 }
 
+// ---------------------------------------------------------------- memcheck
+// Every emulated launch checks its memory accesses (on unless the launch flags turn it off):
+//  * global: the kernels reach global memory only through the accessors of portable.cuh
+//    (gload, gstore, gatomic_add, gred_add*, cp.async's source, __ldg), which call
+//    check_global with the access and the caller's source line; the access must lie inside
+//    one of the arrays passed to the launch (set_buffers, from the Python launcher);
+//  * shared: the library is built with -fsanitize=kernel-address and
+//    asan-instrumentation-with-call-threshold=0, so every load and store the compiler emits
+//    calls a __asan_{load,store}N_noabort hook below with its address.  The dynamic shared
+//    memory sits in the middle of a reserved window of kSharedWindow bytes on each side
+//    (read-write, never touched unless a kernel strays): an address inside the window but
+//    outside the allocation is a stray shared access, reported with the return address of
+//    the hook (the access site; Python turns it into file:line with addr2line).  An address
+//    outside the window is none of the checker's business (stacks, the emulator's own data,
+//    global arrays, which the accessors check).  The stray access itself lands harmlessly in
+//    the window; the launch fails at the thread's next barrier.  cp.async's and ldmatrix's
+//    shared side are emulator code (memcpy), checked explicitly.
+// Messages carry two placeholders that the Python side fills in: @ARG<i>:<offset>@ (pointer
+// argument i, signed byte offset from its first byte) and @PC:<hex offset in the library>@.
+constexpr size_t kSharedWindow = size_t(256) << 20;
+
+struct GlobalBuf { uintptr_t lo, hi; unsigned arg; };
+
+struct MemcheckState {
+    bool global_on = false;
+    std::vector<GlobalBuf> bufs;  // the launch's pointer arguments
+    size_t last = 0;              // the buffer that held the previous access (a cheap first guess)
+    uintptr_t win_lo = 0, win_size = 0;  // window around the dynamic shared memory (0: no launch)
+    uintptr_t dyn_lo = 0, dyn_hi = 0;    // the dynamic shared allocation
+};
+inline MemcheckState memcheck;
+
+inline std::string hex(uintptr_t a) { char b[32]; std::snprintf(b, sizeof b, "0x%llx", (unsigned long long)a); return b; }
+
+// The launch's buffer nearest to [a, a + n): "@ARG<i>:<offset>@", or "" without buffers.
+inline std::string nearest_buffer(uintptr_t a) {
+    const GlobalBuf* best = nullptr;
+    uintptr_t dist = ~uintptr_t(0);
+    for (const GlobalBuf& b : memcheck.bufs) {
+        const uintptr_t d = a < b.lo ? b.lo - a : a >= b.hi ? a - b.hi + 1 : 0;
+        if (d < dist) { dist = d; best = &b; }
+    }
+    if (!best) return "no pointer argument";
+    return "@ARG" + std::to_string(best->arg) + ":" + std::to_string((long long)(a - best->lo)) + "@";
+}
+
+inline const char* memcheck_thread_where(std::string& out) {
+    ThreadCtx* c = tctx;
+    if (c) out = "block " + fmt_idx(c->blockIdx) + ", thread " + fmt_idx(c->threadIdx);
+    else out = "outside any CUDA thread";
+    return out.c_str();
+}
+
+[[noreturn]] inline void global_stray(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    std::string where;
+    memcheck_thread_where(where);
+    device_error(std::string("memcheck: out-of-bounds ") + what + " of " + std::to_string(n) + " bytes at " +
+                 hex(a) + " in kernel " + tctx->blk->kernel + " (" + file + ":" + std::to_string(line) +
+                 "): not inside any array passed to the launch; nearest: " + nearest_buffer(a));
+}
+
+// A global access of n bytes at p by the calling CUDA thread.
+inline void check_global(const void* p, unsigned n, const char* what, const char* file, int line) {
+    if (!memcheck.global_on) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const std::vector<GlobalBuf>& bs = memcheck.bufs;
+    if (memcheck.last < bs.size() && a >= bs[memcheck.last].lo && a + n <= bs[memcheck.last].hi) return;
+    for (size_t i = 0; i < bs.size(); ++i)
+        if (a >= bs[i].lo && a + n <= bs[i].hi) { memcheck.last = i; return; }
+    global_stray(a, n, what, file, line);
+}
+
+// The library offset of a code address, as "@PC:<hex>@" for addr2line.
+inline std::string pc_token(const void* pc) {
+    Dl_info info{};
+    if (pc && dladdr(pc, &info) && info.dli_fbase)
+        return "@PC:" + hex(reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1) + "@";
+    return "an unknown line";
+}
+
+inline std::string shared_stray_message(uintptr_t a, unsigned n, const char* what, const std::string& site) {
+    std::string where;
+    memcheck_thread_where(where);
+    const long long off = (long long)(a - memcheck.dyn_lo);
+    return std::string("memcheck: out-of-bounds shared-memory ") + what + " of " + std::to_string(n) +
+           " bytes in kernel " + (tctx ? tctx->blk->kernel : std::string("?")) + " at " + site + ": byte offset " +
+           std::to_string(off) + " of the dynamic shared memory, which holds " +
+           std::to_string(memcheck.dyn_hi - memcheck.dyn_lo) + " bytes [" + where + "]";
+}
+
+inline bool in_shared_window(uintptr_t a) { return a - memcheck.win_lo < memcheck.win_size; }
+inline bool in_shared_alloc(uintptr_t a, unsigned n) { return a >= memcheck.dyn_lo && a + n <= memcheck.dyn_hi; }
+
+// Shared side of cp.async / ldmatrix (emulator code): fails the launch at once.
+inline void check_shared(const void* p, unsigned n, const char* what, const char* file, int line) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (!in_shared_window(a) || in_shared_alloc(a, n)) return;
+    tctx->blk->fail(shared_stray_message(a, n, what, std::string(file) + ":" + std::to_string(line)));
+}
+
+// From the instrumented kernel code: record the first stray access and stop the launch at the
+// thread's next barrier (the hook cannot throw: the compiler treats it as nothrow).
+__attribute__((noinline, cold)) inline void shared_stray_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
+    ThreadCtx* c = tctx;
+    if (!c) return;
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(c->blk->mu);
+    c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
+}
+
+inline void raw_access(uintptr_t a, unsigned n, bool store, const void* pc) {
+    if (__builtin_expect(!in_shared_window(a), 1) || in_shared_alloc(a, n)) return;
+    shared_stray_hook(a, n, store, pc);
+}
+
+}  // namespace cuflash_emu
+
+// The hooks that -fsanitize=kernel-address code calls at every load and store (see memcheck above).
+#if CUFLASH_EMULATOR_MEMCHECK
+#define CUFLASH_ASAN_HOOK(N)                                                                         \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_load##N##_noabort(uintptr_t a) {  \
+        ::cuflash_emu::raw_access(a, N, false, __builtin_return_address(0));                        \
+    }                                                                                               \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_store##N##_noabort(uintptr_t a) { \
+        ::cuflash_emu::raw_access(a, N, true, __builtin_return_address(0));                         \
+    }
+CUFLASH_ASAN_HOOK(1)
+CUFLASH_ASAN_HOOK(2)
+CUFLASH_ASAN_HOOK(4)
+CUFLASH_ASAN_HOOK(8)
+CUFLASH_ASAN_HOOK(16)
+#undef CUFLASH_ASAN_HOOK
+extern "C" __attribute__((visibility("hidden"))) void __asan_loadN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), false, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_storeN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), true, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_handle_no_return() {}
+// (the check of the order of dynamic initialisers: nothing to do here)
+extern "C" __attribute__((visibility("hidden"))) void __asan_before_dynamic_init(const char*) {}
+extern "C" __attribute__((visibility("hidden"))) void __asan_after_dynamic_init() {}
+#endif
+
+namespace cuflash_emu {
+
 // ---------------------------------------------------------------- 16-bit floats
 // Round-to-nearest-even conversions in integer arithmetic (what cvt.rn does on
 // the GPU), so results do not depend on the host's F16C support.
@@ -534,7 +683,7 @@ inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const f
 
 // ldmatrix.m8n8.xN{.trans}.b16: lanes 8j..8j+7 give the row addresses of matrix j.
 template <int N, bool TRANS>
-inline void ldmatrix(uint32_t* r, const void* row) {
+inline void ldmatrix(uint32_t* r, const void* row, const char* file = "?", int line = 0) {
     require_full_warp("ldmatrix");
     ThreadCtx& c = *tctx;
     unsigned char mine[16];
@@ -542,6 +691,7 @@ inline void ldmatrix(uint32_t* r, const void* row) {
     if (supplies) {
         if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
             device_error("ldmatrix: row address " + std::to_string(reinterpret_cast<uintptr_t>(row)) + " is not 16-byte aligned");
+        check_shared(row, 16, "ldmatrix row", file, line);
         std::memcpy(mine, row, 16);  // the 8 b16 elements of this row
     }
     const unsigned char* s = warp_exchange(mine, supplies ? 16 : 0, 0xffffffffu, "ldmatrix");
@@ -557,10 +707,12 @@ inline void ldmatrix(uint32_t* r, const void* row) {
 // cp.async: the copy is recorded at issue and lands only when a wait covers
 // its group, so reading shared memory before the wait sees the old contents.
 // src == nullptr: a zero fill (cp.async with src-size 0), no global read.
-inline void cp_async_16(void* dst, const void* src) {
+inline void cp_async_16(void* dst, const void* src, const char* file = "?", int line = 0) {
     ThreadCtx& c = *tctx;
     if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
         device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
+    check_shared(dst, 16, "cp.async destination", file, line);
+    if (src) check_global(src, 16, "cp.async source", file, line);
     if (src) c.bytes_read += 16;
     c.cp_open.push_back(CpCopy{dst, src});
 }
@@ -582,12 +734,13 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
 
 // red.global.add.f32 (scalar, .v2, .v4): n floats at p, p must be 4n-byte aligned for n > 1
 // (as the vector instruction requires).  Counted as 4 bytes read + 4 written per element.
-inline void red_add_f32(float* p, const float* v, int n) {
+inline void red_add_f32(float* p, const float* v, int n, const char* file = "?", int line = 0) {
     ThreadCtx& c = *tctx;
     if (n > 1 && reinterpret_cast<uintptr_t>(p) % (4u * n) != 0)
         device_error("red.global.add.v" + std::to_string(n) + ".f32: address " +
                      std::to_string(reinterpret_cast<uintptr_t>(p)) + " is not " + std::to_string(4 * n) +
                      "-byte aligned");
+    check_global(p, 4u * n, "red.global.add", file, line);
     for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
     c.bytes_read += 4ull * n;
     c.bytes_written += 4ull * n;
@@ -921,19 +1074,45 @@ inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long
 }
 #endif
 
-// flags: bit 0 = the inter-block write check.  Returns 0, 1 (launch error) or 2 (inter-block race).
-enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u };
+// The launch's pointer arguments for the global check: n (first byte, end) pairs, argument index
+// i for pair i; the next launch of this library checks against them (and forgets them).
+inline void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigned n) {
+    memcheck.bufs.clear();
+    for (unsigned i = 0; i < n; ++i)
+        memcheck.bufs.push_back(GlobalBuf{uintptr_t(ranges[2 * i]), uintptr_t(ranges[2 * i + 1]), args[i]});
+}
+
+// flags: bit 0 = the inter-block write check, bit 1 = memcheck.  Returns 0, 1 (launch error) or 2 (inter-block race).
+enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u };
 inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
                   const unsigned* block, unsigned long long shmem, unsigned long long* stats,
                   char* err, size_t errlen, unsigned flags) {
     const unsigned nthreads = block[0] * block[1] * block[2];
     const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
     Block blk(nthreads, name);
-    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block.
+    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block,
+    // in the middle of the memcheck window (see memcheck above; pages are only committed when
+    // touched, so the window costs address space, not memory).
     const size_t dyn_bytes = shmem ? shmem : 16;
-    std::unique_ptr<unsigned char, void (*)(unsigned char*)> dyn(
-        static_cast<unsigned char*>(::operator new(dyn_bytes, std::align_val_t(128))),
-        [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); });
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    const size_t map_bytes = 2 * kSharedWindow + (dyn_bytes + page - 1) / page * page;
+    void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) {
+        std::snprintf(err, errlen, "could not map %zu bytes of address space for the shared memory", map_bytes);
+        return 1;
+    }
+    std::unique_ptr<unsigned char, std::function<void(unsigned char*)>> dyn(
+        static_cast<unsigned char*>(map) + kSharedWindow,
+        [map, map_bytes](unsigned char*) { munmap(map, map_bytes); });
+    struct MemcheckScope {  // the window is checked only while this launch runs
+        MemcheckScope(uintptr_t lo, size_t size, uintptr_t d, size_t n, bool on) {
+            memcheck.win_lo = lo; memcheck.win_size = on ? size : 0;
+            memcheck.dyn_lo = d; memcheck.dyn_hi = d + n;
+            memcheck.global_on = on; memcheck.last = 0;
+        }
+        ~MemcheckScope() { memcheck.win_size = 0; memcheck.global_on = false; memcheck.bufs.clear(); }
+    } memcheck_scope(reinterpret_cast<uintptr_t>(map), map_bytes, reinterpret_cast<uintptr_t>(dyn.get()), shmem,
+                     (flags & LAUNCH_MEMCHECK) != 0);
     std::vector<ThreadCtx> ctxs(nthreads);
     for (unsigned t = 0; t < nthreads; ++t) {
         ThreadCtx& c = ctxs[t];
@@ -1203,7 +1382,11 @@ using std::isfinite;
 using std::signbit;
 
 template <class T>
-inline T __ldg(const T* p) { ::cuflash_emu::tctx->bytes_read += sizeof(T); return *p; }
+inline T __ldg(const T* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::cuflash_emu::check_global(p, sizeof(T), "__ldg load", file, line);
+    ::cuflash_emu::tctx->bytes_read += sizeof(T);
+    return *p;
+}
 
 // Shared-memory address spaces are one on the host.
 inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
