@@ -429,6 +429,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // 0 (P that small is 0 in float16/bfloat16 anyway); exp2(-inf) = 0.
 __device__ __forceinline__ float cuflash_exp2(float x) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::count(::cuflash_emu::CNT_EXP2);
     return exp2f(x);
 #else
     float y;

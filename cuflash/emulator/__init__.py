@@ -67,12 +67,13 @@ that works on the emulator also works with CuPy on a GPU):
 import shutil
 
 from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, RaceError, interblock_check,
-                      memcheck, set_interblock_check, set_memcheck)
-from ._module import RawKernel, RawModule, _cxx, cache_dir, kernels_cu_dir, last_launch_stats
+                      memcheck, profiling, set_interblock_check, set_memcheck)
+from ._module import RawKernel, RawModule, _cxx, cache_dir, kernels_cu_dir, last_launch_profile, last_launch_stats
 
 __all__ = ["RawModule", "RawKernel", "RaceError", "InterBlockRaceError", "LaunchError", "CompileError",
            "last_launch_stats", "cache_dir", "kernels_cu_dir", "is_available", "interblock_check",
-           "set_interblock_check", "MemcheckError", "memcheck", "set_memcheck"]
+           "set_interblock_check", "MemcheckError", "memcheck", "set_memcheck", "profiling",
+           "last_launch_profile"]
 
 
 def is_available():

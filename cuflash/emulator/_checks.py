@@ -11,7 +11,8 @@ import subprocess
 
 __all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError", "MemcheckError",
            "set_interblock_check", "interblock_check", "set_memcheck", "memcheck", "memcheck_enabled",
-           "launch_flags", "describe_address", "describe_memcheck"]
+           "launch_flags", "describe_address", "describe_memcheck", "profiling", "profile_enabled",
+           "resolve_sites"]
 
 
 class CompileError(RuntimeError):
@@ -116,6 +117,61 @@ def memcheck(on=True):
 
 def memcheck_enabled():
     return _MEMCHECK[0]
+
+
+_PROFILE = [False]
+
+
+@contextlib.contextmanager
+def profiling(on=True):
+    """Launches inside the block record their accesses for :func:`last_launch_profile`.
+
+    Costs memory (one record per access of the block being run) and time: meant for small
+    shapes (bench/emulator_profile.py), not for the test suite.
+    """
+    old = _PROFILE[0]
+    _PROFILE[0] = bool(on)
+    try:
+        yield
+    finally:
+        _PROFILE[0] = old
+
+
+def profile_enabled():
+    return _PROFILE[0]
+
+
+# files whose lines say less than their caller's: the emulator's and the accessors' own
+_HELPER_FILES = ("cuda_host.h", "portable.cuh", "saddr.cuh")
+
+
+def resolve_sites(lib_path, offsets):
+    """{offset: "file:line"} for code offsets of a kernel library: the innermost inlined frame
+    outside the emulator's and the accessors' headers (one addr2line run)."""
+    offsets = sorted(set(offsets))
+    if not offsets:
+        return {}
+    try:
+        r = subprocess.run(["addr2line", "-e", str(lib_path), "-i", "-a", *[hex(o) for o in offsets]],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out, cur, frames = {}, None, []
+
+    def done():
+        if cur is not None:
+            good = [f for f in frames if not f.startswith("??") and not f.split(":")[0].endswith(_HELPER_FILES)]
+            pick = (good or frames or ["?"])[0]
+            out[cur] = pick.split(" (discriminator")[0]
+
+    for ln in r.stdout.splitlines():
+        if ln.startswith("0x"):
+            done()
+            cur, frames = int(ln, 16), []
+        elif ln.strip():
+            frames.append(ln.strip())
+    done()
+    return out
 
 
 def launch_flags():

@@ -23,17 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
-                      describe_memcheck, launch_flags, memcheck_enabled)
+                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, resolve_sites)
 from ._race import run_tsan
 
-__all__ = ["RawModule", "RawKernel", "last_launch_stats", "cache_dir", "kernels_cu_dir"]
+__all__ = ["RawModule", "RawKernel", "last_launch_stats", "last_launch_profile", "cache_dir", "kernels_cu_dir"]
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
 # headers cuda_host.h includes (part of the cache key with it)
 _ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "8"
+_LAUNCHER_VERSION = "9"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds.
 # The memcheck (cuda_host.h): every load and store calls a hook (kernel-address
 # instrumentation through calls, no shadow memory, no stack or global redzones); -g1 gives
@@ -219,6 +219,9 @@ def _launcher_code(kernels, tsan_main=False):
     lines.append('extern "C" __attribute__((visibility("default"))) void __cuflash_memcheck_buffers('
                  "const unsigned long long* ranges, const unsigned* args, unsigned n) "
                  "{ ::cuflash_emu::set_buffers(ranges, args, n); }")
+    lines.append('extern "C" __attribute__((visibility("default"))) size_t __cuflash_profile_text(char* buf, size_t n) '
+                 "{ const std::string s = ::cuflash_emu::profile_text(); "
+                 "if (n > s.size()) std::memcpy(buf, s.c_str(), s.size() + 1); return s.size(); }")
     if tsan_main:
         lines.append(_TSAN_MAIN.replace("@TABLE@", ", ".join(
             f'{{"{n}", __cuflash_launch_{n}}}' for n in kernels)))
@@ -301,6 +304,61 @@ def last_launch_stats():
         if _last_stats is None:
             raise RuntimeError("no kernel has been launched by cuflash.emulator in this process")
         return dict(_last_stats)
+
+
+_last_profile = None
+
+
+def last_launch_profile():
+    """The profile of the most recent launch made inside :func:`cuflash.emulator.profiling`.
+
+    ``{"kernel", "sites", "counts"}``.  ``sites``: one dict per access site (source line) and
+    kind: ``kind`` (shared_load, shared_store, ldmatrix, cp.async_shared, global_load,
+    global_store, global_atomic, cp.async_global), ``bytes`` per lane, ``site``
+    ("file:line"), ``requests`` (warp-level), ``lanes`` (thread accesses), and for shared
+    kinds ``wavefronts``, ``ideal`` and ``conflicts`` (= wavefronts - ideal, Nsight
+    Compute's bank conflicts), for global kinds ``sectors`` (32-byte) and ``ideal``.
+    ``counts``: executed instructions per class, in warp instructions (thread executions / 32).
+    """
+    with _stats_lock:
+        if _last_profile is None:
+            raise RuntimeError("no kernel has been launched inside cuflash.emulator.profiling() in this process")
+        return _last_profile
+
+
+def _read_profile(lib, lib_path, kernel):
+    fn = getattr(lib, "__cuflash_profile_text")
+    fn.restype = ctypes.c_size_t
+    n = fn(None, ctypes.c_size_t(0))
+    buf = ctypes.create_string_buffer(n + 1)
+    fn(buf, ctypes.c_size_t(n + 1))
+    rows = [ln.split("\t") for ln in buf.value.decode().splitlines()]
+    pcs = resolve_sites(lib_path, [int(r[3], 16) for r in rows if r[0] == "site" and r[3] != "-"])
+    sites, counts = [], {}
+    for r in rows:
+        if r[0] == "count":
+            counts[r[1]] = int(r[2]) / 32
+            continue
+        _, kind, size, pc, file, line, req, lanes, cost, ideal = r
+        where = pcs.get(int(pc, 16), f"offset {pc}") if pc != "-" else f"{file}:{line}"
+        d = {"kind": kind, "bytes": int(size), "site": where, "requests": int(req), "lanes": int(lanes)}
+        if kind.startswith("global") or kind == "cp.async_global":
+            d.update(sectors=int(cost), ideal=int(ideal))
+        else:
+            d.update(wavefronts=int(cost), ideal=int(ideal), conflicts=int(cost) - int(ideal))
+        sites.append(d)
+    # one row per (site, kind, bytes): instrumented sites of one line may be several code addresses
+    merged = {}
+    for d in sites:
+        key = (d["site"], d["kind"], d["bytes"])
+        if key in merged:
+            for f in ("requests", "lanes", "wavefronts", "ideal", "conflicts", "sectors"):
+                if f in d:
+                    merged[key][f] += d[f]
+        else:
+            merged[key] = dict(d)
+    return {"kernel": kernel, "sites": sorted(merged.values(), key=lambda d: (d["site"], d["kind"])),
+            "counts": counts}
 
 
 def _set_stats(**kw):
@@ -645,6 +703,8 @@ class RawKernel:
         fn = getattr(lib, f"__cuflash_launch_{self.name}")
         fn.restype = ctypes.c_int
         flags = launch_flags()
+        if profile_enabled():
+            flags |= 4
         if memcheck_enabled():
             flags |= 2
             # (first byte, end) of each pointer argument, and its parameter index
@@ -665,6 +725,11 @@ class RawKernel:
                     ctypes.c_uint(flags))
             dt = time.perf_counter() - t0
         self._record(g, b, shmem, stats[0], stats[1], dt)
+        if flags & 4 and rc == 0:
+            global _last_profile
+            prof = _read_profile(lib, self.module._lib_path, self.name)
+            with _stats_lock:
+                _last_profile = prof
         if rc == 2:
             raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
         if rc != 0:
