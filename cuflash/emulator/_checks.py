@@ -119,26 +119,34 @@ def memcheck_enabled():
     return _MEMCHECK[0]
 
 
-_PROFILE = [False]
+_PROFILE = [False, None]  # on?, the list the block's profiles are appended to
 
 
 @contextlib.contextmanager
 def profiling(on=True):
     """Launches inside the block record their accesses for :func:`last_launch_profile`.
 
-    Costs memory (one record per access of the block being run) and time: meant for small
-    shapes (bench/emulator_profile.py), not for the test suite.
+    Yields a list that collects the profile of every launch made inside the block (a
+    backward pass is several launches).  Costs memory (one record per access of the block
+    being run) and time: meant for small shapes (bench/emulator_profile.py), not for the
+    test suite.
     """
-    old = _PROFILE[0]
-    _PROFILE[0] = bool(on)
+    old = tuple(_PROFILE)
+    launches = []
+    _PROFILE[0], _PROFILE[1] = bool(on), launches
     try:
-        yield
+        yield launches
     finally:
-        _PROFILE[0] = old
+        _PROFILE[0], _PROFILE[1] = old
 
 
 def profile_enabled():
     return _PROFILE[0]
+
+
+def profile_sink():
+    """The list of the innermost profiling() block (profiles are appended to it)."""
+    return _PROFILE[1]
 
 
 # files whose lines say less than their caller's: the emulator's and the accessors' own
@@ -147,7 +155,8 @@ _HELPER_FILES = ("cuda_host.h", "portable.cuh", "saddr.cuh")
 
 def resolve_sites(lib_path, offsets):
     """{offset: "file:line"} for code offsets of a kernel library: the innermost inlined frame
-    outside the emulator's and the accessors' headers (one addr2line run)."""
+    outside the emulator's and the accessors' headers, and the line it is inlined at when
+    that is in a kernel source too (one addr2line run)."""
     offsets = sorted(set(offsets))
     if not offsets:
         return {}
@@ -160,9 +169,13 @@ def resolve_sites(lib_path, offsets):
 
     def done():
         if cur is not None:
-            good = [f for f in frames if not f.startswith("??") and not f.split(":")[0].endswith(_HELPER_FILES)]
+            good = [f.split(" (discriminator")[0] for f in frames
+                    if not f.startswith("??") and not f.split(":")[0].endswith(_HELPER_FILES)]
             pick = (good or frames or ["?"])[0]
-            out[cur] = pick.split(" (discriminator")[0]
+            # a helper function of the kernel's own source: name its caller too
+            if len(good) > 1 and good[1].split(":")[0].endswith((".cu", ".cuh")):
+                pick += f" (inlined at line {good[1].rsplit(':', 1)[1]})"
+            out[cur] = pick
 
     for ln in r.stdout.splitlines():
         if ln.startswith("0x"):

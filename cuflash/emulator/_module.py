@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
-                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, resolve_sites)
+                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, profile_sink,
+                      resolve_sites)
 from ._race import run_tsan
 
 __all__ = ["RawModule", "RawKernel", "last_launch_stats", "last_launch_profile", "cache_dir", "kernels_cu_dir"]
@@ -728,8 +729,12 @@ class RawKernel:
         if flags & 4 and rc == 0:
             global _last_profile
             prof = _read_profile(lib, self.module._lib_path, self.name)
+            prof.update(grid=g, block=b, dynamic_shared_bytes=shmem)
             with _stats_lock:
                 _last_profile = prof
+            sink = profile_sink()
+            if sink is not None:
+                sink.append(prof)
         if rc == 2:
             raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
         if rc != 0:

@@ -595,13 +595,19 @@ __attribute__((noinline, cold)) inline void shared_stray_hook(uintptr_t a, unsig
     c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
 }
 
-inline void raw_access(uintptr_t a, unsigned n, bool store, const void* pc) {
-    if (__builtin_expect(!in_shared_window(a), 1)) return;
+__attribute__((noinline)) inline void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
     if (in_shared_alloc(a, n)) {
         if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
         return;
     }
     if (memcheck.shared_on) shared_stray_hook(a, n, store, pc);
+}
+
+// Every instrumented load and store comes here: the common case (not near the shared memory)
+// is one subtraction and one comparison.
+__attribute__((always_inline)) inline void raw_access(uintptr_t a, unsigned n, bool store, const void* pc) {
+    if (__builtin_expect(!in_shared_window(a), 1)) return;
+    raw_access_in_window(a, n, store, pc);
 }
 
 // ---------------------------------------------------------------- profiler
