@@ -87,6 +87,8 @@ def test_128_bit_loads(mod, step, wavefronts):
     s = site(profile(mod, "read128", (y, np.int32(step)), 16 * 64), "read128", "shared_load")
     assert (s["bytes"], s["requests"]) == (16, 1)
     assert (s["wavefronts"], s["ideal"], s["conflicts"]) == (wavefronts, 4, wavefronts - 4)
+    assert em.last_launch_profile()["counts"]["shared_load.128"] == 1
+    assert em.last_launch_profile()["counts"]["global_store.32"] == 1
 
 
 @pytest.mark.parametrize("row_elems, wavefronts", [(64, 32), (72, 4)])

@@ -62,7 +62,10 @@ that works on the emulator also works with CuPy on a GPU):
   launch store to the same global address;
 * :func:`memcheck` checks every global access of a launch against its arrays
   and every shared-memory access against its shared memory, and raises
-  :class:`MemcheckError` naming the access, thread, argument and source line.
+  :class:`MemcheckError` naming the access, thread, argument and source line;
+* :func:`profiling` records the accesses of its launches: shared-memory bank
+  conflicts, global sectors and executed counts per source line
+  (:func:`last_launch_profile`).
 """
 import shutil
 

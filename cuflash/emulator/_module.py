@@ -319,7 +319,9 @@ def last_launch_profile():
     ("file:line"), ``requests`` (warp-level), ``lanes`` (thread accesses), and for shared
     kinds ``wavefronts``, ``ideal`` and ``conflicts`` (= wavefronts - ideal, Nsight
     Compute's bank conflicts), for global kinds ``sectors`` (32-byte) and ``ideal``.
-    ``counts``: executed instructions per class, in warp instructions (thread executions / 32).
+    ``counts``: executed instructions per class, in warp instructions (thread executions / 32),
+    and the memory accesses by kind and width in bits ("shared_load.128", "ldmatrix.128",
+    "global_store.32", ...) as warp-level requests.
     """
     with _stats_lock:
         if _last_profile is None:
@@ -358,6 +360,10 @@ def _read_profile(lib, lib_path, kernel):
                     merged[key][f] += d[f]
         else:
             merged[key] = dict(d)
+    # memory instructions by kind and width: their warp-level requests
+    for d in sites:
+        name = f"{d['kind']}.{8 * d['bytes']}"
+        counts[name] = counts.get(name, 0) + d["requests"]
     return {"kernel": kernel, "sites": sorted(merged.values(), key=lambda d: (d["site"], d["kind"])),
             "counts": counts}
 
