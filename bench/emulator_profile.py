@@ -107,8 +107,7 @@ def main():
              f"`python bench/emulator_profile.py --n {args.n} --d {' '.join(map(str, args.d))}`: causal "
              f"attention, 1 x 2 heads x {args.n} x d, default plans (sm_80), every launch profiled by the emulator "
              "(docs/emulator.md, \"Profiler\").  Counts are exact for the emulated execution; "
-             "global sectors use the host arrays' addresses (numpy aligns to 16 or 64 bytes, a GPU "
-             "allocation to 256), so a misaligned start may add a sector per request.", ""]
+             "global sectors are counted from the start of each array, as on a GPU allocation.", ""]
     summary = []
     runs = []
     for i, d in enumerate(args.d):

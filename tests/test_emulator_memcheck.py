@@ -69,8 +69,15 @@ def test_in_bounds_accesses_pass(mod):
     (-3, -3, "(0,0,0)", "(0,0,0)"),         # before the start
 ])
 def test_global_load(mod, off, element, block, thread):
-    x = np.arange(64, dtype=np.float32)
-    y = np.zeros_like(x)
+    if off > 0:
+        # y below x in one buffer: nothing but x lies between x and a stray address above it,
+        # so x is the nearest argument (two separate small arrays may sit either way)
+        buf = np.zeros(128, np.float32)
+        y, x = buf[:64], buf[64:]
+        x[:] = np.arange(64)
+    else:
+        x = np.arange(64, dtype=np.float32)
+        y = np.zeros_like(x)
     msg = stray(mod.get_function("global_load"), (2,), (32,), (x, y, np.int32(64), np.int32(off)))
     assert msg.startswith("memcheck: out-of-bounds global load of 4 bytes"), msg
     assert "kernel global_load" in msg and f"memcheck.cu:{line_of('global_load')}" in msg, msg

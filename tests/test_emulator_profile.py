@@ -115,8 +115,13 @@ def test_cp_async_shared_side(mod, step, wavefronts):
     assert prof["counts"]["cp.async"] == 1
 
 
-def test_coalesced_16_byte_global_load(mod):
-    x = aligned((32, 4), np.float32)
+@pytest.mark.parametrize("shift", [0, 16])
+def test_coalesced_16_byte_global_load(mod, shift):
+    # sectors are counted from the start of the argument, as if it were a GPU allocation
+    # (256-byte aligned): an array 16 bytes off a sector boundary on the host counts the same
+    raw = aligned(32 * 4 + 4, np.float32)
+    x = raw[shift // 4:shift // 4 + 128].reshape(32, 4)
+    assert x.ctypes.data % 32 == shift
     y = np.zeros(32, np.float32)
     g = site(profile(mod, "global_vec_load", (x, y)), "global_vec_load", "global_load")
     assert (g["bytes"], g["requests"], g["sectors"], g["ideal"]) == (16, 1, 16, 16)

@@ -714,6 +714,7 @@ class RawKernel:
             flags |= 4
         if memcheck_enabled():
             flags |= 2
+        if flags & 6:  # the memcheck checks against the arrays, the profiler counts sectors in them
             # (first byte, end) of each pointer argument, and its parameter index
             ptr_params = [i for i, p in enumerate(self.params) if p[1] == "p"]
             ranges = (ctypes.c_ulonglong * max(1, 2 * len(arrays)))(
@@ -725,7 +726,7 @@ class RawKernel:
         stats = (ctypes.c_ulonglong * 2)()
         err = ctypes.create_string_buffer(4096)
         with self.module._launch_lock:
-            if flags & 2:
+            if flags & 6:
                 getattr(lib, "__cuflash_memcheck_buffers")(ranges, which, ctypes.c_uint(len(arrays)))
             t0 = time.perf_counter()
             rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)),

@@ -538,12 +538,21 @@ inline AccessKind global_kind(const char* what) {
     }
 }
 
+// A global access for the profiler.  Sectors are counted on the offset into the launch's array
+// that holds the access, as if the array started on a 256-byte boundary like a GPU allocation
+// (NumPy aligns to 16 or 64 bytes): array i is placed at (i + 1) << 40.
+inline void record_global(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    for (size_t i = 0; i < memcheck.bufs.size(); ++i)
+        if (a >= memcheck.bufs[i].lo && a + n <= memcheck.bufs[i].hi) {
+            a = ((uintptr_t(i) + 1) << 40) + (a - memcheck.bufs[i].lo);
+            break;
+        }
+    record_access(nullptr, file, line, a, n, global_kind(what));
+}
+
 inline void check_global(const void* p, unsigned n, const char* what, const char* file, int line) {
-    if (!memcheck.global_on) {
-        if (memcheck.profile) record_access(nullptr, file, line, reinterpret_cast<uintptr_t>(p), n, global_kind(what));
-        return;
-    }
-    if (memcheck.profile) record_access(nullptr, file, line, reinterpret_cast<uintptr_t>(p), n, global_kind(what));
+    if (memcheck.profile) record_global(reinterpret_cast<uintptr_t>(p), n, what, file, line);
+    if (!memcheck.global_on) return;
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     const std::vector<GlobalBuf>& bs = memcheck.bufs;
     if (memcheck.last < bs.size() && a >= bs[memcheck.last].lo && a + n <= bs[memcheck.last].hi) return;
