@@ -60,6 +60,15 @@ typedef unsigned long uintptr_t;
 
 template <class T> struct cuflash_identity { typedef T type; };
 
+// The caller's source line, a defaulted trailing parameter of the accessors below in the
+// emulator (its memcheck names the line of a stray access); nothing on the GPU.
+#ifdef CUFLASH_EMULATOR
+#define CUFLASH_SITE , const char* cuflash_file = __builtin_FILE(), int cuflash_line = __builtin_LINE()
+#define CUFLASH_SITE_ARGS cuflash_file, cuflash_line
+#else
+#define CUFLASH_SITE
+#endif
+
 // ------------------------------------------------------------- lane id
 __device__ __forceinline__ unsigned cuflash_lane_id() {
 #ifdef CUFLASH_EMULATOR
@@ -203,30 +212,34 @@ extern __shared__ __align__(16) unsigned char cuflash_dynamic_smem_[];
 // All global loads/stores of the kernels go through these, so the emulator
 // can count HBM traffic (last_launch_stats()); on the GPU they are plain accesses.
 template <class T>
-__device__ __forceinline__ T gload(const T* p) {
+__device__ __forceinline__ T gload(const T* p CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::check_global(p, sizeof(T), "global load", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_read += sizeof(T);
 #endif
     return *p;
 }
 template <class T>
-__device__ __forceinline__ void gstore(T* p, typename cuflash_identity<T>::type v) {
+__device__ __forceinline__ void gstore(T* p, typename cuflash_identity<T>::type v CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::check_global(p, sizeof(T), "global store", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_written += sizeof(T);
     ::cuflash_emu::note_store(p, sizeof(T));  // the inter-block write check, when on
 #endif
     *p = v;
 }
-__device__ __forceinline__ float gatomic_add(float* p, float v) {
+__device__ __forceinline__ float gatomic_add(float* p, float v CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::check_global(p, 4, "global atomic", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_read += 4;
     ::cuflash_emu::tctx->bytes_written += 4;
 #endif
     return atomicAdd(p, v);
 }
 // double atomics (sm_60+): the float64 bias gradient of a broadcast bias
-__device__ __forceinline__ double gatomic_add(double* p, double v) {
+__device__ __forceinline__ double gatomic_add(double* p, double v CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::check_global(p, 8, "global atomic", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_read += 8;
     ::cuflash_emu::tctx->bytes_written += 8;
 #endif
@@ -317,7 +330,7 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
 // matrix j; register j receives matrix j: lane L gets M[L/4][2(L%4)], M[L/4][2(L%4)+1]
 // (with _trans: M[2(L%4)][L/4], M[2(L%4)+1][L/4]).  Warp-collective: all 32 lanes call it.
 #if defined(CUFLASH_EMULATOR)
-#define CUFLASH_LDMATRIX(N, TRANS, r, p) ::cuflash_emu::ldmatrix<N, TRANS>(r, p)
+#define CUFLASH_LDMATRIX(N, TRANS, r, p) ::cuflash_emu::ldmatrix<N, TRANS>(r, p, CUFLASH_SITE_ARGS)
 #elif CUFLASH_ARCH >= 750
 #define CUFLASH_LDMATRIX(N, TRANS, r, p) cuflash_ldmatrix_ptx_##N##_##TRANS(r, p)
 __device__ __forceinline__ void cuflash_ldmatrix_ptx_1_false(uint32_t* r, const void* p) {
@@ -366,12 +379,12 @@ __device__ __forceinline__ void cuflash_ldmatrix_sw(uint32_t* r, const void* p) 
 }
 #endif
 
-__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row_ptr) { CUFLASH_LDMATRIX(1, false, r, smem_row_ptr); }
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row_ptr) { CUFLASH_LDMATRIX(2, false, r, smem_row_ptr); }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row_ptr) { CUFLASH_LDMATRIX(4, false, r, smem_row_ptr); }
-__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* smem_row_ptr) { CUFLASH_LDMATRIX(1, true, r, smem_row_ptr); }
-__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row_ptr) { CUFLASH_LDMATRIX(2, true, r, smem_row_ptr); }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row_ptr) { CUFLASH_LDMATRIX(4, true, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x1(uint32_t (&r)[1], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(1, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(2, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(4, false, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x1_trans(uint32_t (&r)[1], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(1, true, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(2, true, r, smem_row_ptr); }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row_ptr CUFLASH_SITE) { CUFLASH_LDMATRIX(4, true, r, smem_row_ptr); }
 
 // ------------------------------------------------------------- cp.async (16 bytes, global -> shared)
 // Copies issued since the last commit form a group; cp_async_wait<N>() returns
@@ -379,9 +392,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 // threads see the data only after a following __syncthreads().  In the
 // emulator a copy lands only when its wait runs (reading earlier gives stale
 // data); before sm_80 the copy is synchronous.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem CUFLASH_SITE) {
 #if defined(CUFLASH_EMULATOR)
-    ::cuflash_emu::cp_async_16(smem, gmem);
+    ::cuflash_emu::cp_async_16(smem, gmem, CUFLASH_SITE_ARGS);
 #elif CUFLASH_ARCH >= 800
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -416,6 +429,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // 0 (P that small is 0 in float16/bfloat16 anyway); exp2(-inf) = 0.
 __device__ __forceinline__ float cuflash_exp2(float x) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::count(::cuflash_emu::CNT_EXP2);
     return exp2f(x);
 #else
     float y;
@@ -479,17 +493,17 @@ __device__ __forceinline__ void cuflash_zero_b128(void* p) {
 // Several reds by ONE thread to one address are applied in program order (PTX memory
 // model: program order is part of causality order, and coherence follows it), which the
 // deterministic dQ of flash_bwd_tc relies on.
-__device__ __forceinline__ void gred_add(float* p, float a) {
+__device__ __forceinline__ void gred_add(float* p, float a CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
-    ::cuflash_emu::red_add_f32(p, &a, 1);
+    ::cuflash_emu::red_add_f32(p, &a, 1, CUFLASH_SITE_ARGS);
 #else
     asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
 #endif
 }
-__device__ __forceinline__ void gred_add_v2(float* p, float a, float b) {
+__device__ __forceinline__ void gred_add_v2(float* p, float a, float b CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
     const float v[2] = {a, b};
-    ::cuflash_emu::red_add_f32(p, v, 2);
+    ::cuflash_emu::red_add_f32(p, v, 2, CUFLASH_SITE_ARGS);
 #elif CUFLASH_ARCH >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
 #else
@@ -497,10 +511,10 @@ __device__ __forceinline__ void gred_add_v2(float* p, float a, float b) {
     asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(p), "f"(b) : "memory");
 #endif
 }
-__device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c, float d) {
+__device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c, float d CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR
     const float v[4] = {a, b, c, d};
-    ::cuflash_emu::red_add_f32(p, v, 4);
+    ::cuflash_emu::red_add_f32(p, v, 4, CUFLASH_SITE_ARGS);
 #elif CUFLASH_ARCH >= 900
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
                  "f"(d) : "memory");
@@ -636,9 +650,9 @@ __device__ __forceinline__ void mma_m16n8k8_3xtf32(float (&d)[4], const uint32_t
 // zero (PTX cp.async with src-size 0: no global read) -- tile rows past the end of a
 // sequence are zero-filled without a branch around the copy.  `gmem` must be a valid
 // address either way (callers pass the tile's base).  Before sm_80: a plain copy or store.
-__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid CUFLASH_SITE) {
 #if defined(CUFLASH_EMULATOR)
-    ::cuflash_emu::cp_async_16(smem, valid ? gmem : nullptr);
+    ::cuflash_emu::cp_async_16(smem, valid ? gmem : nullptr, CUFLASH_SITE_ARGS);
 #elif CUFLASH_ARCH >= 800
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)

@@ -12,8 +12,10 @@
 #ifdef CUFLASH_EMULATOR
 typedef const unsigned char* saddr_t;
 __device__ __forceinline__ saddr_t saddr_of(const void* p) { return (saddr_t)p; }
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4(r, a); }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a) { ldmatrix_x4_trans(r, a); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], saddr_t a CUFLASH_SITE) { ldmatrix_x4(r, a, CUFLASH_SITE_ARGS); }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], saddr_t a CUFLASH_SITE) {
+    ldmatrix_x4_trans(r, a, CUFLASH_SITE_ARGS);
+}
 #else
 typedef uint32_t saddr_t;
 __device__ __forceinline__ saddr_t saddr_of(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }

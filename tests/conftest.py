@@ -131,6 +131,17 @@ def _interblock_write_check():
     emulator.set_interblock_check(old)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _memcheck():
+    """Every emulated launch of the session runs with the memory checker: a global access
+    outside the launch's arrays or a shared access outside its shared memory raises
+    MemcheckError (cuflash.emulator.memcheck; its cost is in docs/emulator.md)."""
+    from cuflash import emulator
+    old = emulator.set_memcheck(True)
+    yield
+    emulator.set_memcheck(old)
+
+
 @contextlib.contextmanager
 def poisoned_outputs():
     """Arrays the kernel launchers allocate are NaN until a kernel writes them."""

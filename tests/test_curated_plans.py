@@ -591,3 +591,21 @@ def test_region_defines_are_not_plan_defines():
         for bq, bkv in pairs:
             p = tiling.plan(kernel, c, c, dtype, bq, bkv, limit=LIMITS[arch])
             assert not set(kernels.plan_defines(p)) & SWEEP.REGION_DEFINES, kernel
+
+
+def test_rehash_tokens_see_code_not_comments_or_emulator_code(tmp_path):
+    """plan_sweep --rehash carries the record over an edit only when NVRTC would compile the
+    same tokens: a comment, whitespace or CUFLASH_EMULATOR-only edit keeps them, a code edit
+    does not."""
+    import shutil
+    job = SWEEP.group_jobs("online_softmax")[0]
+    kdir = tmp_path / "kernels_cu"
+    shutil.copytree(ROOT / "kernels_cu", kdir)
+    fname = SWEEP.GROUPS["online_softmax"][0]
+    base = SWEEP.nvrtc_tokens(job, ROOT / "kernels_cu")
+    src = (kdir / fname).read_text()
+    (kdir / fname).write_text("// a new comment\n#ifdef CUFLASH_EMULATOR\nint emu_only;\n#endif\n"
+                              + src.replace(";", " ;", 3))
+    assert SWEEP.nvrtc_tokens(job, kdir) == base
+    (kdir / fname).write_text("__device__ int one_more_symbol;\n" + src)
+    assert SWEEP.nvrtc_tokens(job, kdir) != base

@@ -7,9 +7,12 @@ that the loader can import the race checker without a circle.
 import contextlib
 import os
 import re
+import subprocess
 
-__all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError",
-           "set_interblock_check", "interblock_check", "launch_flags", "describe_address"]
+__all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError", "MemcheckError",
+           "set_interblock_check", "interblock_check", "set_memcheck", "memcheck", "memcheck_enabled",
+           "launch_flags", "describe_address", "describe_memcheck", "profiling", "profile_enabled",
+           "resolve_sites"]
 
 
 class CompileError(RuntimeError):
@@ -18,6 +21,16 @@ class CompileError(RuntimeError):
 
 class LaunchError(RuntimeError):
     """A kernel failed while running (deadlock, trap, bad collective, ...)."""
+
+
+class MemcheckError(LaunchError):
+    """An emulated launch accessed memory outside its arrays or its shared memory.
+
+    The message names the kernel, the access (global load/store/atomic, cp.async,
+    ldmatrix, shared load/store) and its size, the block and thread, the source
+    line, and the argument the address is nearest to with the byte and element
+    offset from its start (or the offset into the dynamic shared memory).
+    """
 
 
 class RaceError(RuntimeError):
@@ -71,9 +84,143 @@ def interblock_check(on=True):
         set_interblock_check(old)
 
 
+# ---------------------------------------------------------------- memcheck
+_MEMCHECK = [os.environ.get("CUFLASH_EMULATOR_MEMCHECK", "0") not in ("", "0")]
+
+
+def set_memcheck(on):
+    """Turn the memory checker on or off for later launches; returns the old setting.
+
+    With it on, every global access through the kernels' accessors (``gload``,
+    ``gstore``, ``gatomic_add``, ``gred_add*``, ``__ldg``, the source of
+    ``cp.async``) must lie inside one of the arrays passed to the launch, and
+    every shared-memory access (plain loads and stores, ``ldmatrix``, the
+    destination of ``cp.async``) inside the launch's dynamic shared memory;
+    a stray access raises :class:`MemcheckError`.  Off by default
+    (``$CUFLASH_EMULATOR_MEMCHECK=1`` turns it on); the tests turn it on for the
+    whole session.  Its cost per launch is in docs/emulator.md.
+    """
+    old = _MEMCHECK[0]
+    _MEMCHECK[0] = bool(on)
+    return old
+
+
+@contextlib.contextmanager
+def memcheck(on=True):
+    """The memory checker on (or off) inside the block (see :func:`set_memcheck`)."""
+    old = set_memcheck(on)
+    try:
+        yield
+    finally:
+        set_memcheck(old)
+
+
+def memcheck_enabled():
+    return _MEMCHECK[0]
+
+
+_PROFILE = [False, None]  # on?, the list the block's profiles are appended to
+
+
+@contextlib.contextmanager
+def profiling(on=True):
+    """Launches inside the block record their accesses for :func:`last_launch_profile`.
+
+    Yields a list that collects the profile of every launch made inside the block (a
+    backward pass is several launches).  Costs memory (one record per access of the block
+    being run) and time: meant for small shapes (bench/emulator_profile.py), not for the
+    test suite.
+    """
+    old = tuple(_PROFILE)
+    launches = []
+    _PROFILE[0], _PROFILE[1] = bool(on), launches
+    try:
+        yield launches
+    finally:
+        _PROFILE[0], _PROFILE[1] = old
+
+
+def profile_enabled():
+    return _PROFILE[0]
+
+
+def profile_sink():
+    """The list of the innermost profiling() block (profiles are appended to it)."""
+    return _PROFILE[1]
+
+
+# files whose lines say less than their caller's: the emulator's and the accessors' own
+_HELPER_FILES = ("cuda_host.h", "portable.cuh", "saddr.cuh")
+
+
+def resolve_sites(lib_path, offsets):
+    """{offset: "file:line"} for code offsets of a kernel library: the innermost inlined frame
+    outside the emulator's and the accessors' headers, and the line it is inlined at when
+    that is in a kernel source too (one addr2line run)."""
+    offsets = sorted(set(offsets))
+    if not offsets:
+        return {}
+    try:
+        r = subprocess.run(["addr2line", "-e", str(lib_path), "-i", "-a", *[hex(o) for o in offsets]],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out, cur, frames = {}, None, []
+
+    def done():
+        if cur is not None:
+            good = [f.split(" (discriminator")[0] for f in frames
+                    if not f.startswith("??") and not f.split(":")[0].endswith(_HELPER_FILES)]
+            pick = (good or frames or ["?"])[0]
+            # a helper function of the kernel's own source: name its caller too
+            if len(good) > 1 and good[1].split(":")[0].endswith((".cu", ".cuh")):
+                pick += f" (inlined at line {good[1].rsplit(':', 1)[1]})"
+            out[cur] = pick
+
+    for ln in r.stdout.splitlines():
+        if ln.startswith("0x"):
+            done()
+            cur, frames = int(ln, 16), []
+        elif ln.strip():
+            frames.append(ln.strip())
+    done()
+    return out
+
+
 def launch_flags():
     """The flags word a launch passes to the kernel library (1: log stores for the check)."""
     return 1 if _INTERBLOCK[0] else 0
+
+
+def _addr2line(lib_path, offset):
+    """file:line of a code offset in a kernel library (its -g1 line tables), or None."""
+    try:
+        r = subprocess.run(["addr2line", "-e", str(lib_path), "-i", hex(offset)], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith("??")]
+    return lines[0].split(" (discriminator")[0] if lines else None
+
+
+def describe_memcheck(message, params, arrays, lib_path):
+    """Fill in a memcheck message's placeholders: the argument an address is nearest to, the source line."""
+    names = [p[0] for p in params if p[1] == "p"]
+    by_param = {i: (p[0], arrays[names.index(p[0])]) for i, p in enumerate(params) if p[1] == "p"}
+
+    def arg(m):
+        name, a = by_param[int(m.group(1))]
+        off = int(m.group(2))
+        where = (f"byte offset {off}, before its start" if off < 0 else
+                 f"byte offset {off}, past its end" if off >= a.nbytes else f"byte offset {off}")
+        return (f"argument {name!r} (a {a.dtype} array of {a.size} elements, {a.nbytes} bytes): {where}, "
+                f"element {off // a.itemsize} (the array has {a.size})")
+
+    message = re.sub(r"@ARG(\d+):(-?\d+)@", arg, message)
+    message = re.sub(r"@PC:0x([0-9a-f]+)@",
+                     lambda m: _addr2line(lib_path, int(m.group(1), 16)) or f"offset 0x{m.group(1)} of {lib_path}",
+                     message)
+    return message
 
 
 def describe_address(message, params, arrays):

@@ -22,19 +22,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import CompileError, InterBlockRaceError, LaunchError, describe_address, launch_flags
+from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
+                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, profile_sink,
+                      resolve_sites)
 from ._race import run_tsan
 
-__all__ = ["RawModule", "RawKernel", "last_launch_stats", "cache_dir", "kernels_cu_dir"]
+__all__ = ["RawModule", "RawKernel", "last_launch_stats", "last_launch_profile", "cache_dir", "kernels_cu_dir"]
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
 # headers cuda_host.h includes (part of the cache key with it)
 _ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "7"
-# -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds
-_LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden")
+_LAUNCHER_VERSION = "9"
+# -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds.
+# The memcheck (cuda_host.h): every load and store calls a hook (kernel-address
+# instrumentation through calls, no shadow memory, no stack or global redzones); -g1 gives
+# the line tables that name a stray access's source line.
+_MEMCHECK_FLAGS = ("-DCUFLASH_EMULATOR_MEMCHECK=1", "-g1", "-fsanitize=kernel-address",
+                   "--param", "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0",
+                   "--param", "asan-globals=0")
+_LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", *_MEMCHECK_FLAGS)
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
 _DEFAULT_ARCH = 800
 _MAX_THREADS_PER_BLOCK = 1024
@@ -209,6 +217,12 @@ def _launcher_code(kernels, tsan_main=False):
             f"  static const std::string s = ::cuflash_emu::signature_of({name}); return s.c_str();",
             "}",
         ]
+    lines.append('extern "C" __attribute__((visibility("default"))) void __cuflash_memcheck_buffers('
+                 "const unsigned long long* ranges, const unsigned* args, unsigned n) "
+                 "{ ::cuflash_emu::set_buffers(ranges, args, n); }")
+    lines.append('extern "C" __attribute__((visibility("default"))) size_t __cuflash_profile_text(char* buf, size_t n) '
+                 "{ const std::string s = ::cuflash_emu::profile_text(); "
+                 "if (n > s.size()) std::memcpy(buf, s.c_str(), s.size() + 1); return s.size(); }")
     if tsan_main:
         lines.append(_TSAN_MAIN.replace("@TABLE@", ", ".join(
             f'{{"{n}", __cuflash_launch_{n}}}' for n in kernels)))
@@ -293,6 +307,67 @@ def last_launch_stats():
         return dict(_last_stats)
 
 
+_last_profile = None
+
+
+def last_launch_profile():
+    """The profile of the most recent launch made inside :func:`cuflash.emulator.profiling`.
+
+    ``{"kernel", "sites", "counts"}``.  ``sites``: one dict per access site (source line) and
+    kind: ``kind`` (shared_load, shared_store, ldmatrix, cp.async_shared, global_load,
+    global_store, global_atomic, cp.async_global), ``bytes`` per lane, ``site``
+    ("file:line"), ``requests`` (warp-level), ``lanes`` (thread accesses), and for shared
+    kinds ``wavefronts``, ``ideal`` and ``conflicts`` (= wavefronts - ideal, Nsight
+    Compute's bank conflicts), for global kinds ``sectors`` (32-byte) and ``ideal``.
+    ``counts``: executed instructions per class, in warp instructions (thread executions / 32),
+    and the memory accesses by kind and width in bits ("shared_load.128", "ldmatrix.128",
+    "global_store.32", ...) as warp-level requests.
+    """
+    with _stats_lock:
+        if _last_profile is None:
+            raise RuntimeError("no kernel has been launched inside cuflash.emulator.profiling() in this process")
+        return _last_profile
+
+
+def _read_profile(lib, lib_path, kernel):
+    fn = getattr(lib, "__cuflash_profile_text")
+    fn.restype = ctypes.c_size_t
+    n = fn(None, ctypes.c_size_t(0))
+    buf = ctypes.create_string_buffer(n + 1)
+    fn(buf, ctypes.c_size_t(n + 1))
+    rows = [ln.split("\t") for ln in buf.value.decode().splitlines()]
+    pcs = resolve_sites(lib_path, [int(r[3], 16) for r in rows if r[0] == "site" and r[3] != "-"])
+    sites, counts = [], {}
+    for r in rows:
+        if r[0] == "count":
+            counts[r[1]] = int(r[2]) / 32
+            continue
+        _, kind, size, pc, file, line, req, lanes, cost, ideal = r
+        where = pcs.get(int(pc, 16), f"offset {pc}") if pc != "-" else f"{file}:{line}"
+        d = {"kind": kind, "bytes": int(size), "site": where, "requests": int(req), "lanes": int(lanes)}
+        if kind.startswith("global") or kind == "cp.async_global":
+            d.update(sectors=int(cost), ideal=int(ideal))
+        else:
+            d.update(wavefronts=int(cost), ideal=int(ideal), conflicts=int(cost) - int(ideal))
+        sites.append(d)
+    # one row per (site, kind, bytes): instrumented sites of one line may be several code addresses
+    merged = {}
+    for d in sites:
+        key = (d["site"], d["kind"], d["bytes"])
+        if key in merged:
+            for f in ("requests", "lanes", "wavefronts", "ideal", "conflicts", "sectors"):
+                if f in d:
+                    merged[key][f] += d[f]
+        else:
+            merged[key] = dict(d)
+    # memory instructions by kind and width: their warp-level requests
+    for d in sites:
+        name = f"{d['kind']}.{8 * d['bytes']}"
+        counts[name] = counts.get(name, 0) + d["requests"]
+    return {"kernel": kernel, "sites": sorted(merged.values(), key=lambda d: (d["site"], d["kind"])),
+            "counts": counts}
+
+
 def _set_stats(**kw):
     global _last_stats
     with _stats_lock:
@@ -301,6 +376,7 @@ def _set_stats(**kw):
 
 # ---------------------------------------------------------------- module
 _libs = {}  # cache key -> ctypes.CDLL (a library is loaded once per process)
+_lib_paths = {}  # cache key -> the library's file (memcheck messages name source lines from it)
 _libs_lock = threading.Lock()
 # `__shared__` arrays are statics of the library: launches of one library from
 # several Python threads must not overlap
@@ -425,6 +501,7 @@ class RawModule:
         with _libs_lock:
             if key in _libs:
                 self._lib = _libs[key]
+                self._lib_path = _lib_paths[key]
                 self._launch_lock = _launch_locks[key]
                 return self._lib
             so = cache_dir() / f"{key}.so"
@@ -435,6 +512,7 @@ class RawModule:
                      f"compiling {self._what()} for the emulator")
                 os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
+            self._lib_path = _lib_paths[key] = so
             _share_fiber_pool(self._lib)
             self._launch_lock = _launch_locks.setdefault(key, threading.Lock())
         return self._lib
@@ -631,22 +709,47 @@ class RawKernel:
         lib = self.module._compile()
         fn = getattr(lib, f"__cuflash_launch_{self.name}")
         fn.restype = ctypes.c_int
+        flags = launch_flags()
+        if profile_enabled():
+            flags |= 4
+        if memcheck_enabled():
+            flags |= 2
+        if flags & 6:  # the memcheck checks against the arrays, the profiler counts sectors in them
+            # (first byte, end) of each pointer argument, and its parameter index
+            ptr_params = [i for i, p in enumerate(self.params) if p[1] == "p"]
+            ranges = (ctypes.c_ulonglong * max(1, 2 * len(arrays)))(
+                *[v for a in arrays for v in (a.ctypes.data, a.ctypes.data + a.nbytes)])
+            which = (ctypes.c_uint * max(1, len(arrays)))(*ptr_params)
         argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p)
                                                            for h in holders])
         grid3, block3 = (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b)
         stats = (ctypes.c_ulonglong * 2)()
         err = ctypes.create_string_buffer(4096)
         with self.module._launch_lock:
+            if flags & 6:
+                getattr(lib, "__cuflash_memcheck_buffers")(ranges, which, ctypes.c_uint(len(arrays)))
             t0 = time.perf_counter()
             rc = fn(grid3, block3, ctypes.c_ulonglong(shmem), argv, stats, err, ctypes.c_size_t(len(err)),
-                    ctypes.c_uint(launch_flags()))
+                    ctypes.c_uint(flags))
             dt = time.perf_counter() - t0
         self._record(g, b, shmem, stats[0], stats[1], dt)
+        if flags & 4 and rc == 0:
+            global _last_profile
+            prof = _read_profile(lib, self.module._lib_path, self.name)
+            prof.update(grid=g, block=b, dynamic_shared_bytes=shmem)
+            with _stats_lock:
+                _last_profile = prof
+            sink = profile_sink()
+            if sink is not None:
+                sink.append(prof)
         if rc == 2:
             raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
-        del arrays  # kept alive until here: the kernel wrote through their pointers
         if rc != 0:
-            raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {err.value.decode(errors='replace')}")
+            msg = err.value.decode(errors="replace")
+            if msg.startswith("memcheck:"):
+                raise MemcheckError(describe_memcheck(msg, self.params, arrays, self.module._lib_path))
+            raise LaunchError(f"kernel {self.name} (grid {g}, block {b}): {msg}")
+        del arrays  # kept alive until here: the kernel wrote through their pointers
 
     def _record(self, g, b, shmem, rd, wr, dt):
         _set_stats(global_bytes_read=int(rd), global_bytes_written=int(wr), blocks=g[0] * g[1] * g[2],

@@ -99,7 +99,7 @@ def run_tsan(kernel, grid, block, shmem, args):
         inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
-                    f"{shmem} {len(holders)} {len(buffers)} {launch_flags()}\n".encode())
+                    f"{shmem} {len(holders)} {len(buffers)} {launch_flags() & 1}\n".encode())
             for start, n in buffers:
                 f.write(f"{n}\n".encode())
                 f.write(ctypes.string_at(start, n))

@@ -44,6 +44,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <array>
+#include <map>
+#include <tuple>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -53,6 +57,8 @@
 #include <utility>
 #include <vector>
 #include <math.h>
+#include <dlfcn.h>
+#include <sys/mman.h>
 #endif
 
 // Which engine runs the threads of a block (see the top of this file).
@@ -200,6 +206,21 @@ struct StoreRec { uintptr_t addr; unsigned bytes; unsigned long long block; };
 
 struct Block;
 
+// One memory access seen by the profiler: its site (a code address for instrumented plain
+// accesses, else the accessor's caller's file and line), the thread's wait count, kind, size.
+enum AccessKind : unsigned char { ACC_SHARED_LOAD, ACC_SHARED_STORE, ACC_LDMATRIX, ACC_CP_ASYNC_SHARED,
+                                  ACC_GLOBAL_LOAD, ACC_GLOBAL_STORE, ACC_GLOBAL_ATOMIC, ACC_CP_ASYNC_GLOBAL };
+struct AccessRec { const void* pc; const char* file; int line; unsigned epoch; uintptr_t addr; unsigned size; AccessKind kind; };
+
+// Executed-instruction classes the profiler counts per thread (summed per warp: / 32).
+enum CountClass : unsigned { CNT_MMA_F16, CNT_MMA_BF16, CNT_MMA_TF32, CNT_MMA_3XTF32, CNT_LDMATRIX_X1, CNT_LDMATRIX_X2,
+                             CNT_LDMATRIX_X4, CNT_SHFL, CNT_VOTE, CNT_SYNCTHREADS, CNT_SYNCWARP, CNT_EXP2,
+                             CNT_GLOBAL_ATOMIC, CNT_CP_ASYNC, CNT_NCLASSES };
+inline const char* const kCountNames[CNT_NCLASSES] = {
+    "mma.m16n8k16.f16", "mma.m16n8k16.bf16", "mma.m16n8k8.tf32", "mma.m16n8k8.tf32 x3 (3xTF32)", "ldmatrix.x1",
+    "ldmatrix.x2", "ldmatrix.x4", "shfl", "vote", "bar.sync (__syncthreads)", "bar.warp.sync (__syncwarp)",
+    "ex2 (exp2)", "global atomic/red", "cp.async"};
+
 // Everything one CUDA thread knows; reached through the one thread_local `tctx`.
 struct ThreadCtx {
     uint3 threadIdx{0, 0, 0};
@@ -214,11 +235,21 @@ struct ThreadCtx {
     unsigned long long block_lin = 0;  // linear index of the block being run
     bool record_stores = false;        // inter-block check on: log every gstore
     std::vector<StoreRec> stores;      // (address, bytes, block) of this thread's gstores
+    // profiler (see "profiler" below): waits passed so far in this block, the accesses of
+    // this block, the executed-instruction counts; `quiet` while emulator code itself
+    // touches shared memory (an ldmatrix's or a cp.async's own copy)
+    unsigned epoch = 0;
+    bool quiet = false;
+    std::vector<AccessRec> recs;
+    unsigned long long counts[24] = {};
     std::vector<CpCopy> cp_open;                 // issued, not yet committed
     std::vector<std::vector<CpCopy>> cp_groups;  // committed, oldest first
 };
 
 inline thread_local ThreadCtx* tctx = nullptr;
+
+// One execution of an instruction of class k by the calling thread (the profiler's counts).
+inline void count(CountClass k) { ++tctx->counts[k]; }
 
 // 2 alternating buffers x 32 lanes x 64 bytes: one barrier per collective is
 // enough, because a lane can only reuse a buffer after the next collective's
@@ -301,6 +332,7 @@ struct Block {
     // `parity`: the caller's count of waits at this barrier, mod 2 (all
     // participants agree on it), selecting the ThreadSanitizer sync object.
     void arrive_and_wait(Barrier& b, unsigned parity) {
+        ++tctx->epoch;
         tsan_release(&b.sync[parity]);
         {
             TsanQuiet quiet;
@@ -399,12 +431,326 @@ inline const unsigned char* warp_exchange(const void* mine, size_t n, unsigned m
 template <class T>
 inline T shfl_from(unsigned mask, T v, int src, bool own, const char* what) {
     static_assert(sizeof(T) <= 64, "shuffle of a type larger than 64 bytes");
+    count(CNT_SHFL);
     const unsigned char* s = warp_exchange(&v, sizeof(T), mask, what);
     if (own) return v;
     T out;
     std::memcpy(&out, s + 64 * src, sizeof(T));
     return out;
 }
+
+// ---------------------------------------------------------------- memcheck
+// Every emulated launch checks its memory accesses (on unless the launch flags turn it off):
+//  * global: the kernels reach global memory only through the accessors of portable.cuh
+//    (gload, gstore, gatomic_add, gred_add*, cp.async's source, __ldg), which call
+//    check_global with the access and the caller's source line; the access must lie inside
+//    one of the arrays passed to the launch (set_buffers, from the Python launcher);
+//  * shared: the library is built with -fsanitize=kernel-address and
+//    asan-instrumentation-with-call-threshold=0, so every load and store the compiler emits
+//    calls a __asan_{load,store}N_noabort hook below with its address.  The dynamic shared
+//    memory sits in the middle of a reserved window of kSharedWindow bytes on each side
+//    (read-write, never touched unless a kernel strays): an address inside the window but
+//    outside the allocation is a stray shared access, reported with the return address of
+//    the hook (the access site; Python turns it into file:line with addr2line).  An address
+//    outside the window is none of the checker's business (stacks, the emulator's own data,
+//    global arrays, which the accessors check).  The stray access itself lands harmlessly in
+//    the window; the launch fails at the thread's next barrier.  cp.async's and ldmatrix's
+//    shared side are emulator code (memcpy), checked explicitly.
+// Messages carry two placeholders that the Python side fills in: @ARG<i>:<offset>@ (pointer
+// argument i, signed byte offset from its first byte) and @PC:<hex offset in the library>@.
+constexpr size_t kSharedWindow = size_t(256) << 20;
+
+struct GlobalBuf { uintptr_t lo, hi; unsigned arg; };
+
+struct MemcheckState {
+    bool global_on = false;   // the global check
+    bool shared_on = false;   // the shared check
+    bool profile = false;     // record accesses for the profiler
+    std::vector<GlobalBuf> bufs;  // the launch's pointer arguments
+    size_t last = 0;              // the buffer that held the previous access (a cheap first guess)
+    uintptr_t win_lo = 0, win_size = 0;  // window around the dynamic shared memory (0: no launch)
+    uintptr_t dyn_lo = 0, dyn_hi = 0;    // the dynamic shared allocation
+};
+inline MemcheckState memcheck;
+
+inline std::string hex(uintptr_t a) { char b[32]; std::snprintf(b, sizeof b, "0x%llx", (unsigned long long)a); return b; }
+
+// The launch's buffer nearest to [a, a + n): "@ARG<i>:<offset>@", or "" without buffers.
+inline std::string nearest_buffer(uintptr_t a) {
+    const GlobalBuf* best = nullptr;
+    uintptr_t dist = ~uintptr_t(0);
+    for (const GlobalBuf& b : memcheck.bufs) {
+        const uintptr_t d = a < b.lo ? b.lo - a : a >= b.hi ? a - b.hi + 1 : 0;
+        if (d < dist) { dist = d; best = &b; }
+    }
+    if (!best) return "no pointer argument";
+    return "@ARG" + std::to_string(best->arg) + ":" + std::to_string((long long)(a - best->lo)) + "@";
+}
+
+inline const char* memcheck_thread_where(std::string& out) {
+    ThreadCtx* c = tctx;
+    if (c) out = "block " + fmt_idx(c->blockIdx) + ", thread " + fmt_idx(c->threadIdx);
+    else out = "outside any CUDA thread";
+    return out.c_str();
+}
+
+[[noreturn]] inline void global_stray(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    std::string where;
+    memcheck_thread_where(where);
+    device_error(std::string("memcheck: out-of-bounds ") + what + " of " + std::to_string(n) + " bytes at " +
+                 hex(a) + " in kernel " + tctx->blk->kernel + " (" + file + ":" + std::to_string(line) +
+                 "): not inside any array passed to the launch; nearest: " + nearest_buffer(a));
+}
+
+// A global access of n bytes at p by the calling CUDA thread.
+inline void record_access(const void* pc, const char* file, int line, uintptr_t a, unsigned n, AccessKind kind) {
+    ThreadCtx* c = tctx;
+    if (c && !c->quiet) c->recs.push_back(AccessRec{pc, file, line, c->epoch, a, n, kind});
+}
+
+// A plain shared access.  The host compiler splits a vector access whose parts are used
+// separately (a float4 load into four 4-byte loads, where the GPU does one 16-byte load):
+// an access by distinct nearby instructions (within 64 bytes of code) that continues the
+// thread's previous one in the same direction, kind and wait interval, and together with it
+// stays inside one aligned 16-byte (8-byte, 4-byte) block, is merged into it.
+inline void record_plain_shared(const void* pc, uintptr_t a, unsigned n, AccessKind kind) {
+    ThreadCtx* c = tctx;
+    if (!c || c->quiet) return;
+    if (!c->recs.empty()) {
+        AccessRec& p = c->recs.back();
+        const unsigned m = p.size + n;
+        const intptr_t dpc = static_cast<const char*>(pc) - static_cast<const char*>(p.pc);
+        if (p.kind == kind && p.epoch == c->epoch && p.file == nullptr && p.addr + p.size == a && pc != p.pc &&
+            dpc > -64 && dpc < 64 && m <= 16 && p.addr % (m <= 4 ? 4 : m <= 8 ? 8 : 16) == 0) {
+            p.size = m;
+            return;
+        }
+    }
+    c->recs.push_back(AccessRec{pc, nullptr, 0, c->epoch, a, n, kind});
+}
+
+inline AccessKind global_kind(const char* what) {
+    switch (what[0]) {
+        case 'c': return ACC_CP_ASYNC_GLOBAL;                        // "cp.async source"
+        case 'r': return ACC_GLOBAL_ATOMIC;                          // "red.global.add"
+        case 'g': return what[7] == 's' ? ACC_GLOBAL_STORE : what[7] == 'a' ? ACC_GLOBAL_ATOMIC : ACC_GLOBAL_LOAD;
+        default: return ACC_GLOBAL_LOAD;                             // "__ldg load"
+    }
+}
+
+// A global access for the profiler.  Sectors are counted on the offset into the launch's array
+// that holds the access, as if the array started on a 256-byte boundary like a GPU allocation
+// (NumPy aligns to 16 or 64 bytes): array i is placed at (i + 1) << 40.
+inline void record_global(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    for (size_t i = 0; i < memcheck.bufs.size(); ++i)
+        if (a >= memcheck.bufs[i].lo && a + n <= memcheck.bufs[i].hi) {
+            a = ((uintptr_t(i) + 1) << 40) + (a - memcheck.bufs[i].lo);
+            break;
+        }
+    record_access(nullptr, file, line, a, n, global_kind(what));
+}
+
+inline void check_global(const void* p, unsigned n, const char* what, const char* file, int line) {
+    if (memcheck.profile) record_global(reinterpret_cast<uintptr_t>(p), n, what, file, line);
+    if (!memcheck.global_on) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const std::vector<GlobalBuf>& bs = memcheck.bufs;
+    if (memcheck.last < bs.size() && a >= bs[memcheck.last].lo && a + n <= bs[memcheck.last].hi) return;
+    for (size_t i = 0; i < bs.size(); ++i)
+        if (a >= bs[i].lo && a + n <= bs[i].hi) { memcheck.last = i; return; }
+    global_stray(a, n, what, file, line);
+}
+
+// The library offset of a code address, as "@PC:<hex>@" for addr2line.
+inline std::string pc_token(const void* pc) {
+    Dl_info info{};
+    if (pc && dladdr(pc, &info) && info.dli_fbase)
+        return "@PC:" + hex(reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1) + "@";
+    return "an unknown line";
+}
+
+inline std::string shared_stray_message(uintptr_t a, unsigned n, const char* what, const std::string& site) {
+    std::string where;
+    memcheck_thread_where(where);
+    const long long off = (long long)(a - memcheck.dyn_lo);
+    return std::string("memcheck: out-of-bounds shared-memory ") + what + " of " + std::to_string(n) +
+           " bytes in kernel " + (tctx ? tctx->blk->kernel : std::string("?")) + " at " + site + ": byte offset " +
+           std::to_string(off) + " of the dynamic shared memory, which holds " +
+           std::to_string(memcheck.dyn_hi - memcheck.dyn_lo) + " bytes [" + where + "]";
+}
+
+inline bool in_shared_window(uintptr_t a) { return a - memcheck.win_lo < memcheck.win_size; }
+inline bool in_shared_alloc(uintptr_t a, unsigned n) { return a >= memcheck.dyn_lo && a + n <= memcheck.dyn_hi; }
+
+// Shared side of cp.async / ldmatrix (emulator code): fails the launch at once.
+inline void check_shared(const void* p, unsigned n, const char* what, const char* file, int line) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (!in_shared_window(a)) return;
+    if (in_shared_alloc(a, n)) {
+        if (memcheck.profile) record_access(nullptr, file, line, a, n, what[0] == 'l' ? ACC_LDMATRIX : ACC_CP_ASYNC_SHARED);
+        return;
+    }
+    if (!memcheck.shared_on) return;
+    tctx->blk->fail(shared_stray_message(a, n, what, std::string(file) + ":" + std::to_string(line)));
+}
+
+// From the instrumented kernel code: record the first stray access and stop the launch at the
+// thread's next barrier (the hook cannot throw: the compiler treats it as nothrow).
+__attribute__((noinline, cold)) inline void shared_stray_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
+    ThreadCtx* c = tctx;
+    if (!c) return;
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(c->blk->mu);
+    c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
+}
+
+__attribute__((noinline)) inline void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
+    if (in_shared_alloc(a, n)) {
+        if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
+        return;
+    }
+    if (memcheck.shared_on) shared_stray_hook(a, n, store, pc);
+}
+
+// Every instrumented load and store comes here: the common case (not near the shared memory)
+// is one subtraction and one comparison.
+__attribute__((always_inline)) inline void raw_access(uintptr_t a, unsigned n, bool store, const void* pc) {
+    if (__builtin_expect(!in_shared_window(a), 1)) return;
+    raw_access_in_window(a, n, store, pc);
+}
+
+// ---------------------------------------------------------------- profiler
+// With the profile flag a launch records every shared access (instrumented plain loads and
+// stores, ldmatrix rows, cp.async destinations) and every global access through the
+// accessors, per thread, with the count of waits (barriers, warp collectives) the thread
+// has passed.  After each block the accesses of each warp are grouped into warp-level
+// requests: the n-th execution of one site by the lanes of a warp between the same two
+// waits (the lanes of a warp run the same instruction stream: SIMT without divergence).
+// Per request:
+//  * shared: 32 banks of 4 bytes.  A request moves at most 128 bytes per wavefront: lanes
+//    are taken in phases of 128 / width (all 32 for widths <= 4, 16 for 8 bytes, 8 for 16
+//    bytes and for ldmatrix's rows); a phase takes as many wavefronts as the most distinct
+//    4-byte words any one bank holds among the phase's accesses (one word read by several
+//    lanes is a broadcast).  Ideal: one wavefront per phase with an active lane.  Bank
+//    conflicts, as Nsight Compute counts them, are wavefronts - ideal.
+//  * global: the distinct 32-byte sectors touched; ideal: the active lanes' bytes / 32,
+//    rounded up.
+struct SiteStats { unsigned long long requests = 0, lanes = 0, wavefronts = 0, ideal = 0; };
+struct SiteKey {
+    const void* pc; const char* file; int line; AccessKind kind; unsigned size;
+    bool operator<(const SiteKey& o) const {
+        return std::tie(pc, file, line, kind, size) < std::tie(o.pc, o.file, o.line, o.kind, o.size);
+    }
+};
+struct Profile {
+    std::map<SiteKey, SiteStats> sites;
+    unsigned long long counts[CNT_NCLASSES] = {};
+    void clear() { sites.clear(); std::fill(std::begin(counts), std::end(counts), 0ull); }
+};
+inline Profile profile;
+
+// (wavefronts, ideal) of one shared request; acc = (lane, address, size)
+inline std::pair<unsigned, unsigned> shared_cost(const std::vector<std::array<uintptr_t, 3>>& acc, unsigned width) {
+    const unsigned per_phase = width <= 4 ? 32 : width <= 8 ? 16 : 8;
+    unsigned wave = 0, ideal = 0;
+    for (unsigned ph = 0; ph < 32 / per_phase; ++ph) {
+        std::vector<uintptr_t> words;
+        for (const auto& x : acc)
+            if (x[0] / per_phase == ph)
+                for (uintptr_t w = x[1] / 4; w <= (x[1] + x[2] - 1) / 4; ++w) words.push_back(w);
+        if (words.empty()) continue;
+        std::sort(words.begin(), words.end());
+        words.erase(std::unique(words.begin(), words.end()), words.end());
+        unsigned per_bank[32] = {}, most = 0;
+        for (uintptr_t w : words) most = std::max(most, ++per_bank[w % 32]);
+        wave += most; ideal += 1;
+    }
+    return {wave, ideal};
+}
+
+inline std::pair<unsigned, unsigned> global_cost(const std::vector<std::array<uintptr_t, 3>>& acc) {
+    std::vector<uintptr_t> sectors;
+    unsigned long long bytes = 0;
+    for (const auto& x : acc) {
+        bytes += x[2];
+        for (uintptr_t sct = x[1] / 32; sct <= (x[1] + x[2] - 1) / 32; ++sct) sectors.push_back(sct);
+    }
+    std::sort(sectors.begin(), sectors.end());
+    sectors.erase(std::unique(sectors.begin(), sectors.end()), sectors.end());
+    return {unsigned(sectors.size()), unsigned((bytes + 31) / 32)};
+}
+
+// Fold the accesses and counts of the block just run into `profile`, and clear them.
+inline void profile_block(std::vector<ThreadCtx>& ctxs) {
+    struct Item { unsigned epoch; SiteKey site; unsigned occ; unsigned lane; uintptr_t addr; };
+    const unsigned nwarps = unsigned((ctxs.size() + 31) / 32);
+    for (unsigned w = 0; w < nwarps; ++w) {
+        std::vector<Item> items;
+        for (unsigned t = 32 * w; t < std::min<size_t>(ctxs.size(), 32 * w + 32); ++t) {
+            ThreadCtx& c = ctxs[t];
+            std::map<std::pair<unsigned, SiteKey>, unsigned> seen;  // occurrences per (epoch, site)
+            for (const AccessRec& r : c.recs) {
+                const SiteKey k{r.pc, r.file, r.line, r.kind, r.size};
+                items.push_back(Item{r.epoch, k, seen[{r.epoch, k}]++, c.lane, r.addr});
+            }
+            std::vector<AccessRec>().swap(c.recs);
+            for (unsigned i = 0; i < CNT_NCLASSES; ++i) { profile.counts[i] += c.counts[i]; c.counts[i] = 0; }
+            c.epoch = 0;
+        }
+        std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+            if (a.epoch != b.epoch) return a.epoch < b.epoch;
+            if (a.site < b.site) return true;
+            if (b.site < a.site) return false;
+            return a.occ != b.occ ? a.occ < b.occ : a.lane < b.lane;
+        });
+        std::vector<std::array<uintptr_t, 3>> acc;
+        for (size_t i = 0; i < items.size();) {
+            size_t j = i;
+            acc.clear();
+            while (j < items.size() && items[j].epoch == items[i].epoch && !(items[j].site < items[i].site) &&
+                   !(items[i].site < items[j].site) && items[j].occ == items[i].occ) {
+                acc.push_back({items[j].lane, items[j].addr, items[j].site.size});
+                ++j;
+            }
+            const SiteKey& k = items[i].site;
+            const auto cost = k.kind >= ACC_GLOBAL_LOAD ? global_cost(acc) : shared_cost(acc, k.size);
+            SiteStats& st = profile.sites[k];
+            st.requests += 1; st.lanes += acc.size(); st.wavefronts += cost.first; st.ideal += cost.second;
+            i = j;
+        }
+    }
+}
+
+}  // namespace cuflash_emu
+
+// The hooks that -fsanitize=kernel-address code calls at every load and store (see memcheck above).
+#if CUFLASH_EMULATOR_MEMCHECK
+#define CUFLASH_ASAN_HOOK(N)                                                                         \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_load##N##_noabort(uintptr_t a) {  \
+        ::cuflash_emu::raw_access(a, N, false, __builtin_return_address(0));                        \
+    }                                                                                               \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_store##N##_noabort(uintptr_t a) { \
+        ::cuflash_emu::raw_access(a, N, true, __builtin_return_address(0));                         \
+    }
+CUFLASH_ASAN_HOOK(1)
+CUFLASH_ASAN_HOOK(2)
+CUFLASH_ASAN_HOOK(4)
+CUFLASH_ASAN_HOOK(8)
+CUFLASH_ASAN_HOOK(16)
+#undef CUFLASH_ASAN_HOOK
+extern "C" __attribute__((visibility("hidden"))) void __asan_loadN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), false, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_storeN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), true, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_handle_no_return() {}
+// (the check of the order of dynamic initialisers: nothing to do here)
+extern "C" __attribute__((visibility("hidden"))) void __asan_before_dynamic_init(const char*) {}
+extern "C" __attribute__((visibility("hidden"))) void __asan_after_dynamic_init() {}
+#endif
+
+namespace cuflash_emu {
 
 // ---------------------------------------------------------------- 16-bit floats
 // Round-to-nearest-even conversions in integer arithmetic (what cvt.rn does on
@@ -505,6 +851,7 @@ struct MmaLane { uint32_t a[4]; uint32_t b[2]; float c[4]; };
 template <bool BF16>
 inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
     require_full_warp("mma.m16n8k16");
+    count(BF16 ? CNT_MMA_BF16 : CNT_MMA_F16);
     MmaLane mine;
     std::memcpy(mine.a, a, 16); std::memcpy(mine.b, b, 8); std::memcpy(mine.c, c, 16);
     const unsigned char* s = warp_exchange(&mine, sizeof mine, 0xffffffffu, "mma.m16n8k16");
@@ -534,7 +881,7 @@ inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const f
 
 // ldmatrix.m8n8.xN{.trans}.b16: lanes 8j..8j+7 give the row addresses of matrix j.
 template <int N, bool TRANS>
-inline void ldmatrix(uint32_t* r, const void* row) {
+inline void ldmatrix(uint32_t* r, const void* row, const char* file = "?", int line = 0) {
     require_full_warp("ldmatrix");
     ThreadCtx& c = *tctx;
     unsigned char mine[16];
@@ -542,8 +889,12 @@ inline void ldmatrix(uint32_t* r, const void* row) {
     if (supplies) {
         if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
             device_error("ldmatrix: row address " + std::to_string(reinterpret_cast<uintptr_t>(row)) + " is not 16-byte aligned");
+        check_shared(row, 16, "ldmatrix row", file, line);
+        c.quiet = true;  // recorded above as the ldmatrix's access
         std::memcpy(mine, row, 16);  // the 8 b16 elements of this row
+        c.quiet = false;
     }
+    count(N == 1 ? CNT_LDMATRIX_X1 : N == 2 ? CNT_LDMATRIX_X2 : CNT_LDMATRIX_X4);
     const unsigned char* s = warp_exchange(mine, supplies ? 16 : 0, 0xffffffffu, "ldmatrix");
     auto el = [&](int j, int rr, int cc) {  // element (rr, cc) of matrix j as 16 bits
         unsigned short h; std::memcpy(&h, s + 64 * (8 * j + rr) + 2 * cc, 2); return uint32_t(h);
@@ -557,10 +908,13 @@ inline void ldmatrix(uint32_t* r, const void* row) {
 // cp.async: the copy is recorded at issue and lands only when a wait covers
 // its group, so reading shared memory before the wait sees the old contents.
 // src == nullptr: a zero fill (cp.async with src-size 0), no global read.
-inline void cp_async_16(void* dst, const void* src) {
+inline void cp_async_16(void* dst, const void* src, const char* file = "?", int line = 0) {
     ThreadCtx& c = *tctx;
     if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
         device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
+    check_shared(dst, 16, "cp.async destination", file, line);
+    if (src) check_global(src, 16, "cp.async source", file, line);
+    count(CNT_CP_ASYNC);
     if (src) c.bytes_read += 16;
     c.cp_open.push_back(CpCopy{dst, src});
 }
@@ -571,6 +925,7 @@ inline void cp_async_commit() {
 }
 inline void cp_async_wait(int n) {  // all but the n most recent committed groups complete
     ThreadCtx& c = *tctx;
+    c.quiet = true;  // the copies' shared side was recorded at issue
     while ((int)c.cp_groups.size() > n) {
         for (const CpCopy& cp : c.cp_groups.front()) {
             if (cp.src) std::memcpy(cp.dst, cp.src, 16);
@@ -578,16 +933,19 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
         }
         c.cp_groups.erase(c.cp_groups.begin());
     }
+    c.quiet = false;
 }
 
 // red.global.add.f32 (scalar, .v2, .v4): n floats at p, p must be 4n-byte aligned for n > 1
 // (as the vector instruction requires).  Counted as 4 bytes read + 4 written per element.
-inline void red_add_f32(float* p, const float* v, int n) {
+inline void red_add_f32(float* p, const float* v, int n, const char* file = "?", int line = 0) {
     ThreadCtx& c = *tctx;
     if (n > 1 && reinterpret_cast<uintptr_t>(p) % (4u * n) != 0)
         device_error("red.global.add.v" + std::to_string(n) + ".f32: address " +
                      std::to_string(reinterpret_cast<uintptr_t>(p)) + " is not " + std::to_string(4 * n) +
                      "-byte aligned");
+    check_global(p, 4u * n, "red.global.add", file, line);
+    for (int i = 0; i < n; ++i) count(CNT_GLOBAL_ATOMIC);  // n scalar reds before sm_90
     for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
     c.bytes_read += 4ull * n;
     c.bytes_written += 4ull * n;
@@ -665,6 +1023,7 @@ inline float tf32_operand(uint32_t r) {
 inline void mma_m16n8k8_tf32(float* d, const uint32_t* a, const uint32_t* b, const float* c,
                              const uint32_t* a_lo, const uint32_t* b_lo) {
     require_full_warp("mma.m16n8k8.tf32");
+    count(a_lo ? CNT_MMA_3XTF32 : CNT_MMA_TF32);
     MmaTf32Lane mine{};
     std::memcpy(mine.a, a, 16); std::memcpy(mine.b, b, 8); std::memcpy(mine.c, c, 16);
     if (a_lo) { std::memcpy(mine.a_lo, a_lo, 16); std::memcpy(mine.b_lo, b_lo, 8); }
@@ -921,19 +1280,73 @@ inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long
 }
 #endif
 
-// flags: bit 0 = the inter-block write check.  Returns 0, 1 (launch error) or 2 (inter-block race).
-enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u };
+// The launch's pointer arguments for the global check: n (first byte, end) pairs, argument index
+// i for pair i; the next launch of this library checks against them (and forgets them).
+inline void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigned n) {
+    memcheck.bufs.clear();
+    for (unsigned i = 0; i < n; ++i)
+        memcheck.bufs.push_back(GlobalBuf{uintptr_t(ranges[2 * i]), uintptr_t(ranges[2 * i + 1]), args[i]});
+}
+
+// The last profiled launch of this library as text, one line per access site
+// ("site <kind> <bytes> <pc offset or -> <file or -> <line> <requests> <lanes> <wavefronts or sectors> <ideal>")
+// and per counted class ("count <name>\t<thread executions>").
+inline std::string profile_text() {
+    std::string out;
+    char buf[512];
+    static const char* const kinds[] = {"shared_load", "shared_store", "ldmatrix", "cp.async_shared",
+                                        "global_load", "global_store", "global_atomic", "cp.async_global"};
+    for (const auto& [k, st] : profile.sites) {
+        std::string pc = "-";
+        Dl_info info{};
+        if (k.pc && dladdr(k.pc, &info) && info.dli_fbase)
+            pc = hex(reinterpret_cast<uintptr_t>(k.pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1);
+        std::snprintf(buf, sizeof buf, "site\t%s\t%u\t%s\t%s\t%d\t%llu\t%llu\t%llu\t%llu\n", kinds[k.kind], k.size,
+                      pc.c_str(), k.file ? k.file : "-", k.line, st.requests, st.lanes, st.wavefronts, st.ideal);
+        out += buf;
+    }
+    for (unsigned i = 0; i < CNT_NCLASSES; ++i) {
+        std::snprintf(buf, sizeof buf, "count\t%s\t%llu\n", kCountNames[i], profile.counts[i]);
+        out += buf;
+    }
+    return out;
+}
+
+// flags: bit 0 = the inter-block write check, bit 1 = memcheck, bit 2 = profile.  Returns 0, 1 (launch error) or 2 (inter-block race).
+enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u, LAUNCH_PROFILE = 4u };
 inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
                   const unsigned* block, unsigned long long shmem, unsigned long long* stats,
                   char* err, size_t errlen, unsigned flags) {
     const unsigned nthreads = block[0] * block[1] * block[2];
     const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
     Block blk(nthreads, name);
-    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block.
+    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block,
+    // in the middle of the memcheck window (see memcheck above; pages are only committed when
+    // touched, so the window costs address space, not memory).
     const size_t dyn_bytes = shmem ? shmem : 16;
-    std::unique_ptr<unsigned char, void (*)(unsigned char*)> dyn(
-        static_cast<unsigned char*>(::operator new(dyn_bytes, std::align_val_t(128))),
-        [](unsigned char* p) { ::operator delete(p, std::align_val_t(128)); });
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    const size_t map_bytes = 2 * kSharedWindow + (dyn_bytes + page - 1) / page * page;
+    void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) {
+        std::snprintf(err, errlen, "could not map %zu bytes of address space for the shared memory", map_bytes);
+        return 1;
+    }
+    std::unique_ptr<unsigned char, std::function<void(unsigned char*)>> dyn(
+        static_cast<unsigned char*>(map) + kSharedWindow,
+        [map, map_bytes](unsigned char*) { munmap(map, map_bytes); });
+    struct MemcheckScope {  // the window is checked only while this launch runs
+        MemcheckScope(uintptr_t lo, size_t size, uintptr_t d, size_t n, bool on, bool prof) {
+            memcheck.win_lo = lo; memcheck.win_size = on || prof ? size : 0;
+            memcheck.dyn_lo = d; memcheck.dyn_hi = d + n;
+            memcheck.global_on = on; memcheck.shared_on = on; memcheck.profile = prof; memcheck.last = 0;
+            if (prof) profile.clear();
+        }
+        ~MemcheckScope() {
+            memcheck.win_size = 0; memcheck.global_on = memcheck.shared_on = memcheck.profile = false;
+            memcheck.bufs.clear();
+        }
+    } memcheck_scope(reinterpret_cast<uintptr_t>(map), map_bytes, reinterpret_cast<uintptr_t>(dyn.get()), shmem,
+                     (flags & LAUNCH_MEMCHECK) != 0, (flags & LAUNCH_PROFILE) != 0);
     std::vector<ThreadCtx> ctxs(nthreads);
     for (unsigned t = 0; t < nthreads; ++t) {
         ThreadCtx& c = ctxs[t];
@@ -946,7 +1359,8 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
     }
     // Before block b (every thread is between blocks).
-    auto begin_block = [&](unsigned long long) {
+    auto begin_block = [&](unsigned long long b) {
+        if (b > 0 && memcheck.profile) profile_block(ctxs);
         blk.reset();
         std::memset(dyn.get(), 0xff, dyn_bytes);
     };
@@ -977,6 +1391,7 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         std::snprintf(err, errlen, "%s", start_error.c_str());
         return 1;
     }
+    if (memcheck.profile) profile_block(ctxs);
     unsigned long long rd = 0, wr = 0;
     for (const ThreadCtx& c : ctxs) { rd += c.bytes_read; wr += c.bytes_written; }
     stats[0] = rd; stats[1] = wr;
@@ -1005,6 +1420,7 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
 // ---------------------------------------------------------------- synchronisation
 inline void __syncthreads() {
     ::cuflash_emu::ThreadCtx& c = *::cuflash_emu::tctx;
+    ::cuflash_emu::count(::cuflash_emu::CNT_SYNCTHREADS);
     c.blk->arrive_and_wait(c.blk->bar, c.bar_phase);
     c.bar_phase ^= 1u;
 }
@@ -1024,6 +1440,7 @@ inline int __syncthreads_and(int pred) {
     return c.blk->sync_count[p].load() == 0;
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    ::cuflash_emu::count(::cuflash_emu::CNT_SYNCWARP);
     ::cuflash_emu::warp_exchange(nullptr, 0, mask, "__syncwarp");
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -1066,6 +1483,7 @@ inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) {
     const int p = pred != 0;
+    ::cuflash_emu::count(::cuflash_emu::CNT_VOTE);
     const unsigned char* s = ::cuflash_emu::warp_exchange(&p, sizeof p, mask, "__ballot_sync");
     const unsigned n = ::cuflash_emu::tctx->blk->warp_size(::cuflash_emu::tctx->warp);
     unsigned out = 0;
@@ -1084,7 +1502,10 @@ inline int __all_sync(unsigned mask, int pred) {
 
 // ---------------------------------------------------------------- atomics
 template <class T>
-inline T __cuflash_atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline T __cuflash_atomic_add(T* p, T v) {
+    ::cuflash_emu::count(::cuflash_emu::CNT_GLOBAL_ATOMIC);
+    return std::atomic_ref<T>(*p).fetch_add(v);
+}
 inline float atomicAdd(float* p, float v) { return __cuflash_atomic_add(p, v); }
 inline double atomicAdd(double* p, double v) { return __cuflash_atomic_add(p, v); }
 inline int atomicAdd(int* p, int v) { return __cuflash_atomic_add(p, v); }
@@ -1203,7 +1624,11 @@ using std::isfinite;
 using std::signbit;
 
 template <class T>
-inline T __ldg(const T* p) { ::cuflash_emu::tctx->bytes_read += sizeof(T); return *p; }
+inline T __ldg(const T* p, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::cuflash_emu::check_global(p, sizeof(T), "__ldg load", file, line);
+    ::cuflash_emu::tctx->bytes_read += sizeof(T);
+    return *p;
+}
 
 // Shared-memory address spaces are one on the host.
 inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
