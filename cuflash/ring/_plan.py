@@ -13,6 +13,10 @@ else one call per pair.
 """
 from typing import NamedTuple, Optional, Tuple
 
+from .._interop import check_layout
+from .._validate import parse_causal
+from .._validate_masks import check_softcap, check_window
+
 __all__ = ["Call", "chunks_of", "step_calls", "global_band", "check_options", "shard_slices",
            "SHARDINGS"]
 
@@ -163,3 +167,25 @@ def shard_slices(n, world, rank, sharding):
                          f"of {parts}")
     return [(g, length) for _, g, length in chunks_of(rank, world, n // world, sharding)]
 
+
+
+def check_call(q, k, v, layout, seq, causal, window, softcap, sharding, alibi_slopes, dropout_p,
+               world, bias_shape):
+    """The argument checks of one rank's call, both frameworks: (n, causal, window, softcap)
+    with n the local sequence length (axis ``seq`` of q, k, v); ValueError saying why."""
+    check_layout(layout, q=q, k=k, v=v)
+    n = q.shape[seq]
+    if k.shape[seq] != n or v.shape[seq] != n:
+        raise ValueError(f"context-parallel attention is self-attention over one sharded "
+                         f"sequence: q, k, v must hold the same local length, got "
+                         f"{q.shape[seq]}, {k.shape[seq]}, {v.shape[seq]} (layout {layout!r})")
+    causal = parse_causal(causal) is not None
+    window = check_window(window)
+    softcap = check_softcap(softcap)
+    check_options(sharding, causal, window, alibi_slopes, dropout_p, n, world)
+    if bias_shape is not None and (len(bias_shape) < 2 or bias_shape[-1] != n * world
+                                   or bias_shape[-2] not in (1, n)):
+        raise ValueError(f"bias is sharded by rows: shape (..., {n}, {n * world}) or "
+                         f"(..., 1, {n * world}) (this rank's {n} query rows, all "
+                         f"{n * world} keys in global order), got {tuple(bias_shape)}")
+    return n, causal, window, softcap

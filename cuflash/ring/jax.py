@@ -37,9 +37,7 @@ except ImportError as e:  # jax absent (or blocked in sys.modules)
 
 from .. import jax as cfjax
 from .._interop import check_layout
-from .._validate import parse_causal
-from .._validate_masks import check_softcap, check_window
-from ._plan import check_options, chunks_of, shard_slices, step_calls
+from ._plan import check_call, chunks_of, shard_slices, step_calls
 
 __all__ = ["ring_attention", "ring_attention_shard", "shard", "unshard"]
 
@@ -126,22 +124,11 @@ def ring_attention_shard(q, k, v, *, axis_name, sharding="zigzag", scale=None, c
                          dropout_p=0.0, layout="bhnd", return_lse=False):
     """The per-device ring, inside ``shard_map``: q, k, v are this device's shards
     (:func:`shard`'s layout); ``bias`` its rows ``(..., n, N)`` or ``(..., 1, N)``."""
-    check_layout(layout, q=q, k=k, v=v)
     world = jax.lax.axis_size(axis_name)   # static inside shard_map
     seq = q.ndim - 2 if layout == "bhnd" else q.ndim - 3
-    n = q.shape[seq]
-    if k.shape[seq] != n or v.shape[seq] != n:
-        raise ValueError(f"context-parallel attention is self-attention over one sharded "
-                         f"sequence: q, k, v must hold the same local length, got "
-                         f"{q.shape[seq]}, {k.shape[seq]}, {v.shape[seq]} (layout {layout!r})")
-    causal = parse_causal(causal) is not None
-    window = check_window(window)
-    softcap = check_softcap(softcap)
-    check_options(sharding, causal, window, alibi_slopes, dropout_p, n, world)
-    if bias is not None and (bias.ndim < 2 or bias.shape[-1] != n * world
-                             or bias.shape[-2] not in (1, n)):
-        raise ValueError(f"bias is sharded by rows: shape (..., {n}, {n * world}) or "
-                         f"(..., 1, {n * world}) on each device, got {tuple(bias.shape)}")
+    n, causal, window, softcap = check_call(
+        q, k, v, layout, seq, causal, window, softcap, sharding, alibi_slopes, dropout_p, world,
+        None if bias is None else bias.shape)
     cfg = _Config(axis_name, int(world), sharding, None if scale is None else float(scale),
                   causal, window, softcap, bias is not None,
                   bias is not None and bias.shape[-2] != 1)

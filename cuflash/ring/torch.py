@@ -32,10 +32,7 @@ except ImportError as e:  # torch absent (or blocked in sys.modules)
                       "`pip install \".[torch]\"` from a cuflash checkout") from e
 
 from .. import _torch_ops as ops
-from .._interop import check_layout
-from .._validate import parse_causal
-from .._validate_masks import check_softcap, check_window
-from ._plan import check_options, chunks_of, shard_slices, step_calls
+from ._plan import check_call, chunks_of, shard_slices, step_calls
 
 __all__ = ["ring_attention", "shard", "unshard"]
 
@@ -103,23 +100,10 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
         if bias.device != device:
             raise ValueError(f"bias is on {bias.device}, q on {device}: one device")
-    check_layout(layout, q=q, k=k, v=v)
     group, rank, world = _group(group, device)
-    seq = -2 if layout == "bhnd" else -3
-    n = q.shape[seq]
-    if k.shape[seq] != n or v.shape[seq] != n:
-        raise ValueError(f"context-parallel attention is self-attention over one sharded "
-                         f"sequence: q, k, v must hold the same local length, got "
-                         f"{q.shape[seq]}, {k.shape[seq]}, {v.shape[seq]} (layout {layout!r})")
-    causal = parse_causal(causal) is not None
-    window = check_window(window)
-    softcap = check_softcap(softcap)
-    check_options(sharding, causal, window, alibi_slopes, dropout_p, n, world)
-    if bias is not None and (bias.dim() < 2 or bias.shape[-1] != n * world
-                             or bias.shape[-2] not in (1, n)):
-        raise ValueError(f"bias is sharded by rows: shape (..., {n}, {n * world}) or "
-                         f"(..., 1, {n * world}) (this rank's {n} query rows, all "
-                         f"{n * world} keys in global order), got {tuple(bias.shape)}")
+    n, causal, window, softcap = check_call(
+        q, k, v, layout, -2 if layout == "bhnd" else -3, causal, window, softcap, sharding,
+        alibi_slopes, dropout_p, world, None if bias is None else tuple(bias.shape))
     cfg = _Config(group, rank, world, sharding, None if scale is None else float(scale),
                   causal, window, softcap, layout)
     if check_ranks:
