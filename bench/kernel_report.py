@@ -26,6 +26,9 @@ to match) and the report reads:
   H100 at the shared-memory rate FA2's own backward achieved there
   (its Nsight Compute profile of 2026-11-23), beside FA2's kernel modelled the same way.
 
+FlashAttention-2's compiled loops beside cuflash's, per 1,000 HMMA: ``bench/fa2_sass_compare.py``
+(latest output: ``bench/results/fa2_sass_compare.md``).
+
 No GPU is needed.  Usage::
 
     python bench/kernel_report.py                    # sm_80 and sm_90, every kernel
@@ -370,49 +373,47 @@ def fa2_model_lines():
     return out
 
 
-def tc_sass_step(code, span, defines):
-    """HMMA and LDSM of one block step per warp from the SASS: the main loop's counts with
-    each inner loop that holds HMMA weighted by its trip count (S^T: d/16, dP^T: dv/16, the
-    dQ k loop: Bc/16, the dQ tile loop: its tiles per warp), in the order the kernel has them."""
-    import collections
+def tc_loop_trips(code, span, defines):
+    """The trip counts of flash_bwd_tc's rolled inner loops with HMMA inside its main loop
+    ``span``: {(start, end): trips per block step} (S^T k loop: d/16, dP^T k loop: dv/16, the
+    dQ k loop: Bc/16, the dQ tile loop around it: its tiles per warp, the busiest warp's), or
+    None when ptxas shaped them otherwise (it drops the dQ k loop when Bc = 16 and may rotate
+    others)."""
     d, dv = int(defines["CUFLASH_HEAD_DIM"]), int(defines["CUFLASH_HEAD_DIM_V"])
     Br, Bc = int(defines["CUFLASH_BLOCK_Q"]), int(defines["CUFLASH_BLOCK_KV"])
     warps = int(defines["CUFLASH_THREADS"]) // 32
-    passes = int(defines.get("CUFLASH_BWD_PASSES") or 1)
     dqm, dqn = _dq_tile(Br, d, warps)
     dq_tiles = (Br // dqm) * (d // dqn)
     lo, hi = span
     inner = sorted((a, b) for a, b in _sass._loops(code) if lo < a and b < hi)
-
-    def counts(a, b):
-        return collections.Counter(op for x, op, _ in code if a <= x <= b)
-    hm = [(a, b) for a, b in inner if counts(a, b)["HMMA"]]
-    trips = {}
+    hm = [(a, b) for a, b in inner
+          if any(op == "HMMA" for x, op, _ in code if a <= x <= b)]
+    # innermost HMMA loops in address order: S^T k loop, dP^T k loop, dQ k loop
     kk = [l for l in hm if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in hm)]
-    # innermost HMMA loops in address order: S^T k loop, dP^T k loop, dQ k loop (ptxas
-    # drops the dQ k loop when Bc = 16 and may rotate others: then no comparison)
     if len(kk) != 3 or len(hm) > 4:
         return None
-    for loop, trip in zip(kk, (d // 16, dv // 16, Bc // 16)):
-        trips[loop] = trip
+    trips = dict(zip(kk, (d // 16, dv // 16, Bc // 16)))
     for l in hm:
         if l not in trips:  # the dQ tile loop around the dQ k loop
             trips[l] = -(-dq_tiles // warps)
-    base = counts(lo, hi)
-    tot = {k: base[k] for k in ("HMMA", "LDSM")}
-    for l, trip in trips.items():
-        # an inner loop's own counts, minus what nested weighted loops already add
-        c = counts(*l)
-        nested = [o for o in trips if o != l and l[0] <= o[0] and o[1] <= l[1]]
-        own = {k: c[k] - sum(counts(*o)[k] for o in nested) for k in tot}
-        mult = trip
-        for o in trips:
-            if o != l and o[0] <= l[0] and l[1] <= o[1]:
-                mult *= trips[o]
-        for k in tot:
-            tot[k] += own[k] * (mult - 1) + (0 if not nested else 0)
-    # each inner loop counted once in `base`; the nested k loop's multiplier includes its tile loop
-    return dict(HMMA=tot["HMMA"] * 1, LDSM=tot["LDSM"], passes=passes)
+    return trips
+
+
+def tc_sass_step(code, span, defines):
+    """HMMA and LDSM of one block step per warp from the SASS: the main loop's counts with
+    each inner loop that holds HMMA weighted by its trip count (:func:`tc_loop_trips`)."""
+    trips = tc_loop_trips(code, span, defines)
+    if trips is None:
+        return None
+    tot = {"HMMA": 0, "LDSM": 0}
+    for a, op, _ in code:
+        if span[0] <= a <= span[1] and op in tot:
+            w = 1
+            for (lo, hi), n in trips.items():
+                if lo <= a <= hi:
+                    w *= n
+            tot[op] += w
+    return dict(HMMA=tot["HMMA"], LDSM=tot["LDSM"], passes=int(defines.get("CUFLASH_BWD_PASSES") or 1))
 
 
 def bwd_model_line(row):

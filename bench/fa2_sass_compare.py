@@ -1,0 +1,577 @@
+"""cuflash's main loops beside FlashAttention-2's, in machine code: instructions per 1,000 HMMA.
+
+No GPU is needed.  FlashAttention-2's compiled kernels come from the public
+``flash-attn-jax==0.6.2`` wheel (upstream FA2 built with nvcc 12.8: sm_80 cubins and
+compute_80 PTX), fetched with ``pip download --no-deps`` into a cache folder and unzipped --
+never installed.  ``cuobjdump`` extracts the cubins; the kernels are picked by their
+demangled names (``c++filt``):
+
+* forward ``flash::flash_fwd_kernel`` with ``Flash_fwd_kernel_traits<64, 128, 128, 4, ...>``
+  (d=64) and ``<128, 128, 64, 4, ...>`` (d=128);
+* backward ``flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel`` with
+  ``Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, ...>`` and ``<128, 64, 128, 8, 2, 4, 2, ...>``
+  (what FA2 launches with >= 144 KB of shared memory per block: A100, H100);
+
+all float16, no dropout, non-causal, no local window or ALiBi, even M/N and K, no softcap.
+sm_80 is the wheel's cubin; sm_90 is the wheel's compute_80 PTX through ``ptxas -arch=sm_90``
+(what the driver's JIT does on an H100), which needs a ``ptxas`` ($CUFLASH_PTXAS, the PATH or
+the ``nvidia-cuda-nvcc`` pip wheel, whose ``nvidia/cu13/bin/ptxas`` 13.0.88 gives the same
+counts as the toolkit's); without one the sm_90 FA2 rows say so.  The cache holds the wheel,
+its shared library and the extracted cubins (about 370 MB); a run takes 20-25 s on two cores.
+
+cuflash's side: ``flash_fwd_tc`` and ``flash_bwd_tc`` at the planner's default tiles for
+float16, d=64 and 128, compiled by NVRTC for sm_80 and sm_90 with the options a launch uses
+(``bench/plan_sweep.py``'s Job), the forward with ``-DCUFLASH_FWD_INTERIOR_ONLY=1``: only the
+path of a steady-state K/V tile (no mask, full tile, no flush), where the lazy rescale's vote
+stays and its rescale is compiled out -- the count of a tile where no row's max moves.
+
+Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
+HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
+
+* every instruction once, except cuflash's backward, whose rolled inner loops (S^T and dP^T
+  over d, the dQ k loop, the dQ tile loop) count as many times as they run
+  (``kernel_report.tc_loop_trips``);
+* plus the blocks ptxas put out of line that the loop branches to and that branch back into it
+  (FA2's forward: the copy of the next K tile, done on every trip but the last);
+* less the longer arm of each if/else (cuflash's backward: its scores with the mask, taken
+  only on tiles that cross the causal diagonal or the end of the sequence); an ``if`` without
+  ``else`` (copies of the next tile, atomics guarded by a row test) counts as taken;
+* ``@!PT`` padding (never executed, but fetched and issued) is not counted, as in
+  cuflash._sass; the table's notes give how many per trip.
+
+Normalised per 1,000 HMMA.16816 (an HMMA.1688 counts half); in brackets per logit: the
+instructions over the logits one warp covers in one trip (block_q x block_kv / warps).
+
+Usage::
+
+    python bench/fa2_sass_compare.py                       # print the table, write the result
+    python bench/fa2_sass_compare.py --no-write --arch 80
+    python bench/fa2_sass_compare.py --wheel-dir /path/with/the/wheel --cache /tmp/fa2
+"""
+import argparse
+import collections
+import datetime
+import glob
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cuflash import _nvrtc, _sass  # noqa: E402
+
+WHEEL, WHEEL_VERSION = "flash-attn-jax", "0.6.2"
+# the wheel is a CPython 3.11 manylinux build; asking for exactly it keeps the download
+# independent of the interpreter that runs this script
+WHEEL_PLATFORM = ("--python-version", "311", "--platform", "manylinux_2_28_x86_64",
+                  "--only-binary=:all:")
+DEFAULT_CACHE = Path.home() / ".cache" / "cuflash" / "fa2_wheels"
+RESULT = ROOT / "bench" / "results" / "fa2_sass_compare.md"
+
+# FA2's kernels by demangled name, the nested Flash_kernel_traits<...> dropped (normalise()).
+# flash_fwd_kernel<Traits, Is_dropout, Is_causal, Is_local, Has_alibi, Is_even_MN, Is_even_K,
+#                  Is_softcap, Return_softmax>
+# flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Traits, Is_dropout, Is_causal, Is_local,
+#                  Has_alibi, Is_even_MN, Is_even_K, Is_softcap>
+# Traits: <d, block_q, block_kv, warps, ...>
+_FWD = ("flash::flash_fwd_kernel<Flash_fwd_kernel_traits<{}, false, false, cutlass::half_t>, "
+        "false, false, false, false, true, true, false, false>")
+_BWD = ("flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<{}, "
+        "false, false, cutlass::half_t>, false, false, false, false, true, true, false>")
+FA2_KERNELS = {
+    ("fwd", 64): (_FWD.format("64, 128, 128, 4"), 128, 128, 4),
+    ("fwd", 128): (_FWD.format("128, 128, 64, 4"), 128, 64, 4),
+    ("bwd", 64): (_BWD.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd", 128): (_BWD.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+}
+
+# Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
+# "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
+# "int" the integer ALU (addresses, loop counters, predicates); "uniform" the uniform datapath.
+_FP32 = {"FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FRND", "FSWZADD"}
+_HALF = {"F2FP", "HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2", "F2F", "I2F", "F2I", "I2FP", "F2IP"}
+_INT = {"IMAD", "IADD3", "IADD", "LEA", "SHF", "LOP3", "LOP", "ISETP", "SEL", "IMNMX", "IABS",
+        "PRMT", "PLOP3", "P2R", "R2P", "BMSK", "SGXT", "POPC", "FLO", "BREV", "IDP", "ICMP", "VIADD",
+        "VIMNMX", "IMUL", "SHL", "SHR"}
+_BRANCH = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "WARPSYNC", "EXIT", "CALL", "RET", "BMOV", "BREAK",
+           "YIELD", "NANOSLEEP", "KILL", "BPT"}
+CLASSES = [
+    ("HMMA", lambda b, f: b == "HMMA"),
+    ("LDSM", lambda b, f: b == "LDSM"),
+    ("LDS/STS", lambda b, f: b in ("LDS", "STS")),
+    ("global", lambda b, f: b in ("LDG", "STG", "LDGSTS", "LDGDEPBAR")),
+    ("RED/ATOM", lambda b, f: b in ("RED", "REDG", "ATOM", "ATOMG", "ATOMS")),
+    ("MUFU", lambda b, f: b == "MUFU"),
+    ("FP32", lambda b, f: b in _FP32),
+    ("F2FP/HADD2/cvt", lambda b, f: b in _HALF),
+    ("moves", lambda b, f: b in ("MOV", "CS2R") or f.startswith("IMAD.MOV")),
+    ("int", lambda b, f: b in _INT),
+    ("uniform", lambda b, f: b.startswith("U") or b in ("S2UR", "R2UR")),
+    ("branch/conv", lambda b, f: b in _BRANCH),
+    ("SHFL/VOTE", lambda b, f: b in ("SHFL", "VOTE", "VOTEU", "MATCH")),
+    ("BAR/DEPBAR", lambda b, f: b in ("BAR", "DEPBAR", "MEMBAR", "ERRBAR")),
+    ("LDL/STL", lambda b, f: b in ("LDL", "STL")),
+    ("other", lambda b, f: True),
+]
+CLASS_NAMES = [name for name, _ in CLASSES]
+
+
+# ----------------------------------------------------------------- pure functions (tested)
+def parse_sass(text):
+    """``{kernel: [(address, opcode, full opcode, operands, predicate), ...]}`` from
+    ``cuobjdump -sass`` text: ``opcode`` without modifiers (``IMAD``), ``full`` with them
+    (``IMAD.MOV.U32``), ``predicate`` as written (``@!P0``) or ''.  Instructions predicated on
+    never (``@!PT``: ptxas' padding around cp.async) are kept here, with that predicate, and
+    left out of every count (as cuflash._sass.instructions leaves them out)."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        fm = _sass._FUNC.match(line)
+        if fm:
+            cur = out.setdefault(fm.group(1), [])
+            continue
+        m = _sass._LINE.match(line)
+        if m and cur is not None:
+            pred = (m.group(2) or "").strip()
+            cur.append((int(m.group(1), 16), m.group(3), m.group(3) + m.group(4), m.group(5).strip(),
+                        pred))
+    return out
+
+
+def base(instrs):
+    """The (address, opcode, operands) triples cuflash._sass's loop functions take."""
+    return [(a, op, args) for a, op, _, args, pred in instrs if pred != "@!PT"]
+
+
+def _target(args):
+    t = re.match(r"(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", args)
+    return int(t.group(1), 16) if t and t.group(1) is not None else None
+
+
+def excursions(instrs, span):
+    """Blocks outside ``span`` that a conditional branch inside it enters and that return into
+    it by an unconditional branch: code ptxas placed out of line (FA2's forward: the copy of
+    the next K tile, on every trip but the last).  [(start, end)] addresses."""
+    lo, hi = span
+    out = []
+    for i, (a, op, _, args, pred) in enumerate(instrs):
+        x = _target(args) if op == "BRA" and pred and lo <= a <= hi else None
+        if x is None or lo <= x <= hi:
+            continue
+        j = next((k for k, ins in enumerate(instrs) if ins[0] == x), None)
+        for ins in instrs[j:] if j is not None else []:
+            if lo <= ins[0] <= hi or ins[1] in ("EXIT", "RET", "BRX", "JMP", "CALL"):
+                break
+            if ins[1] == "BRA":
+                t = _target(ins[3])
+                if not ins[4] and t is not None and lo <= t <= hi:
+                    out.append((x, ins[0]))
+                break
+    return sorted(set(out))
+
+
+def longer_arms(instrs, span, weight=lambda a: 1):
+    """The longer arm of each if/else inside ``span`` (a conditional forward branch to X whose
+    fall-through arm ends with an unconditional branch past X): one trip runs one arm, and the
+    longer is the edge path (cuflash's backward: the masked scores).  [(start, end)] addresses,
+    arms compared by their instructions, each weighted by ``weight(address)``."""
+    lo, hi = span
+    out = []
+    for i, (a, op, _, args, pred) in enumerate(instrs):
+        x = _target(args) if op == "BRA" and pred and lo <= a <= hi else None
+        if x is None or not a < x <= hi:
+            continue
+        j = next((k for k, ins in enumerate(instrs) if ins[0] == x), None)
+        if j is None or j == 0:
+            continue
+        prev = instrs[j - 1]
+        y = _target(prev[3]) if prev[1] == "BRA" and not prev[4] else None
+        if y is None or not x < y <= hi:
+            continue
+        first = [ins[0] for ins in instrs[i + 1:j] if ins[4] != "@!PT"]
+        second = [ins[0] for ins in instrs[j:] if ins[0] < y and ins[4] != "@!PT"]
+        if not first or not second:
+            continue
+        w1, w2 = sum(map(weight, first)), sum(map(weight, second))
+        out.append((first[0], first[-1]) if w1 > w2 else (second[0], second[-1]))
+    return out
+
+
+def steady_ops(instrs, span, trips=None):
+    """Counter of full opcodes of one steady-state trip of the loop ``span``: its instructions,
+    each counted once per run of every loop of ``trips`` ({(start, end): trip count}) that holds
+    it, plus its out-of-line blocks (:func:`excursions`), less the longer arm of each if/else
+    (:func:`longer_arms`).  Returns (Counter, instructions added, instructions left out,
+    ``@!PT`` padding instructions of the trip, not counted)."""
+    trips = trips or {}
+
+    def weight(a):
+        w = 1
+        for (lo, hi), n in trips.items():
+            if lo <= a <= hi:
+                w *= n
+        return w
+    add = excursions(instrs, span)
+    drop = longer_arms(instrs, span, weight)
+    c = collections.Counter()
+    added = dropped = never = 0
+    for a, _, full, _, pred in instrs:
+        inside = span[0] <= a <= span[1]
+        if not inside and not any(lo <= a <= hi for lo, hi in add):
+            continue
+        if any(lo <= a <= hi for lo, hi in drop):
+            dropped += pred != "@!PT" and weight(a)
+        elif pred == "@!PT":
+            never += weight(a)
+        else:
+            c[full] += weight(a)
+            added += not inside
+    return c, added, dropped, never
+
+
+def hmma_16816(ops):
+    """HMMA.16816 equivalents in a Counter of full opcodes (an m16n8k8 HMMA is half of one)."""
+    n = 0.0
+    for full, k in ops.items():
+        if full.split(".")[0] != "HMMA":
+            continue
+        shape = full.split(".")[1] if "." in full else ""
+        if shape == "16816":
+            n += k
+        elif shape == "1688":
+            n += k / 2
+        else:
+            raise ValueError(f"unknown HMMA shape in {full!r}")
+    return n
+
+
+def classify(ops):
+    """Counts per class of CLASSES (and "total") from a Counter of full opcodes."""
+    out = collections.OrderedDict((name, 0) for name in CLASS_NAMES)
+    for full, k in ops.items():
+        b = full.split(".")[0]
+        name = next(n for n, test in CLASSES if test(b, full))
+        out[name] += k
+    out["total"] = sum(ops.values())
+    return out
+
+
+def per_1000(classes, hmma):
+    """The classes per 1,000 HMMA.16816."""
+    return collections.OrderedDict((k, 1000.0 * v / hmma) for k, v in classes.items())
+
+
+def normalise(demangled):
+    """A demangled FA2 kernel name without 'void ', its parameter list and the nested
+    ``Flash_kernel_traits<...>`` (the same numbers as the outer traits)."""
+    s = demangled.strip()
+    s = re.sub(r"^void\s+", "", s)
+    s = re.sub(r"\((?:flash::)?Flash_(?:fwd|bwd)_params\)$", "", s)
+    s = re.sub(r",?\s*Flash_kernel_traits<[^<>]*>\s*", "", s)
+    return re.sub(r"\s+>", ">", s)
+
+
+def mangled_names(blob):
+    """The C++ symbol names (``_Z...``) in a cubin's bytes, sorted and unique."""
+    return sorted({m.decode() for m in re.findall(rb"_Z[0-9A-Za-z_]{8,}", blob)})
+
+
+# ----------------------------------------------------------------- tools
+def find_ptxas():
+    """Path of ``ptxas``: $CUFLASH_PTXAS, the PATH, or a pip wheel's (nvidia-cuda-nvcc); or None."""
+    env = os.environ.get("CUFLASH_PTXAS")
+    if env:
+        return env
+    hit = shutil.which("ptxas")
+    if hit:
+        return hit
+    roots = list(site.getsitepackages()) + [p for p in sys.path if p.endswith("site-packages")]
+    for root in dict.fromkeys(roots):
+        hits = sorted(glob.glob(os.path.join(root, "nvidia", "**", "bin", "ptxas"), recursive=True))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def tool_version(path):
+    """The 'release X, VX.Y.Z' part of a CUDA tool's --version, or '?'."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "?"
+    m = re.search(r"release [\d.]+, V([\d.]+)", out)
+    return m.group(1) if m else "?"
+
+
+def _run(cmd, cwd=None):
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+# ----------------------------------------------------------------- FA2's side
+def fetch_wheel(wheel_dir):
+    """The flash-attn-jax wheel in ``wheel_dir``, downloaded there (pip, no dependencies) if
+    absent."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    pattern = f"{WHEEL.replace('-', '_')}-{WHEEL_VERSION}-*.whl"
+    have = sorted(wheel_dir.glob(pattern))
+    if not have:
+        print(f"pip download {WHEEL}=={WHEEL_VERSION} -> {wheel_dir}", file=sys.stderr)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", *WHEEL_PLATFORM,
+              "-d", str(wheel_dir), f"{WHEEL}=={WHEEL_VERSION}"])
+        have = sorted(wheel_dir.glob(pattern))
+        if not have:
+            raise RuntimeError(f"pip download left no {pattern} in {wheel_dir}")
+    return have[-1]
+
+
+class FA2Library:
+    """The wheel's shared library unpacked under ``cache``, its cubins extracted, and an index
+    from normalised demangled kernel names to (cubin path, mangled name)."""
+
+    def __init__(self, wheel, cache):
+        self.cuobjdump = _sass.find_cuobjdump()
+        if self.cuobjdump is None:
+            raise RuntimeError(_sass.is_available()[1])
+        if shutil.which("c++filt") is None:
+            raise RuntimeError("c++filt (binutils) is needed to read FA2's kernel names")
+        self.dir = Path(cache) / wheel.name[:-len(".whl")]
+        with zipfile.ZipFile(wheel) as z:
+            libs = [n for n in z.namelist() if n.endswith(".so") and "flash_api" in n]
+            if len(libs) != 1:
+                raise RuntimeError(f"expected one flash_api*.so in {wheel.name}, found {libs}")
+            self.so = self.dir / libs[0]
+            if not self.so.exists():
+                z.extract(libs[0], self.dir)
+        self.elf = self.dir / "elf"
+        if not any(self.elf.glob("*.cubin")):
+            self.elf.mkdir(exist_ok=True)
+            _run([self.cuobjdump, "-xelf", "all", str(self.so)], cwd=self.elf)
+        self.index = self._index()
+
+    def _index(self):
+        pairs = []
+        for cubin in sorted(self.elf.glob("*.cubin")):
+            for name in mangled_names(cubin.read_bytes()):
+                if "flash_fwd_kernel" in name or "loop_seqk_parallel" in name:
+                    pairs.append((cubin, name))
+        demangled = subprocess.run(["c++filt"], input="\n".join(n for _, n in pairs), text=True,
+                                   capture_output=True, check=True).stdout.splitlines()
+        return {normalise(d): p for d, p in zip(demangled, pairs)}
+
+    def kernel(self, want):
+        if want not in self.index:
+            raise RuntimeError(f"{want} not in {self.so.name}")
+        return self.index[want]
+
+    def sass_sm80(self, want):
+        cubin, mangled = self.kernel(want)
+        text = _run([self.cuobjdump, "-sass", "-fun", mangled, str(cubin)])
+        return parse_sass(text)[mangled]
+
+    def sass_sm90(self, want, ptxas):
+        """The kernel's compute_80 PTX (the cubin's companion in the fat binary) assembled for
+        sm_90 by ``ptxas`` alone (-e: just this entry)."""
+        cubin, mangled = self.kernel(want)
+        ptx_name = cubin.name[:-len(".cubin")] + ".ptx"
+        ptx = self.dir / "ptx" / ptx_name
+        if not ptx.exists():
+            ptx.parent.mkdir(exist_ok=True)
+            _run([self.cuobjdump, "-xptx", ptx_name, str(self.so)], cwd=ptx.parent)
+        if f".entry {mangled}(" not in ptx.read_text():
+            raise RuntimeError(f"{ptx_name} does not hold {mangled}")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "k.cubin"
+            _run([ptxas, "-arch=sm_90", "-e", mangled, "-o", str(out), str(ptx)])
+            return parse_sass(_sass.disassemble(out.read_bytes()))[mangled]
+
+
+def _note(added, dropped, never, extra=""):
+    parts = [extra] if extra else []
+    if never:
+        parts.append(f"{never} @!PT padding not counted")
+    if added:
+        parts.append(f"+{added} out of line")
+    if dropped:
+        parts.append(f"-{dropped} longer if/else arms")
+    return "; ".join(parts)
+
+
+def fa2_count(instrs):
+    """(ops Counter, note) of one steady trip of FA2's main loop (its GEMMs are unrolled)."""
+    span = _sass.main_loop(base(instrs))
+    inner = [l for l in _sass._loops(base(instrs)) if span[0] < l[0] and l[1] < span[1]]
+    ops, added, dropped, never = steady_ops(instrs, span)
+    return ops, _note(added, dropped, never, f"{len(inner)} inner loop(s) counted once" if inner else "")
+
+
+# ----------------------------------------------------------------- cuflash's side
+def cuflash_count(kind, d, arch):
+    """(ops Counter, block_q, block_kv, warps, note) of cuflash's main loop, one trip per warp."""
+    import kernel_report as kr
+    import plan_sweep as ps
+    from cuflash import kernels, tiling
+    kernel = {"fwd": "flash_fwd_tc", "bwd": "flash_bwd_tc"}[kind]
+    plan = tiling.plan(kernel, d, d, "float16", limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
+    defines = kernels.plan_defines(plan)
+    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kind == "fwd" else {}
+    job = ps.Job(kernel, f"fa2_sass_compare {kernel} {d} sm_{arch}", dict(defines, **extra), arch)
+    res = ps.compile_result(job)
+    instrs = parse_sass(_sass.disassemble(res.cubin))[kernel]
+    span = _sass.main_loop(base(instrs))
+    trips, note = {}, ""
+    if kind == "bwd":
+        trips = kr.tc_loop_trips(base(instrs), span, defines)
+        if trips is None:
+            raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
+                               "S^T / dP^T / dQ loops; no per-trip count")
+        note = "inner loops x " + ", ".join(str(t) for _, t in sorted(trips.items()))
+    ops, added, dropped, never = steady_ops(instrs, span, trips)
+    return ops, plan.block_q, plan.block_kv, plan.threads // 32, _note(added, dropped, never, note)
+
+
+# ----------------------------------------------------------------- table
+def row(label, ops, bq, bkv, warps):
+    """(label, per-1,000 classes, per-logit total, HMMA per warp-trip)."""
+    h = hmma_16816(ops)
+    cls = classify(ops)
+    return dict(label=label, per=per_1000(cls, h), logit=cls["total"] / (bq * bkv / warps), hmma=h,
+                total=cls["total"], tiles=f"{bq}x{bkv}, {warps} warps")
+
+
+def markdown(rows, breakdown=True):
+    lines = ["| kernel | FA2 | cuflash | cuflash / FA2 |", "|---|---|---|---|"]
+    for key in rows:
+        fa2, cf = rows[key].get("FA2"), rows[key].get("cuflash")
+
+        def cell(r):
+            if isinstance(r, str):
+                return r
+            return f"{r['per']['total']:.0f} ({r['logit']:.3f})"
+        ratio = (f"{cf['per']['total'] / fa2['per']['total']:.3f}"
+                 if isinstance(fa2, dict) and isinstance(cf, dict) else "")
+        lines.append(f"| {key} | {cell(fa2)} | {cell(cf)} | {ratio} |")
+    if not breakdown:
+        return "\n".join(lines)
+    lines += ["", "Per class, per 1,000 HMMA.16816 (FA2 / cuflash / difference):", ""]
+    lines.append("| class | " + " | ".join(rows) + " |")
+    lines.append("|---|" + "---|" * len(rows))
+    for name in CLASS_NAMES + ["total"]:
+        cells = []
+        for key in rows:
+            fa2, cf = rows[key].get("FA2"), rows[key].get("cuflash")
+            f = f"{fa2['per'][name]:.0f}" if isinstance(fa2, dict) else "-"
+            c = f"{cf['per'][name]:.0f}" if isinstance(cf, dict) else "-"
+            diff = (f" ({cf['per'][name] - fa2['per'][name]:+.0f})"
+                    if isinstance(fa2, dict) and isinstance(cf, dict) else "")
+            cells.append(f"{f} / {c}{diff}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "One trip per warp (tiles, HMMA.16816 and instructions per warp-trip):", ""]
+    lines.append("| kernel | side | tiles | HMMA | instructions | note |")
+    lines.append("|---|---|---|---|---|---|")
+    for key in rows:
+        for side in ("FA2", "cuflash"):
+            r = rows[key].get(side)
+            if isinstance(r, dict):
+                lines.append(f"| {key} | {side} | {r['tiles']} | {r['hmma']:g} | {r['total']} | "
+                             f"{r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wheel-dir", type=Path, default=DEFAULT_CACHE,
+                    help=f"where the wheel is (downloaded there if absent; default {DEFAULT_CACHE})")
+    ap.add_argument("--cache", type=Path, help="where it is unpacked (default: --wheel-dir)")
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90])
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    ok, why = _nvrtc.is_available()
+    if not ok:
+        print(f"NVRTC not available: {why}", file=sys.stderr)
+        return 2
+    ok, why = _sass.is_available()
+    if not ok:
+        print(why, file=sys.stderr)
+        return 2
+    wheel = fetch_wheel(args.wheel_dir)
+    lib = FA2Library(wheel, args.cache or args.wheel_dir)
+    ptxas = find_ptxas()
+    rows = collections.OrderedDict()
+    for kind in ("fwd", "bwd"):
+        for d in args.d:
+            want, bq, bkv, warps = FA2_KERNELS[(kind, d)]
+            for arch in args.arch:
+                key = f"{kind} d={d} sm_{arch}"
+                print(f"{key} ...", file=sys.stderr, flush=True)
+                r = rows[key] = {}
+                if arch == 80:
+                    code = lib.sass_sm80(want)
+                elif ptxas is None:
+                    code = None
+                    r["FA2"] = "unavailable: no ptxas (pip install nvidia-cuda-nvcc, or $CUFLASH_PTXAS)"
+                else:
+                    code = lib.sass_sm90(want, ptxas)
+                if code is not None:
+                    ops, note = fa2_count(code)
+                    r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
+                ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch)
+                r["cuflash"] = dict(row(key, ops, cbq, cbkv, cwarps), note=note)
+    table = markdown(rows)
+    elapsed = time.time() - t0
+    head = header(wheel, ptxas, elapsed, argv)
+    print(table)
+    print(f"\n({elapsed:.0f} s)", file=sys.stderr)
+    if not args.no_write:
+        RESULT.write_text(head + "\n" + table + "\n")
+        print(f"written: {RESULT.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+def header(wheel, ptxas, elapsed, argv):
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip() or "?"
+    except OSError:
+        rev = "?"
+    nvrtc = ".".join(map(str, _nvrtc.version()))
+    try:
+        import importlib.metadata as md
+        nvrtc += f" (wheel nvidia-cuda-nvrtc {md.version('nvidia-cuda-nvrtc')})"
+    except Exception:  # NVRTC from a toolkit, not the wheel: its version alone
+        pass
+    cmd = "python bench/fa2_sass_compare.py" + "".join(" " + a for a in (argv or sys.argv[1:]))
+    ptx = f"ptxas {tool_version(ptxas)} ({ptxas})" if ptxas else "no ptxas: FA2 sm_90 unavailable"
+    return (
+        "# cuflash's main loops beside FlashAttention-2's: instructions per 1,000 HMMA (generated)\n\n"
+        f"Command: `{cmd}` ({elapsed:.0f} s, no GPU), {datetime.date.today().isoformat()}, "
+        f"cuflash at {rev}.\n"
+        f"FA2: `{wheel.name}` (pip download, unpacked, not installed): sm_80 its cubins; sm_90 its "
+        f"compute_80 PTX through {ptx}. cuflash: NVRTC {nvrtc} at the planner's default tiles, "
+        f"float16, the launch's build options. cuobjdump {tool_version(_sass.find_cuobjdump())}.\n\n"
+        "Per kernel: one steady-state trip of the loop with the most HMMA, per warp (FA2's "
+        "backward: its Q-tile loop; cuflash's backward: its rolled inner loops times their trip "
+        "counts). cuflash's forward is the interior-tile build (`-DCUFLASH_FWD_INTERIOR_ONLY=1`): "
+        "no mask, the lazy rescale's vote kept and its rescale left out (a tile where no row's max "
+        "moves; FA2 rescales on every tile). Out-of-line blocks the loop returns from are added, the "
+        "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
+        "padding is not counted (the notes say how much). "
+        "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
