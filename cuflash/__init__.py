@@ -90,11 +90,12 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     with head dims that are multiples of 16 run ``flash_bwd_tc_preprocess``,
     ``flash_bwd_tc`` (tensor cores; ``flash_bwd_tc_masked`` with logit features) and
     ``flash_bwd_tc_dq_convert``.  Everything else runs ``flash_bwd_preprocess``, then dK
-    and dV by ``flash_bwd_tf32`` (float32 with d, dv multiples of 32 up to 128, not
-    deterministic; ``flash_bwd_tf32_masked`` with features) or ``flash_bwd_dkdv``
+    and dV by ``flash_bwd_tf32`` (float32 on sm_80+ with d, dv multiples of 32 up to 128,
+    both dQ paths; ``flash_bwd_tf32_masked`` with features) or ``flash_bwd_dkdv``
     (``flash_bwd_dkdv_masked``), then dQ by ``flash_bwd_dq_convert`` (from float32
-    atomics) or, for ``deterministic=True`` and float64, by the separate pass
-    ``flash_bwd_dq`` (``flash_bwd_dq_masked``).  ``memory_analysis(...)["backward_kernels"]``
+    atomics, summed over per-slot slices with ``deterministic=True``) or, for float64 and
+    ``deterministic=True`` off ``flash_bwd_tf32``, by the separate pass ``flash_bwd_dq``
+    (``flash_bwd_dq_masked``).  ``memory_analysis(...)["backward_kernels"]``
     lists them with their shared memory."""
 
 _SERVING_KERNELS_NOTE = """Kernel on "cuda" and "emulator": ``flash_fwd_serving`` on the CUDA cores, every dtype

@@ -10,8 +10,8 @@
 //
 // Kernels (one launch each, in this order):
 //   flash_bwd_preprocess  D = rowsum(dO * O): warps read rows coalesced, partial sums meet
-//                         in shared memory; optionally zeroes the float32 dQ accumulator
-//                         of the atomic path.
+//                         in shared memory; optionally zeroes the float32 dQ
+//                         accumulator(s) of the atomic path and of flash_bwd_tf32.
 //   flash_bwd_dkdv        one block per (KV tile j, kv head): Kj, Vj resident in shared
 //                         memory, Qi/dOi/lse_i/D_i streamed for every query head of the GQA
 //                         group and every Q tile that can see Kj; dKj, dVj accumulate in
@@ -20,9 +20,10 @@
 //                         accumulator with atomics (as FlashAttention-2).
 //   flash_bwd_dq          deterministic dQ: one block per (Q tile i, query head): Qi, dOi
 //                         resident, Kj/Vj streamed, dQi accumulated in registers.
-//   flash_bwd_dq_convert  float32 dQ accumulator -> dQ in the input dtype (atomic path).
+//   flash_bwd_dq_convert  float32 dQ accumulator(s) -> dQ in the input dtype (their sum).
 // The launcher (cuflash/launch/bwd_simt.py) runs flash_bwd_dq when deterministic=True and for
-// float64 (there is no double gatomic_add), and the atomic path otherwise.
+// float64 (there is no double gatomic_add), and the atomic path otherwise; float32 on sm_80+
+// runs flash_bwd_tf32 (flash_bwd_tf32.cu) in place of flash_bwd_dkdv on both dQ paths.
 //
 // Notation as in cuflash.reference and flash_fwd.cu: Br = BLOCK_Q rows of Q per tile,
 // Bc = BLOCK_KV rows of K/V per tile, Qi, Kj, Vj tiles, lse, D.
@@ -141,8 +142,9 @@ __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const elem_t*
 // columns (coalesced) and leaves one partial sum per lane in red_s; after one barrier,
 // thread r adds up the 32 partials of row r. (A shuffle tree per row would need 5 warp
 // collectives per row instead of 2 barriers per 32 rows.)
-// zero_dq != 0: the warps also zero these rows of the float32 dQ accumulator
-// (B, H, Nq, d), which the atomic path of flash_bwd_dkdv adds into.
+// zero_dq != 0: the warps also zero these rows of the float32 dQ accumulator(s) (n_splits
+// slices (B, H, Nq, d), dq_slice_stride apart), which the atomic path of flash_bwd_dkdv and
+// both paths of flash_bwd_tf32 add into.
 // Shared memory: sizeof(acc_t) * PRE_ROWS * 33.
 #define PRE_ROWS 32
 static_assert(NUM_THREADS >= PRE_ROWS, "one thread per row adds up the partial sums");
@@ -174,8 +176,9 @@ extern "C" __global__ void flash_bwd_preprocess(const elem_t* __restrict__ O,
                 part += to_acc(gload(Ob + i * o_sr + c)) * to_acc(gload(dOb + i * do_sr + c));
             red_s[r * 33 + lane] = part;
             if (zero_dq)
-                for (int c = lane; c < d; c += 32)
-                    gstore(dq_accum + (bh * Nq + i) * d + c, 0.0f);
+                for (int sl = 0; sl < p.n_splits; ++sl)
+                    for (int c = lane; c < d; c += 32)
+                        gstore(dq_accum + sl * p.dq_slice_stride + (bh * Nq + i) * d + c, 0.0f);
         }
         __syncthreads();  // all partials of the chunk are in red_s
         if (tid < rows) {
@@ -539,13 +542,18 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
 }
 
 // ---------------------------------------------------------------------------------------
-// Atomic path, last step: dq = dq_accum in the input dtype (grid-stride, coalesced).
+// Accumulator path, last step: dq = the sum of the n_splits accumulator slices, in order 0,
+// 1, ... (deterministic when each slice is), in the input dtype (grid-stride, coalesced).
 extern "C" __global__ void flash_bwd_dq_convert(const float* __restrict__ dq_accum_ws,
                                                 elem_t* __restrict__ dQ,
                                                 const BwdParams* __restrict__ P) {
     const float* dq_accum = dq_accum_ws + P->dq_accum_offset;
-    const long long n = P->n_convert;
+    const long long n = P->n_convert, stride = P->dq_slice_stride;
+    const int n_splits = P->n_splits;
     for (long long e = (long long)blockIdx.x * NUM_THREADS + threadIdx.x; e < n;
-         e += (long long)gridDim.x * NUM_THREADS)
-        gstore(dQ + e, from_acc((acc_t)gload(dq_accum + e)));
+         e += (long long)gridDim.x * NUM_THREADS) {
+        float x = gload(dq_accum + e);
+        for (int sl = 1; sl < n_splits; ++sl) x += gload(dq_accum + sl * stride + e);
+        gstore(dQ + e, from_acc((acc_t)x));
+    }
 }

@@ -233,6 +233,7 @@ __device__ __forceinline__ float gatomic_add(float* p, float v CUFLASH_SITE) {
     ::cuflash_emu::check_global(p, 4, "global atomic", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_read += 4;
     ::cuflash_emu::tctx->bytes_written += 4;
+    ::cuflash_emu::note_atomic(p);  // the atomic order check, when on
 #endif
     return atomicAdd(p, v);
 }
@@ -242,6 +243,7 @@ __device__ __forceinline__ double gatomic_add(double* p, double v CUFLASH_SITE) 
     ::cuflash_emu::check_global(p, 8, "global atomic", CUFLASH_SITE_ARGS);
     ::cuflash_emu::tctx->bytes_read += 8;
     ::cuflash_emu::tctx->bytes_written += 8;
+    ::cuflash_emu::note_atomic(p);  // the atomic order check, when on
 #endif
     return atomicAdd(p, v);
 }

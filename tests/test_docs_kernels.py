@@ -114,10 +114,10 @@ def test_deterministic_backward_is_documented(rng, dtype, feature):
     _, bwd = launched(lambda: cuflash.tiled_attention_backward(
         do, q, k, v, o, lse, deterministic=True, backend=EMU, **call))
     assert_doc_names(cuflash.tiled_attention_backward, bwd)
-    if dtype == "float32":  # the separate dQ pass, no atomics
+    if dtype == "float32":  # the tensor cores, dQ in per-slot accumulator slices
         suffix = "_masked" if call else ""
-        assert [e["kernel"] for e in bwd] == ["flash_bwd_preprocess", "flash_bwd_dkdv" + suffix,
-                                             "flash_bwd_dq" + suffix]
+        assert [e["kernel"] for e in bwd] == ["flash_bwd_preprocess", "flash_bwd_tf32" + suffix,
+                                             "flash_bwd_dq_convert"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])

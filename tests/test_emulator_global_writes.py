@@ -5,7 +5,9 @@ launch writing the same address -- on a GPU they may run at the same time and th
 is undefined.  With ``cuflash.emulator.interblock_check()`` on (the test session turns it on
 for every launch, tests/conftest.py) every ``gstore`` is logged and such a pair is reported as
 :class:`cuflash.emulator.InterBlockRaceError`, naming the kernel, both blocks, the address and
-the argument it falls in.  Also here: ``gred_add`` / ``_v2`` / ``_v4`` (``red.global.add.f32``,
+the argument it falls in.  The atomic order check (``cuflash.emulator.atomic_order_check()``)
+reports float atomic adds into one address from two threads: a sum whose order, on a GPU,
+varies by run.  Also here: ``gred_add`` / ``_v2`` / ``_v4`` (``red.global.add.f32``,
 vectorised on sm_90) and ``cvt_pack2`` (``cvt.rn.{f16,bf16}x2.f32``) of portable.cuh.
 """
 import os
@@ -59,6 +61,43 @@ def test_correct_kernel_and_reds_pass(mod):
     np.testing.assert_array_equal(acc[128:], np.tile([tot, 2 * tot, 3 * tot, 4 * tot], 32))
     st = em.last_launch_stats()  # 7 floats per thread, each 4 bytes read + 4 written
     assert st["global_bytes_read"] == st["global_bytes_written"] == blocks * 32 * 7 * 4
+
+
+def test_atomic_order_check_passes_one_adder_per_address(mod):
+    n, blocks = 40, 3
+    out = np.zeros(2 * n * blocks, np.float32)
+    out64 = np.zeros(n * blocks, np.float64)
+    with em.atomic_order_check():
+        mod.get_function("own_atomics")(blocks, 32, (out, out64, np.int32(n)))
+    np.testing.assert_array_equal(out, 6.0)
+    np.testing.assert_array_equal(out64, 6.0)
+
+
+@pytest.mark.parametrize("kernel, args, where", [
+    ("shared_atomic_in_block", lambda: (np.zeros(64, np.float32),),
+     "block (0,0,0) thread 0 and block (0,0,0) thread 1"),
+    ("overlapping_vector_reds", lambda: (np.zeros(32, np.float32),),
+     "block (0,0,0) thread 28 and block (1,0,0) thread 0"),
+    ("shared_double_atomic", lambda: (np.zeros(8, np.float64),),
+     "block (0,0,0) thread 0 and block (1,0,0) thread 0"),
+])
+def test_atomic_order_check_reports_two_adders(mod, kernel, args, where):
+    arrays = args()
+    with em.atomic_order_check():
+        with pytest.raises(em.AtomicOrderError) as info:
+            mod.get_function(kernel)(2, 32, arrays)
+    msg = str(info.value)
+    assert kernel in msg and where in msg and "argument 'out'" in msg, msg
+    # off (the default): the same launch runs
+    mod.get_function(kernel)(2, 32, args())
+
+
+def test_atomic_order_check_under_race_check():
+    tsan = em.RawModule(path=KERNELS / "global_writes.cu", race_check=True)
+    with em.atomic_order_check():
+        with pytest.raises(em.AtomicOrderError,
+                           match=r"shared_double_atomic.*argument 'out' \(a float64 array of 8 elements\), element 3"):
+            tsan.get_function("shared_double_atomic")(2, 32, (np.zeros(8, np.float64),))
 
 
 def test_check_off_lets_it_pass(mod):

@@ -1,13 +1,15 @@
 """flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward on tensor cores.
 
-float32 backward calls with deterministic=False on sm_80+ run it in place of the SIMT
-flash_bwd_dkdv (flash_bwd_preprocess and flash_bwd_dq_convert around it stay).  Checked
+float32 backward calls on sm_80+ run it in place of the SIMT flash_bwd_dkdv
+(flash_bwd_preprocess and flash_bwd_dq_convert around it stay), on both dQ paths: with
+deterministic=True each block slot walks several KV tiles and adds dQ into its own
+accumulator slice (the emulator's atomic order check holds it to one adder per address).  Checked
 against the float64 oracle by the float32 rule of docs/testing.md (relative error < 1e-5)
 over odd lengths, Nq != Nk both ways, both causal alignments with rows that see no key,
 MHA/GQA/MQA, d in {32, 64, 96, 128} and dv != d; gradients are NaN-poisoned before the
 kernels run; the bytes it moves equal cuflash.tiling.flash_bwd_traffic with its tiles; one
-race check; the fallbacks (deterministic, explicit tiles it lacks, misaligned views, head
-dims it lacks, sm_75) go to the SIMT kernels.
+race check; the fallbacks (misaligned views, head dims it lacks, sm_75) go to the SIMT
+kernels, explicit tiles it lacks are refused.
 """
 import contextlib
 
@@ -18,7 +20,8 @@ import cuflash
 import oracle
 from conftest import poisoned_outputs, require_backend
 from cuflash import _validate, _validate_masks, kernels, tiling
-from cuflash.launch import bwd as launch_bwd, common as launch_common
+from cuflash import emulator as em
+from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc, common as launch_common
 
 
 def _fwd(q, k, v, causal):
@@ -105,15 +108,15 @@ def test_plan_and_fallbacks():
     assert tiling.bwd_tf32_strides(64, 64, 64) == (84, 80, 84, 84, 68)
 
 
-@pytest.mark.parametrize("how", ["deterministic", "tiles", "misaligned", "sm_75"])
+@pytest.mark.parametrize("how", ["tiles", "misaligned", "misaligned-deterministic", "sm_75"])
 def test_fallbacks_run_simt(how, rng):
-    """The SIMT kernels keep the float32 call where flash_bwd_tf32 cannot run it: the
-    deterministic path, misaligned rows, sm_75; explicit tiles it lacks are refused instead
-    (running them on the SIMT kernel would be several times slower)."""
+    """The SIMT kernels keep the float32 call where flash_bwd_tf32 cannot run it: misaligned
+    rows (on both dQ paths), sm_75; explicit tiles it lacks are refused instead (running them
+    on the SIMT kernel would be several times slower)."""
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", arch="sm_75" if how == "sm_75" else None)
     q, k, v = oracle.qkv(rng, (1, 2, 30, 32), (1, 2, 41, 32), dtype="float32")
-    if how == "misaligned":  # k starts 4 bytes into its buffer: cp.async cannot read it
+    if how.startswith("misaligned"):  # k starts 4 bytes into its buffer: cp.async cannot read it
         buf = oracle.randn(rng, (1, 2, 41 * 32 + 1), "float32")
         k = buf[..., 1:].reshape(1, 2, 41, 32)
     o, lse = _fwd(q, k, v, True)
@@ -126,10 +129,100 @@ def test_fallbacks_run_simt(how, rng):
         return
     with poisoned_outputs(), _count_launches() as seen:
         grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec,
-                                     deterministic=how == "deterministic")
+                                     deterministic=how.endswith("deterministic"))
     assert "flash_bwd_tf32" not in seen["launches"]
-    assert ("flash_bwd_dq" in seen["launches"]) == (how == "deterministic")
+    assert ("flash_bwd_dq" in seen["launches"]) == how.endswith("deterministic")
     oracle.check_backward(grads, do, q, k, v, None, True)
+
+
+# (q shape, k shape, causal, features, dQ slices): several KV tiles per block slot at the
+# emulator's 4 concurrent blocks (one slice: 4 problems fill them), GQA, keys past Nk
+DET_CASES = [
+    ((2, 4, 70, 64), (2, 2, 250, 64), "bottom_right", {}, 1),
+    ((1, 2, 90, 32), (1, 1, 300, 32), False, {"window": (40, 17)}, 0),
+    ((1, 2, 45, 128), (1, 2, 200, 128), "bottom_right", {"bias": "keys", "softcap": 20.0}, 0),
+]
+
+
+@pytest.mark.parametrize("qs,ks,causal,feat,want_splits", DET_CASES,
+                         ids=["gqa-causal", "window", "d128-bias-softcap"])
+def test_deterministic_on_tensor_cores(qs, ks, causal, feat, want_splits, rng, monkeypatch):
+    """deterministic=True runs flash_bwd_tf32(_masked) with dQ in n_splits accumulator slices,
+    each block slot walking several KV tiles: one adder per dQ address (the atomic order
+    check, which the atomic path fails), the float64 oracle's accuracy, bytes = the model."""
+    require_backend("emulator")
+    q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
+    call = dict(feat)
+    if call.get("bias") == "keys":  # a key-padding bias of full shape (dbias one writer each)
+        bias = oracle.randn(rng, qs[:-1] + (ks[-2],), "float32")
+        bias[..., -7:] = -np.inf
+        call["bias"] = bias
+    o, lse, _ = oracle.attention(q, k, v, None, causal, **call)
+    o, lse = o.astype(np.float32), lse.astype(np.float32)
+    do = oracle.randn(rng, o.shape, "float32")
+    kernel = "flash_bwd_tf32_masked" if call else "flash_bwd_tf32"
+    splits = []
+    real = launch_bwd_tc.dq_splits
+    monkeypatch.setattr("cuflash.launch.bwd_simt.dq_splits",
+                        lambda *a: splits.append(real(*a)) or splits[-1])
+    runs = []
+    for _ in range(2):
+        with poisoned_outputs(), _count_launches() as seen, em.atomic_order_check():
+            runs.append(cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                         deterministic=True, backend="emulator",
+                                                         **call))
+        assert seen["launches"] == ["flash_bwd_preprocess", kernel, "flash_bwd_dq_convert"]
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+    oracle.check_backward(runs[0], do, q, k, v, None, causal, **call)
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal)
+    plan = tiling.plan_bwd_tf32(qs[-1], qs[-1], "float32", limit=tiling.EMULATOR_ARCHES["sm_80"],
+                                masked=bool(call))
+    n_kv_tiles = -(-ks[-2] // plan.block_kv)
+    n_splits = splits[-1]
+    assert n_splits < n_kv_tiles  # several KV tiles per slot
+    assert n_splits == want_splits if want_splits else n_splits > 1, n_splits
+    if not call:
+        B, H = launch_common.problem_dims(spec.lead)
+        Hk, _ = launch_common.kv_heads_for_kernel(spec)
+        assert (seen["global_bytes_read"], seen["global_bytes_written"]) == tiling.flash_bwd_traffic(
+            B, H, Hk, spec.Nq, spec.Nk, qs[-1], qs[-1], "float32", plan.block_q, plan.block_kv,
+            spec.causal, deterministic=False, flush_rows=tiling.TF32_FLUSH_ROWS, dq_splits=n_splits)
+    # the atomic path adds into each dQ element from every KV tile's block: the check says so
+    with em.atomic_order_check(), pytest.raises(em.AtomicOrderError, match=kernel):
+        cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=causal, backend="emulator", **call)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_deterministic_16bit_has_one_adder_per_address(dtype, rng):
+    """The tensor-core backward's deterministic dQ (flash_bwd_tc) under the same check."""
+    require_backend("emulator")
+    q, k, v = oracle.qkv(rng, (1, 2, 60, 64), (1, 2, 300, 64), dtype=dtype)
+    o, lse = _fwd(q, k, v, True)
+    do = oracle.randn(rng, o.shape, dtype)
+    with _count_launches() as seen, em.atomic_order_check():
+        grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True,
+                                                 backend="emulator")
+    assert seen["launches"][1] == "flash_bwd_tc"
+    oracle.check_backward(grads, do, q, k, v, None, True)
+    with em.atomic_order_check(), pytest.raises(em.AtomicOrderError, match="flash_bwd_tc"):
+        cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=True, backend="emulator")
+
+
+def test_race_check_deterministic_slots(rng):
+    """flash_bwd_tf32 under TSan with deterministic=True: three block slots that walk 2, 2 and
+    1 KV tiles (a barrier between a slot's tiles guards K_j and dS^T), GQA, keys past Nk."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 40, 32), (1, 1, 150, 32), dtype="float32")
+    o, lse = _fwd(q, k, v, False)
+    do = oracle.randn(rng, o.shape, "float32")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=16, block_kv=32)
+    assert launch_bwd_tc.dq_splits(rt, tiling.plan_bwd_tf32(32, 32, "float32", 16, 32), 5, 1, True) == 3
+    with _count_launches() as seen:
+        grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=True)
+    assert seen["launches"] == ["flash_bwd_preprocess", "flash_bwd_tf32", "flash_bwd_dq_convert"]
+    oracle.check_backward(grads, do, q, k, v)
 
 
 def test_misaligned_view_with_features_runs_simt(rng):

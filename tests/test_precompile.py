@@ -19,7 +19,9 @@ def test_precompile_emulator_then_calls_compile_nothing(rng):
     # float32 on sm_80: 3xTF32 forward (flash_fwd_tc.cu) and dK/dV (flash_bwd_tf32.cu) + SIMT helpers
     assert files == {"flash_fwd_tc.cu", "flash_bwd.cu", "flash_bwd_tf32.cu"}, res
     kernels_listed = {k for m in res["modules"] for k in m["kernels"]}
-    assert {"flash_fwd_tf32", "flash_bwd_tf32", "flash_bwd_dkdv", "flash_bwd_preprocess"} <= kernels_listed
+    assert {"flash_fwd_tf32", "flash_bwd_tf32", "flash_bwd_dq_convert", "flash_bwd_preprocess"} <= kernels_listed
+    # both dQ paths run flash_bwd_tf32: the SIMT dK/dV and dQ kernels are not needed
+    assert not {"flash_bwd_dkdv", "flash_bwd_dq"} & kernels_listed
     assert all(any(o.startswith("-DCUFLASH_DTYPE_F32") for o in m["options"])
                for m in res["modules"])
     # a default-tile forward + backward of that dtype and d now finds every module built
@@ -28,6 +30,7 @@ def test_precompile_emulator_then_calls_compile_nothing(rng):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator")
     do = oracle.randn(rng, o.shape, "float32")
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator")
+    cuflash.tiled_attention_backward(do, q, k, v, o, lse, deterministic=True, backend="emulator")
     assert len(kernels._CACHE) == before, "a call after precompile compiled another module"
     oracle.check_forward(o, q, k, v, lse=lse)
     oracle.check_backward(grads, do, q, k, v)
@@ -70,9 +73,9 @@ def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
     masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked"} if dtype == "float16" else
-              {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dkdv_masked",
-               "flash_bwd_dq_masked"})
+              {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
+    assert not {"flash_bwd_dkdv_masked", "flash_bwd_dq_masked"} & listed  # both dQ paths: tf32
     assert any("-DCUFLASH_MASKS" in m["options"] for m in res["modules"])
     before = len(kernels._CACHE)
     q, k, v = oracle.qkv(rng, (1, 2, 33, d), (1, 2, 41, d), dtype=dtype)

@@ -59,7 +59,9 @@ that works on the emulator also works with CuPy on a GPU):
   :class:`RaceError` (blocks run one after another, so races between blocks
   on global memory are not seen by it); :func:`interblock_check` logs every
   ``gstore`` and raises :class:`InterBlockRaceError` when two blocks of one
-  launch store to the same global address;
+  launch store to the same global address; :func:`atomic_order_check` logs
+  every float atomic add and raises :class:`AtomicOrderError` when two threads
+  add into the same address (a sum whose order, on a GPU, varies by run);
 * :func:`memcheck` checks every global access of a launch against its arrays
   and every shared-memory access against its shared memory, and raises
   :class:`MemcheckError` naming the access, thread, argument and source line;
@@ -69,14 +71,15 @@ that works on the emulator also works with CuPy on a GPU):
 """
 import shutil
 
-from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, RaceError, interblock_check,
-                      memcheck, profiling, set_interblock_check, set_memcheck)
+from ._checks import (AtomicOrderError, CompileError, InterBlockRaceError, LaunchError, MemcheckError, RaceError,
+                      atomic_order_check, interblock_check, memcheck, profiling, set_atomic_order_check,
+                      set_interblock_check, set_memcheck)
 from ._module import RawKernel, RawModule, _cxx, cache_dir, kernels_cu_dir, last_launch_profile, last_launch_stats
 
 __all__ = ["RawModule", "RawKernel", "RaceError", "InterBlockRaceError", "LaunchError", "CompileError",
            "last_launch_stats", "cache_dir", "kernels_cu_dir", "is_available", "interblock_check",
            "set_interblock_check", "MemcheckError", "memcheck", "set_memcheck", "profiling",
-           "last_launch_profile"]
+           "last_launch_profile", "AtomicOrderError", "atomic_order_check", "set_atomic_order_check"]
 
 
 def is_available():

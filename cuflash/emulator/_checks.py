@@ -10,7 +10,8 @@ import re
 import subprocess
 
 __all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError", "MemcheckError",
-           "set_interblock_check", "interblock_check", "set_memcheck", "memcheck", "memcheck_enabled",
+           "AtomicOrderError", "set_interblock_check", "interblock_check", "set_atomic_order_check",
+           "atomic_order_check", "set_memcheck", "memcheck", "memcheck_enabled",
            "launch_flags", "describe_address", "describe_memcheck", "profiling", "profile_enabled",
            "resolve_sites"]
 
@@ -56,6 +57,17 @@ class InterBlockRaceError(RaceError):
     """
 
 
+class AtomicOrderError(RuntimeError):
+    """Two threads of one launch added into the same float with atomics.
+
+    On a GPU such adds arrive in a run-dependent order, so the sum they build
+    is not bitwise repeatable (adds of one thread to one address keep its
+    program order).  Raised when the atomic order check is on
+    (:func:`atomic_order_check`); the message names the kernel, both blocks
+    and threads, the address and the kernel argument (and element) it falls in.
+    """
+
+
 # ---------------------------------------------------------------- inter-block write check
 _INTERBLOCK = [os.environ.get("CUFLASH_EMULATOR_INTERBLOCK_CHECK", "0") not in ("", "0")]
 
@@ -82,6 +94,35 @@ def interblock_check(on=True):
         yield
     finally:
         set_interblock_check(old)
+
+
+# ---------------------------------------------------------------- atomic order check
+_ATOMIC_ORDER = [os.environ.get("CUFLASH_EMULATOR_ATOMIC_ORDER_CHECK", "0") not in ("", "0")]
+
+
+def set_atomic_order_check(on):
+    """Turn the atomic order check on or off for later launches; returns the old setting.
+
+    With it on, every element of a float atomic add (``gatomic_add``,
+    ``gred_add*``) is logged (address, block, thread) and, after the launch, an
+    address that received adds from two threads raises
+    :class:`AtomicOrderError`: what a launch that promises bitwise-repeatable
+    results must pass.  Off by default (``$CUFLASH_EMULATOR_ATOMIC_ORDER_CHECK=1``
+    turns it on): the atomic dQ path adds from many blocks by design.
+    """
+    old = _ATOMIC_ORDER[0]
+    _ATOMIC_ORDER[0] = bool(on)
+    return old
+
+
+@contextlib.contextmanager
+def atomic_order_check(on=True):
+    """The atomic order check on (or off) inside the block (see :func:`set_atomic_order_check`)."""
+    old = set_atomic_order_check(on)
+    try:
+        yield
+    finally:
+        set_atomic_order_check(old)
 
 
 # ---------------------------------------------------------------- memcheck
@@ -188,8 +229,9 @@ def resolve_sites(lib_path, offsets):
 
 
 def launch_flags():
-    """The flags word a launch passes to the kernel library (1: log stores for the check)."""
-    return 1 if _INTERBLOCK[0] else 0
+    """The flags word a launch passes to the kernel library (1: log stores for the inter-block
+    write check, 8: log atomic adds for the atomic order check)."""
+    return (1 if _INTERBLOCK[0] else 0) | (8 if _ATOMIC_ORDER[0] else 0)
 
 
 def _addr2line(lib_path, offset):
@@ -230,10 +272,13 @@ def describe_address(message, params, arrays):
         return message
     addr = int(m.group(1), 16)
     names = [p[0] for p in params if p[1] == "p"]
-    for name, a in zip(names, arrays):
-        base = a.ctypes.data
-        if base <= addr < base + max(a.nbytes, 1):
-            off = addr - base
-            return (f"{message}; that is argument {name!r} (a {a.dtype} array of {a.size} elements), "
-                    f"element {off // a.itemsize}")
-    return message
+    hits = [(name, a) for name, a in zip(names, arrays)
+            if a.ctypes.data <= addr < a.ctypes.data + max(a.nbytes, 1)]
+    if not hits:
+        return message
+    # one array passed as several arguments (a workspace): name them all
+    same = [n for n, a in hits if a.ctypes.data == hits[0][1].ctypes.data]
+    name, a = hits[0]
+    what = " = ".join(repr(n) for n in same)
+    return (f"{message}; that is argument {what} (a {a.dtype} array of {a.size} elements), "
+            f"element {(addr - a.ctypes.data) // a.itemsize}")

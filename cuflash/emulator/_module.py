@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import (CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
+from ._checks import (AtomicOrderError, CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
                       describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, profile_sink,
                       resolve_sites)
 from ._race import run_tsan
@@ -744,6 +744,8 @@ class RawKernel:
                 sink.append(prof)
         if rc == 2:
             raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
+        if rc == 3:
+            raise AtomicOrderError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
         if rc != 0:
             msg = err.value.decode(errors="replace")
             if msg.startswith("memcheck:"):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import InterBlockRaceError, LaunchError, RaceError, describe_address, launch_flags
+from ._checks import AtomicOrderError, InterBlockRaceError, LaunchError, RaceError, describe_address, launch_flags
 
 _TIMEOUT_S = 600
 
@@ -99,7 +99,7 @@ def run_tsan(kernel, grid, block, shmem, args):
         inp, out = Path(d) / "args.bin", Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
-                    f"{shmem} {len(holders)} {len(buffers)} {launch_flags() & 1}\n".encode())
+                    f"{shmem} {len(holders)} {len(buffers)} {launch_flags() & 9}\n".encode())
             for start, n in buffers:
                 f.write(f"{n}\n".encode())
                 f.write(ctypes.string_at(start, n))
@@ -145,5 +145,8 @@ def run_tsan(kernel, grid, block, shmem, args):
     if rc == 2:
         msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
         raise InterBlockRaceError(describe_address(msg, kernel.params, arrays))
+    if rc == 3:
+        msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
+        raise AtomicOrderError(describe_address(msg, kernel.params, arrays))
     if rc != 0:
         raise LaunchError(f"kernel {kernel.name} (grid {grid}, block {block}): {err.decode(errors='replace')}")

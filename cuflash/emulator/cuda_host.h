@@ -203,6 +203,9 @@ struct CpCopy { void* dst; const void* src; };
 
 // One plain global store, for the inter-block write check (see check_interblock_stores).
 struct StoreRec { uintptr_t addr; unsigned bytes; unsigned long long block; };
+// One element of a float atomic add (gatomic_add, red.global.add*), for the atomic order check
+// (see check_atomic_order): the element's address, the block and the thread that added.
+struct AtomicRec { uintptr_t addr; unsigned long long block; unsigned tid; };
 
 struct Block;
 
@@ -235,6 +238,8 @@ struct ThreadCtx {
     unsigned long long block_lin = 0;  // linear index of the block being run
     bool record_stores = false;        // inter-block check on: log every gstore
     std::vector<StoreRec> stores;      // (address, bytes, block) of this thread's gstores
+    bool record_atomics = false;       // atomic order check on: log every float atomic add
+    std::vector<AtomicRec> atomics;    // (element, block, thread) of this thread's atomic adds
     // profiler (see "profiler" below): waits passed so far in this block, the accesses of
     // this block, the executed-instruction counts; `quiet` while emulator code itself
     // touches shared memory (an ldmatrix's or a cp.async's own copy)
@@ -936,6 +941,49 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
     c.quiet = false;
 }
 
+// ---------------------------------------------------------------- atomic order check
+// A float atomic add is deterministic only in the order the adds reach an address.  Adds of
+// ONE thread to one address are applied in its program order (PTX memory model); adds of two
+// threads -- of one block or of two -- land in whatever order the GPU runs them, so a sum
+// they build may differ in its last bits from run to run.  With the check on, every element
+// of gatomic_add and red.global.add* is logged (element address, block, thread); after the
+// launch an address that received adds from two threads is reported.  A launch meant to be
+// bitwise repeatable (the backward with deterministic=True) must pass it; the atomic dQ path
+// does not (several KV blocks add into each dQ element), which is its documented trade.
+inline void note_atomic(const void* p) {
+    ThreadCtx& c = *tctx;
+    if (c.record_atomics) c.atomics.push_back(AtomicRec{reinterpret_cast<uintptr_t>(p), c.block_lin, c.tid});
+}
+
+inline std::string fmt_block(unsigned long long lin, const unsigned* grid);
+
+// Returns "" or the message naming the kernel, the address and two threads that added there.
+inline std::string check_atomic_order(std::vector<ThreadCtx>& ctxs, const char* name, const unsigned* grid) {
+    std::vector<AtomicRec> all;
+    for (ThreadCtx& c : ctxs) {
+        all.insert(all.end(), c.atomics.begin(), c.atomics.end());
+        std::vector<AtomicRec>().swap(c.atomics);
+    }
+    // elements are 4- or 8-byte aligned floats/doubles: an address shared by two adds is equal
+    std::sort(all.begin(), all.end(), [](const AtomicRec& a, const AtomicRec& b) {
+        return a.addr != b.addr ? a.addr < b.addr : (a.block != b.block ? a.block < b.block : a.tid < b.tid);
+    });
+    for (size_t i = 1; i < all.size(); ++i) {
+        const AtomicRec &a = all[i - 1], &r = all[i];
+        if (a.addr == r.addr && (a.block != r.block || a.tid != r.tid)) {
+            char buf[512];
+            std::snprintf(buf, sizeof buf,
+                          "atomic order in kernel %s: block %s thread %u and block %s thread %u both add into "
+                          "global address 0x%llx; on a GPU their adds arrive in a run-dependent order, so the "
+                          "sum is not bitwise repeatable",
+                          name, fmt_block(a.block, grid).c_str(), a.tid, fmt_block(r.block, grid).c_str(), r.tid,
+                          (unsigned long long)r.addr);
+            return buf;
+        }
+    }
+    return "";
+}
+
 // red.global.add.f32 (scalar, .v2, .v4): n floats at p, p must be 4n-byte aligned for n > 1
 // (as the vector instruction requires).  Counted as 4 bytes read + 4 written per element.
 inline void red_add_f32(float* p, const float* v, int n, const char* file = "?", int line = 0) {
@@ -946,6 +994,7 @@ inline void red_add_f32(float* p, const float* v, int n, const char* file = "?",
                      "-byte aligned");
     check_global(p, 4u * n, "red.global.add", file, line);
     for (int i = 0; i < n; ++i) count(CNT_GLOBAL_ATOMIC);  // n scalar reds before sm_90
+    for (int i = 0; i < n; ++i) note_atomic(p + i);
     for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
     c.bytes_read += 4ull * n;
     c.bytes_written += 4ull * n;
@@ -1312,8 +1361,10 @@ inline std::string profile_text() {
     return out;
 }
 
-// flags: bit 0 = the inter-block write check, bit 1 = memcheck, bit 2 = profile.  Returns 0, 1 (launch error) or 2 (inter-block race).
-enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u, LAUNCH_PROFILE = 4u };
+// flags: bit 0 = the inter-block write check, bit 1 = memcheck, bit 2 = profile, bit 3 = the
+// atomic order check.  Returns 0, 1 (launch error), 2 (inter-block race) or 3 (atomic order).
+enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u, LAUNCH_PROFILE = 4u,
+                  LAUNCH_CHECK_ATOMIC_ORDER = 8u };
 inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
                   const unsigned* block, unsigned long long shmem, unsigned long long* stats,
                   char* err, size_t errlen, unsigned flags) {
@@ -1357,6 +1408,7 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         c.blk = &blk;
         c.dyn_smem = dyn.get();
         c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
+        c.record_atomics = (flags & LAUNCH_CHECK_ATOMIC_ORDER) != 0;
     }
     // Before block b (every thread is between blocks).
     auto begin_block = [&](unsigned long long b) {
@@ -1404,6 +1456,13 @@ inline int launch(const char* name, void (*entry)(void**), void** args, const un
         if (!race.empty()) {
             std::snprintf(err, errlen, "%s", race.c_str());
             return 2;
+        }
+    }
+    if (flags & LAUNCH_CHECK_ATOMIC_ORDER) {
+        const std::string order = check_atomic_order(ctxs, name, grid);
+        if (!order.empty()) {
+            std::snprintf(err, errlen, "%s", order.c_str());
+            return 3;
         }
     }
     return 0;

@@ -14,12 +14,15 @@ features runs the same kernels compiled with ``-DCUFLASH_MASKS`` (their
    dtype is float64 (there is no double ``gatomic_add``), or float32 atomics
    from the dK/dV kernel followed by ``flash_bwd_dq_convert`` otherwise.
 
-float32 on the atomic path of a GPU with tensor cores computes step 2 with
-``flash_bwd_tf32`` (``flash_bwd_tf32.cu``, 3xTF32; ``flash_bwd_tf32_masked``
-with the features) where it plans and cp.async can read the rows (element
-strides of q, k, v, do multiples of 4, 16-byte aligned views); the other steps
-stay these.  A view that turns out misaligned at call time runs the SIMT dK/dV
-kernel instead (prepared once), as do explicit ``kernel`` choices.
+float32 on a GPU with tensor cores computes step 2 with ``flash_bwd_tf32``
+(``flash_bwd_tf32.cu``, 3xTF32; ``flash_bwd_tf32_masked`` with the features)
+where it plans and cp.async can read the rows (element strides of q, k, v, do
+multiples of 4, 16-byte aligned views), and dQ always by its atomics and
+``flash_bwd_dq_convert``: into one accumulator, or with ``deterministic=True``
+into one slice per block slot (``n_splits`` blocks per (kv head, batch), each
+walking its KV tiles in turn; :func:`cuflash.launch.bwd_tc.dq_splits`), summed
+in order -- bitwise repeatable.  A view that turns out misaligned at call time
+runs the SIMT kernels instead (prepared once), as do explicit ``kernel`` choices.
 """
 import numpy as np
 
@@ -27,6 +30,7 @@ from .. import kernels, tiling
 from .common import (acc_dtype, aligned16, alloc_output, flatten_lead, fold_grid, grad_shapes,
                      kv_heads_for_kernel, launch, pointer_arg, problem_dims, sum_back,
                      zero_grads)
+from .bwd_tc import dq_splits
 from .features import DEFINES, Prepared
 
 __all__ = ["build", "plans", "tf32_plan"]
@@ -82,20 +86,25 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
     (_, qs), (_, ks), (_, vs), (_, os_), (_, dos) = flat
     copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
 
-    atomic = not deterministic and dtype != np.float64
     tf32 = None
-    if atomic and allow_tf32:
+    if allow_tf32 and dtype != np.float64:
         tf32 = tf32_plan(runtime, d, dv, dtype, spec.block_q, spec.block_kv, masked)
         if tf32 is not None and any(st % 4 for st in qs + ks + vs + dos):
             tf32 = None  # cp.async reads 16-byte rows
+    # dQ through float32 accumulator slices (atomic adds, then flash_bwd_dq_convert), or by the
+    # flash_bwd_dq pass
+    atomic = tf32 is not None or (not deterministic and dtype != np.float64)
     n_rows = B * H * Nq
-    ws_size = n_rows * (1 + d) if atomic else n_rows  # D, then the float32 dQ accumulator
+    n_kv_tiles = -(-Nk // (tf32 or plan).block_kv)
+    n_splits = dq_splits(runtime, tf32, n_kv_tiles, B * Hk, deterministic) if tf32 else 1
+    n_kv_blocks = n_splits if tf32 is not None and deterministic else n_kv_tiles
+    # D, then the float32 dQ accumulator slice(s)
+    ws_size = n_rows * (1 + n_splits * d) if atomic else n_rows
     pre_rows = pre_plan.block_q
     if runtime.name != "cuda":  # the emulator starts every block's threads: few big blocks
         pre_rows = -(-Nq // pre_rows) * pre_rows
     n_pre = -(-Nq // pre_rows)
     n_q_tiles = -(-Nq // dq_plan.block_q)
-    n_kv_tiles = -(-Nk // (tf32 or plan).block_kv)
     feats = Prepared(runtime, spec, ms, acc)
     params = feats.params("BwdParams", dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
@@ -106,7 +115,8 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),
         pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
-        d_offset=0, dq_slice_stride=0, nq_pad=0, n_splits=1, n_kv_blocks=n_kv_tiles))
+        d_offset=0, dq_slice_stride=n_rows * d, nq_pad=0, n_splits=n_splits,
+        n_kv_blocks=n_kv_blocks))
 
     defines = kernels.plan_defines(plan)
     if masked:
@@ -126,7 +136,7 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
     what = f"the backward (Nq={Nq}, Nk={Nk})"
     pre_launch = (pre, "flash_bwd_preprocess", fold_grid(n_pre, H, B, what),
                   (pre_plan.threads,), pre_plan.shared_bytes)
-    dkdv_launch = (dkdv, dkdv_request[1], fold_grid(n_kv_tiles, Hk, B, what),
+    dkdv_launch = (dkdv, dkdv_request[1], fold_grid(n_kv_blocks, Hk, B, what),
                    (dkdv_plan.threads,), dkdv_plan.shared_bytes)
     if atomic:
         blocks = max(1, min(-(-n_rows * d // tiling.BWD_THREADS),

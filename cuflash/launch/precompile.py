@@ -51,10 +51,10 @@ def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False
 
     float16/bfloat16 on tensor cores: preprocess, ``flash_bwd_tc`` (or
     ``flash_bwd_tc_masked``), dQ conversion.  Otherwise the SIMT preprocess,
-    then ``flash_bwd_tf32`` (float32 on tensor cores, atomic dQ) or
-    ``flash_bwd_dkdv``, then the dQ conversion (atomic dQ) or the separate
-    ``flash_bwd_dq`` pass (``deterministic`` and float64); ``_masked`` kernels
-    with ``masked``.
+    then ``flash_bwd_tf32`` (float32 on tensor cores, both dQ paths) or
+    ``flash_bwd_dkdv``, then the dQ conversion (dQ by accumulators) or the
+    separate ``flash_bwd_dq`` pass (``deterministic`` off flash_bwd_tf32, and
+    float64); ``_masked`` kernels with ``masked``.
     """
     main = bwd.plan_backward(runtime, d, dv, dtype, masked=masked)
     if main.kernel in ("flash_bwd_tc", "flash_bwd_tc_masked"):
@@ -64,10 +64,10 @@ def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False
     dq_plan = runtime.plan("flash_bwd_dq" + suffix, d, dv, dtype, plan.block_q, plan.block_kv)
     pre_plan = runtime.plan("flash_bwd_preprocess", d, dv, dtype)
     defines = _with_masks(kernels.plan_defines(plan), masked)
-    atomic = not deterministic and tiling.accumulator_bytes(dtype) != 8
     tf32 = (tiling.plan_bwd_tf32(d, dv, dtype, limit=runtime.smem_limit,
                                  limit_source=runtime.smem_source, masked=masked)
-            if atomic and runtime.tensor_cores else None)
+            if runtime.tensor_cores else None)
+    atomic = tf32 is not None or (not deterministic and tiling.accumulator_bytes(dtype) != 8)
     out = [("flash_bwd.cu", "flash_bwd_preprocess", defines, pre_plan.shared_bytes)]
     if tf32 is not None:
         out.append(("flash_bwd_tf32.cu", tf32.kernel,

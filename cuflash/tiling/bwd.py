@@ -158,7 +158,7 @@ def tf32_bwd_flushes(n_steps, block_q, flush_rows):
 
 
 def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, block_kv,
-                      causal=None, deterministic=True, flush_rows=0):
+                      causal=None, deterministic=True, flush_rows=0, dq_splits=1):
     """Modelled global-memory bytes (read, written) of one backward call's kernels.
 
     ``batch * heads`` query problems, ``batch * kv_heads`` key/value problems
@@ -173,6 +173,9 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
     cores) -- a KV tile whose steps pass more Q rows than that also writes its dK,
     dV rows at every flush and reads them back at every flush but the first and
     at the end (as many reads as writes).
+    ``deterministic``: dQ by the flash_bwd_dq pass; False: through the float32
+    accumulator, in ``dq_splits`` slices (flash_bwd_tf32 with deterministic=True:
+    its n_splits), each zeroed by preprocess and read by flash_bwd_dq_convert.
     """
     isz = np.dtype(dtype).itemsize
     acc = accumulator_bytes(dtype)
@@ -183,7 +186,7 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
     group = heads // kv_heads if kv_heads else 1
     # preprocess
     read = bh * Nq * 2 * dv * isz
-    written = bh * Nq * acc + (0 if deterministic else bh * Nq * d * 4)
+    written = bh * Nq * acc + (0 if deterministic else dq_splits * bh * Nq * d * 4)
     # dkdv: per KV tile, the Q rows of the Q tiles from the first visible one on
     q_rows = 0
     pairs_rows = 0  # sum over (visible Q tile, KV tile) of the Q tile's rows (atomic dQ)
@@ -207,7 +210,7 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
         read += bh * pairs_rows * d * 4
         written += bh * pairs_rows * d * 4
         # flash_bwd_dq_convert
-        read += bh * Nq * d * 4
+        read += dq_splits * bh * Nq * d * 4
         written += bh * Nq * d * isz
     else:
         kv_rows = 0
@@ -223,7 +226,7 @@ def flash_bwd_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block_q, blo
 
 # ==========================================================================
 # flash_bwd_tf32 (kernels_cu/flash_bwd_tf32.cu): the float32 backward's dK/dV/dQ kernel on
-# tensor cores (3xTF32), in place of flash_bwd_dkdv on the atomic-dQ path
+# tensor cores (3xTF32), in place of flash_bwd_dkdv for float32 on both dQ paths
 # ==========================================================================
 # Each warp owns 16 keys: block_kv = 16 * warps, threads = 2 * block_kv.  Layout (float):
 # Ks (block_kv, ks), Vs (block_kv, vs), Qs 2 x (block_q, qs), dOs 2 x (block_q, os),
@@ -295,8 +298,7 @@ def plan_bwd_tf32(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     None for other dtypes and head dims it lacks (the SIMT kernels of flash_bwd.cu run
     those).  Explicit tiles it does not take, at head dims it has, are refused with the pairs
     it takes (a ValueError), as flash_bwd_tc's and the forward's are: on the SIMT kernel they
-    would run several times slower (the caller's deterministic path, which is SIMT, does not
-    ask here).
+    would run several times slower.  Both dQ paths (deterministic or not) run it.
     """
     if _dtype_name(dtype) not in TF32_DTYPES:
         return None

@@ -238,7 +238,7 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
 
 def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
                                   threads, causal=None, window=None, bias=False, alibi=False,
-                                  dbias=None, flush_rows=TF32_FLUSH_ROWS):
+                                  dbias=None, flush_rows=TF32_FLUSH_ROWS, dq_splits=1):
     """Exact global bytes (read, written) of a float32 backward call on flash_bwd_tf32_masked.
 
     flash_bwd_preprocess (O, dO read; D and the zeroed dQ accumulator written),
@@ -250,7 +250,8 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
     in-bounds element in their place), one ALiBi slope per thread and step, ``dbias``
     "store" (a write) or "atomic" (a read and a write) per element of a step's pair inside
     [0, Nq) x [0, Nk); dK, dV's rows again at every flush of a KV tile's steps (every
-    ``flush_rows`` query rows: :func:`cuflash.tiling.flash_bwd_traffic`).
+    ``flush_rows`` query rows: :func:`cuflash.tiling.flash_bwd_traffic`).  ``dq_splits``:
+    the dQ accumulator's slices (deterministic=True), each zeroed and read once.
     """
     bh, bhk = batch * heads, batch * kv_heads
     group = heads // kv_heads if kv_heads else 1
@@ -258,7 +259,7 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
     nq_t = -(-Nq // block_q) if Nq else 0
     nk_t = -(-Nk // block_kv) if Nk else 0
     read = bh * Nq * 2 * dv * 4                      # preprocess: O, dO
-    written = bh * Nq * 4 + bh * Nq * d * 4          # D, the zeroed dQ accumulator
+    written = bh * Nq * 4 + dq_splits * bh * Nq * d * 4  # D, the zeroed dQ accumulator(s)
     steps = in_range = q_rows_all = 0
     for j in range(nk_t):
         kv0 = j * block_kv
@@ -288,6 +289,6 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
     elif dbias == "atomic":
         read += bhk * in_range * 4
         written += bhk * in_range * 4
-    read += bh * Nq * d * 4                          # dq_convert
+    read += dq_splits * bh * Nq * d * 4              # dq_convert
     written += bh * Nq * d * 4
     return read, written

@@ -44,3 +44,31 @@ extern "C" __global__ void exp2_of(const float* x, float* out, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         gstore(out + i, cuflash_exp2(gload(x + i)));
 }
+
+// The atomic order check.  Each thread adds three times into its own element (block b owns
+// elements [b*n, b*n + n)): one adder per address, in program order -- repeatable, passes.
+extern "C" __global__ void own_atomics(float* out, double* out64, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        for (int r = 1; r <= 3; ++r) {
+            gatomic_add(out + blockIdx.x * n + i, (float)r);
+            gatomic_add(out64 + blockIdx.x * n + i, (double)r);
+            gred_add(out + gridDim.x * n + blockIdx.x * n + i, (float)r);
+        }
+}
+
+// Planted: thread 1 of every block also adds into thread 0's element (one block is enough
+// for a run-dependent order: two warps' adds race to the address).
+extern "C" __global__ void shared_atomic_in_block(float* out) {
+    gatomic_add(out + blockIdx.x * 32 + (threadIdx.x == 1 ? 0 : threadIdx.x), 1.0f);
+}
+
+// Planted: a .v4 red of block 1 overlaps the scalar reds of block 0 in one element.
+extern "C" __global__ void overlapping_vector_reds(float* out) {
+    if (blockIdx.x == 0) gred_add(out + threadIdx.x, 1.0f);
+    else if (threadIdx.x == 0) gred_add_v4(out + 28, 1.0f, 1.0f, 1.0f, 1.0f);
+}
+
+// Planted: a double atomic shared by two blocks.
+extern "C" __global__ void shared_double_atomic(double* out) {
+    if (threadIdx.x == 0) gatomic_add(out + 3, 1.0);
+}
