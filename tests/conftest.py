@@ -208,8 +208,8 @@ def rng(request):
     """A fresh generator per test, seeded from the test's id so a failure reproduces.
 
     The id is taken as ``tests/<file>::<test>`` whatever the area folder the file sits in
-    (file names are unique across the areas), so moving a file between areas does not change
-    the inputs its tests draw."""
+    (file names are unique across the areas: tests/package/test_layout.py), so moving a file
+    between areas does not change the inputs its tests draw."""
     import zlib
     path, sep, rest = request.node.nodeid.partition("::")
     key = "tests/" + path.rsplit("/", 1)[-1] + sep + rest
