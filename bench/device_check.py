@@ -56,7 +56,7 @@ SUBSET = [
     "test_cuda_zero_copy_on_torch_stream",       # cuflash.torch on a CUDA stream
 ]
 # the rehearsal's tests: quick emulator tests, enough to show the stage's plumbing works
-REHEARSAL_TESTS = ["tests/test_errors.py", "-k", "emulator and (non_finite_scale or fewer_than)"]
+REHEARSAL_TESTS = ["tests/api/test_errors.py", "-k", "emulator and (non_finite_scale or fewer_than)"]
 
 STAGE_CAPS = {"env": 30, "tests": 240, "racecheck": 90, "bench": 240, "ncu": 150,
               "features": 400, "tiles": 400}

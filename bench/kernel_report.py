@@ -61,7 +61,7 @@ SMEM_ALLOC_UNIT = 128
 
 _DTYPES = {"CUFLASH_DTYPE_F16": "float16", "CUFLASH_DTYPE_BF16": "bfloat16",
            "CUFLASH_DTYPE_F32": "float32", "CUFLASH_DTYPE_F64": "float64"}
-# launch sizes of the test kernels (tests/kernels/*.cu), as their tests launch them
+# launch sizes of the test kernels (tests/emulator/kernels/*.cu), as their tests launch them
 _TEST_LAUNCH = {"matmul_mma": (64, 0), "cp_async_pipeline": (16, 512), "block_sum": (128, 0),
                 "block_sum_racy": (128, 0), "warp_ops": (32, 0), "matmul_tf32": (32, 0), "tf32_round": (128, 0)}
 
@@ -167,7 +167,7 @@ def jobs(archs, include_tests, only=None, sass=False):
     files = sorted((ROOT / "kernels_cu").glob("*.cu"))
     extra = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)]}
     if include_tests:
-        files += sorted((ROOT / "tests" / "kernels").glob("*.cu"))
+        files += sorted((ROOT / "tests" / "emulator" / "kernels").glob("*.cu"))
     out = []
     for f in files:
         if only and not any(s in f.name for s in only):
@@ -184,7 +184,8 @@ def main(argv=None):
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(ARCH_LIMITS),
                     help="architectures (default: 80 90)")
     ap.add_argument("--fail-on-spill", action="store_true", help="exit with status 1 if any kernel spills")
-    ap.add_argument("--tests", action="store_true", help="also report the test kernels of tests/kernels/")
+    ap.add_argument("--tests", action="store_true",
+                    help="also report the test kernels of tests/emulator/kernels/")
     ap.add_argument("--only", nargs="+", help="only files whose name contains one of these strings")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="parallel NVRTC compiles")
     ap.add_argument("--json", help="also write the rows to this JSON file")

@@ -15,11 +15,12 @@ they take, and online_softmax.cu per dtype.  No GPU needed; 0.1-2 s per compile.
 ``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
 version, a hash of the group's sources (its kernel file and the headers it includes, comments
 dropped, conditionals on the groups' defines resolved: :func:`source_hash`) and, per compile,
-a short digest of its options and the most registers of its kernels.  tests/test_curated_plans.py
-(CI) takes the record's word for the compiles it vouches for (of the current sources, NVRTC and
-options), of which it compiles a sample (:func:`sample_jobs`) that must match it, and compiles
-the defaults (``Job.default``) among the others; ``CUFLASH_PLAN_CHECK=all`` compiles every
-one, ignoring the record.  After a kernel edit: ``--groups <its groups> --write``.
+a short digest of its options and the most registers of its kernels.
+tests/tiling/test_curated_plans.py (CI) takes the record's word for the compiles it vouches for
+(of the current sources, NVRTC and options), of which it compiles a sample (:func:`sample_jobs`)
+that must match it, and compiles the defaults (``Job.default``) among the others;
+``CUFLASH_PLAN_CHECK=all`` compiles every one, ignoring the record.  After a kernel edit:
+``--groups <its groups> --write``.
 
 ``--rehash REV`` carries the record over an edit of kernels_cu that changes no compiled program
 (comments, emulator-only code, whitespace): it checks that the host preprocessor gives the

@@ -4,8 +4,8 @@ Runs flash_fwd_tf32 and flash_bwd_tf32 (the float32 tensor-core kernels: cuflash
 float32 on the emulated sm_80) on a few shapes and prints ||x - ref|| / ||ref|| of o, dQ, dK
 and dV, ref being cuflash's NumPy backend on the same inputs in float64 (each backend's backward
 from its own forward's o and lse).  The tests' rule for float32 (tests/oracle.py) is 1e-5.  This is what
-the operand split of portable.cuh (split_tf32) is judged by beside tests/test_emulator_tf32.py;
-seconds per shape on a CPU, no GPU.
+the operand split of portable.cuh (split_tf32) is judged by beside
+tests/emulator/test_emulator_tf32.py; seconds per shape on a CPU, no GPU.
 
 Usage::
 

@@ -75,7 +75,7 @@ _FEATURES_DOC = """bias : ndarray, optional
 
 # Which kernels run, said once and inserted into the functions that run them; the names
 # and memory_analysis's shared memory are held to the launches the emulator observes
-# (tests/test_docs_kernels.py).
+# (tests/docs/test_docs_kernels.py).
 _FWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator" (which models an sm_80 by default): on sm_80 and
     newer, for head dims that are multiples of 16 up to 256, ``flash_fwd_tc`` (float16/bfloat16) or
     ``flash_fwd_tf32`` (float32 as 3xTF32: float32 accuracy) on tensor cores; otherwise

@@ -1,7 +1,7 @@
 """A ctypes wrapper over NVRTC, the compiler CuPy's RawModule uses; no GPU needed.
 
 Used to compile-check every kernel for several architectures without a GPU
-(tests/test_nvrtc.py) and to read register / spill / shared-memory figures
+(tests/kernels/test_nvrtc.py) and to read register / spill / shared-memory figures
 (bench/kernel_report.py).  The library comes from the ``nvidia-cuda-nvrtc``
 wheel (``site-packages/nvidia/**/lib/libnvrtc.so*``), from ``$CUFLASH_NVRTC``
 (a path to libnvrtc.so), or from the CUDA toolkit; no compiled extension.

@@ -18,7 +18,7 @@ The one module that knows where the ``.cu`` files are and how they are built:
   race-check mode (emulator) and per option set, with the dynamic shared
   memory limit raised above 48 KB when the tile plan needs it.
 * :func:`compile_variants` -- every specialisation worth compile-checking, per
-  ``.cu`` file, for ``tests/test_nvrtc.py``.
+  ``.cu`` file, for ``tests/kernels/test_nvrtc.py``.
 
 Nothing here imports CuPy until a kernel is actually needed (the emulator
 imports with NumPy alone and compiles nothing until asked).
@@ -499,7 +499,7 @@ def compile_variants():
     add("flash_bwd_dkdv", "float32", 64, bq=8, bkv=8)
     add("flash_bwd_dkdv", "float32", 96, dv=32)
     # flash_bwd_tc.cu (tensor-core backward, all three kernels in one compile here): the
-    # smallest tiles (one warp) first -- tests/test_nvrtc.py compiles the first variant on
+    # smallest tiles (one warp) first -- tests/kernels/test_nvrtc.py compiles the first variant on
     # the other architectures, and sm_75's software mma makes big tiles slow to compile --
     # then the layouts of the planner: 32 keys per warp (d=64), 32 keys per warp pair
     # (d=128), two passes (d=256), dv != d

@@ -540,7 +540,7 @@ __device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c,
 // specified by PTX; NVIDIA's CUTLASS feeds raw floats as "round toward zero" tf32 (its
 // NumericConverter<tfloat32_t, float, round_toward_zero> is x & 0xffffe000), i.e. relies on
 // the tensor core reading only the top 19 bits.  The emulator models exactly that (low 13
-// bits ignored), the software mma below does the same, and tests/test_emulator_tf32.py
+// bits ignored), the software mma below does the same, and tests/emulator/test_emulator_tf32.py
 // checks both against NumPy.
 //
 // 3xTF32 (the "big + small" split): x = hi + lo, a*b ~= hi_a*hi_b + hi_a*lo_b + lo_a*hi_b.
@@ -551,7 +551,7 @@ __device__ __forceinline__ void gred_add_v4(float* p, float a, float b, float c,
 // a half of a tf32 unit of lo where lo is largest -- makes that truncation nearly a rounding:
 // over 2e6 normal x, |hi + tf32(lo) - x| / |x| has RMS 9.5e-8 and mean +1.3e-8 (rounding lo to
 // nearest: 8.2e-8, +3.2e-8; plain truncation: 1.2e-7, -7.5e-8), and at most 1.5 * 2^-22
-// (tests/test_emulator_tf32.py).  Two instructions per operand element; the previous split
+// (tests/emulator/test_emulator_tf32.py).  Two instructions per operand element; the previous split
 // (FADD, then lo + half a tf32 unit: IADD3) took three, and O and dQ/dK/dV on the emulator
 // come out 6-31% less accurate with this one (e.g. O 5.4e-7 -> 6.1e-7; lo truncated without
 // the nudge: 8.0e-7), all far inside 1e-5 (bench/results/tf32_accuracy.md).  The

@@ -124,7 +124,7 @@ def _interblock_write_check():
     """Every emulated launch of the session runs with the inter-block write check: two
     blocks of one launch storing to one global address raise InterBlockRaceError
     (cuflash.emulator.interblock_check; cost: a vector append per gstore and a sort of the
-    log per launch, measured in tests/test_emulator_global_writes.py)."""
+    log per launch, measured in tests/emulator/test_emulator_global_writes.py)."""
     from cuflash import emulator
     old = emulator.set_interblock_check(True)
     yield
@@ -205,6 +205,12 @@ def grid(cases, emulator=None, reference_only=None, ids=None):
 
 @pytest.fixture
 def rng(request):
-    """A fresh generator per test, seeded from the test's id so a failure reproduces."""
+    """A fresh generator per test, seeded from the test's id so a failure reproduces.
+
+    The id is taken as ``tests/<file>::<test>`` whatever the area folder the file sits in
+    (file names are unique across the areas: tests/package/test_layout.py), so moving a file
+    between areas does not change the inputs its tests draw."""
     import zlib
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    path, sep, rest = request.node.nodeid.partition("::")
+    key = "tests/" + path.rsplit("/", 1)[-1] + sep + rest
+    return np.random.default_rng(zlib.crc32(key.encode()))

@@ -7,7 +7,7 @@ For clusters and containers: fill the compile cache once (CuPy's kernel cache,
 forward and a backward call, in order, from the same planner calls the
 launchers make; precompile compiles the distinct modules among them
 concurrently (:func:`cuflash.kernels.get_functions`), and ``memory_analysis``
-on the kernel backends reports them.  ``tests/test_docs_kernels.py`` holds both
+on the kernel backends reports them.  ``tests/docs/test_docs_kernels.py`` holds both
 lists to the launches the emulator observes.
 """
 import time

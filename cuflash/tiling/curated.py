@@ -35,7 +35,7 @@ Design
   ``cuflash.kernels.build_options``, ``-ftz=true`` included) for the architecture its class
   is compiled for, in every module that launches it (the serving and feature builds too; a
   cell's default also in the tensor-core kernels' padded build), and must use no local
-  memory: the repository's tests/test_curated_plans.py, with bench/plan_sweep.py to compile
+  memory: the repository's tests/tiling/test_curated_plans.py, with bench/plan_sweep.py to compile
   and record them.
 
 A cell is written ``BQxBKV BQxBKV ...`` (default first); ``=`` repeats the cell to its left,

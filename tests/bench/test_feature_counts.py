@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("feature_counts", ROOT / "bench" / "feature_counts.py")
 FC = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(FC)

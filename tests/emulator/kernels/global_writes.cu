@@ -1,5 +1,5 @@
 // Global-memory writes the emulator checks across blocks, and the backward kernels' new
-// primitives (portable.cuh: gred_add*, cvt_pack2), each checked by tests/test_emulator_global_writes.py.
+// primitives (portable.cuh: gred_add*, cvt_pack2), each checked by tests/emulator/test_emulator_global_writes.py.
 #include "portable.cuh"
 
 // Correct: block b writes elements [b*n, (b+1)*n) -- no two blocks store to one address.

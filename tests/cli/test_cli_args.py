@@ -14,7 +14,7 @@ import pytest
 from cuflash import cli
 from cuflash_bench import cpu as cpu_bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env():

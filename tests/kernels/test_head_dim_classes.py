@@ -5,7 +5,7 @@ flash_fwd.cu (flash_fwd, flash_fwd_masked and the serving kernels) and flash_bwd
 the class of max(d, dv) (``tiling.simt_head_dim_class``: 8, 16, 32, 64, 96, ..., 256), for d
 and dv alike, and read the call's own head dims at run time, their padding columns zero in
 shared memory.  So the planner's rules and curated tables apply to the class (every default
-is a curated plan: tests/test_curated_plans.py), and the results at head dims between
+is a curated plan: tests/tiling/test_curated_plans.py), and the results at head dims between
 classes, and at d != dv, are the oracle's.  The emulator NaN-poisons dynamic shared memory
 before every block, so a padding column left unwritten fails these cases.
 """

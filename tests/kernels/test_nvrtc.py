@@ -1,7 +1,7 @@
 """Every kernel compiles with NVRTC (what CuPy's RawModule uses) without a GPU.
 
 Each ``.cu`` file of ``kernels_cu/`` (found by glob, so new kernels are
-included automatically) and of ``tests/kernels/`` is compiled to a cubin (so
+included automatically) and of ``tests/emulator/kernels/`` is compiled to a cubin (so
 ptxas runs too) for sm_75, sm_80, sm_86, sm_89 and sm_90; any error or
 warning fails.  The specialisations come from
 ``cuflash.kernels.compile_variants()``: all of them on sm_80, and on the
@@ -24,16 +24,16 @@ if not ok and os.environ.get("CI"):
     raise RuntimeError(f"NVRTC not available in CI: {why}")
 pytestmark = pytest.mark.skipif(not ok, reason=f"NVRTC not available: {why}")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS_CU = ROOT / "kernels_cu"
-TEST_KERNELS = ROOT / "tests" / "kernels"
+TEST_KERNELS = ROOT / "tests" / "emulator" / "kernels"
 ARCHS = (75, 80, 86, 89, 90)
 FULL_ARCHS = (80,)
 # Files the planner never runs on some architectures: flash_bwd_tf32 is planned only where
 # runtime.tensor_cores (sm_80+); its sm_75 build (3xTF32 through the 32-shuffle software
 # mma) kept NVRTC busy for over 17 minutes on a 2-core CI box without finishing.
 NOT_PLANNED = {"flash_bwd_tf32.cu": (75,)}
-# specialisations of the test kernels (tests/kernels/*.cu)
+# specialisations of the test kernels (tests/emulator/kernels/*.cu)
 TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)]}
 
 
@@ -185,7 +185,7 @@ def test_sass_instruction_mix():
 
 def test_half_mask_is_one_prmt():
     """portable.cuh's cuflash_half_mask compiles to one PRMT with selector 0x9988 (the generic
-    form whose nibbles' msb replicates a byte's sign: tests/test_emulator.py holds the
+    form whose nibbles' msb replicates a byte's sign: tests/emulator/test_emulator.py holds the
     emulator's model to the PTX ISA's definition) -- ptxas neither reinterprets nor expands it."""
     _sass = _sass_or_skip()
     path = TEST_KERNELS / "basics.cu"

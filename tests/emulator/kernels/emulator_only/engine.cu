@@ -2,7 +2,7 @@
 // default; real threads with -DCUFLASH_EMULATOR_THREADS=1 and under
 // race_check).  Emulator only: they use host C++ (<cfenv>, exceptions,
 // objects with destructors) and unbounded recursion, so they live outside
-// tests/kernels/*.cu, which test_nvrtc.py compiles for the GPU.
+// tests/emulator/kernels/*.cu, which tests/kernels/test_nvrtc.py compiles for the GPU.
 #include "portable.cuh"
 #include <atomic>
 #include <cfenv>

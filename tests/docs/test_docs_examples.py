@@ -19,7 +19,7 @@ import pytest
 
 import cuflash
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 _BLOCK = re.compile(r"(?:<!-- doc-test: needs (?P<need>[^>]*?) -->\n)?```python\n(?P<code>.*?)```",

@@ -1,9 +1,9 @@
 """The curated plan tables (cuflash/tiling/curated.py) and their compile check.
 
-* The defaults the library launched before the tables (tests/data/old_defaults.json, written by
-  tests/data/make_old_defaults.py from the planner of commit 61daee7) are the tables' defaults
-  on sm_80 and sm_90 -- the plans the H100 measurements were made with -- and on sm_86 and
-  sm_75 where those families are planned.
+* The defaults the library launched before the tables (tests/tiling/data/old_defaults.json,
+  written by tests/tiling/data/make_old_defaults.py from the planner of commit 61daee7) are the
+  tables' defaults on sm_80 and sm_90 -- the plans the H100 measurements were made with -- and
+  on sm_86 and sm_75 where those families are planned.
 * Every default at any head dims is one of the curated plans, which the compile check covers;
   every curated pair is one the size formulas take at its class's limit.
 * Explicit tiles are taken wherever the formulas allow them; a spilling kernel on a GPU raises
@@ -28,12 +28,12 @@ import pytest
 from cuflash import _nvrtc, kernels, tiling
 from cuflash.tiling import curated
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("plan_sweep", ROOT / "bench" / "plan_sweep.py")
 SWEEP = importlib.util.module_from_spec(_spec)
 sys.modules["plan_sweep"] = SWEEP   # its compile workers pickle its functions by module name
 _spec.loader.exec_module(SWEEP)
-OLD = json.loads((ROOT / "tests" / "data" / "old_defaults.json").read_text())
+OLD = json.loads((ROOT / "tests" / "tiling" / "data" / "old_defaults.json").read_text())
 LIMITS = tiling.EMULATOR_ARCHES
 TC_FAMILIES = ("flash_fwd_tc", "flash_fwd_tf32", "flash_fwd_tc_masked", "flash_fwd_tf32_masked",
                "flash_bwd_tc", "flash_bwd_tc_masked", "flash_bwd_tf32", "flash_bwd_tf32_masked")
@@ -519,7 +519,7 @@ def test_record_vouches_only_for_its_sources(tmp_path, monkeypatch):
 def test_recorded_plan_data_is_small():
     """The record and the old defaults together stay under 200 KB."""
     size = (SWEEP.RESULTS.stat().st_size
-            + (ROOT / "tests" / "data" / "old_defaults.json").stat().st_size)
+            + (ROOT / "tests" / "tiling" / "data" / "old_defaults.json").stat().st_size)
     assert size < 200 * 1024
 
 

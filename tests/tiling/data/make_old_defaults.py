@@ -1,5 +1,6 @@
-"""Writes tests/data/old_defaults.json: the default plans of the planner as it stood before the
-curated plan tables (commit 61daee7), which tests/test_curated_plans.py holds the tables to.
+"""Writes tests/tiling/data/old_defaults.json: the default plans of the planner as it stood
+before the curated plan tables (commit 61daee7), which tests/tiling/test_curated_plans.py holds
+the tables to.
 
 Run once, from a checkout of that commit (the planner it describes is gone after it):
     git worktree add /tmp/old 61daee7 && cd /tmp/old && python <this file> > old_defaults.json

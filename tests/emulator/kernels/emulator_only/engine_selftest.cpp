@@ -2,7 +2,7 @@
 // directly, without Python, checking their own results: a program that can
 // be cross-compiled and run under qemu-user, so that the context switch of
 // another architecture (aarch64) is exercised on an x86-64 machine
-// (tests/test_emulator_engine.py; build with cuda_host.h force-included).
+// (tests/emulator/test_emulator_engine.py; build with cuda_host.h force-included).
 // With the argument `overflow` it overflows a fiber stack instead.
 #include "engine.cu"
 

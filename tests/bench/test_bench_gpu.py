@@ -21,7 +21,7 @@ import cuflash
 from cuflash_bench import gpu
 from cuflash_bench.gpu_methods import L2_SPAN, MAX_SETS, input_sets_needed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # small enough that every input set of the run below is rotated (a set is 8-17 KiB)
 L2_BYTES = 16384

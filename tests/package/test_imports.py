@@ -35,7 +35,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "cuflash")
 
 LAYERS = ("entry points", "tools", "front", "backends", "launchers", "kernels and tiling",

@@ -1,5 +1,5 @@
 // Shared-memory access patterns with known bank-conflict and sector counts, for the
-// emulator's profiler (tests/test_emulator_profile.py).  One warp each; the lines marked
+// emulator's profiler (tests/emulator/test_emulator_profile.py).  One warp each; the lines marked
 // SITE are the ones the tests look up.  Shared memory is read uninitialised (NaN-filled by
 // the emulator): only the addresses matter here.
 #include "portable.cuh"

@@ -1,4 +1,4 @@
-"""cuflash.emulator: CUDA C test kernels (tests/kernels/*.cu) executed on the CPU.
+"""cuflash.emulator: CUDA C test kernels (tests/emulator/kernels/*.cu) executed on the CPU.
 
 SIMT execution model: grids and blocks, barriers with early exit, warp
 collectives, dynamic shared memory poison, atomics, 16-bit conversions,
@@ -311,7 +311,7 @@ def test_endless_loop_ends_the_process_with_a_message(tmp_path):
         "em.RawModule(code=src).get_function('spin')(1, 4, (np.zeros(1, np.int32),))\n"
         "print('returned')\n")
     env = dict(os.environ, CUFLASH_EMULATOR_TIMEOUT="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "returned" not in r.stdout
     assert "kernel spin did not finish within 1 s" in r.stderr

@@ -1,5 +1,5 @@
 // The TF32 building blocks of portable.cuh (its last section), checked against NumPy by
-// tests/test_emulator_tf32.py:
+// tests/emulator/test_emulator_tf32.py:
 //   tf32_round:  y[i] = the float value of cvt_rna_tf32(x[i]) (cvt.rna.tf32.f32);
 //   tf32_split:  hi[i], lo[i] = the bit patterns split_tf32 gives x[i] (3xTF32 operands);
 //   matmul_tf32: C = A @ B (float32, row-major) through mma.m16n8k8 with tf32 operands, one

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent(r'''
     import json, os

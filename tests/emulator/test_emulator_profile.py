@@ -4,7 +4,7 @@ Inside ``cuflash.emulator.profiling()`` a launch records its shared and global a
 ``cuflash.emulator.last_launch_profile()`` gives, per source line, the warp-level requests,
 the shared-memory wavefronts against the ideal (bank conflicts as Nsight Compute counts
 them: wavefronts beyond the ideal) and the 32-byte global sectors against the ideal, plus
-executed instruction counts.  The patterns (tests/kernels/profile.cu) are one warp each, with
+executed instruction counts.  The patterns (tests/emulator/kernels/profile.cu) are one warp each, with
 answers worked out by hand from the 32 banks of 4 bytes and the 128 bytes a wavefront moves.
 """
 import os

@@ -1,5 +1,5 @@
 // Kernels with planted out-of-bounds accesses for the emulator's memcheck
-// (tests/test_emulator_memcheck.py).  Each takes an element offset `off` added to an index
+// (tests/emulator/test_emulator_memcheck.py).  Each takes an element offset `off` added to an index
 // that is in bounds at off = 0; the tests pass one past the end, far away and before the
 // start.  The lines marked ACCESS are the ones the tests expect in the messages.
 #include "portable.cuh"

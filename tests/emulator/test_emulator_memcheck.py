@@ -5,7 +5,7 @@ tests/conftest.py) every global access through the kernels' accessors must lie i
 array passed to the launch and every shared-memory access inside the launch's dynamic shared
 memory; anything else raises :class:`cuflash.emulator.MemcheckError` naming the kernel, the
 access, the block and thread, the argument and offset, and the source line.  The kernels
-(tests/kernels/memcheck.cu) take an offset that is harmless at 0; the tests plant one past
+(tests/emulator/kernels/memcheck.cu) take an offset that is harmless at 0; the tests plant one past
 the end, far away and before the start.
 """
 import os

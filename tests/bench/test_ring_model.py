@@ -7,7 +7,7 @@ import pytest
 
 import ring_model   # bench/ is on sys.path (tests/conftest.py)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_script_prints_a_table():
