@@ -388,7 +388,7 @@ def _count_launches():
 def test_traffic_equals_model(qs, ks, causal, det, rng):
     """Bytes the emulated kernels move == cuflash.tiling.flash_bwd_traffic (deterministic: the
     SIMT kernels forced -- float32 on sm_80+ runs flash_bwd_tf32 on both dQ paths, whose
-    deterministic traffic tests/test_kernels_backward_tf32.py checks)."""
+    deterministic traffic tests/kernels/test_kernels_backward_tf32.py checks)."""
     require_backend("emulator")
     q, k, v = oracle.qkv(rng, qs, ks, dtype="float32")
     o, lse = _fwd_from_oracle(q, k, v, causal or False, "float32")

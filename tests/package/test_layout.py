@@ -16,6 +16,7 @@ run), so moving a test file moves the pointers with it.
 import glob
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(ROOT, "tests")
@@ -74,19 +75,34 @@ def test_areas_have_no_package_or_conftest_files():
     assert extra == ["conftest.py"], extra
 
 
+def _repo_files():
+    """The repository's files, relative to ROOT: git's view (tracked, and new files it does not
+    ignore) where there is one -- build outputs such as cuflash.egg-info, which ``pip install .``
+    writes into the checkout, are not the project's -- else every file under ROOT."""
+    try:
+        r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        r = None
+    if r is not None and r.returncode == 0 and r.stdout.strip():
+        return [p for p in r.stdout.splitlines() if os.path.exists(os.path.join(ROOT, p))]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"
+                       and not d.endswith(".egg-info")]
+        out += [os.path.relpath(os.path.join(dirpath, n), ROOT) for n in filenames]
+    return out
+
+
 def _texts():
     """(path, text) of the repository's files that may name a test path."""
     exts = (".py", ".md", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".cfg", ".toml", ".txt")
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        rel_dir = os.path.relpath(dirpath, ROOT)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"
-                       and os.path.join(rel_dir, d) != os.path.join("bench", "results")]
-        paths = [os.path.join(dirpath, n) for n in filenames if n.endswith(exts)]
-        if rel_dir == ".":
-            paths.append(os.path.join(ROOT, ".ci", "run"))
-        for path in paths:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                yield os.path.relpath(path, ROOT), fh.read()
+    for rel in _repo_files():
+        if rel.startswith(os.path.join("bench", "results") + os.sep):
+            continue
+        if rel.endswith(exts) or rel == os.path.join(".ci", "run"):
+            with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as fh:
+                yield rel, fh.read()
 
 
 def test_named_test_paths_exist():
