@@ -9,7 +9,8 @@ x n x d (d = 64 and 128 by default), inside cuflash.emulator.profiling().  Per l
 shared memory, the shared-memory sites (source line, access kind and width) with their
 warp-level requests, wavefronts, ideal wavefronts and bank conflicts (wavefronts - ideal, as
 Nsight Compute counts them), the global sites with their 32-byte sectors against the ideal,
-and the executed instruction counts per block in warp instructions.  How the emulator forms
+and the executed instruction counts in warp instructions, per block and, for the main
+kernels, per (Q tile, KV tile) pair the causal call visits.  How the emulator forms
 warp-level requests and counts wavefronts: docs/emulator.md, "Profiler".
 """
 import argparse
@@ -23,7 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import cuflash  # noqa: E402
-from cuflash import emulator as em  # noqa: E402
+from cuflash import emulator as em, kernels  # noqa: E402
+from cuflash.launch import bwd as launch_bwd, bwd_simt  # noqa: E402
 
 
 FINDINGS = "## Findings"
@@ -52,15 +54,42 @@ def families(n, d, dtypes, rng):
 
     out = []
     for dtype in dtypes:
-        out.append((f"forward {np.dtype(dtype).name} d={d}", fwd(dtype)))
+        out.append((f"forward {np.dtype(dtype).name} d={d}", fwd(dtype), dtype))
     for dtype in dtypes:
         def run(dtype=dtype):
             q, k, v = qkv(dtype)
             with em.profiling(False):
                 o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True, backend="emulator")
             cuflash.tiled_attention_backward(np.ones_like(o), q, k, v, o, lse, causal=True, backend="emulator")
-        out.append((f"backward {np.dtype(dtype).name} d={d}", run))
+        out.append((f"backward {np.dtype(dtype).name} d={d}", run, dtype))
     return out
+
+
+def tile_pairs(n, bq, bkv, heads=2):
+    """(Q tile, KV tile) pairs a causal call of n x n per head visits (Nq = Nk: top-left and
+    bottom-right agree): the forward walks, per Q tile, the KV tiles up to the last one its
+    last row sees; the backward, per KV tile, the Q tiles from the first one that sees it --
+    the same pairs."""
+    return heads * sum((min((i + 1) * bq, n) - 1) // bkv + 1 for i in range(-(-n // bq)))
+
+
+def main_kernel_tiles(kernel, dtype, d, n):
+    """(block_q, block_kv) of a main kernel's default plan on the emulator (sm_80), or None for
+    the helpers (preprocess, convert, combine)."""
+    rt = kernels.get_runtime("emulator")
+    if kernel.startswith("flash_fwd") and "combine" not in kernel:
+        m = cuflash.memory_analysis(n, d, np.dtype(dtype).name, backend="emulator")
+        return m["block_q"], m["block_kv"]
+    if kernel.startswith("flash_bwd_tc") and "preprocess" not in kernel and "convert" not in kernel:
+        p = launch_bwd.plan_backward(rt, d, d, np.dtype(dtype).name)
+        return p.block_q, p.block_kv
+    if kernel.startswith("flash_bwd_tf32"):
+        p = bwd_simt.tf32_plan(rt, d, d, np.dtype(dtype).name)
+        return p.block_q, p.block_kv
+    if kernel.startswith(("flash_bwd_dkdv", "flash_bwd_dq")) and "convert" not in kernel:
+        p = bwd_simt.plans(rt, d, d, np.dtype(dtype).name)[0]
+        return p.block_q, p.block_kv
+    return None
 
 
 def table(rows, header):
@@ -69,7 +98,9 @@ def table(rows, header):
     return lines
 
 
-def report_launch(label, prof):
+def report_launch(label, prof, pairs=None):
+    """The tables of one launch; ``pairs``: the (Q tile, KV tile) pairs a main kernel visits
+    (the executed counts are then given per pair as well)."""
     blocks = prof["grid"][0] * prof["grid"][1] * prof["grid"][2]
     out = [f"### {label}: `{prof['kernel']}`", "",
            f"grid {prof['grid']}, block {prof['block']}, dynamic shared memory {prof['dynamic_shared_bytes']} bytes", ""]
@@ -89,9 +120,14 @@ def report_launch(label, prof):
                  f"{s['sectors'] / max(s['requests'], 1):.1f}")
                 for s in sorted(glob, key=lambda s: (s["ideal"] - s["sectors"], s["site"]))]
         out += table(rows, ["site", "access", "bytes/lane", "requests", "sectors", "ideal", "sectors/request"]) + [""]
-    counts = [(k, f"{v / blocks:g}") for k, v in prof["counts"].items() if v]
+    if pairs:
+        counts = [(k, f"{v / blocks:g}", f"{v / pairs:.4g}") for k, v in prof["counts"].items() if v]
+        head = ["class", "per block", f"per tile pair ({pairs} pairs)"]
+    else:
+        counts = [(k, f"{v / blocks:g}") for k, v in prof["counts"].items() if v]
+        head = ["class", "per block"]
     if counts:
-        out += ["executed per block (warp instructions):", ""] + table(counts, ["class", "per block"]) + [""]
+        out += ["executed (warp instructions, summed over the block's warps):", ""] + table(counts, head) + [""]
     return out
 
 
@@ -111,8 +147,9 @@ def main():
     summary = []
     runs = []
     for i, d in enumerate(args.d):
-        runs += families(args.n, d, (np.float16, np.float32) + ((np.float64,) if i == 0 else ()), rng)
-    for label, run in runs:
+        runs += [r + (d,) for r in families(args.n, d, (np.float16, np.float32) + ((np.float64,) if i == 0 else ()),
+                                           rng)]
+    for label, run, dtype, d in runs:
         t0 = time.perf_counter()
         with em.profiling() as launches:
             run()
@@ -120,7 +157,8 @@ def main():
         print(f"{label}: {len(launches)} launch(es), {dt:.1f} s", flush=True)
         lines += [f"## {label}", ""]
         for prof in launches:
-            lines += report_launch(label, prof)
+            tiles = main_kernel_tiles(prof["kernel"], dtype, d, args.n)
+            lines += report_launch(label, prof, tile_pairs(args.n, *tiles) if tiles else None)
             shared = [s for s in prof["sites"] if "wavefronts" in s]
             summary.append((label, f"`{prof['kernel']}`", sum(s["wavefronts"] for s in shared),
                             sum(s["ideal"] for s in shared), sum(s["conflicts"] for s in shared),

@@ -377,7 +377,8 @@ def fa2_model_lines():
 def tc_loop_trips(code, span, defines):
     """The trip counts of flash_bwd_tc's rolled inner loops with HMMA inside its main loop
     ``span``: {(start, end): trips per block step} (S^T k loop: d/16, dP^T k loop: dv/16, the
-    dQ k loop: Bc/16, the dQ tile loop around it: its tiles per warp, the busiest warp's), or
+    dQ k loop: Bc/16, the dQ tile loop around it: its tiles per warp, the busiest warp's;
+    {} when every inner loop is unrolled; the dQ tile loop alone when only it is rolled), or
     None when ptxas shaped them otherwise (it drops the dQ k loop when Bc = 16 and may rotate
     others)."""
     d, dv = int(defines["CUFLASH_HEAD_DIM"]), int(defines["CUFLASH_HEAD_DIM_V"])
@@ -389,8 +390,16 @@ def tc_loop_trips(code, span, defines):
     inner = sorted((a, b) for a, b in _sass._loops(code) if lo < a and b < hi)
     hm = [(a, b) for a, b in inner
           if any(op == "HMMA" for x, op, _ in code if a <= x <= b)]
+    if not hm:  # every inner loop unrolled: the main loop's body is one step
+        return {}
     # innermost HMMA loops in address order: S^T k loop, dP^T k loop, dQ k loop
     kk = [l for l in hm if not any(o != l and l[0] <= o[0] and o[1] <= l[1] for o in hm)]
+    if len(hm) == 1:
+        # only the dQ tile loop rolled (its k loop unrolled): the whole dQ tile per iteration
+        body = sum(1 for x, op, _ in code if hm[0][0] <= x <= hm[0][1] and op == "HMMA")
+        if body == (dqm // 16) * (dqn // 8) * (Bc // 16):
+            return {hm[0]: -(-dq_tiles // warps)}
+        return None
     if len(kk) != 3 or len(hm) > 4:
         return None
     trips = dict(zip(kk, (d // 16, dv // 16, Bc // 16)))

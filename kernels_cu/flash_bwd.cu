@@ -65,7 +65,10 @@
 //   dkdv: sizeof(acc_t) * (Bc*(d+1) + Bc*(dv+1) + Br*(d+1) + Br*(dv+1) + 2*Br*Bc + 2*Br)
 //   dq:   sizeof(acc_t) * (Br*(d+1) + Br*(dv+1) + Bc*(d+1) + Bc*(dv+1) +   Br*Bc + 2*Br)
 // Rows are padded by one element so that the threads of a warp, which read one column of
-// Kj/Vj each (K_s[c][k] for consecutive c), hit different banks.
+// Kj/Vj each (K_s[c][k] for consecutive c), hit different banks.  That holds for 4-byte
+// elements; with float64 the 16 lanes of a phase read 2-bank pairs (d + 1) pairs apart, and
+// a few of the dot-product loops' reads are 2-way (under 3% of their wavefronts in the
+// emulator's profile, bench/results/emulator_profile.md).
 //
 // Logit features (-DCUFLASH_MASKS, masks.cuh): flash_bwd_dkdv_masked and flash_bwd_dq_masked
 // take the bias and ALiBi slopes (and dkdv the bias gradient) as well and recompute

@@ -186,6 +186,21 @@ constexpr int kDqN = kDqM == 32 ? 32
                    : (kD % 64 == 0 && (kBr / 16) * (kD / 64) >= kWarps) ? 64
                    : (kD % 32 == 0 && (kBr / 16) * (kD / 32) >= kWarps) ? 32 : 16;
 constexpr int kDqTiles = (kBr / kDqM) * (kD / kDqN);
+// The plain kernel's k loops of S^T (d / 16 trips), dP^T (dv / 16) and dQ (block_kv / 16)
+// unrolled, and its mask test one branch per tile around the element loop: no loop counter,
+// compare, branch or address arithmetic per trip, and the first mma of each accumulator reads
+// zero registers instead of a cleared array -- 17-20% fewer instructions per HMMA in the
+// steady loop at d = 64 and 128 (bench/fa2_sass_compare.py).  Rolled where the registers are
+// already at the limit and the unrolled copies spilled (ptxas, NVRTC 13.0): head dims past
+// 128 (two passes), the padded build, and the masked kernel (the features' registers).
+#ifdef CUFLASH_MASKS
+constexpr bool kUnrolled = false;
+#else
+constexpr bool kUnrolled = !kPadded && kD <= 128 && kDv <= 128;
+#endif
+constexpr int kUnrollS = kUnrolled ? kD / 16 : 1;
+constexpr int kUnrollDP = kUnrolled ? kDv / 16 : 1;
+constexpr int kUnrollDQ = kUnrolled ? kBc / 16 : 1;
 
 static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
               "block_kv must be 16 or 32 keys per warp");
@@ -535,8 +550,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                     for (int n = 0; n < kNQ; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
-#pragma unroll 1
-                for (int kk = 0; kk < kD; kk += 16) {  // (rolled: keeps the code and ptxas time small)
+#pragma unroll kUnrollS
+                for (int kk = 0; kk < kD; kk += 16) {
                     uint32_t a[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
@@ -634,37 +649,69 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 s[mt][n][e] += ns * fabsf(base + (float)(n * 8 + (e & 1) - mt * 16 - 8 * (e >> 1)));
                 }
 #endif
+#ifndef CUFLASH_MASKS
+                // kUnrolled: one branch per tile on need_mask around the whole element loop (a
+                // test per 8-query tile inside it costs four branch and convergence instructions
+                // each), the lambda inlined at each call with a constant argument.  The other
+                // builds keep the loop below as it is: the lambda there, even called once with
+                // need_mask, moved ptxas's allocation at d = 256 into a spill.
+                if constexpr (kUnrolled) {
+                    auto exp_tile = [&](bool masked) {
 #pragma unroll
-                for (int n = 0; n < kNQ; ++n) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
+                        for (int n = 0; n < kNQ; ++n) {
+                            const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
+                            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
+                                    const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
+                                    const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
+                                    if (masked && (key >= Nk || (causal && key > qry + off))) x = -INFINITY;
+                                    s[mt][n][e] = cuflash_exp2(x);
+                                }
+                                pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
+                                pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                            }
+                        }
+                    };
+                    if (need_mask) exp_tile(true);
+                    else exp_tile(false);
+                } else
+#endif
+                {
+#pragma unroll
+                    for (int n = 0; n < kNQ; ++n) {
+                        const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
 #ifdef CUFLASH_MASKS
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float x = s[mt][n][e] * c_exp - ((e & 1) ? l2.y : l2.x);
-                            if (need_mask) {  // the band, keys past Nk, rows past Nq
-                                const int key = ka + mt * 16 + 8 * (e >> 1);
-                                const int qry = qa + n * 8 + (e & 1);
-                                const int dd = key - qry;
-                                if (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off) x = -INFINITY;
+                            for (int e = 0; e < 4; ++e) {
+                                float x = s[mt][n][e] * c_exp - ((e & 1) ? l2.y : l2.x);
+                                if (need_mask) {  // the band, keys past Nk, rows past Nq
+                                    const int key = ka + mt * 16 + 8 * (e >> 1);
+                                    const int qry = qa + n * 8 + (e & 1);
+                                    const int dd = key - qry;
+                                    if (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off) x = -INFINITY;
+                                }
+                                s[mt][n][e] = cuflash_exp2(x);
                             }
-                            s[mt][n][e] = cuflash_exp2(x);
-                        }
 #else
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
-                            if (need_mask) {
-                                const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
-                                const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
-                                if (key >= Nk || (causal && key > qry + off)) x = -INFINITY;
+                            for (int e = 0; e < 4; ++e) {
+                                float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
+                                if (need_mask) {
+                                    const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
+                                    const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
+                                    if (key >= Nk || (causal && key > qry + off)) x = -INFINITY;
+                                }
+                                s[mt][n][e] = cuflash_exp2(x);
                             }
-                            s[mt][n][e] = cuflash_exp2(x);
-                        }
 #endif
-                        pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
-                        pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                            pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
+                            pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                        }
                     }
                 }
 #ifdef CUFLASH_MASKS
@@ -705,7 +752,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                     for (int n = 0; n < kNQ; ++n) dp[mt][n][0] = dp[mt][n][1] = dp[mt][n][2] = dp[mt][n][3] = 0.0f;
-#pragma unroll 1
+#pragma unroll kUnrollDP
                 for (int kk = 0; kk < kDv; kk += 16) {
                     uint32_t a[kMT][4];
 #pragma unroll
@@ -855,7 +902,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         for (int m = 0; m < kDqM / 16; ++m)
 #pragma unroll
                             for (int n = 0; n < kDqN / 8; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
-#pragma unroll 1
+#pragma unroll kUnrollDQ
                         for (int kc = 0; kc < kBc / 16; ++kc) {
                             uint32_t a[kDqM / 16][4];
 #pragma unroll
@@ -892,7 +939,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 i = i1;
             }
 
-            // -- dK_j (scaled) and dV_j, this warp's and pass's columns; keys >= Nk not written
+            // -- dK_j (scaled) and dV_j, this warp's and pass's columns; keys >= Nk not written.
+            //    Straight from the mma layout: a warp's 4-byte stores cover 8 rows x 16 bytes,
+            //    8 sectors where 4 would do (bench/results/emulator_profile.md); once per KV tile
+            //    and pass, against the whole tile loop's reads, so not staged through shared memory
             {
                 const int slice = pass * kQS + qh;
 #pragma unroll

@@ -75,6 +75,12 @@ constexpr int kBc = CUFLASH_BLOCK_KV;       // key rows per tile (Bc)
 constexpr int kThreads = 4 * kBr;           // kBr / 8 warps
 constexpr int kQStride = kD + 1;            // padded row strides (bank conflicts)
 constexpr int kKStride = kD + 1;
+// Ps: the P V loop reads it far more often (per row, every lane reads all Bc values, a quad
+// sharing each) than the logit step writes it (once per value): the odd stride makes the 8
+// rows a warp reads at one column land in 8 different banks (8-byte elements: different
+// 2-bank pairs).  Its stores, lane t of row r at column t + 4c, land (r + t) banks (pairs)
+// apart and are 4-way; a stride that spread them would put rows r and r + 4 of the reads in
+// one bank (the emulator's profile, bench/results/emulator_profile.md, counts both).
 constexpr int kPStride = kBc + 1;
 constexpr int kColsPerLane = kBc / 4;       // logits per lane
 constexpr int kOutPerLane = (kDv + 3) / 4;  // output columns per lane (of the class)

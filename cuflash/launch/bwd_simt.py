@@ -18,11 +18,13 @@ float32 on a GPU with tensor cores computes step 2 with ``flash_bwd_tf32``
 (``flash_bwd_tf32.cu``, 3xTF32; ``flash_bwd_tf32_masked`` with the features)
 where it plans and cp.async can read the rows (element strides of q, k, v, do
 multiples of 4, 16-byte aligned views), and dQ always by its atomics and
-``flash_bwd_dq_convert``: into one accumulator, or with ``deterministic=True``
-into one slice per block slot (``n_splits`` blocks per (kv head, batch), each
-walking its KV tiles in turn; :func:`cuflash.launch.bwd_tc.dq_splits`), summed
-in order -- bitwise repeatable.  A view that turns out misaligned at call time
-runs the SIMT kernels instead (prepared once), as do explicit ``kernel`` choices.
+``flash_bwd_dq_convert``: into one accumulator (one launch, a block per KV
+tile), or with ``deterministic=True`` into one slice per block slot: launches
+in waves of ``n_splits`` slots per (kv head, batch)
+(:func:`cuflash.launch.bwd_tc.dq_splits`), slot j of a wave running KV tile
+wave * n_splits + j into slice j, the slices summed in order -- bitwise
+repeatable.  A view that turns out misaligned at call time runs the SIMT kernels
+instead (prepared once), as do explicit ``kernel`` choices.
 """
 import numpy as np
 
@@ -97,9 +99,13 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
     n_rows = B * H * Nq
     n_kv_tiles = -(-Nk // (tf32 or plan).block_kv)
     n_splits = dq_splits(runtime, tf32, n_kv_tiles, B * Hk, deterministic) if tf32 else 1
-    n_kv_blocks = n_splits if tf32 is not None and deterministic else n_kv_tiles
-    # D, then the float32 dQ accumulator slice(s)
-    ws_size = n_rows * (1 + n_splits * d) if atomic else n_rows
+    # flash_bwd_tf32's launches: (first KV tile, slots per (kv head, batch)) of each wave
+    waves = ([(w, min(n_splits, n_kv_tiles - w)) for w in range(0, n_kv_tiles, n_splits)]
+             if tf32 is not None and deterministic else [(0, n_kv_tiles)])
+    # D, then the float32 dQ accumulator slice(s) from a 256-byte boundary (flash_bwd_tf32
+    # adds 16-byte vectors into its rows)
+    dq_offset = -(-n_rows // 64) * 64
+    ws_size = dq_offset + n_splits * n_rows * d if atomic else n_rows
     pre_rows = pre_plan.block_q
     if runtime.name != "cuda":  # the emulator starts every block's threads: few big blocks
         pre_rows = -(-Nq // pre_rows) * pre_rows
@@ -110,13 +116,13 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
         o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, head_d=d, head_dv=dv,
-        dq_accum_offset=n_rows,
+        dq_accum_offset=dq_offset,
         scale=spec.scale, Nq=Nq, Nk=Nk, H=H, Hk=Hk, group=group,
         causal=int(spec.causal is not None),
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=int(atomic),
         pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
-        d_offset=0, dq_slice_stride=n_rows * d, nq_pad=0, n_splits=n_splits,
-        n_kv_blocks=n_kv_blocks))
+        d_offset=0, dq_slice_stride=n_rows * d if n_splits > 1 else 0, nq_pad=0,
+        n_splits=n_splits, n_kv_blocks=n_kv_tiles))
 
     defines = kernels.plan_defines(plan)
     if masked:
@@ -136,8 +142,9 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
     what = f"the backward (Nq={Nq}, Nk={Nk})"
     pre_launch = (pre, "flash_bwd_preprocess", fold_grid(n_pre, H, B, what),
                   (pre_plan.threads,), pre_plan.shared_bytes)
-    dkdv_launch = (dkdv, dkdv_request[1], fold_grid(n_kv_blocks, Hk, B, what),
+    dkdv_launch = (dkdv, dkdv_request[1], fold_grid(n_kv_tiles, Hk, B, what),
                    (dkdv_plan.threads,), dkdv_plan.shared_bytes)
+    tf32_grids = [(np.int32(t0), np.int32(n), fold_grid(n, Hk, B, what)) for t0, n in waves]
     if atomic:
         blocks = max(1, min(-(-n_rows * d // tiling.BWD_THREADS),
                             _CONVERT_BLOCKS.get(runtime.name, 4)))
@@ -176,8 +183,13 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
         fn, name, grid, block, smem = pre_launch
         launch(rt_name, fn, name, grid, block, (o_, do_, ws, ws, p), smem)
         fn, name, grid, block, smem = dkdv_launch
-        launch(rt_name, fn, name, grid, block,
-               (q_, k_, v_, do_, lse, ws, dk, dv_, ws, p) + extra + db, smem)
+        if tf32 is None:
+            launch(rt_name, fn, name, grid, block,
+                   (q_, k_, v_, do_, lse, ws, dk, dv_, ws, p) + extra + db, smem)
+        else:  # the waves, in stream order (one on the atomic path)
+            for t0, n, grid in tf32_grids:
+                launch(rt_name, fn, name, grid, block,
+                       (q_, k_, v_, do_, lse, ws, dk, dv_, ws, t0, n, p) + extra + db, smem)
         fn, name, grid, block, smem = fin_launch
         if atomic:
             launch(rt_name, fn, name, grid, block, (ws, dq, p), smem)
