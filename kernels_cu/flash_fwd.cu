@@ -403,10 +403,10 @@ extern "C" __global__ void flash_kv_append(const elem_t* __restrict__ k_new,
         const int n = (int)(rowi % a.Nnew);
         const int hk = (int)((rowi / a.Nnew) % a.Hk);
         const int b = (int)(rowi / ((long long)a.Nnew * a.Hk));
-        const int pos = cuflash_clamp((long long)seqlens_k[b], 0, a.kv_capacity - a.Nnew) + n;
+        const int pos = cuflash_clamp((long long)CUFLASH_INDEX(seqlens_k, b), 0, a.kv_capacity - a.Nnew) + n;
         long long base, row;
         if (a.page_size > 0) {
-            const int pg = cuflash_clamp(block_table[(long long)b * a.max_pages + pos / a.page_size],
+            const int pg = cuflash_clamp(CUFLASH_INDEX(block_table, (long long)b * a.max_pages + pos / a.page_size),
                                          0, a.num_pages - 1);
             base = pg; row = pos % a.page_size;
         } else {

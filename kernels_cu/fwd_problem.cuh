@@ -62,12 +62,12 @@ struct FwdProblem {
     // Address of key j's row (0 <= j < nk) in k / v.
     __device__ __forceinline__ const elem_t* k_row(const elem_t* K, const FwdParams& p, int j) const {
         if (pages == nullptr) return Kb + (long long)j * p.k_sr;
-        const int pg = cuflash_clamp(pages[j / page_size], 0, num_pages - 1);
+        const int pg = cuflash_clamp(CUFLASH_INDEX(pages, j / page_size), 0, num_pages - 1);
         return K + pg * k_page + (long long)hk * p.k_sh + (long long)(j % page_size) * p.k_sr;
     }
     __device__ __forceinline__ const elem_t* v_row(const elem_t* V, const FwdParams& p, int j) const {
         if (pages == nullptr) return Vb + (long long)j * p.v_sr;
-        const int pg = cuflash_clamp(pages[j / page_size], 0, num_pages - 1);
+        const int pg = cuflash_clamp(CUFLASH_INDEX(pages, j / page_size), 0, num_pages - 1);
         return V + pg * v_page + (long long)hk * p.v_sh + (long long)(j % page_size) * p.v_sr;
     }
     // Keys [0, end) visible to row r (query r % q_period), clamped to [0, nk].
@@ -103,13 +103,13 @@ __device__ __forceinline__ FwdProblem cuflash_fwd_problem(const FwdParams& p, co
     f.nk = p.Nk;
     const bool varlen = p.varlen != 0;
     if (varlen) {  // this sequence's rows of the packed arrays
-        q_start = cuflash_clamp(sv.cu_q[f.b], 0, p.total_q);
-        k_start = cuflash_clamp(sv.cu_k[f.b], 0, p.total_k);
-        f.rows = cuflash_clamp(sv.cu_q[f.b + 1], q_start, p.total_q) - (int)q_start;
-        f.nk = cuflash_clamp(sv.cu_k[f.b + 1], k_start, p.total_k) - (int)k_start;
+        q_start = cuflash_clamp(CUFLASH_INDEX(sv.cu_q, f.b), 0, p.total_q);
+        k_start = cuflash_clamp(CUFLASH_INDEX(sv.cu_k, f.b), 0, p.total_k);
+        f.rows = cuflash_clamp(CUFLASH_INDEX(sv.cu_q, f.b + 1), q_start, p.total_q) - (int)q_start;
+        f.nk = cuflash_clamp(CUFLASH_INDEX(sv.cu_k, f.b + 1), k_start, p.total_k) - (int)k_start;
         nq_seq = f.rows;
     } else if (p.kv_cache) {  // KV cache: this sequence's length
-        f.nk = cuflash_clamp((long long)sv.seqlens_k[f.b] + p.seqlens_add, 0, p.kv_capacity);
+        f.nk = cuflash_clamp((long long)CUFLASH_INDEX(sv.seqlens_k, f.b) + p.seqlens_add, 0, p.kv_capacity);
     }
     f.q_period = nq_seq > 0 ? nq_seq : 1;
     f.causal = p.causal;

@@ -219,6 +219,20 @@ __device__ __forceinline__ T gload(const T* p CUFLASH_SITE) {
 #endif
     return *p;
 }
+// Index reads (cu_seqlens, seqlens_k, block tables) as CUFLASH_INDEX(array, i): array[i] on
+// the GPU, where every thread of a block reads the same few ints (one cached line).  The
+// emulator checks them as it checks gload (memcheck: an index array read past its end is
+// the classic serving overrun) but does not count them as traffic.
+#ifdef CUFLASH_EMULATOR
+template <class T>
+__device__ __forceinline__ T cuflash_index_load(const T* p CUFLASH_SITE) {
+    ::cuflash_emu::check_global(p, sizeof(T), "global index load", CUFLASH_SITE_ARGS);
+    return *p;
+}
+#define CUFLASH_INDEX(a, i) cuflash_index_load(&(a)[i])
+#else
+#define CUFLASH_INDEX(a, i) a[i]
+#endif
 template <class T>
 __device__ __forceinline__ void gstore(T* p, typename cuflash_identity<T>::type v CUFLASH_SITE) {
 #ifdef CUFLASH_EMULATOR

@@ -106,6 +106,20 @@ def test_without_memcheck_the_stray_store_lands(mod):
     assert buf[64] == 63.0
 
 
+def test_index_read(mod):
+    """CUFLASH_INDEX, the serving kernels' reads of cu_seqlens, seqlens_k and block tables:
+    checked like a load (one past the end here), not counted as traffic."""
+    idx = np.arange(8, dtype=np.int32)
+    y = np.zeros(8, np.float32)
+    with em.memcheck():
+        mod.get_function("index_read")((1,), (32,), (idx, y, np.int32(8), np.int32(0)))
+    assert np.array_equal(y, idx) and em.last_launch_stats()["global_bytes_read"] == 0
+    msg = stray(mod.get_function("index_read"), (1,), (32,), (idx, y, np.int32(8), np.int32(1)))
+    assert msg.startswith("memcheck: out-of-bounds global index load of 4 bytes"), msg
+    assert "argument 'idx'" in msg and f"memcheck.cu:{line_of('index_read')}" in msg, msg
+    assert "element 8 " in msg and "thread (7,0,0)" in msg, msg
+
+
 def test_global_atomic(mod):
     acc = np.zeros(32, np.float32)
     msg = stray(mod.get_function("global_atomic"), (1,), (32,), (acc, np.int32(5000)))
@@ -156,3 +170,31 @@ def test_ldmatrix_row(mod):
     assert msg.startswith("memcheck: out-of-bounds shared-memory ldmatrix row of 16 bytes"), msg
     assert "byte offset 512 " in msg and "thread (31,0,0)" in msg, msg
     assert f"memcheck.cu:{line_of('ldmatrix_rows')}" in msg, msg
+
+
+def _kernel_sources():
+    root = Path(__file__).resolve().parents[2] / "kernels_cu"
+    files = sorted(root.glob("*.cu")) + sorted(root.glob("*.cuh"))
+    assert files
+    for f in files:
+        # code only: // comments dropped (the sources use no /* */ block comments in code)
+        yield f.name, [(i, line.split("//")[0]) for i, line in enumerate(f.read_text().splitlines(), 1)]
+
+
+def test_kernels_use_only_dynamic_shared_memory():
+    """memcheck's shared window is the launch's dynamic shared memory: a static __shared__
+    array would escape it, so the kernels declare none (portable.cuh's one extern array is
+    CUFLASH_DYNAMIC_SHARED's)."""
+    found = [f"{name}:{i}" for name, lines in _kernel_sources() for i, code in lines
+             if "__shared__" in code and not (name == "portable.cuh" and "cuflash_dynamic_smem_" in code)]
+    assert not found, f"static __shared__ declarations (memcheck does not see them): {found}"
+
+
+def test_index_arrays_are_read_through_cuflash_index():
+    """The serving kernels' index arrays -- the classic place for an overrun -- are read only
+    through CUFLASH_INDEX, which memcheck sees (a plain subscript would bypass it)."""
+    names = ("cu_q", "cu_k", "seqlens_k", "block_table", "pages")
+    pat = re.compile(r"\b(" + "|".join(names) + r")\s*\[")
+    found = [f"{name}:{i}: {code.strip()}" for name, lines in _kernel_sources() for i, code in lines
+             if pat.search(code)]
+    assert not found, found

@@ -60,3 +60,9 @@ extern "C" __global__ void ldmatrix_rows(const unsigned short* x, unsigned* y, i
     ldmatrix_x4(r, s + 8 * (t + off));  // ACCESS ldmatrix_rows
     for (int j = 0; j < 4; ++j) gstore(y + 4 * t + j, r[j]);
 }
+
+// An index read (CUFLASH_INDEX: cu_seqlens, seqlens_k, block tables in the serving kernels).
+extern "C" __global__ void index_read(const int* idx, float* y, int n, int off) {
+    const int i = threadIdx.x;
+    if (i < n) gstore(y + i, (float)CUFLASH_INDEX(idx, i + off));  // ACCESS index_read
+}
