@@ -15,9 +15,10 @@
 //   * real std::threads, for ThreadSanitizer builds (race_check=True, where
 //     __SANITIZE_THREAD__ is defined), so that TSan sees real concurrency.
 // Both share the barrier logic below: every barrier (__syncthreads, warp
-// collectives) goes through one lock per block, which makes deadlock detection
-// exact: when every thread that has not returned waits in some barrier that
-// cannot complete, the launch fails with a message instead of hanging.
+// collectives, mbarrier waits) goes through one lock per block, which makes deadlock
+// detection exact: when every thread that has not returned waits in some barrier that
+// cannot complete (bulk copies in flight land first), the launch fails with a message
+// instead of hanging.
 //
 // All per-thread state hangs off ONE thread_local pointer (`tctx`): several
 // thread_locals per library exhausted glibc's static TLS after ~14 loaded
@@ -362,6 +363,14 @@ struct Block {
     // poisoned for as long as possible).  True if that completed a phase (waiters released),
     // false if nothing could move: a deadlock.
     bool land_bulk_locked();
+    // A block that ends with copies in flight has let them write into shared memory that
+    // the next block on that SM may already own (no thread waited on their mbarrier).
+    std::string bulk_in_flight_message() const {
+        return "block " + where() + " of kernel " + kernel + " ended with " + std::to_string(bulk.size()) +
+               " cp.async.bulk cop" + (bulk.size() == 1 ? "y" : "ies") +
+               " still in flight (issued by thread " + std::to_string(bulk.front().tid) +
+               "): no thread waited on their mbarrier";
+    }
 
     std::string where() const;
     std::string deadlock_message() const {
@@ -429,6 +438,7 @@ struct Block {
             if (b->arrived > 0 && b->arrived == b->expected) release(*b);
         }
         if (!aborted && live > 0 && waiting == live && !land_bulk_locked()) abort_locked(deadlock_message());
+        if (!aborted && live == 0 && !bulk.empty()) abort_locked(bulk_in_flight_message());
     }
 
     [[noreturn]] void fail(const std::string& msg) {
@@ -1167,6 +1177,11 @@ inline void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar,
     c.quiet = true;
     std::memset(dst, 0xff, bytes);  // poison: until the copy lands, readers see NaN
     c.quiet = false;
+    // Under ThreadSanitizer the poison is this thread's write: a thread that reads the
+    // destination without waiting on the mbarrier races with it (a race report); one that
+    // waits acquires `bar`, released here since the copy's completion comes after its issue
+    // (the landing itself is emulator code, invisible to TSan).
+    tsan_release(bar);
     Block& b = *c.blk;
     std::string err;
     {

@@ -80,6 +80,15 @@ def test_bulk_pipeline_on_threads(mods):
         run_pipeline(mod, 3, mode=2)
 
 
+def test_race_check(mods):
+    """Under ThreadSanitizer the wait orders the copy before the reads; skipping it is a race."""
+    mod = em.RawModule(path=SRC, options=("-arch=sm_90a",), race_check=True)
+    x, y = run_pipeline(mod, 5, seed=5)
+    np.testing.assert_array_equal(y, expected_sums(x, 64))
+    with pytest.raises(em.RaceError, match=f"hopper.cu:{line_of('acc += tiles')}"):
+        run_pipeline(mod, 2, mode=1)
+
+
 def test_mbarrier_count_and_parity(mods):
     out = np.zeros(128, np.int32)
     mods().get_function("mbarrier_count")(1, 128, (out, np.int32(0)))
@@ -96,9 +105,13 @@ def test_read_before_the_wait_is_reported(mods):
 
 
 def test_read_before_the_wait_sees_nan_without_memcheck(mods):
-    with em.memcheck(False):
-        x, y = run_pipeline(mods(), 2, mode=1)
-    assert np.isnan(y).all()
+    nc = 64
+    x = np.ones((2, TILE), np.float32)
+    y = np.zeros((2, nc), np.float32)
+    with em.memcheck(False), pytest.raises(em.LaunchError, match=r"block \(0,0,0\) of kernel bulk_pipeline ended "
+                                                                  r"with 2 cp.async.bulk copies still in flight"):
+        mods().get_function("bulk_pipeline")(1, 32 + nc, (x, y, np.int32(2), np.int32(1)), shared_mem=SHARED)
+    assert np.isnan(y).all()  # the consumers summed the poison, not the ones
 
 
 @pytest.mark.parametrize("ntiles", [1, 3])
