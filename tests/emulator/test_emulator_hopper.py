@@ -148,14 +148,11 @@ def test_nvrtc_sm90a_machine_code():
     ok, why = _sass.is_available()
     if not ok:
         pytest.skip(why)
+    if 90 not in _nvrtc.supported_archs():
+        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
     root = SRC.parents[3]
-    try:
-        r = _nvrtc.compile(SRC.read_text(), SRC.name, options=("-arch=sm_90a", f"-I{root / 'kernels_cu'}",
-                                                                f"-I{SRC.parent}", "-std=c++17"))
-    except _nvrtc.NVRTCError as e:
-        if "sm_90a" in e.log or "arch" in e.log:
-            pytest.skip(f"this NVRTC does not compile for sm_90a: {e.log[:200]}")
-        raise
+    r = _nvrtc.compile(SRC.read_text(), SRC.name, options=("-arch=sm_90a", f"-I{root / 'kernels_cu'}",
+                                                            f"-I{SRC.parent}", "-std=c++17"))
     assert r.warnings == []
     sass = _sass.disassemble(r.cubin)
     ops = set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass))
