@@ -54,6 +54,10 @@ that works on the emulator also works with CuPy on a GPU):
   ``CUFLASH_DYNAMIC_SHARED(type, name)`` (``type* name``) and starts as NaN;
 * mma/ldmatrix and warp collectives need every lane of a full warp; a
   barrier not reached by all live threads is reported as a deadlock;
+* ``hopper.cuh``'s mbarriers and bulk copies need ``-arch=sm_90`` or later.  A
+  bulk copy's destination reads as NaN until a thread waits on its mbarrier
+  (memcheck reports an access before that); an mbarrier wait that no arrival
+  or copy can complete is a deadlock; a block may not end with copies in flight;
 * ``race_check=True`` runs each launch under ThreadSanitizer, with real
   threads, and raises
   :class:`RaceError` (blocks run one after another, so races between blocks

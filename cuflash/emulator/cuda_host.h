@@ -15,9 +15,10 @@
 //   * real std::threads, for ThreadSanitizer builds (race_check=True, where
 //     __SANITIZE_THREAD__ is defined), so that TSan sees real concurrency.
 // Both share the barrier logic below: every barrier (__syncthreads, warp
-// collectives) goes through one lock per block, which makes deadlock detection
-// exact: when every thread that has not returned waits in some barrier that
-// cannot complete, the launch fails with a message instead of hanging.
+// collectives, mbarrier waits) goes through one lock per block, which makes deadlock
+// detection exact: when every thread that has not returned waits in some barrier that
+// cannot complete (bulk copies in flight land first), the launch fails with a message
+// instead of hanging.
 //
 // All per-thread state hangs off ONE thread_local pointer (`tctx`): several
 // thread_locals per library exhausted glibc's static TLS after ~14 loaded
@@ -201,6 +202,14 @@ struct Barrier {
 
 struct CpCopy { void* dst; const void* src; };
 
+// An mbarrier (sm_90 form): arrivals still pending in the current phase, the count it re-arms
+// with, the transaction count (bytes announced by expect_tx minus bytes completed by bulk
+// copies; may go negative when a copy lands first) and the number of completed phases.
+struct Mbarrier { unsigned expected = 0, pending = 0; long long tx = 0; unsigned long long phase = 0; };
+// A cp.async.bulk in flight: its destination, the source bytes (read at issue) and the
+// mbarrier it completes transaction bytes on.
+struct BulkCopy { unsigned char* dst; std::vector<unsigned char> data; uintptr_t bar; unsigned tid; };
+
 // One plain global store, for the inter-block write check (see check_interblock_stores).
 struct StoreRec { uintptr_t addr; unsigned bytes; unsigned long long block; };
 // One element of a float atomic add (gatomic_add, red.global.add*), for the atomic order check
@@ -280,6 +289,13 @@ struct Block {
 #if !CUFLASH_EMULATOR_THREADS
     FiberScheduler* fibers = nullptr;  // runs this block's threads
 #endif
+    // mbarriers of the block by shared-memory address, the bulk copies in flight, and the
+    // count of completed mbarrier phases, which threads waiting on any mbarrier watch
+    // (they re-check their own barrier when it moves; see "mbarrier" below).
+    std::map<uintptr_t, Mbarrier> mbars;
+    std::vector<BulkCopy> bulk;
+    std::atomic<unsigned> mbar_gen{0};
+    unsigned mbar_waiters = 0;  // threads blocked in an mbarrier wait (part of `waiting`)
 
     Block(unsigned n, const char* name) : nthreads(n), nwarps((n + 31) / 32), kernel(name) {
         warp_bar.reset(new Barrier[nwarps]);
@@ -298,15 +314,17 @@ struct Block {
             warp_bar[w].arrived = 0; warp_bar[w].waiters = 0;
         }
         std::memset(wx.get(), 0xff, sizeof(WarpExchange) * nwarps);
+        mbars.clear(); bulk.clear(); mbar_waiters = 0;
     }
 
     // A new generation: every thread waiting in `b` may go on.
-    static void next_generation(Barrier& b) {
-        b.gen.fetch_add(1, std::memory_order_release);
+    static void next_generation(std::atomic<unsigned>& gen) {
+        gen.fetch_add(1, std::memory_order_release);
 #if CUFLASH_EMULATOR_THREADS
-        b.gen.notify_all();
+        gen.notify_all();
 #endif
     }
+    static void next_generation(Barrier& b) { next_generation(b.gen); }
 
     void release(Barrier& b) {
         if (&b == &bar) sync_count[(++bar_completions) & 1u] = 0;
@@ -321,6 +339,37 @@ struct Block {
         // a new generation wakes every waiter, which then sees `aborted`
         next_generation(bar);
         for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
+        next_generation(mbar_gen);
+    }
+
+    // Every thread waiting on some mbarrier re-checks its own (a phase completed).
+    void release_mbar_waiters() {
+        waiting -= mbar_waiters;
+        mbar_waiters = 0;
+        next_generation(mbar_gen);
+    }
+
+    // The phase of `m` completes when no arrival and no transaction byte is pending: it
+    // re-arms with the init count.  True if it completed (the caller releases the waiters).
+    static bool complete_phase(Mbarrier& m) {
+        if (m.pending != 0 || m.tx != 0) return false;
+        ++m.phase;
+        m.pending = m.expected;
+        return true;
+    }
+
+    // Called when every live thread waits: the bulk copies in flight still complete without
+    // any thread, so they land now (the latest moment, which leaves their destinations
+    // poisoned for as long as possible).  True if that completed a phase (waiters released),
+    // false if nothing could move: a deadlock.
+    bool land_bulk_locked();
+    // A block that ends with copies in flight has let them write into shared memory that
+    // the next block on that SM may already own (no thread waited on their mbarrier).
+    std::string bulk_in_flight_message() const {
+        return "block " + where() + " of kernel " + kernel + " ended with " + std::to_string(bulk.size()) +
+               " cp.async.bulk cop" + (bulk.size() == 1 ? "y" : "ies") +
+               " still in flight (issued by thread " + std::to_string(bulk.front().tid) +
+               "): no thread waited on their mbarrier";
     }
 
     std::string where() const;
@@ -330,6 +379,9 @@ struct Block {
         return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
                " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
                " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix), " +
+               (mbar_waiters ? std::to_string(mbar_waiters) +
+                                   " at an mbarrier wait (a phase no arrival or bulk copy left can complete), "
+                             : std::string()) +
                std::to_string(nthreads - live) + " of " + std::to_string(nthreads) +
                " returned; a barrier is not reached by every thread (divergent __syncthreads or collective)";
     }
@@ -358,7 +410,7 @@ struct Block {
             } else {
                 g = b.gen.load(std::memory_order_relaxed);
                 ++b.waiters; ++waiting;
-                if (waiting == live) {  // nobody left who could complete any barrier
+                if (waiting == live && !land_bulk_locked()) {  // nobody left who could complete any barrier
                     abort_locked(deadlock_message());
                     throw KernelAbort{};
                 }
@@ -385,7 +437,8 @@ struct Block {
             --b->expected;
             if (b->arrived > 0 && b->arrived == b->expected) release(*b);
         }
-        if (!aborted && live > 0 && waiting == live) abort_locked(deadlock_message());
+        if (!aborted && live > 0 && waiting == live && !land_bulk_locked()) abort_locked(deadlock_message());
+        if (!aborted && live == 0 && !bulk.empty()) abort_locked(bulk_in_flight_message());
     }
 
     [[noreturn]] void fail(const std::string& msg) {
@@ -609,9 +662,36 @@ __attribute__((noinline, cold)) inline void shared_stray_hook(uintptr_t a, unsig
     c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
 }
 
+// A plain shared access to bytes a cp.async.bulk in flight is still writing: on the GPU it
+// reads (or races with) whatever the copy engine has written so far.  Reported like a stray
+// access (the launch fails at the thread's next wait).
+__attribute__((noinline, cold)) inline void bulk_overlap_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
+    ThreadCtx* c = tctx;
+    if (!c) return;
+    for (const BulkCopy& b : c->blk->bulk) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(b.dst), hi = lo + b.data.size();
+        if (a + n <= lo || a >= hi) continue;
+        std::string where;
+        memcheck_thread_where(where);
+        const std::string msg =
+            std::string("memcheck: shared-memory ") + (store ? "store" : "load") + " of " + std::to_string(n) +
+            " bytes in kernel " + c->blk->kernel + " at " + pc_token(pc) + " touches byte offset " +
+            std::to_string((long long)(a - memcheck.dyn_lo)) + " of the dynamic shared memory while a " +
+            "cp.async.bulk of " + std::to_string(b.data.size()) + " bytes (issued by thread " +
+            std::to_string(b.tid) + ") is still writing there; wait on its mbarrier first [" + where + "]";
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(c->blk->mu);
+        c->blk->abort_locked(msg);
+        return;
+    }
+}
+
 __attribute__((noinline)) inline void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
     if (in_shared_alloc(a, n)) {
         if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
+#if !CUFLASH_EMULATOR_THREADS
+        if (memcheck.shared_on && tctx && !tctx->blk->bulk.empty()) bulk_overlap_hook(a, n, store, pc);
+#endif
         return;
     }
     if (memcheck.shared_on) shared_stray_hook(a, n, store, pc);
@@ -939,6 +1019,180 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
         c.cp_groups.erase(c.cp_groups.begin());
     }
     c.quiet = false;
+}
+
+// ---------------------------------------------------------------- mbarrier and bulk copies (sm_90)
+// mbarrier objects (PTX ISA, "Parallel Synchronization and Communication Instructions:
+// mbarrier"): init(count) sets pending arrivals = count, tx-count = 0, phase 0.  arrive
+// takes one pending arrival; arrive.expect_tx first adds bytes to the tx-count; a bulk copy
+// completes (subtracts) its bytes when it lands.  The current phase completes when both the
+// pending count and the tx-count are zero; the barrier then re-arms (pending = count) and
+// its phase parity flips.  try_wait.parity(p) is true once the phase of parity p -- the
+// current one or the one just before -- has completed, i.e. when p differs from the
+// current phase's parity.  The emulator keeps the state in a table of the block (keyed by
+// the object's shared address; a block must init its barriers, as on the GPU) rather than
+// in the 8 bytes themselves.
+//
+// Waiting: a thread whose phase has not completed blocks (a fiber is suspended until some
+// mbarrier phase of the block completes, then re-checks), under the block lock that the
+// other barriers use, so the deadlock check is exact: when every live thread waits
+// somewhere, bulk copies still in flight land (they need no thread); if that completes no
+// phase, the launch fails with the deadlock message.
+//
+// cp.async.bulk global -> shared: the source is checked and read at issue, the destination
+// is filled with 0xff bytes (NaN in every float type) and the data lands only when every
+// thread of the block waits -- the latest moment the GPU could deliver it.  Reading the
+// destination before waiting on the mbarrier thus sees NaN; with memcheck on, such an access
+// (load or store) is reported at once, with its source line.
+inline std::string mbar_name(const void* bar) { return "the mbarrier at shared address " + hex(reinterpret_cast<uintptr_t>(bar)); }
+
+inline void mbar_check_object(const void* bar, const char* what, const char* file, int line) {
+    if (reinterpret_cast<uintptr_t>(bar) % 8)
+        device_error(std::string(what) + ": " + mbar_name(bar) + " is not 8-byte aligned");
+    check_shared(bar, 8, what, file, line);
+}
+
+inline void mbarrier_init(void* bar, unsigned count, const char* file = "?", int line = 0) {
+    mbar_check_object(bar, "mbarrier.init", file, line);
+    if (count < 1 || count > (1u << 20) - 1)
+        device_error("mbarrier.init: count " + std::to_string(count) + " is outside [1, 2^20 - 1]");
+    Block& b = *tctx->blk;
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(b.mu);
+    Mbarrier& m = b.mbars[reinterpret_cast<uintptr_t>(bar)];
+    m = Mbarrier{};
+    m.expected = m.pending = count;
+}
+
+// arrive (tx = 0) or arrive.expect_tx(tx); returns the phase the arrival counted in (the
+// "state" operand of the PTX form).
+inline unsigned long long mbarrier_arrive(void* bar, unsigned tx, const char* file = "?", int line = 0) {
+    mbar_check_object(bar, tx ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive", file, line);
+    Block& b = *tctx->blk;
+    std::string err;
+    unsigned long long phase = 0;
+    tsan_release(bar);
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(b.mu);
+        auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
+        if (it == b.mbars.end()) {
+            err = "mbarrier.arrive: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+        } else if (it->second.pending == 0) {
+            err = "mbarrier.arrive: " + mbar_name(bar) + " has no pending arrival left in its phase " +
+                  std::to_string(it->second.phase) + " (more arrivals than its count " +
+                  std::to_string(it->second.expected) + " before the transactions completed)";
+        } else {
+            Mbarrier& m = it->second;
+            m.tx += tx;
+            if (m.tx > (1ll << 20) - 1)
+                err = "mbarrier.arrive.expect_tx: the tx-count of " + mbar_name(bar) + " exceeds 2^20 - 1 bytes";
+            phase = m.phase;
+            --m.pending;
+            if (Block::complete_phase(m)) b.release_mbar_waiters();
+        }
+    }
+    if (!err.empty()) device_error(err);
+    return phase;
+}
+
+// try_wait.parity in a loop: returns once the phase of parity `parity` has completed.
+inline void mbarrier_wait_parity(void* bar, unsigned parity, const char* file = "?", int line = 0) {
+    mbar_check_object(bar, "mbarrier.try_wait.parity", file, line);
+    ThreadCtx& c = *tctx;
+    Block& b = *c.blk;
+    ++c.epoch;
+    for (;;) {
+        std::string err;
+        bool done = false, again = false;
+        unsigned g = 0;
+        {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(b.mu);
+            if (b.aborted) throw KernelAbort{};
+            auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
+            if (it == b.mbars.end()) {
+                err = "mbarrier.try_wait.parity: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+            } else if ((it->second.phase & 1u) != (parity & 1u)) {
+                done = true;
+            } else {
+                g = b.mbar_gen.load(std::memory_order_relaxed);
+                ++b.mbar_waiters; ++b.waiting;
+                if (b.waiting == b.live) {
+                    if (!b.land_bulk_locked()) {
+                        b.abort_locked(b.deadlock_message());
+                        throw KernelAbort{};
+                    }
+                    again = true;  // a phase completed and this thread was released: look again
+                }
+            }
+        }
+        if (!err.empty()) device_error(err);
+        if (done) break;
+        if (again) continue;
+#if CUFLASH_EMULATOR_THREADS
+        while (b.mbar_gen.load(std::memory_order_acquire) == g) b.mbar_gen.wait(g, std::memory_order_acquire);
+#else
+        b.fibers->wait(b.mbar_gen, g);
+#endif
+        if (b.aborted) throw KernelAbort{};
+    }
+    tsan_acquire(bar);
+}
+
+inline bool Block::land_bulk_locked() {
+    if (bulk.empty()) return false;
+    std::vector<BulkCopy> copies;
+    copies.swap(bulk);  // first: the overlap check must not see the landing itself
+    bool completed = false;
+    ThreadCtx* c = tctx;
+    if (c) c->quiet = true;  // the destinations were recorded at issue
+    for (BulkCopy& cp : copies) {
+        std::memcpy(cp.dst, cp.data.data(), cp.data.size());
+        auto it = mbars.find(cp.bar);
+        if (it == mbars.end()) continue;  // re-initialised meanwhile: nobody waits for these bytes
+        it->second.tx -= (long long)cp.data.size();
+        completed |= complete_phase(it->second);
+    }
+    if (c) c->quiet = false;
+    if (completed) release_mbar_waiters();
+    return completed;
+}
+
+// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]
+inline void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file = "?", int line = 0) {
+    ThreadCtx& c = *tctx;
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+        device_error("cp.async.bulk: source and destination must be 16-byte aligned");
+    if (bytes == 0 || bytes % 16)
+        device_error("cp.async.bulk: the size " + std::to_string(bytes) + " is not a positive multiple of 16 bytes");
+    mbar_check_object(bar, "cp.async.bulk mbarrier", file, line);
+    check_shared(dst, bytes, "cp.async.bulk destination", file, line);
+    check_global(src, bytes, "cp.async.bulk source", file, line);
+    c.bytes_read += bytes;
+    BulkCopy cp{static_cast<unsigned char*>(dst),
+                std::vector<unsigned char>(static_cast<const unsigned char*>(src),
+                                           static_cast<const unsigned char*>(src) + bytes),
+                reinterpret_cast<uintptr_t>(bar), c.tid};
+    c.quiet = true;
+    std::memset(dst, 0xff, bytes);  // poison: until the copy lands, readers see NaN
+    c.quiet = false;
+    // Under ThreadSanitizer the poison is this thread's write: a thread that reads the
+    // destination without waiting on the mbarrier races with it (a race report); one that
+    // waits acquires `bar`, released here since the copy's completion comes after its issue
+    // (the landing itself is emulator code, invisible to TSan).
+    tsan_release(bar);
+    Block& b = *c.blk;
+    std::string err;
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(b.mu);
+        if (b.mbars.count(cp.bar) == 0)
+            err = "cp.async.bulk: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+        else
+            b.bulk.push_back(std::move(cp));
+    }
+    if (!err.empty()) device_error(err);
 }
 
 // ---------------------------------------------------------------- atomic order check

@@ -1,0 +1,78 @@
+// The asynchronous-copy plumbing of hopper.cuh (sm_90), checked against NumPy:
+//   bulk_pipeline: warp 0's lane 0 fills STAGES stages of shared memory with tiles of x
+//   by cp.async.bulk, each completing transaction bytes on the stage's "full" mbarrier;
+//   the other warps wait on "full" with the fill's phase parity, sum the tile column-wise
+//   into y and arrive on the stage's "empty" mbarrier, which the producer waits on before
+//   refilling the stage.  With more tiles than stages, every barrier's phase wraps.
+//   mbarrier_count: the arrival count and phase parity without copies.
+// bulk_pipeline mode 0: correct; 1: the consumers skip the wait on "full" (a premature read);
+// 2: the last tile's copy is never issued (its expect_tx cannot complete: a deadlock);
+// 3: every source is one tile further on (the last copy reads past the end of x).
+#include "portable.cuh"
+#include "hopper.cuh"
+
+#define TILE 256  // floats per tile: 1 KiB per bulk copy
+#define STAGES 2
+
+// x (ntiles, TILE) float32; y (ntiles, blockDim.x - 32): y[t][j] = sum_k x[t][j + k (blockDim.x - 32)].
+// Dynamic shared memory: STAGES * TILE floats, then 2 * STAGES mbarriers.
+extern "C" __global__ void bulk_pipeline(const float* x, float* y, int ntiles, int mode) {
+    CUFLASH_DYNAMIC_SHARED(float, smem);
+    float* tiles = smem;
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * TILE);
+    uint64_t* empty = full + STAGES;
+    const int tid = threadIdx.x;
+    const int nconsumers = blockDim.x - 32;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], nconsumers);
+        }
+        fence_proxy_async();  // the inits before the copy engine's complete_tx
+    }
+    __syncthreads();
+    if (tid == 0) {
+        for (int t = 0; t < ntiles; ++t) {
+            const int s = t % STAGES;
+            if (t >= STAGES) mbarrier_wait_parity(&empty[s], (t / STAGES - 1) & 1);  // fill t/STAGES - 1 consumed
+            mbarrier_arrive_expect_tx(&full[s], TILE * sizeof(float));
+            if (!(mode == 2 && t == ntiles - 1))
+                bulk_copy_g2s(tiles + s * TILE, x + (t + (mode == 3)) * TILE, TILE * sizeof(float), &full[s]);
+        }
+    } else if (tid >= 32) {
+        const int j = tid - 32;
+        for (int t = 0; t < ntiles; ++t) {
+            const int s = t % STAGES;
+            if (mode != 1) mbarrier_wait_parity(&full[s], (t / STAGES) & 1);
+            float acc = 0.0f;
+            for (int k = j; k < TILE; k += nconsumers) acc += tiles[s * TILE + k];
+            gstore(y + t * nconsumers + j, acc);
+            mbarrier_arrive(&empty[s]);
+        }
+    }
+}
+
+// Every thread of the block arrives once on one mbarrier initialised with blockDim.x; before,
+// each waits on parity 1, which a fresh barrier (phase 0) reports as completed (the phase
+// "before" phase 0); after, each waits on parity 0, which completes with the last arrival.
+// out[tid] = 1 + the number of threads that had arrived before the wait returned (read from
+// `arrived`: blockDim.x for every thread).  mode 1: thread blockDim.x - 1 never arrives
+// (the others wait for ever: a deadlock).
+extern "C" __global__ void mbarrier_count(int* out, int mode) {
+    __shared__ __align__(8) uint64_t bar;
+    __shared__ int arrived;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbarrier_init(&bar, blockDim.x);
+        arrived = 0;
+        fence_proxy_async();
+    }
+    __syncthreads();
+    mbarrier_wait_parity(&bar, 1);
+    if (!(mode == 1 && tid == (int)blockDim.x - 1)) {
+        atomicAdd(&arrived, 1);
+        mbarrier_arrive(&bar);
+        mbarrier_wait_parity(&bar, 0);
+        gstore(out + tid, 1 + atomicAdd(&arrived, 0));
+    }
+}
