@@ -12,7 +12,7 @@ one per kernel family.
 deliberately not a custom kernel.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
-``backend=``; the documentation is on :mod:`cuflash.reference`.
+``backend=``; the documentation is the front's (``help(cuflash.<name>)``).
 """
 import numpy as np
 

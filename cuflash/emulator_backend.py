@@ -9,7 +9,7 @@ held to a nominal sm_80 shared-memory limit (:mod:`cuflash.tiling`), which
 ``memory_analysis`` reports.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
-``backend=``; the documentation is on :mod:`cuflash.reference`.
+``backend=``; the documentation is the front's (``help(cuflash.<name>)``).
 """
 from . import emulator, kernels, reference
 from .launch.api import KernelFunctions
