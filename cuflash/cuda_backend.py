@@ -21,7 +21,8 @@ from ._validate import check_attention_inputs, check_backward_inputs, sum_to_sha
 from ._validate_masks import check_masks
 from .launch.api import KernelFunctions
 from .launch import precompile as launch_precompile
-from .reference.masks import Features
+from .reference._common import _canonical
+from .reference.standard import _features
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
@@ -91,16 +92,6 @@ def _compute_dtype(dtype):
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
-def _grouped(x, spec, kv):
-    """Split the heads axis for grouped-query attention: q/do (.., Hk, g, N, d), k/v (.., Hk, 1, N, d)."""
-    if spec.group == 1:
-        return x
-    if kv:
-        return x.reshape(x.shape[:-3] + (x.shape[-3], 1) + x.shape[-2:])
-    H = x.shape[-3]
-    return x.reshape(x.shape[:-3] + (H // spec.group, spec.group) + x.shape[-2:])
-
-
 def _probs(xp, spec, q, k, feat=None):
     """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0.
 
@@ -133,22 +124,9 @@ def _softmax(xp, spec, s, ct):
     return e / xp.where(l == 0, ct(1), l)
 
 
-def _features(xp, spec, ms, lead_shape_of):
-    """The call's features over xp in the grouped layout (or None)."""
-    if ms is None:
-        return None
-    return Features(spec, ms, lead_shape_of, _compute_dtype(spec.dtype), ms.bias,
-                    ms.alibi_slopes, xp=xp)
-
-
-def _lead_c(spec):
-    return (spec.lead[:-1] + (spec.lead[-1] // spec.group, spec.group) if spec.group > 1
-            else spec.lead)
-
-
 def _standard_forward(xp, q, k, v, spec, ms=None):
-    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
-    feat = _features(xp, spec, ms, _lead_c(spec))
+    qg, kg, vg, lead_c = _canonical(spec, q, k, v)
+    feat = _features(spec, ms, lead_c, xp)
     p = _probs(xp, spec, qg, kg, feat)
     if feat is not None:
         p = p[0]
@@ -163,9 +141,9 @@ def _standard_forward(xp, q, k, v, spec, ms=None):
 
 def _standard_backward(xp, do, q, k, v, spec, ms=None):
     ct = _compute_dtype(spec.dtype)
-    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
-    dog = _grouped(do, spec, False).astype(ct)
-    feat = _features(xp, spec, ms, _lead_c(spec))
+    qg, kg, vg, lead_c = _canonical(spec, q, k, v)
+    dog = do.reshape(lead_c + (spec.Nq, spec.dv)).astype(ct)
+    feat = _features(spec, ms, lead_c, xp)
     p = _probs(xp, spec, qg, kg, feat)                               # stored P
     th = keep = None
     if feat is not None:

@@ -42,9 +42,10 @@ def _standard_probs(spec, q_c, k_c, offset, feat=None):
     return S if feat is None else (S, th)
 
 
-def _features(spec, ms, lead_c):
+def _features(spec, ms, lead_c, xp=np):
+    """The call's features over ``xp`` in the canonical layout (None without features)."""
     return None if ms is None else masks.Features(spec, ms, lead_c, _compute_dtype(spec.dtype),
-                                                  ms.bias, ms.alibi_slopes)
+                                                  ms.bias, ms.alibi_slopes, xp=xp)
 
 
 def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
