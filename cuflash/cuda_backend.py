@@ -20,7 +20,6 @@ from . import kernels, reference
 from ._validate import check_attention_inputs, check_backward_inputs, sum_to_shape
 from ._validate_masks import check_masks
 from .launch.api import KernelFunctions
-from .launch import precompile as launch_precompile
 from .reference._common import _canonical
 from .reference.standard import _features
 
@@ -201,7 +200,7 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=N
 # --------------------------------------------------------------------------
 # the kernels: the launchers of cuflash.launch, with this backend's runtime
 # --------------------------------------------------------------------------
-_kernels = KernelFunctions(runtime)
+_kernels = KernelFunctions(runtime, reference.memory_analysis)
 online_softmax = _kernels.online_softmax
 online_softmax_2d = _kernels.online_softmax_2d
 tiled_attention = _kernels.tiled_attention
@@ -211,16 +210,4 @@ varlen_attention = _kernels.varlen_attention
 varlen_attention_backward = _kernels.varlen_attention_backward
 verify_no_full_materialization = _kernels.verify_no_full_materialization
 precompile = _kernels.precompile
-
-
-def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1, bias_shape=None, window=None):
-    """The model with the forward kernel's tiles against this device's shared-memory limit.
-
-    See Also ``cuflash.memory_analysis``; the extra keys are described in
-    ``cuflash.launch.fwd.memory_analysis`` and ``cuflash.launch.precompile.memory_analysis``
-    (``forward_kernels``, ``backward_kernels``).
-    """
-    return launch_precompile.memory_analysis(runtime(), reference.memory_analysis, N, d, dtype, Nk,
-                                             block_q, block_kv, batch, heads, num_splits,
-                                             bias_shape, window)
+memory_analysis = _kernels.memory_analysis

@@ -5,8 +5,7 @@ kernels run on (a CuPy device, or the emulator); each makes one
 :class:`KernelFunctions` over its own ``runtime()`` and binds the methods to
 module names (``tiled_attention = _kernels.tiled_attention``), so every
 function keeps the signature of the front (``cuflash.<name>``) minus
-``backend=``.  ``memory_analysis`` stays in each backend: it reads the
-reference's model, which is above this layer.
+``backend=``.
 """
 from . import bwd, features, fwd, precompile as launch_precompile, serving, softmax
 
@@ -15,11 +14,14 @@ class KernelFunctions:
     """The front's kernel functions, each launched on the runtime ``runtime()`` returns.
 
     ``runtime`` is called at every call (not once here): the "cuda" backend's
-    runtime is that of the current CuPy device.
+    runtime is that of the current CuPy device.  ``reference_model`` is
+    :func:`cuflash.reference.memory_analysis`, which ``memory_analysis`` extends
+    (the backends pass it: the reference sits above the launchers).
     """
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, reference_model):
         self._runtime = runtime
+        self._reference_model = reference_model
 
     def online_softmax(self, x, chunk_size=None, *, return_stats=False):
         """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
@@ -76,6 +78,19 @@ class KernelFunctions:
             self._runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, scale, causal, deterministic, check_inputs,
             features.of(bias, window, alibi_slopes, softcap, dropout_p, seed), return_dbias)
+
+    def memory_analysis(self, N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None,
+                        batch=1, heads=1, num_splits=1, bias_shape=None, window=None):
+        """The model with the forward kernel's tiles against the runtime's shared-memory limit.
+
+        That limit is the device's on "cuda", a nominal sm_80's on "emulator".  See Also
+        ``cuflash.memory_analysis``; the extra keys are described in
+        ``cuflash.launch.fwd.memory_analysis`` and ``cuflash.launch.precompile.memory_analysis``
+        (``forward_kernels``, ``backward_kernels``).
+        """
+        return launch_precompile.memory_analysis(
+            self._runtime(), self._reference_model, N, d, dtype, Nk, block_q, block_kv, batch,
+            heads, num_splits, bias_shape, window)
 
     def verify_no_full_materialization(self, q, k, v, block_size):
         """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
