@@ -43,8 +43,6 @@ def check_num_splits(num_splits):
     return n
 
 
-
-
 def _check_index(name, a, ndim, ref):
     """An int32 index array of ``ndim`` dims in the library of ``ref``."""
     if not (hasattr(a, "shape") and hasattr(a, "dtype")):

@@ -20,7 +20,7 @@ from . import kernels, reference
 from ._validate import check_attention_inputs, check_backward_inputs, sum_to_shape
 from ._validate_masks import check_masks
 from .launch.api import KernelFunctions
-from .reference._common import _canonical
+from .reference._common import _canonical, _compute_dtype
 from .reference.standard import _features
 
 __all__ = [
@@ -87,17 +87,13 @@ def _probe():
 # standard attention: plain array code over xp (cupy here; the tests also run
 # it with numpy to check it without a GPU)
 # --------------------------------------------------------------------------
-def _compute_dtype(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-
 def _probs(xp, spec, q, k, feat=None):
     """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0.
 
     With ``feat`` (:class:`cuflash.reference.masks.Features` over ``xp``): the
     softcap, bias, ALiBi and causal/window mask of the call; returns (P, tanh).
     """
-    ct = _compute_dtype(spec.dtype)
+    ct = _compute_dtype(spec.dtype).type
     s = xp.matmul(q.astype(ct) * ct(spec.scale), xp.swapaxes(k.astype(ct), -1, -2))
     if feat is not None:
         th = feat.transform(s, 0, spec.Nq, 0, spec.Nk)
@@ -139,7 +135,7 @@ def _standard_forward(xp, q, k, v, spec, ms=None):
 
 
 def _standard_backward(xp, do, q, k, v, spec, ms=None):
-    ct = _compute_dtype(spec.dtype)
+    ct = _compute_dtype(spec.dtype).type
     qg, kg, vg, lead_c = _canonical(spec, q, k, v)
     dog = do.reshape(lead_c + (spec.Nq, spec.dv)).astype(ct)
     feat = _features(spec, ms, lead_c, xp)
