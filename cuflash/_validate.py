@@ -31,8 +31,16 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CAUSAL_CHOICES = (False, True, "bottom_right", "top_left")
 
 
+class _LseDtype:
+    """The ``lse_dtype`` of the validated specs: float64 for float64 inputs, float32 otherwise."""
+
+    @property
+    def lse_dtype(self):
+        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+
+
 @dataclass(frozen=True)
-class AttentionSpec:
+class AttentionSpec(_LseDtype):
     """What one attention call computes, after validation.
 
     Attributes
@@ -79,11 +87,6 @@ class AttentionSpec:
     def lse_shape(self):
         """Shape of ``lse``: ``lead + (Nq,)``."""
         return self.lead + (self.Nq,)
-
-    @property
-    def lse_dtype(self):
-        """float64 for float64 inputs, float32 otherwise."""
-        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
     @property
     def batch(self):
@@ -317,14 +320,11 @@ def check_backward_inputs(do, q, k, v, o, lse, *, scale=None, causal=False, bloc
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                   block_kv=block_kv)
     want = spec.out_shape
-    if tuple(do.shape) != want:
-        raise ValueError(f"do has shape {tuple(do.shape)}, expected {want} (the shape of "
-                         f"the output for q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)})")
-    if o is not None and tuple(o.shape) != want:
-        raise ValueError(f"o has shape {tuple(o.shape)}, expected {want} (the shape of "
-                         f"the output for q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)})")
+    for name, a in (("do", do), ("o", o)):
+        if a is not None and tuple(a.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {want} (the shape of "
+                             f"the output for q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)})")
     if lse is not None:
         if not (hasattr(lse, "shape") and hasattr(lse, "dtype")):
             raise TypeError(f"lse must be an array, got {type(lse).__name__}")

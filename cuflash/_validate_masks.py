@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ._validate import check_float_dtype
+from ._validate import _library, check_float_dtype
 
 __all__ = ["MaskSpec", "check_masks", "check_window", "check_softcap", "check_dropout",
            "dropout_threshold", "mask_key", "visible_range", "check_serving_masks",
@@ -96,15 +96,6 @@ class MaskSpec:
     def drop_scale(self):
         """1 / (1 - p): the scale of kept probabilities."""
         return 1.0 / (1.0 - self.dropout_p)
-
-    @property
-    def transforms_logits(self):
-        """True when the logits are more than scale * q.k (bias, ALiBi or softcap)."""
-        return self.bias is not None or self.alibi_slopes is not None or self.softcap is not None
-
-
-def _library(a):
-    return (type(a).__module__ or "").split(".")[0]
 
 
 def check_window(window):

@@ -17,7 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from ._validate import _check_arrays, _describe, check_positive_int, check_scale, parse_causal
+from ._validate import (_check_arrays, _describe, _library, _LseDtype, check_positive_int,
+                        check_scale, parse_causal)
 
 __all__ = ["VarlenSpec", "KVCacheSpec", "check_varlen_inputs", "check_varlen_backward",
            "check_kvcache_inputs", "check_kvcache_shapes", "check_kvcache_values",
@@ -42,14 +43,11 @@ def check_num_splits(num_splits):
     return n
 
 
-
-
 def _check_index(name, a, ndim, ref):
     """An int32 index array of ``ndim`` dims in the library of ``ref``."""
     if not (hasattr(a, "shape") and hasattr(a, "dtype")):
         raise TypeError(f"{name} must be an int32 array, got {type(a).__module__}.{type(a).__name__}")
-    lib = (type(a).__module__ or "").split(".")[0]
-    rlib = (type(ref).__module__ or "").split(".")[0]
+    lib, rlib = _library(a), _library(ref)
     if lib != rlib:
         raise TypeError(f"{name} is a {lib} array but q is a {rlib} array: pass one library")
     if np.dtype(a.dtype) != np.int32:
@@ -69,7 +67,7 @@ def _grouping(H, Hk, what):
 # variable-length (packed) batches
 # --------------------------------------------------------------------------
 @dataclass(frozen=True)
-class VarlenSpec:
+class VarlenSpec(_LseDtype):
     """A validated varlen call: packed q (total_q, H, d), k (total_k, Hk, d), v (total_k, Hk, dv)."""
     B: int
     H: int
@@ -88,10 +86,6 @@ class VarlenSpec:
     lens_k: Optional[np.ndarray]
     cu_q: Optional[np.ndarray]
     cu_k: Optional[np.ndarray]
-
-    @property
-    def lse_dtype(self):
-        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
 
 def _check_cu(name, cu, total):
@@ -182,7 +176,7 @@ def check_varlen_backward(do, q, k, v, o, lse, spec):
 # KV cache
 # --------------------------------------------------------------------------
 @dataclass(frozen=True)
-class KVCacheSpec:
+class KVCacheSpec(_LseDtype):
     """A validated ``attention_with_kvcache`` call."""
     B: int
     H: int
@@ -200,11 +194,6 @@ class KVCacheSpec:
     dtype: np.dtype
     scale: float
     causal: Optional[str]
-    seqlens: Optional[np.ndarray] = None   # unused (values are checked separately)
-
-    @property
-    def lse_dtype(self):
-        return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
@@ -287,7 +276,7 @@ def check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=N
     return KVCacheSpec(B=B, H=H, Hk=Hk, group=group, Nq=Nq, Nnew=Nnew, d=d, dv=dv, paged=paged,
                        page_size=page_size, num_pages=num_pages, max_pages=max_pages,
                        capacity=capacity, dtype=np.dtype(q.dtype), scale=check_scale(scale, d),
-                       causal=parse_causal(causal), seqlens=None)
+                       causal=parse_causal(causal))
 
 
 def check_kvcache_values(spec, cache_seqlens, block_table):

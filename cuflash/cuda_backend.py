@@ -12,16 +12,16 @@ one per kernel family.
 deliberately not a custom kernel.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
-``backend=``; the documentation is on :mod:`cuflash.reference`.
+``backend=``; the documentation is the front's (``help(cuflash.<name>)``).
 """
 import numpy as np
 
 from . import kernels, reference
 from ._validate import check_attention_inputs, check_backward_inputs, sum_to_shape
 from ._validate_masks import check_masks
-from .launch import bwd, features, fwd, serving, softmax
-from .launch import precompile as launch_precompile
-from .reference.masks import Features
+from .launch.api import KernelFunctions
+from .reference._common import _canonical, _compute_dtype
+from .reference.standard import _features
 
 __all__ = [
     "is_available", "online_softmax", "online_softmax_2d", "standard_attention",
@@ -87,27 +87,13 @@ def _probe():
 # standard attention: plain array code over xp (cupy here; the tests also run
 # it with numpy to check it without a GPU)
 # --------------------------------------------------------------------------
-def _compute_dtype(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-
-def _grouped(x, spec, kv):
-    """Split the heads axis for grouped-query attention: q/do (.., Hk, g, N, d), k/v (.., Hk, 1, N, d)."""
-    if spec.group == 1:
-        return x
-    if kv:
-        return x.reshape(x.shape[:-3] + (x.shape[-3], 1) + x.shape[-2:])
-    H = x.shape[-3]
-    return x.reshape(x.shape[:-3] + (H // spec.group, spec.group) + x.shape[-2:])
-
-
 def _probs(xp, spec, q, k, feat=None):
     """P = softmax(scale * q k^T [masked]) in the compute dtype; rows that see no key are 0.
 
     With ``feat`` (:class:`cuflash.reference.masks.Features` over ``xp``): the
     softcap, bias, ALiBi and causal/window mask of the call; returns (P, tanh).
     """
-    ct = _compute_dtype(spec.dtype)
+    ct = _compute_dtype(spec.dtype).type
     s = xp.matmul(q.astype(ct) * ct(spec.scale), xp.swapaxes(k.astype(ct), -1, -2))
     if feat is not None:
         th = feat.transform(s, 0, spec.Nq, 0, spec.Nk)
@@ -133,22 +119,9 @@ def _softmax(xp, spec, s, ct):
     return e / xp.where(l == 0, ct(1), l)
 
 
-def _features(xp, spec, ms, lead_shape_of):
-    """The call's features over xp in the grouped layout (or None)."""
-    if ms is None:
-        return None
-    return Features(spec, ms, lead_shape_of, _compute_dtype(spec.dtype), ms.bias,
-                    ms.alibi_slopes, xp=xp)
-
-
-def _lead_c(spec):
-    return (spec.lead[:-1] + (spec.lead[-1] // spec.group, spec.group) if spec.group > 1
-            else spec.lead)
-
-
 def _standard_forward(xp, q, k, v, spec, ms=None):
-    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
-    feat = _features(xp, spec, ms, _lead_c(spec))
+    qg, kg, vg, lead_c = _canonical(spec, q, k, v)
+    feat = _features(spec, ms, lead_c, xp)
     p = _probs(xp, spec, qg, kg, feat)
     if feat is not None:
         p = p[0]
@@ -162,10 +135,10 @@ def _standard_forward(xp, q, k, v, spec, ms=None):
 
 
 def _standard_backward(xp, do, q, k, v, spec, ms=None):
-    ct = _compute_dtype(spec.dtype)
-    qg, kg, vg = _grouped(q, spec, False), _grouped(k, spec, True), _grouped(v, spec, True)
-    dog = _grouped(do, spec, False).astype(ct)
-    feat = _features(xp, spec, ms, _lead_c(spec))
+    ct = _compute_dtype(spec.dtype).type
+    qg, kg, vg, lead_c = _canonical(spec, q, k, v)
+    dog = do.reshape(lead_c + (spec.Nq, spec.dv)).astype(ct)
+    feat = _features(spec, ms, lead_c, xp)
     p = _probs(xp, spec, qg, kg, feat)                               # stored P
     th = keep = None
     if feat is not None:
@@ -223,94 +196,14 @@ def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=N
 # --------------------------------------------------------------------------
 # the kernels: the launchers of cuflash.launch, with this backend's runtime
 # --------------------------------------------------------------------------
-def online_softmax(x, chunk_size=None, *, return_stats=False):
-    """Kernel online_softmax_rows on one row. See Also ``cuflash.reference.online_softmax``."""
-    return softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=True)
-
-
-def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
-    """Kernel online_softmax_rows, one warp per row. See Also ``cuflash.reference.online_softmax_2d``."""
-    return softmax.online_softmax(runtime(), x, chunk_size, return_stats, one_d=False)
-
-
-def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
-                    alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
-                    block_kv=None, return_lse=False, num_splits=None):
-    """The forward kernels (cuflash.launch.fwd). See Also ``cuflash.tiled_attention``."""
-    return fwd.tiled_attention(runtime(), q, k, v, scale, causal, block_q, block_kv, return_lse,
-                               num_splits, features.of(bias, window, alibi_slopes, softcap,
-                                                       dropout_p, seed))
-
-
-def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, bias=None,
-                             window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                             seed=None, block_q=None, block_kv=None, deterministic=False,
-                             return_dbias=False):
-    """The backward kernels (cuflash.launch.bwd). See Also ``cuflash.tiled_attention_backward``."""
-    return bwd.tiled_attention_backward(
-        runtime(), do, q, k, v, o, lse, scale, causal, block_q, block_kv, deterministic,
-        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed), return_dbias)
-
-
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None,
-                           block_table=None, scale=None, causal=False, bias=None, window=None,
-                           alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                           num_splits=None, return_lse=False, check_inputs=True):
-    """The serving kernels (cuflash.launch.serving). See Also ``cuflash.attention_with_kvcache``."""
-    return serving.attention_with_kvcache(
-        runtime(), q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, causal,
-        num_splits, return_lse, check_inputs,
-        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed))
-
-
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
-                     max_seqlen_k=None, scale=None, causal=False, bias=None, window=None,
-                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                     return_lse=False, check_inputs=True):
-    """The serving kernels (cuflash.launch.serving). See Also ``cuflash.varlen_attention``."""
-    return serving.varlen_attention(
-        runtime(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-        causal, return_lse, check_inputs,
-        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed))
-
-
-def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *,
-                              max_seqlen_q=None, max_seqlen_k=None, scale=None, causal=False,
-                              bias=None, window=None, alibi_slopes=None, softcap=None,
-                              dropout_p=0.0, seed=None, deterministic=False, check_inputs=True,
-                              return_dbias=False):
-    """The backward kernels on packed sequences. See Also ``cuflash.varlen_attention_backward``."""
-    return bwd.varlen_attention_backward(
-        runtime(), do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        scale, causal, deterministic, check_inputs,
-        features.of(bias, window, alibi_slopes, softcap, dropout_p, seed), return_dbias)
-
-
-def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=None, batch=1,
-                    heads=1, num_splits=1, bias_shape=None, window=None):
-    """The model with the forward kernel's tiles against this device's shared-memory limit.
-
-    See Also ``cuflash.memory_analysis``; the extra keys are described in
-    ``cuflash.launch.fwd.memory_analysis`` and ``cuflash.launch.precompile.memory_analysis``
-    (``forward_kernels``, ``backward_kernels``).
-    """
-    return launch_precompile.memory_analysis(runtime(), reference.memory_analysis, N, d, dtype, Nk,
-                                             block_q, block_kv, batch, heads, num_splits,
-                                             bias_shape, window)
-
-
-def verify_no_full_materialization(q, k, v, block_size):
-    """flash_fwd with block_size tiles; the largest intermediate (lse, tiles, copies).
-
-    See Also ``cuflash.reference.verify_no_full_materialization``.
-    """
-    return fwd.verify_no_full_materialization(runtime(), q, k, v, block_size)
-
-
-def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=False,
-               progress=None):
-    """Compile the default-tile kernels for this GPU now.
-
-    See Also ``cuflash.precompile``.
-    """
-    return launch_precompile.precompile(runtime(), dtypes, head_dims, progress, features)
+_kernels = KernelFunctions(runtime, reference.memory_analysis)
+online_softmax = _kernels.online_softmax
+online_softmax_2d = _kernels.online_softmax_2d
+tiled_attention = _kernels.tiled_attention
+tiled_attention_backward = _kernels.tiled_attention_backward
+attention_with_kvcache = _kernels.attention_with_kvcache
+varlen_attention = _kernels.varlen_attention
+varlen_attention_backward = _kernels.varlen_attention_backward
+verify_no_full_materialization = _kernels.verify_no_full_materialization
+precompile = _kernels.precompile
+memory_analysis = _kernels.memory_analysis

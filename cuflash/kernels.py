@@ -391,10 +391,7 @@ def get_function(runtime, filename, kernel_name, defines, shared_bytes=0):
     ``max_dynamic_shared_size_bytes`` is raised to it (CuPy, and the emulator,
     which mirrors the attribute; plans there are checked against a nominal limit).
     """
-    options = build_options(defines)
-    fn = _raise_smem(_module(runtime, filename, options).get_function(kernel_name), shared_bytes)
-    check_compiled(runtime, fn, kernel_name, options)
-    return fn
+    return get_functions(runtime, [(filename, kernel_name, defines, shared_bytes)])[0]
 
 
 # NVRTC (through CuPy) and the host compiler release the GIL while they compile, so the
@@ -450,9 +447,10 @@ def compile_variants():
     sm80 = tiling.EMULATOR_ARCHES["sm_80"]
     out = {}
 
-    def add(kernel, dtype, d, dv=None, bq=None, bkv=None, limit=sm80):
+    def add(kernel, dtype, d, dv=None, bq=None, bkv=None, limit=sm80, **extra):
+        """The plan's options (with ``extra`` defines, e.g. CUFLASH_MASKS=None), once per file."""
         p = tiling.plan(kernel, d, d if dv is None else dv, dtype, bq, bkv, limit=limit)
-        opts = build_options(plan_defines(p))
+        opts = build_options(dict(plan_defines(p), **extra))
         lst = out.setdefault(KERNEL_SOURCES[kernel], [])
         if opts not in lst:
             lst.append(opts)
@@ -467,9 +465,7 @@ def compile_variants():
     add("flash_fwd", "float32", 128, bq=128, bkv=64)    # largest pair within the register rule
     # the serving module of flash_fwd.cu (split-KV, KV cache, varlen, combine, append)
     for dt, d in (("float16", 128), ("bfloat16", 64), ("float32", 64), ("float64", 32)):
-        p = tiling.plan("flash_fwd", d, d, dt, 8, None, limit=sm80)
-        opts = build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None))
-        out.setdefault("flash_fwd.cu", []).append(opts)
+        add("flash_fwd", dt, d, bq=8, CUFLASH_FWD_SERVING=None)
     # flash_fwd_tc.cu: the default plans of float16/bfloat16 (flash_fwd_tc) and float32
     # (flash_fwd_tf32) at the head dims of the test grid, and the extremes: one warp (16
     # rows), d = 256 (16 rows per warp), dv != d
@@ -512,28 +508,20 @@ def compile_variants():
     add("flash_bwd_tc", "bfloat16", 96, dv=32)
     # the logit features (-DCUFLASH_MASKS: flash_fwd_masked, flash_bwd_*_masked): float16 and
     # float64 (float vs double paths of masks.cuh and the double dbias atomics)
-    for kernel, fname in (("flash_fwd", "flash_fwd.cu"), ("flash_bwd_dkdv", "flash_bwd.cu")):
+    for kernel in ("flash_fwd", "flash_bwd_dkdv"):
         for dt, d in (("float16", 128), ("float64", 64)):
-            p = tiling.plan(kernel, d, d, dt, limit=sm80)
-            out.setdefault(fname, []).append(
-                build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
-    p = tiling.plan("flash_fwd", 128, 128, "bfloat16", 8, None, limit=sm80)   # serving + features
-    out["flash_fwd.cu"].append(build_options(dict(plan_defines(p), CUFLASH_FWD_SERVING=None,
-                                                  CUFLASH_MASKS=None)))
+            add(kernel, dt, d, CUFLASH_MASKS=None)
+    add("flash_fwd", "bfloat16", 128, bq=8, CUFLASH_FWD_SERVING=None,   # serving + features
+        CUFLASH_MASKS=None)
     # ... on the tensor-core forward: flash_fwd_tc_masked and flash_fwd_tf32_masked, defaults
     for kernel, dt, d in (("flash_fwd_tc_masked", "float16", 128), ("flash_fwd_tc_masked", "bfloat16", 64),
                           ("flash_fwd_tf32_masked", "float32", 64)):
-        p = tiling.plan(kernel, d, d, dt, limit=sm80)
-        out["flash_fwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
+        add(kernel, dt, d, CUFLASH_MASKS=None)
     # ... and on the tensor-core backward (flash_bwd_tc_masked, its own module): defaults at
     # d = 64 (query split) and d = 128 (two passes)
     for dt, d in (("float16", 64), ("bfloat16", 128)):
-        p = tiling.plan("flash_bwd_tc_masked", d, d, dt, limit=sm80)
-        out["flash_bwd_tc.cu"].append(build_options(dict(plan_defines(p), CUFLASH_MASKS=None,
-                                                         CUFLASH_BWD_TC_MAIN=None)))
+        add("flash_bwd_tc_masked", dt, d, CUFLASH_MASKS=None, CUFLASH_BWD_TC_MAIN=None)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
-        p = tiling.plan("flash_bwd_tf32_masked", d, d, "float32", limit=sm80)
-        out.setdefault("flash_bwd_tf32.cu", []).append(
-            build_options(dict(plan_defines(p), CUFLASH_MASKS=None)))
+        add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)
     return out

@@ -23,12 +23,13 @@ Beside them: :mod:`~cuflash.launch.bwd` (the backward's entry points: picks
 the family, caches the call, runs packed sequences),
 :mod:`~cuflash.launch.features` (the features as one value and what a launch
 makes of them), :mod:`~cuflash.launch.common` (addressing inputs, outputs,
-parameter blocks, the call cache, the launch hooks tests observe) and
+parameter blocks, the call cache, the launch hooks tests observe),
 :mod:`~cuflash.launch.precompile` (the kernels of default-tile calls, ahead of
-time).
+time) and :mod:`~cuflash.launch.api` (the backends' kernel functions over a
+runtime).
 
 Imports run one way: the backends -> these modules -> :mod:`cuflash.kernels` /
-:mod:`cuflash.tiling` -> :mod:`cuflash.emulator`; here precompile -> fwd, bwd;
+:mod:`cuflash.tiling` -> :mod:`cuflash.emulator`; here api -> precompile -> fwd, bwd;
 fwd -> serving; bwd -> bwd_tc, bwd_simt; each -> features -> common.  This
 package imports none of its modules, so importing one loads only what it needs.
 """

@@ -70,10 +70,16 @@ def _index_dummy(runtime):
 
 
 class _Geometry:
-    """What the serving kernel needs to know about one call, besides the data pointers."""
+    """What the serving kernel needs to know about one call, besides the data pointers.
+
+    Fields a call does not name take the dense call's values (no varlen, no cache, no pages,
+    the planner's tiles).
+    """
+    _DENSE = dict(total_q=0, total_k=0, seqlens_add=0, varlen=False, kv_cache=False,
+                  page_size=0, num_pages=0, max_pages=0, block_q=None, block_kv=None)
 
     def __init__(self, **kw):
-        self.__dict__.update(kw)
+        self.__dict__.update(self._DENSE, **kw)
 
 
 def _build(runtime, g, num_splits, feats=None):
@@ -161,12 +167,22 @@ def _build(runtime, g, num_splits, feats=None):
     return run
 
 
-def _pack_gqa(q_strides, group, Nq, rows_ok):
-    """Strides of q as (B, Hk, group * Nq rows) when the group's rows lie one stride apart."""
-    sb, sh, sr = q_strides
-    if group > 1 and rows_ok and sh == Nq * sr:
-        return (sb, group * sh, sr)
-    return None
+def _pack_gqa(lead, qs, group, kernel_group, Nq, dv):
+    """The problems of a dense-layout q: ``(packed, H, rows, kernel group, q, o, lse strides)``.
+
+    When a kv head's ``group`` query heads lie one stride apart in q (``sh == Nq * sr``), they
+    are packed as the rows of one problem (H / group problems of group * Nq rows, each K/V
+    tile read once per kv head); otherwise each query head is a problem of Nq rows whose kv
+    head the kernel finds with ``kernel_group``.  o and lse are C-contiguous over ``lead``.
+    """
+    B, H = problem_dims(lead)
+    o_sb, o_sh = contiguous_strides(lead, (Nq, dv))
+    l_sb, l_sh = contiguous_strides(lead, (Nq,))
+    sb, sh, sr = qs
+    if group > 1 and sh == Nq * sr:
+        return (True, H // group, group * Nq, 1, (sb, group * sh, sr),
+                (o_sb, group * o_sh, dv), (l_sb, group * l_sh, 1))
+    return False, H, Nq, kernel_group, qs, (o_sb, o_sh, dv), (l_sb, l_sh, 1)
 
 
 # --------------------------------------------------------------------------
@@ -184,24 +200,16 @@ def tiled_attention_split(runtime, q, k, v, spec, num_splits):
         k_, ks = flatten_lead(runtime, k, lead, grouped)
         v_, vs = flatten_lead(runtime, v, lead, grouped)
         copies = (q_ is not q, k_ is not k, v_ is not v)
-        o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
-        l_sb, l_sh = contiguous_strides(lead, (spec.Nq,))
         # MQA (one kv head, broadcast over the heads: head stride 0) is one group of all H
         group = spec.group if spec.group > 1 else (H if ks[1] == 0 and vs[1] == 0 else 1)
-        packed = _pack_gqa(qs, group, spec.Nq, True) if lead else None
-        if packed is not None:  # the query heads of a kv head as the rows of one problem
-            g_H, rows, group_k = H // group, group * spec.Nq, 1
-            qs_k, os_k, ls_k = packed, (o_sb, group * o_sh, spec.dv), (l_sb, group * l_sh, 1)
-        else:
-            g_H, rows, group_k = H, spec.Nq, spec.group
-            qs_k, os_k, ls_k = qs, (o_sb, o_sh, spec.dv), (l_sb, l_sh, 1)
+        # 2-D inputs (no lead) have no heads to pack
+        _, g_H, rows, group_k, qs_k, os_k, ls_k = _pack_gqa(
+            lead, qs, group if lead else 1, spec.group, spec.Nq, spec.dv)
         g = _Geometry(B=B, H=g_H, group_kernel=group_k, rows=rows, q_period=max(spec.Nq, 1),
                       Nk=spec.Nk, max_keys=spec.Nk, d=spec.d, dv=spec.dv, dtype=spec.dtype,
                       lse_dtype=spec.lse_dtype, scale=spec.scale, causal=spec.causal,
                       q=qs_k, k=ks, v=vs, o=os_k, lse=ls_k, n_out_rows=B * H * spec.Nq,
-                      total_q=0, total_k=0, seqlens_add=0, kv_capacity=spec.Nk, varlen=False,
-                      kv_cache=False, page_size=0, num_pages=0, max_pages=0,
-                      out_shape=spec.out_shape, lse_shape=spec.lse_shape,
+                      kv_capacity=spec.Nk, out_shape=spec.out_shape, lse_shape=spec.lse_shape,
                       block_q=spec.block_q, block_kv=spec.block_kv)
         inner = _build(runtime, g, num_splits)
         dummy = _index_dummy(runtime)
@@ -260,15 +268,8 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits,
     copy_q = q_ is not q
     kc = [s // k_cache.itemsize for s in k_cache.strides]
     vc = [s // v_cache.itemsize for s in v_cache.strides]
-    o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
-    l_sb, l_sh = contiguous_strides(lead, (spec.Nq,))
-    packed = _pack_gqa(qs, spec.group, spec.Nq, True)
-    if packed is not None:
-        H_k, rows, group_k = spec.Hk, spec.group * spec.Nq, 1
-        qs_k, os_k, ls_k = packed, (o_sb, spec.group * o_sh, spec.dv), (l_sb, spec.group * l_sh, 1)
-    else:
-        H_k, rows, group_k = spec.H, spec.Nq, spec.group
-        qs_k, os_k, ls_k = qs, (o_sb, o_sh, spec.dv), (l_sb, l_sh, 1)
+    packed, H_k, rows, group_k, qs_k, os_k, ls_k = _pack_gqa(lead, qs, spec.group, spec.group,
+                                                              spec.Nq, spec.dv)
     append = None
     if spec.Nnew:
         kn = [s // k_new.itemsize for s in k_new.strides]
@@ -286,14 +287,13 @@ def _build_kvcache(runtime, spec, q, k_cache, v_cache, k_new, v_new, num_splits,
                   dtype=spec.dtype, lse_dtype=spec.lse_dtype, scale=spec.scale,
                   causal=spec.causal, q=qs_k, k=(kc[0], kc[1], kc[2]),
                   v=(vc[0], vc[1], vc[2]), o=os_k, lse=ls_k,
-                  n_out_rows=spec.B * spec.H * spec.Nq, total_q=0, total_k=0,
-                  seqlens_add=spec.Nnew, kv_capacity=spec.capacity, varlen=False,
-                  kv_cache=True, page_size=spec.page_size if spec.paged else 0,
-                  num_pages=spec.num_pages, max_pages=spec.max_pages, append=append,
-                  out_shape=(spec.B, spec.H, spec.Nq, spec.dv),
-                  lse_shape=(spec.B, spec.H, spec.Nq), block_q=None, block_kv=None)
+                  n_out_rows=spec.B * spec.H * spec.Nq, seqlens_add=spec.Nnew,
+                  kv_capacity=spec.capacity, kv_cache=True,
+                  page_size=spec.page_size if spec.paged else 0, num_pages=spec.num_pages,
+                  max_pages=spec.max_pages, append=append,
+                  out_shape=(spec.B, spec.H, spec.Nq, spec.dv), lse_shape=(spec.B, spec.H, spec.Nq))
     feats = prepare_serving(runtime, q, spec.B, spec.H, spec.Nq, spec.capacity, spec.dtype,
-                            features, pack=spec.group if packed is not None else 1)
+                            features, pack=spec.group if packed else 1)
     if feats.ms is not None:
         num_splits = 1  # feature calls do not split the keys
     inner = _build(runtime, g, num_splits, feats)
@@ -344,10 +344,8 @@ def varlen_attention(runtime, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       k=(0, ks[1], ks[0]), v=(0, vs[1], vs[0]),
                       o=(0, spec.dv, spec.H * spec.dv), lse=(0, 1, spec.H),
                       n_out_rows=spec.total_q * spec.H, total_q=spec.total_q,
-                      total_k=spec.total_k, seqlens_add=0, kv_capacity=spec.max_k, varlen=True,
-                      kv_cache=False, page_size=0, num_pages=0, max_pages=0,
-                      out_shape=(spec.total_q, spec.H, spec.dv),
-                      lse_shape=(spec.total_q, spec.H), block_q=None, block_kv=None)
+                      total_k=spec.total_k, kv_capacity=spec.max_k, varlen=True,
+                      out_shape=(spec.total_q, spec.H, spec.dv), lse_shape=(spec.total_q, spec.H))
         feats = prepare_serving(runtime, q, spec.B, spec.H, spec.max_q, spec.max_k, spec.dtype,
                                 features)
         inner = _build(runtime, g, 1, feats)

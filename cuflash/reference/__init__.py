@@ -1,8 +1,8 @@
 """The NumPy reference backend (``backend="numpy"``): FlashAttention's algorithm, in NumPy.
 
-Every public function of cuflash is defined here with its full documentation;
-the dispatching front (``cuflash/__init__.py``) and the other backends refer
-to these docstrings.  The notation is FlashAttention's and the CUDA
+Every public function of cuflash is defined here; its documentation is the
+front's (``help(cuflash.<name>)``), and the docstrings here say how the
+reference computes it.  The notation is FlashAttention's and the CUDA
 kernels', so this file and ``kernels_cu/flash_fwd.cu`` read side by side:
 
 ======  ==================================================================

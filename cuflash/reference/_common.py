@@ -215,11 +215,6 @@ def _tile_mask(r0, r1, c0, c1, offset):
     return j > i + offset
 
 
-def _is_blas_ready(a, ct):
-    """Can BLAS read this array's matrices directly (right dtype, unit inner stride)?"""
-    return a.dtype == ct and (a.shape[-1] <= 1 or a.strides[-1] == a.itemsize)
-
-
 # ---------------------------------------------------------------------------
 # split-KV: the key ranges of the splits and the exact merge of their partials
 # ---------------------------------------------------------------------------

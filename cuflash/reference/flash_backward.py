@@ -137,42 +137,14 @@ def tiled_attention_backward(do, q, k, v, o, lse, *, scale=None, causal=False, b
                              window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
                              seed=None, block_q=None, block_kv=None, deterministic=False,
                              return_dbias=False):
-    """FlashAttention backward: gradients without storing P.
+    """The NumPy reference of ``cuflash.tiled_attention_backward`` (documented there).
 
     P is recomputed tile by tile from the forward's ``lse``
-    (``P_ij = exp(S_ij - lse_i)``) and the softmax correction uses
-    ``D = rowsum(do * o)`` (FlashAttention-2).
-
-    Parameters
-    ----------
-    do : ndarray, shape (..., Nq, dv)
-        Gradient of the loss with respect to ``o``; dtype of q.
-    q, k, v : ndarray
-        The forward's inputs (see :func:`tiled_attention`).
-    o : ndarray, shape (..., Nq, dv)
-        The forward's output.
-    lse : ndarray, shape (..., Nq)
-        The forward's log-sum-exp (``tiled_attention(..., return_lse=True)``).
-    scale, causal, bias, window, alibi_slopes, softcap, dropout_p, seed, block_q, block_kv
-        As in :func:`tiled_attention`; all but the tiles must be the forward's
-        (the dropout mask is regenerated from dropout_p and seed).
-    deterministic : bool
-        Accepted for API parity; this backend is always deterministic (static
-        work split, fixed summation order), so results are bitwise repeatable.
-    return_dbias : bool
-        Also return the gradient of ``bias`` (needs ``bias``).
-
-    Returns
-    -------
-    dq : ndarray, shape of q
-    dk : ndarray, shape of k
-    dv : ndarray, shape of v
-        In the inputs' dtype; dk/dv (and dq) summed over broadcast and grouped
-        heads.  Rows that see no key contribute exactly 0.
-    dbias : ndarray, shape and dtype of bias
-        Only with ``return_dbias``: dS (the gradient of the logits after
-        softcap), summed over the axes the bias was broadcast along; 0 where
-        masked.
+    (``P_ij = exp(S_ij - lse_i)``; the dropout mask regenerated from dropout_p and
+    seed) and the softmax correction uses ``D = rowsum(do * o)``
+    (FlashAttention-2).  ``deterministic`` is accepted for API parity: this
+    backend is always deterministic (static work split, fixed summation order),
+    so results are bitwise repeatable.
     """
     spec = check_backward_inputs(do, q, k, v, o, lse, scale=scale, causal=causal,
                                  block_q=block_q, block_kv=block_kv)

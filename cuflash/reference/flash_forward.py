@@ -239,76 +239,25 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
 def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
                     block_kv=None, return_lse=False, num_splits=None):
-    """FlashAttention forward: exact attention without any (Nq, Nk) array.
+    """The NumPy reference of ``cuflash.tiled_attention`` (parameters, returns and semantics there).
 
     Query tiles ``Qi`` of ``block_q`` (Br) rows, key/value tiles ``Kj``, ``Vj``
     of ``block_kv`` (Bc) rows; for each query tile the key/value tiles stream
     past with the online-softmax update (running max ``m_i``, running sum
     ``l_i``, unnormalised ``acc``), normalised once at the end
-    (FlashAttention-2).  Tiles entirely above the causal boundary are skipped
-    (never computed); tiles crossing it are masked.  The work is vectorised
-    over all leading dims and the query tiles run on a small thread pool.
+    (FlashAttention-2).  Tiles entirely above the causal boundary or outside the
+    window's band are skipped (never computed); tiles crossing them are masked.
+    The work is vectorised over all leading dims and the query tiles run on a
+    small thread pool.
 
-    Parameters
-    ----------
-    q : ndarray, shape (..., Nq, d)
-    k : ndarray, shape (..., Nk, d)
-    v : ndarray, shape (..., Nk, dv)
-        Leading dims broadcast as in NumPy; grouped-query attention when the
-        heads axis (-3) of k/v, Hk, divides q's H and is neither 1 nor H
-        (query head h reads kv head ``h // (H // Hk)``).  float16, bfloat16,
-        float32 or float64, one dtype for all three.  Not modified;
-        non-contiguous arrays are accepted.
-    scale : float, optional
-        Logit scale; None means ``1/sqrt(d)``.
-    causal : bool or {"bottom_right", "top_left"}
-        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``;
-        ``"top_left"``: iff ``j <= i``.  A row that sees no key gives o = 0 and
-        lse = -inf.
-    bias : ndarray, optional
-        Added to the (softcapped) scaled logits; any shape that broadcasts to
-        ``lead + (Nq, Nk)`` (stride-0 axes cost nothing), any float dtype,
-        used in the compute dtype.
-    window : (int or None, int or None), optional
-        ``(left, right)``: query i sees key j iff
-        ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (None or a negative
-        side: unbounded); intersected with ``causal``.  Tiles outside the
-        band are never visited.
-    alibi_slopes : ndarray, shape (H,) or (B, H), optional
-        Adds ``-slope * |i + Nk - Nq - j|`` to the logits.
-    softcap : float, optional
-        ``c > 0``: the scaled logits become ``c * tanh(logits / c)`` (before
-        bias, ALiBi and mask).
-    dropout_p : float
-        Dropout probability on the attention probabilities, in [0, 1).
-    seed : int, optional
-        Key of the Philox4x32-10 dropout mask (required when dropout_p > 0);
-        :func:`cuflash.dropout_mask` returns the mask every backend draws.
-    block_q, block_kv : int, optional
-        Br and Bc.  None picks CPU-friendly sizes (:func:`default_blocks`);
-        explicit sizes are used as given.
-    return_lse : bool
-        Also return the row log-sum-exp (what the backward needs).
-    num_splits : int, optional
-        Split the keys into this many ranges of whole tiles and merge the
-        partial results exactly (split-KV); None or 1: no split (a CPU gains
-        nothing from it; the arithmetic is here so the kernels can be held to it).
-
-    Returns
-    -------
-    o : ndarray, shape (..., Nq, dv), dtype of q
-    lse : ndarray, shape (..., Nq), float32 (float64 for float64 inputs)
-        Only with ``return_lse``: ``log(sum_j exp(s_ij))`` over the visible
-        keys, ``s`` the logits with softcap, bias and ALiBi (before dropout).
-
-    Notes
-    -----
-    With dropout, ``o = (P * keep / (1 - dropout_p)) V`` where P is the
-    softmax and ``keep`` the Philox mask.
-    float16/bfloat16/float32 inputs are computed in float32, float64 in
-    float64.  Extra memory is O(Br * Bc) per worker thread plus O(Nq) for the
-    row statistics: see :func:`memory_analysis` and
-    :func:`verify_no_full_materialization`.
+    Here ``block_q``/``block_kv`` None picks CPU-friendly sizes
+    (:func:`default_blocks`); explicit sizes are used as given.  ``num_splits``
+    None or 1 does not split (a CPU gains nothing from it); more splits the keys
+    into ranges of whole tiles merged exactly (:func:`combine_splits`), so the
+    kernels can be held to the arithmetic.  float16/bfloat16/float32 inputs are
+    computed in float32, float64 in float64.  Extra memory is O(Br * Bc) per
+    worker thread plus O(Nq) for the row statistics: see :func:`memory_analysis`
+    and :func:`verify_no_full_materialization`.
     """
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal, block_q=block_q,
                                   block_kv=block_kv)

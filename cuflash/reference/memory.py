@@ -111,27 +111,14 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
 
 
 def verify_no_full_materialization(q, k, v, block_size):
-    """Instrumented tiled forward: the output and the largest intermediate it created.
+    """The NumPy reference of ``cuflash.verify_no_full_materialization`` (documented there).
 
     Runs the same forward as :func:`tiled_attention` (``block_q = block_kv =
     block_size``, one thread) while recording the size of every array the
     algorithm allocates: the scaled query tile, the S/P tile, the acc tile,
     the [Vj, 1] tile, the row statistics of the tile and any causal mask.
-    The inputs and the returned output/lse are not intermediates.
-
-    Parameters
-    ----------
-    q, k, v : ndarray
-        As in :func:`tiled_attention` (non-causal, default scale).
-    block_size : int
-        Br = Bc.
-
-    Returns
-    -------
-    o : ndarray, shape (..., Nq, dv)
-    max_tensor_size : int
-        Elements of the largest intermediate array: O(batch * block_size *
-        max(block_size, d)), independent of N (an (Nq, Nk) matrix never exists).
+    The inputs and the returned output/lse are not intermediates; the largest
+    is O(batch * block_size * max(block_size, d)) elements, independent of N.
     """
     spec = check_attention_inputs(q, k, v, block_q=block_size, block_kv=block_size)
     if block_size is None:

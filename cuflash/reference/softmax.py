@@ -40,37 +40,12 @@ def _online_softmax_rows(x, chunk_size):
 
 
 def online_softmax(x, chunk_size=None, *, return_stats=False):
-    """Softmax of a 1-D array computed in one streaming pass over chunks.
+    """The NumPy reference of ``cuflash.online_softmax`` (parameters, returns and errors documented there).
 
     The running maximum ``m`` and the running sum ``l = sum(exp(x - m))`` are
-    updated chunk by chunk; when a chunk raises the maximum the sum so far is
-    rescaled by ``exp(m_old - m_new)`` (Milakov & Gimelshein 2018).  The probabilities are then
-    ``exp(x - m) / l``.
-
-    Parameters
-    ----------
-    x : ndarray, shape (N,)
-        float16, bfloat16, float32 or float64.  Not modified.
-    chunk_size : int, optional
-        Elements per chunk; None processes the vector as one chunk.
-    return_stats : bool
-        Also return the final statistics.
-
-    Returns
-    -------
-    p : ndarray, shape (N,), dtype of x
-        ``softmax(x)``.  If every element is ``-inf`` (or N = 0) p is 0.
-    m : numpy.float64
-        ``max(x)`` (only with ``return_stats``).
-    l : numpy.float64
-        ``sum(exp(x - m))`` accumulated chunk by chunk (only with ``return_stats``).
-
-    Raises
-    ------
-    ValueError
-        x not 1-D, or chunk_size not a positive int.
-    TypeError
-        x not a float array.
+    updated chunk by chunk in float64; when a chunk raises the maximum the sum so
+    far is rescaled by ``exp(m_old - m_new)`` (Milakov & Gimelshein 2018).  The
+    statistics are returned as ``numpy.float64`` scalars.
     """
     chunk_size = _check_softmax_input(x, chunk_size)
     if x.ndim != 1:
@@ -83,28 +58,10 @@ def online_softmax(x, chunk_size=None, *, return_stats=False):
 
 
 def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
-    """Row-wise online softmax over the last axis of a (..., M) array.
+    """The NumPy reference of ``cuflash.online_softmax_2d`` (documented there).
 
     Every row is processed independently with the algorithm of
     :func:`online_softmax`, all rows at once (chunks run along the last axis).
-
-    Parameters
-    ----------
-    x : ndarray, shape (..., M)
-        At least 1-D; float16, bfloat16, float32 or float64.  Not modified.
-    chunk_size : int, optional
-        Columns per chunk; None processes each row as one chunk.
-    return_stats : bool
-        Also return the per-row statistics.
-
-    Returns
-    -------
-    p : ndarray, shape (..., M), dtype of x
-        Each row sums to 1 (rows of only ``-inf`` give 0).
-    m : ndarray, shape (...,), float64
-        Row maxima (only with ``return_stats``).
-    l : ndarray, shape (...,), float64
-        Row sums of ``exp(x - m)`` (only with ``return_stats``).
     """
     chunk_size = _check_softmax_input(x, chunk_size)
     if x.ndim < 1:

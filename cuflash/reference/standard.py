@@ -42,40 +42,20 @@ def _standard_probs(spec, q_c, k_c, offset, feat=None):
     return S if feat is None else (S, th)
 
 
-def _features(spec, ms, lead_c):
+def _features(spec, ms, lead_c, xp=np):
+    """The call's features over ``xp`` in the canonical layout (None without features)."""
     return None if ms is None else masks.Features(spec, ms, lead_c, _compute_dtype(spec.dtype),
-                                                  ms.bias, ms.alibi_slopes)
+                                                  ms.bias, ms.alibi_slopes, xp=xp)
 
 
 def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
                        alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
-    """Textbook attention that materialises the (Nq, Nk) probabilities.
+    """The NumPy reference of ``cuflash.standard_attention`` (documented there).
 
-    ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole logits matrix S
-    and probability matrix P in memory (the baseline FlashAttention avoids).
-
-    Parameters
-    ----------
-    q : ndarray, shape (..., Nq, d)
-    k : ndarray, shape (..., Nk, d)
-    v : ndarray, shape (..., Nk, dv)
-        Leading dims broadcast; grouped-query heads as in ``cuflash.tiled_attention``.
-        One float dtype for all three.  Not modified.
-    scale : float, optional
-        Logit scale; None means ``1/sqrt(d)``.
-    causal : bool or {"bottom_right", "top_left"}
-        ``True``/``"bottom_right"``: query i sees key j iff ``j <= i + Nk - Nq``;
-        ``"top_left"``: iff ``j <= i``.
-    bias, window, alibi_slopes, softcap, dropout_p, seed
-        The logit features, as in :func:`cuflash.reference.tiled_attention`.
-
-    Returns
-    -------
-    o : ndarray, shape (..., Nq, dv), dtype of q
-        Rows that see no key are 0.
-    p : ndarray, shape (..., Nq, Nk), dtype of q
-        The attention probabilities (0 for hidden keys and blind rows), before
-        dropout: ``o = (p * keep / (1 - dropout_p)) @ v``.
+    Textbook attention: ``o = softmax(scale * q @ k^T + mask) @ v`` with the whole
+    logits matrix S and probability matrix P in memory (the baseline
+    FlashAttention avoids), computed in float32 (float64 for float64 inputs).
+    Returns ``(o, p)``, p the probabilities before dropout.
 
     See Also
     --------
@@ -100,30 +80,10 @@ def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=N
 def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
                                 window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
                                 seed=None, return_dbias=False):
-    """Textbook attention backward that stores P.
+    """The NumPy reference of ``cuflash.standard_attention_backward`` (documented there).
 
-    ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``, ``dS = P * (dP - D)``,
-    ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (the stored-P backward).
-
-    Parameters
-    ----------
-    do : ndarray, shape (..., Nq, dv)
-        Gradient of the loss with respect to the output.
-    q, k, v, scale, causal, bias, window, alibi_slopes, softcap, dropout_p, seed
-        As in :func:`standard_attention` (the forward's values).
-    return_dbias : bool
-        Also return the gradient of ``bias``.
-
-    Returns
-    -------
-    dq : ndarray, shape of q
-    dk : ndarray, shape of k
-    dv : ndarray, shape of v
-        In the inputs' dtype; gradients of broadcast or grouped inputs are
-        summed over the axes they were broadcast along.  Rows that see no key
-        contribute 0.
-    dbias : ndarray, shape and dtype of bias
-        Only with ``return_dbias``: dS summed over the bias's broadcast axes.
+    The stored-P backward: ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(P * dP)``,
+    ``dS = P * (dP - D)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
     """
     spec = check_backward_inputs(do, q, k, v, None, None, scale=scale, causal=causal,
                                  need_forward=False)

@@ -51,7 +51,7 @@ from .masks import *  # noqa: F401,F403
 __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
     "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
-    "defaults_table", "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
+    "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
     "TC_KERNELS", "TC_MASKED_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
     "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",

@@ -340,20 +340,6 @@ register(KernelTiling(
 ))
 
 
-def defaults_table(kernel, dtypes=("float16", "float32", "float64"), head_dims=(16, 32, 64, 96, 128, 256),
-                   limit=None, limit_source="unlimited"):
-    """Rows (dtype, d, kernel, block_q, block_kv, threads, shared_bytes) of the default plans."""
-    rows = []
-    for dt in dtypes:
-        for d in head_dims:
-            if kernel == "flash_fwd":  # the forward picks its kernel per dtype and d
-                p = plan_flash_fwd(d, d, dt, limit=limit, limit_source=limit_source)
-            else:
-                p = plan(kernel, d, d, dt, limit=limit, limit_source=limit_source)
-            rows.append((dt, d, p.kernel, p.block_q, p.block_kv, p.threads, p.shared_bytes))
-    return rows
-
-
 # --------------------------------------------------------------------------
 # the serving forward (flash_fwd.cu, -DCUFLASH_FWD_SERVING): split-KV traffic
 # --------------------------------------------------------------------------

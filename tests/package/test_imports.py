@@ -199,7 +199,8 @@ def test_the_reader_sees_the_package(graph):
     modules, edges, _ = graph
     assert {"cuflash", "cuflash.launch.fwd", "cuflash.launch.bwd_tc", "cuflash.emulator._race",
             "cuflash.reference.serving"} <= set(modules)
-    assert "cuflash.launch.fwd" in edges["cuflash.cuda_backend"]
+    assert "cuflash.launch.api" in edges["cuflash.cuda_backend"]
+    assert "cuflash.launch.fwd" in edges["cuflash.launch.api"]
     assert "cuflash.launch.serving" in edges["cuflash.launch.fwd"]
     assert "cuflash.kernels" in edges["cuflash.launch.fwd"]      # from .. import kernels
     assert "cuflash.reference" in edges["cuflash"]               # from . import reference
