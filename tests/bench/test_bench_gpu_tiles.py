@@ -135,19 +135,21 @@ def _small(extra):
 
 def test_a_pair_on_another_kernel_or_refused_is_reported_not_timed(monkeypatch):
     """A pair whose call runs another kernel than the default's is named and not timed (here
-    the 16 x 16 pair's backward is made deterministic, which runs the SIMT flash_bwd_dkdv
-    instead of flash_bwd_tf32); a pair asked for that the planner refuses gets its reason,
-    also where the library refuses it (float32's backward does not send tiles flash_bwd_tf32
-    lacks to the SIMT kernel)."""
+    the 16 x 32 pair's backward gets k as a view 4 bytes into its buffer, which cp.async
+    cannot read: the SIMT flash_bwd_dkdv runs instead of flash_bwd_tf32); a pair asked for
+    that the planner refuses gets its reason, also where the library refuses it (float32's
+    backward does not send tiles flash_bwd_tf32 lacks to the SIMT kernel)."""
     real = tiles.CuflashTiles.backward
 
-    def det(self, x, state, retain=False):
+    def misaligned(self, x, state, retain=False):
         if self.block_q != 16:
             return real(self, x, state, retain)
         o, lse = state
-        return self.cf.tiled_attention_backward(x.do, x.q, x.k, x.v, o, lse, backend=self.backend,
-                                                block_q=16, block_kv=16, deterministic=True)
-    monkeypatch.setattr(tiles.CuflashTiles, "backward", det)
+        k = np.empty(x.k.size + 1, x.k.dtype)[1:].reshape(x.k.shape)
+        k[...] = x.k
+        return self.cf.tiled_attention_backward(x.do, x.q, k, x.v, o, lse, backend=self.backend,
+                                                block_q=16, block_kv=32)
+    monkeypatch.setattr(tiles.CuflashTiles, "backward", misaligned)
     rc, out, err = run_main(["--backend", "emulator", "--sections", "tiles", "--dtypes", "float32",
                              "--dims", "32", "--causal", "no", "--modes", "bwd", "--tiles-n", "16",
                              "--tokens", "16", "--hidden", "32", "--reps", "2", "--warmup", "0",
