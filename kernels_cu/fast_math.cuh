@@ -12,6 +12,7 @@
 // c - 2 c r: one instruction where the product c (1 - 2 r) takes two).
 __device__ __forceinline__ float cuflash_tanh_rcp(float x) {
 #ifdef CUFLASH_EMULATOR
+    ::cuflash_emu::count(::cuflash_emu::CNT_RCP);
     return 1.0f / (1.0f + cuflash_exp2(x));
 #else
     float r;

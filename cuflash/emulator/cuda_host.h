@@ -227,11 +227,11 @@ struct AccessRec { const void* pc; const char* file; int line; unsigned epoch; u
 // Executed-instruction classes the profiler counts per thread (summed per warp: / 32).
 enum CountClass : unsigned { CNT_MMA_F16, CNT_MMA_BF16, CNT_MMA_TF32, CNT_MMA_3XTF32, CNT_LDMATRIX_X1, CNT_LDMATRIX_X2,
                              CNT_LDMATRIX_X4, CNT_SHFL, CNT_VOTE, CNT_SYNCTHREADS, CNT_SYNCWARP, CNT_EXP2,
-                             CNT_GLOBAL_ATOMIC, CNT_CP_ASYNC, CNT_NCLASSES };
+                             CNT_GLOBAL_ATOMIC, CNT_CP_ASYNC, CNT_RCP, CNT_NCLASSES };
 inline const char* const kCountNames[CNT_NCLASSES] = {
     "mma.m16n8k16.f16", "mma.m16n8k16.bf16", "mma.m16n8k8.tf32", "mma.m16n8k8.tf32 x3 (3xTF32)", "ldmatrix.x1",
     "ldmatrix.x2", "ldmatrix.x4", "shfl", "vote", "bar.sync (__syncthreads)", "bar.warp.sync (__syncwarp)",
-    "ex2 (exp2)", "global atomic/red", "cp.async"};
+    "ex2 (exp2)", "global atomic/red", "cp.async", "rcp (rcp.approx)"};
 
 // Everything one CUDA thread knows; reached through the one thread_local `tctx`.
 struct ThreadCtx {

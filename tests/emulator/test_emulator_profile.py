@@ -138,7 +138,8 @@ def test_strided_global_load(mod):
 def test_executed_counts(mod):
     prof = profile(mod, "counted", (np.zeros(32, np.float32),))
     c = prof["counts"]
-    assert (c["shfl"], c["bar.sync (__syncthreads)"], c["bar.warp.sync (__syncwarp)"], c["ex2 (exp2)"]) == (2, 1, 1, 1)
+    assert (c["shfl"], c["bar.sync (__syncthreads)"], c["bar.warp.sync (__syncwarp)"], c["ex2 (exp2)"],
+            c["rcp (rcp.approx)"]) == (2, 1, 1, 2, 1)
     assert c["mma.m16n8k16.f16"] == 0 and c["cp.async"] == 0
 
 

@@ -3,6 +3,7 @@
 // SITE are the ones the tests look up.  Shared memory is read uninitialised (NaN-filled by
 // the emulator): only the addresses matter here.
 #include "portable.cuh"
+#include "fast_math.cuh"
 
 // Lane l reads element (l, c) of a 32 x `stride` float tile: stride 32 puts every lane in
 // bank c (a 32-way conflict), stride 33 in 32 different banks.
@@ -68,8 +69,8 @@ extern "C" __global__ void global_strided_load(const float* x, float* y, int str
     gstore(y + l, gload(x + l * stride));  // SITE global_strided_load
 }
 
-// Executed counts: per lane, two shuffles, one __syncthreads, one exp2 and one
-// __syncwarp; one warp.
+// Executed counts: per lane, two shuffles, one __syncthreads, one exp2, one __syncwarp and
+// one rcp (fast_math.cuh's, with its own exp2); one warp.
 extern "C" __global__ void counted(float* y) {
     const int l = threadIdx.x;
     float v = (float)l;
@@ -77,5 +78,5 @@ extern "C" __global__ void counted(float* y) {
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     __syncthreads();
     __syncwarp();
-    gstore(y + l, cuflash_exp2(v));
+    gstore(y + l, cuflash_exp2(v) + cuflash_tanh_rcp(-v));
 }
