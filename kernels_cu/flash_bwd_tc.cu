@@ -538,9 +538,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     }
                 }
 #else
-                // the mask is needed only where the tile crosses the causal boundary or
-                // holds keys past Nk (zero-filled rows of K_j would give s = 0, not -inf)
-                const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);
+                // the mask is needed only where the tile crosses the causal boundary, holds
+                // keys past Nk (zero-filled rows of K_j would give s = 0, not -inf) or rows past
+                // Nq: their lse2 = +inf makes P = 0 unless s is NaN (0 * an infinite key), so
+                // the masked path zeroes P wherever lse2 = +inf (there P is 0 by definition),
+                // a test of a value the element has in a register already
+                const bool need_mask = kv_rows < kBc || q0 + kBr > Nq || (causal && kv0 + kBc - 1 > q0 + off);
 #endif
                 const int slice = pass * kQS + qh;  // this warp's dK / dV column slice
 
@@ -664,10 +667,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
                                 for (int e = 0; e < 4; ++e) {
-                                    float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
+                                    const float l = (e & 1) ? l2.y : l2.x;
+                                    float x = s[mt][n][e] * scale_log2 - l;
                                     const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
                                     const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
-                                    if (masked && (key >= Nk || (causal && key > qry + off))) x = -INFINITY;
+                                    if (masked && (key >= Nk || (causal && key > qry + off) || l == INFINITY))
+                                        x = -INFINITY;
                                     s[mt][n][e] = cuflash_exp2(x);
                                 }
                                 pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
@@ -700,11 +705,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #else
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                float x = s[mt][n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x);
+                                const float l = (e & 1) ? l2.y : l2.x;
+                                float x = s[mt][n][e] * scale_log2 - l;
                                 if (need_mask) {
                                     const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
                                     const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
-                                    if (key >= Nk || (causal && key > qry + off)) x = -INFINITY;
+                                    if (key >= Nk || (causal && key > qry + off) || l == INFINITY) x = -INFINITY;
                                 }
                                 s[mt][n][e] = cuflash_exp2(x);
                             }

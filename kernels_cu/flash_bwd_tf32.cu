@@ -162,8 +162,9 @@ __device__ __forceinline__ void load_tile(float* s, const float* g, long long gs
 // acc (16 x 8*kNQ) += A (16 rows of `As`, row stride kAS, columns [0, kK)) x B^T (kNQ*8 rows of
 // `Bs`, row stride kBS): the S^T / dP^T products.  Per 16 columns: one 128-bit load of each A
 // row (g, g + 8) and each B row, columns 4t, 4t+1 as k = t, t+4 of the first k8 MMA, 4t+2,
-// 4t+3 of the second.
-template <int kK, int kAS, int kBS>
+// 4t+3 of the second.  kAInf: A is K, split keeping an infinite key's -inf logits finite-free
+// of NaN (split_tf32_inf); once per A fragment, shared by the kNQ n8 tiles.
+template <int kK, int kAS, int kBS, bool kAInf = false>
 __device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, const float* Bs, int g, int t,
                                         uint32_t hm) {
 #pragma unroll
@@ -174,10 +175,17 @@ __device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, c
         lds4(a8, As + (g + 8) * kAS + kb * 16 + 4 * t);
 #pragma unroll
         for (int st = 0; st < 2; ++st) {
-            split_tf32(a0[2 * st], ah[st][0], al[st][0], hm);
-            split_tf32(a8[2 * st], ah[st][1], al[st][1], hm);
-            split_tf32(a0[2 * st + 1], ah[st][2], al[st][2], hm);
-            split_tf32(a8[2 * st + 1], ah[st][3], al[st][3], hm);
+            if constexpr (kAInf) {
+                split_tf32_inf(a0[2 * st], ah[st][0], al[st][0], hm);
+                split_tf32_inf(a8[2 * st], ah[st][1], al[st][1], hm);
+                split_tf32_inf(a0[2 * st + 1], ah[st][2], al[st][2], hm);
+                split_tf32_inf(a8[2 * st + 1], ah[st][3], al[st][3], hm);
+            } else {
+                split_tf32(a0[2 * st], ah[st][0], al[st][0], hm);
+                split_tf32(a8[2 * st], ah[st][1], al[st][1], hm);
+                split_tf32(a0[2 * st + 1], ah[st][2], al[st][2], hm);
+                split_tf32(a8[2 * st + 1], ah[st][3], al[st][3], hm);
+            }
         }
 #pragma unroll
         for (int nq = 0; nq < kNQ; ++nq) {
@@ -427,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
 #pragma unroll
         for (int nq = 0; nq < kNQ; ++nq)
             st[nq][0] = st[nq][1] = st[nq][2] = st[nq][3] = dpt[nq][0] = dpt[nq][1] = dpt[nq][2] = dpt[nq][3] = 0.0f;
-        mma_abt<kD, kKS, kQS>(st, Kw, Qt, g, t, hm);
+        mma_abt<kD, kKS, kQS, true>(st, Kw, Qt, g, t, hm);
         mma_abt<kDv, kVS, kOS>(dpt, Vw, dOt, g, t, hm);
 
 #ifdef CUFLASH_MASKS
@@ -547,9 +555,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             }
         }
 #else
-        // -- P^T = 2^(S^T c - lse2), masked only on tiles that cross the diagonal or the ends;
+        // -- P^T = 2^(S^T c - lse2), masked only on tiles that cross the diagonal or the ends
+        //    (rows past Nq included: their lse2 = +inf makes P = 0 unless s is NaN, 0 * an
+        //    infinite key, so the mask zeroes P wherever lse2 = +inf -- P is 0 there by
+        //    definition, and the test reads a value the element has in a register already);
         //    dS^T = P^T (dP^T - D)
-        const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);
+        const bool mask = kv0 + kBc > Nk || q0 + kBr > Nq || (causal && kv0 + kBc - 1 > q0 + off);
 #pragma unroll
         for (int nq = 0; nq < kNQ; ++nq) {
             float l2[2], dd[2];
@@ -560,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                 float pv = cuflash_exp2(fmaf(st[nq][e], c, -l2[e & 1]));
                 if (mask) {
                     const int key = key0 + g + 8 * (e >> 1), q = q0 + nq * 8 + 2 * t + (e & 1);
-                    if (key >= Nk || (causal && key > q + off)) pv = 0.0f;
+                    if (key >= Nk || (causal && key > q + off) || l2[e & 1] == INFINITY) pv = 0.0f;
                 }
                 st[nq][e] = pv;
                 dpt[nq][e] = pv * (dpt[nq][e] - dd[e & 1]);

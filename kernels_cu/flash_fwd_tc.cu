@@ -259,8 +259,8 @@ __device__ __forceinline__ void compute_s(float (&s)[kMT][kNT][4], const float* 
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
                 uint32_t bh[2], bl[2];
-                split_tf32(kv[2 * st], bh[0], bl[0], hm);
-                split_tf32(kv[2 * st + 1], bh[1], bl[1], hm);
+                split_tf32_inf(kv[2 * st], bh[0], bl[0], hm);
+                split_tf32_inf(kv[2 * st + 1], bh[1], bl[1], hm);
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
                     mma_m16n8k8_3xtf32(s[mt][nt], ah[mt][st], al[mt][st], bh, bl, s[mt][nt]);

@@ -604,6 +604,18 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo, 
     lo = __float_as_uint(__fmaf_rn(x, 1.00000011920928955078125f, -__uint_as_float(hi)));  // 1 + 2^-23
 }
 
+// split_tf32 for an operand that may hold an infinity whose products must stay exact (K in
+// S = Q K^T): an infinite x gives hi = x and lo = NaN, and hi_q * NaN would turn a logit of
+// -inf (a key that softmax weighs 0) into NaN.  One FMNMX maps that NaN to -2^64: hi_q * -2^64
+// is finite (for |q| < 2^60), the logit keeps the sign of hi_q * hi_k = +-inf, and a NaN x
+// still has a NaN hi.  The clamp also bounds a finite negative lo at -2^64, which a finite x
+// reaches only below -2^74, where it leaves S with tf32 precision instead of 3xTF32's.
+__device__ __forceinline__ void split_tf32_inf(float x, uint32_t& hi, uint32_t& lo, uint32_t hi_mask = 0xffffe000u) {
+    hi = __float_as_uint(x) & hi_mask;
+    lo = __float_as_uint(fmaxf(__fmaf_rn(x, 1.00000011920928955078125f, -__uint_as_float(hi)),
+                               -18446744073709551616.0f));  // -2^64
+}
+
 // Software m16n8k8.tf32 for GPUs without it (sm_75): 32 shuffles, the operands read as the
 // tensor core reads them (top 19 bits), products exact in float, summed in k order.
 __device__ __forceinline__ void cuflash_mma_m16n8k8_tf32_sw(float (&d)[4], const uint32_t (&a)[4],

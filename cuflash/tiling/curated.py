@@ -332,7 +332,8 @@ CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
 # The masked kernel's padded build at 256 (d != dv; NVRTC 13.0, -ftz=true) spills with 16 x 32
 # on sm_80 (12 B) and sm_90 (28 B) and 16 x 64 (12 B, 24 B): it runs 16 x 16 (233 and 245
 # registers), which on sm_80's 163 KB leaves 3 warps per SM -- below the floor, so the sm_80
-# cell has no padded pair and such calls take the sm_86 cell's.
+# cell has no padded pair and such calls take the sm_86 cell's.  The sm_86 cell at 128 has no
+# 16 x 64: with the tail tile's masking of rows past Nq it spills 4 B (255 registers, sm_80).
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
      16 | 32x128 64x128 32x64 | = | =
@@ -342,7 +343,7 @@ CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
      80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
      96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
     112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | =
-    128 | 32x64 16x64 16x32 | 64x64 32x128 32x64 | 64x128 64x64 32x128
+    128 | 32x64 16x32 | 64x64 32x128 32x64 | 64x128 64x64 32x128
     144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
     160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
     176 | 32x64 16x64 16x32 | 32x128 32x64 16x64 | =

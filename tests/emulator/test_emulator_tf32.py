@@ -12,6 +12,8 @@
 * ``split_tf32`` (the 3xTF32 operands): hi = x truncated to tf32, lo = fma(x, 1 + 2^-23,
   -hi) bit for bit against NumPy, and x - hi - (what the tensor core reads of lo) near a
   rounding of lo: at most 1.5 * 2^-22 of |x|, RMS below plain truncation's;
+* ``split_tf32_inf`` (K's split): the same bits, except that an infinity's lo is -2^64, not
+  NaN, so a product with an infinite entry of B is +-inf where float64 says so, not NaN;
 * 3xTF32 reaches float32 accuracy (relative error < 1e-6 here; the float32 rule of
   docs/testing.md is 1e-5), 1xTF32 does not (~1e-4).
 """
@@ -87,7 +89,7 @@ def test_split_tf32(module):
     xs = np.concatenate([x, special])
     hi = np.full(xs.shape, 0xDEADBEEF, np.uint32)
     lo = hi.copy()
-    module(80).get_function("tf32_split")((-(-xs.size // 128),), (128,), (xs, hi, lo, np.int32(xs.size)))
+    module(80).get_function("tf32_split")((-(-xs.size // 128),), (128,), (xs, hi, lo, np.int32(xs.size), np.int32(0)))
     # the model: hi = top 19 bits; lo = x * (1 + 2^-23) - hi rounded once to float32 (exact
     # in float64: 24 + 23 bits), i.e. the FFMA
     want_hi = x.view(np.uint32) & np.uint32(0xFFFFE000)
@@ -109,6 +111,51 @@ def test_split_tf32(module):
     assert rms(err) < 0.85 * rms(trunc), (rms(err), rms(trunc))
     sign = np.sign(x64[nz])
     assert abs(np.mean(err * sign)) < 0.3 * abs(np.mean(trunc * sign))
+
+
+def test_split_tf32_inf(module):
+    """split_tf32_inf: split_tf32's bits wherever lo is not NaN or below -2^64; lo(+-inf) = -2^64."""
+    rng = np.random.default_rng(12)
+    x = np.concatenate([rng.standard_normal(50_000) * 2.0 ** rng.integers(-90, 70, 50_000),
+                        [np.inf, -np.inf, np.nan, 0.0, -0.0, -(2.0 ** 80 + 2.0 ** 69), 2.0 ** 80 + 2.0 ** 69]]).astype(np.float32)
+    out = {}
+    for safe in (0, 1):
+        hi = np.full(x.shape, 0xDEADBEEF, np.uint32)
+        lo = hi.copy()
+        module(80).get_function("tf32_split")((-(-x.size // 128),), (128,), (x, hi, lo, np.int32(x.size), np.int32(safe)))
+        out[safe] = hi, lo
+    np.testing.assert_array_equal(out[1][0], out[0][0])  # hi unchanged (NaN keeps a NaN hi)
+    lo0, lo1 = out[0][1].view(np.float32), out[1][1].view(np.float32)
+    keep = ~np.isnan(lo0) & (lo0 >= -2.0 ** 64)
+    np.testing.assert_array_equal(out[1][1][keep], out[0][1][keep])
+    assert np.isnan(lo0[-7:-4]).all() and list(lo1[-7:-5]) == [-2.0 ** 64] * 2 and lo1[-5] == -2.0 ** 64
+    # |x| = 2^80 + 2^69: lo = +-2^69, clamped below -2^64 only (S keeps tf32 precision there)
+    assert lo1[-2] == -2.0 ** 64 and lo0[-2] < -2.0 ** 64 and lo1[-1] == lo0[-1] > 2.0 ** 64
+    assert keep.sum() == x.size - 4
+
+
+def test_3xtf32_infinite_b(module):
+    """An infinite entry of B (a key of K): each product is what float64 gives it -- +-inf where
+    the row's operand is nonzero, NaN only where float64 has 0 * inf -- for both signs of the
+    infinity, including A entries that tf32 holds exactly (lo = x * 2^-23)."""
+    rng = np.random.default_rng(5)
+    M, N, K = 32, 16, 24
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    a[:4] = np.round(a[:4] * 4) / 4  # exact in tf32: lo is only the nudge
+    a[4, 2] = 0.0
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    b[2, 3], b[2, 5], b[7, 5] = np.inf, -np.inf, -np.inf
+    with np.errstate(invalid="ignore"):
+        exact = a.astype(np.float64) @ b.astype(np.float64)
+    c3 = _matmul(module, 80, a, b, 3)
+    np.testing.assert_array_equal(np.isnan(c3), np.isnan(exact))
+    inf = np.isinf(exact)
+    assert inf[:, 3].sum() == M - 1 and np.isnan(exact[4, 3]) and np.array_equal(c3[inf], exact[inf])
+    fin = np.isfinite(exact)
+    assert _rel(c3[fin], exact[fin]) < 1e-6
+    # split_tf32's NaN lo turns every infinite product into NaN
+    c1 = _matmul(module, 80, a, b, 1)
+    assert np.isnan(c1[:, [3, 5]]).all()
 
 
 def _matmul(module, arch, a, b, mode):

@@ -1,12 +1,14 @@
 // The TF32 building blocks of portable.cuh (its last section), checked against NumPy by
 // tests/emulator/test_emulator_tf32.py:
 //   tf32_round:  y[i] = the float value of cvt_rna_tf32(x[i]) (cvt.rna.tf32.f32);
-//   tf32_split:  hi[i], lo[i] = the bit patterns split_tf32 gives x[i] (3xTF32 operands);
+//   tf32_split:  hi[i], lo[i] = the bit patterns split_tf32 (inf_safe 0) or split_tf32_inf
+//                (inf_safe 1) gives x[i] (3xTF32 operands);
 //   matmul_tf32: C = A @ B (float32, row-major) through mma.m16n8k8 with tf32 operands, one
 //                warp per 16 x 8 tile of C, fragments read straight from global memory in the
 //                PTX ISA layout; `mode` 0: operands cvt_rna_tf32(x) (1xTF32); 1: 3xTF32
 //                (split_tf32 + mma_m16n8k8_3xtf32); 2: the raw float bits as operands (what
-//                the tensor core reads of a float that is not tf32).
+//                the tensor core reads of a float that is not tf32); 3: as 1 with B split by
+//                split_tf32_inf (K's split in the kernels).
 // Sizes need not be multiples of the tile: out-of-range elements are 0.
 #include "portable.cuh"
 
@@ -15,11 +17,12 @@ extern "C" __global__ void tf32_round(const float* x, float* y, int n) {
     if (i < n) gstore(y + i, tf32_to_float(cvt_rna_tf32(gload(x + i))));
 }
 
-extern "C" __global__ void tf32_split(const float* x, unsigned* hi, unsigned* lo, int n) {
+extern "C" __global__ void tf32_split(const float* x, unsigned* hi, unsigned* lo, int n, int inf_safe) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         uint32_t h, l;
-        split_tf32(gload(x + i), h, l);
+        if (inf_safe) split_tf32_inf(gload(x + i), h, l);
+        else split_tf32(gload(x + i), h, l);
         gstore(hi + i, (unsigned)h);
         gstore(lo + i, (unsigned)l);
     }
@@ -43,14 +46,15 @@ extern "C" __global__ void matmul_tf32(const float* A, const float* B, float* C,
         const float bf[2] = {at(B, K, N, k0 + t, n0 + g), at(B, K, N, k0 + t + 4, n0 + g)};
         uint32_t a[4], b[2], a_lo[4], b_lo[2];
         for (int i = 0; i < 4; ++i) {
-            if (mode == 1) split_tf32(af[i], a[i], a_lo[i]);
+            if (mode == 1 || mode == 3) split_tf32(af[i], a[i], a_lo[i]);
             else a[i] = mode == 0 ? cvt_rna_tf32(af[i]) : __float_as_uint(af[i]);
         }
         for (int i = 0; i < 2; ++i) {
             if (mode == 1) split_tf32(bf[i], b[i], b_lo[i]);
+            else if (mode == 3) split_tf32_inf(bf[i], b[i], b_lo[i]);
             else b[i] = mode == 0 ? cvt_rna_tf32(bf[i]) : __float_as_uint(bf[i]);
         }
-        if (mode == 1) mma_m16n8k8_3xtf32(acc, a, a_lo, b, b_lo, acc);
+        if (mode == 1 || mode == 3) mma_m16n8k8_3xtf32(acc, a, a_lo, b, b_lo, acc);
         else mma_m16n8k8_tf32(acc, a, b, acc);
     }
     for (int i = 0; i < 4; ++i) {
