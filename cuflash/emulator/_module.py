@@ -9,6 +9,7 @@ fibers that switch where they wait (barriers, warp collectives; see
 ``fiber_engine.h``).  ``race_check=True`` builds run them as real threads
 under ThreadSanitizer instead, in a child process (``_race.py``).
 """
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -21,6 +22,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process build lock (see _build_lock)
+    fcntl = None
 
 from ._checks import (AtomicOrderError, CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
                       describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, profile_sink,
@@ -505,12 +511,13 @@ class RawModule:
                 self._launch_lock = _launch_locks[key]
                 return self._lib
             so = cache_dir() / f"{key}.so"
-            if not so.exists():
-                tu = self._sources(key, tsan=False)
-                tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
-                _run([_cxx(), *_LIB_FLAGS, "-x", "c++", "-include", str(HOST_HEADER), *self._flags, str(tu), "-o", str(tmp)],
-                     f"compiling {self._what()} for the emulator")
-                os.replace(tmp, so)
+            with _build_lock(so):
+                if not so.exists():
+                    tu = self._sources(key, tsan=False)
+                    tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
+                    _run([_cxx(), *_LIB_FLAGS, "-x", "c++", "-include", str(HOST_HEADER), *self._flags, str(tu),
+                          "-o", str(tmp)], f"compiling {self._what()} for the emulator")
+                    os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
             self._lib_path = _lib_paths[key] = so
             _share_fiber_pool(self._lib)
@@ -522,13 +529,14 @@ class RawModule:
             return self._tsan_exe
         key = self._key("tsan")
         exe = cache_dir() / f"{key}_tsan"
-        if not exe.exists():
-            tu = self._sources(key, tsan=True)
-            tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
-            _run([_cxx(), *_TSAN_FLAGS, "-x", "c++",
-                  "-include", str(HOST_HEADER), *self._flags, str(tu), "-o", str(tmp)],
-                 f"compiling {self._what()} with ThreadSanitizer")
-            os.replace(tmp, exe)
+        with _build_lock(exe):
+            if not exe.exists():
+                tu = self._sources(key, tsan=True)
+                tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
+                _run([_cxx(), *_TSAN_FLAGS, "-x", "c++",
+                      "-include", str(HOST_HEADER), *self._flags, str(tu), "-o", str(tmp)],
+                     f"compiling {self._what()} with ThreadSanitizer")
+                os.replace(tmp, exe)
         self._tsan_exe = exe
         return exe
 
@@ -565,6 +573,23 @@ class RawModule:
         k = RawKernel(self, name, [(n, kd, int(sz), decl) for n, (kd, sz), decl in zip(names, kinds, params)])
         self._functions[name] = k
         return k
+
+
+@contextlib.contextmanager
+def _build_lock(target):
+    """Hold an exclusive lock on ``target``'s build across processes (``<target>.lock``, flock):
+    processes that need the same library at once -- parallel test workers, ranks on one host --
+    compile it once, the others wait and then load it.  Where flock is missing (not POSIX), each
+    process compiles its own copy into the same place, as os.replace keeps that safe."""
+    if fcntl is None:
+        yield
+        return
+    with open(f"{target}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _atomic_write(path, text):

@@ -6,7 +6,8 @@ builds use).  Checked here: context switches with deep stacks and large
 frames, the per-thread floating-point state, failures in the middle of a
 block (trap, C++ exception, assert) unwinding every thread, more than 65,535
 blocks, the watchdog, stack overflow reports, the pseudo-random scheduling
-order, the ucontext fallback, and that both engines compute the same.
+order, the ucontext fallback, that both engines compute the same, and that processes needing
+the same library at once build it once.
 """
 import os
 import shutil
@@ -310,3 +311,23 @@ def test_fiber_stacks_are_shared_by_libraries(engine_mods, monkeypatch):
     em.RawModule(code=src).get_function("ids")(1, 128, (ids,))
     np.testing.assert_array_equal(ids, np.arange(128))
     assert _guard_regions() == before
+
+
+def test_processes_build_a_library_once(tmp_path):
+    """Processes that need the same library at once (parallel test workers, ranks on one host)
+    compile it once: the others wait on its build lock and load it.  A CXX wrapper logs each
+    library compile (the only g++ call with -o) and sleeps, so all three overlap."""
+    log = tmp_path / "builds.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo build >> "{log}"; sleep 2;; esac\n'
+                   f'exec "{shutil.which("g++") or "g++"}" "$@"\n')
+    cxx.chmod(0o755)
+    script = ("import cuflash.emulator as em\n"
+              "m = em.RawModule(code='extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }')\n"
+              "m.compile()\n")
+    env = dict(os.environ, CXX=str(cxx), CUFLASH_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT.parent)] + sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(3)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
+    assert log.read_text().split() == ["build"]
+    assert len(list((tmp_path / "cache" / "emulator").glob("*.so"))) == 1
