@@ -4,14 +4,19 @@ NumPy arrays in and out.  The kernels are the same sources the "cuda" backend
 compiles with NVRTC; here ``cuflash.emulator`` compiles them with the host C++
 compiler and runs them with CUDA's execution semantics (slow: for tests,
 debugging and learning).  The launch code is shared with the "cuda" backend
-(the launchers of :mod:`cuflash.launch`, one per kernel family); tile sizes are
-held to a nominal sm_80 shared-memory limit (:mod:`cuflash.tiling`), which
-``memory_analysis`` reports.
+(the launchers of :mod:`cuflash.launch`, one per kernel family).  It stands in
+for one GPU architecture, sm_80 unless ``$CUFLASH_EMULATOR_ARCH`` names another
+(sm_75, sm_80, sm_86, sm_89, sm_90; read at each call): tiles are planned for that
+GPU's shared-memory limit and SM count (:mod:`cuflash.tiling`), which
+``memory_analysis`` reports, and the kernels are compiled for it (``-arch``), so an
+emulated call plans and launches what that GPU would.
 
 Every function has the signature of the front (``cuflash.<name>``) minus
 ``backend=``; the documentation is the front's (``help(cuflash.<name>)``).
 """
-from . import emulator, kernels, reference
+import os
+
+from . import emulator, kernels, reference, tiling
 from .launch.api import KernelFunctions
 
 __all__ = [
@@ -25,10 +30,14 @@ _RUNTIMES = {}
 
 
 def runtime(race_check=False):
-    """The emulator :class:`cuflash.kernels.Runtime` (race_check: under ThreadSanitizer)."""
-    key = bool(race_check)
+    """The emulator :class:`cuflash.kernels.Runtime` (race_check: under ThreadSanitizer) of
+    the architecture ``$CUFLASH_EMULATOR_ARCH`` names (unset: sm_80, compiled without -arch)."""
+    arch = None
+    if os.environ.get(tiling.EMULATOR_ARCH_ENV):
+        arch = tiling.emulator_arch()  # ValueError for a name it does not know
+    key = (bool(race_check), arch)
     if key not in _RUNTIMES:
-        _RUNTIMES[key] = kernels.get_runtime("emulator", race_check=key)
+        _RUNTIMES[key] = kernels.get_runtime("emulator", race_check=key[0], arch=arch)
     return _RUNTIMES[key]
 
 

@@ -50,7 +50,8 @@ from .masks import *  # noqa: F401,F403
 
 __all__ = [
     "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
-    "device_smem_limit", "EMULATOR_ARCHES", "STATIC_SMEM_LIMIT", "MAX_HEAD_DIM",
+    "device_smem_limit", "EMULATOR_ARCHES", "emulator_arch", "EMULATOR_ARCH_ENV", "STATIC_SMEM_LIMIT",
+    "MAX_HEAD_DIM",
     "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",
     "TC_KERNELS", "TC_MASKED_KERNELS", "tc_kernel_for", "tc_strides", "tc_rows_per_warp", "tc_acc_regs",
     "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",

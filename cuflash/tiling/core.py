@@ -1,5 +1,6 @@
 """The planner itself: kernel descriptions, the registry, device limits, occupancy and :func:`plan`."""
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Tuple
 
@@ -22,6 +23,22 @@ EMULATOR_ARCHES = {
     "sm_90": 227 * 1024,
 }
 EMULATOR_DEFAULT_ARCH = "sm_80"
+# The environment variable naming the GPU the emulator backend stands in for
+EMULATOR_ARCH_ENV = "CUFLASH_EMULATOR_ARCH"
+
+
+def emulator_arch(arch=None):
+    """The architecture the emulator stands in for: ``arch``, else ``$CUFLASH_EMULATOR_ARCH``,
+    else sm_80.  An unknown name raises ValueError (the choices: :data:`EMULATOR_ARCHES`)."""
+    src = "arch"
+    if arch is None:
+        arch, src = os.environ.get(EMULATOR_ARCH_ENV) or None, EMULATOR_ARCH_ENV
+    if arch is None:
+        return EMULATOR_DEFAULT_ARCH
+    if arch not in EMULATOR_ARCHES:
+        raise ValueError(f"{src}={arch!r} names no architecture the emulator stands in for; "
+                         f"choose one of {', '.join(sorted(EMULATOR_ARCHES))}")
+    return arch
 
 # The largest head dim any kernel supports (register arrays are sized by it).
 MAX_HEAD_DIM = 256
@@ -200,10 +217,7 @@ def device_smem_limit(backend, arch=None):
         cc = dev.compute_capability
         return limit, f"device {dev.id} (sm_{cc}) MaxSharedMemoryPerBlockOptin"
     if backend == "emulator":
-        arch = arch or EMULATOR_DEFAULT_ARCH
-        if arch not in EMULATOR_ARCHES:
-            raise ValueError(f"unknown nominal architecture {arch!r}; choose one of "
-                             f"{sorted(EMULATOR_ARCHES)}")
+        arch = emulator_arch(arch)
         return EMULATOR_ARCHES[arch], f"nominal {arch} opt-in limit (emulator)"
     raise ValueError(f"no shared-memory limit for backend {backend!r} (use 'cuda' or 'emulator')")
 
@@ -220,7 +234,7 @@ def device_sm_count(backend, arch=None):
         attr = getattr(rt, "cudaDevAttrMultiProcessorCount", 16)  # CUDA's enum value
         dev = cupy.cuda.Device()
         return int(rt.deviceGetAttribute(attr, dev.id)), f"device {dev.id} MultiProcessorCount"
-    arch = arch or EMULATOR_DEFAULT_ARCH
+    arch = emulator_arch(arch)
     return EMULATOR_SMS[arch], f"nominal {arch} (emulator)"
 
 
