@@ -23,7 +23,11 @@ cuflash's side: ``flash_fwd_tc`` and ``flash_bwd_tc`` at the planner's default t
 float16, d=64 and 128, compiled by NVRTC for sm_80 and sm_90 with the options a launch uses
 (``bench/plan_sweep.py``'s Job), the forward with ``-DCUFLASH_FWD_INTERIOR_ONLY=1``: only the
 path of a steady-state K/V tile (no mask, full tile, no flush), where the lazy rescale's vote
-stays and its rescale is compiled out -- the count of a tile where no row's max moves.
+stays and its rescale is compiled out -- the count of a tile where no row's max moves; and the
+``fwd-rescale`` rows with ``-DCUFLASH_FWD_COUNT_RESCALE=1`` besides: the rescale of O and l
+taken on every tile (a row max that moves on every tile), FA2's forward beside it unchanged
+(it rescales on every tile).  ``--fwd-tiles BQxBKV`` counts the forward at other tiles (the
+planner's threads for them).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -416,15 +420,21 @@ def fa2_count(instrs):
 
 
 # ----------------------------------------------------------------- cuflash's side
-def cuflash_count(kind, d, arch):
-    """(ops Counter, block_q, block_kv, warps, note) of cuflash's main loop, one trip per warp."""
+def cuflash_count(kind, d, arch, tiles=None):
+    """(ops Counter, block_q, block_kv, warps, note) of cuflash's main loop, one trip per warp.
+    ``kind``: "fwd", "fwd-rescale" (the forward's rescale taken on every tile) or "bwd";
+    ``tiles``: (block_q, block_kv) instead of the default plan."""
     import kernel_report as kr
     import plan_sweep as ps
     from cuflash import kernels, tiling
-    kernel = {"fwd": "flash_fwd_tc", "bwd": "flash_bwd_tc"}[kind]
-    plan = tiling.plan(kernel, d, d, "float16", limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
+    kernel = "flash_bwd_tc" if kind == "bwd" else "flash_fwd_tc"
+    bq, bkv = tiles or (None, None)
+    plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
+                       limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
     defines = kernels.plan_defines(plan)
-    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kind == "fwd" else {}
+    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kind != "bwd" else {}
+    if kind == "fwd-rescale":
+        extra["CUFLASH_FWD_COUNT_RESCALE"] = 1
     job = ps.Job(kernel, f"fa2_sass_compare {kernel} {d} sm_{arch}", dict(defines, **extra), arch)
     res = ps.compile_result(job)
     instrs = parse_sass(_sass.disassemble(res.cubin))[kernel]
@@ -437,6 +447,9 @@ def cuflash_count(kind, d, arch):
                                "S^T / dP^T / dQ loops; no per-trip count")
         note = "inner loops x " + ", ".join(str(t) for _, t in sorted(trips.items()))
     ops, added, dropped, never = steady_ops(instrs, span, trips)
+    info = _nvrtc.parse_ptxas_info(res.log)[kernel]
+    if info["spill_stores"] or info["spill_loads"]:
+        note = (note + "; " if note else "") + f"spills {info['spill_stores']} B"
     return ops, plan.block_q, plan.block_kv, plan.threads // 32, _note(added, dropped, never, note)
 
 
@@ -496,8 +509,12 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, help="where it is unpacked (default: --wheel-dir)")
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--fwd-tiles", metavar="BQxBKV",
+                    help="count cuflash's forward at these tiles instead of the default plan's (written to "
+                         "fa2_sass_compare_fwd_<tiles>.md)")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
+    fwd_tiles = tuple(int(x) for x in args.fwd_tiles.lower().split("x")) if args.fwd_tiles else None
     t0 = time.time()
     ok, why = _nvrtc.is_available()
     if not ok:
@@ -511,9 +528,9 @@ def main(argv=None):
     lib = FA2Library(wheel, args.cache or args.wheel_dir)
     ptxas = find_ptxas()
     rows = collections.OrderedDict()
-    for kind in ("fwd", "bwd"):
+    for kind in ("fwd", "fwd-rescale", "bwd"):
         for d in args.d:
-            want, bq, bkv, warps = FA2_KERNELS[(kind, d)]
+            want, bq, bkv, warps = FA2_KERNELS[(kind.split("-")[0], d)]
             for arch in args.arch:
                 key = f"{kind} d={d} sm_{arch}"
                 print(f"{key} ...", file=sys.stderr, flush=True)
@@ -528,20 +545,26 @@ def main(argv=None):
                 if code is not None:
                     ops, note = fa2_count(code)
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
-                ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch)
+                try:
+                    ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch, fwd_tiles if kind != "bwd" else None)
+                except ValueError as e:  # --fwd-tiles that this architecture's shared memory refuses
+                    m = re.search(r"needs \d+ B of shared memory", str(e))
+                    r["cuflash"] = f"not planned: {m.group(0) if m else str(e)[:120]}"
+                    continue
                 r["cuflash"] = dict(row(key, ops, cbq, cbkv, cwarps), note=note)
     table = markdown(rows)
     elapsed = time.time() - t0
-    head = header(wheel, ptxas, elapsed, argv)
+    head = header(wheel, ptxas, elapsed, argv, args.fwd_tiles)
     print(table)
     print(f"\n({elapsed:.0f} s)", file=sys.stderr)
     if not args.no_write:
-        RESULT.write_text(head + "\n" + table + "\n")
-        print(f"written: {RESULT.relative_to(ROOT)}", file=sys.stderr)
+        out = RESULT if not fwd_tiles else RESULT.with_name(f"{RESULT.stem}_fwd_{args.fwd_tiles.lower()}.md")
+        out.write_text(head + "\n" + table + "\n")
+        print(f"written: {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 
-def header(wheel, ptxas, elapsed, argv):
+def header(wheel, ptxas, elapsed, argv, tiles=None):
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True).stdout.strip() or "?"
@@ -560,13 +583,15 @@ def header(wheel, ptxas, elapsed, argv):
         f"Command: `{cmd}` ({elapsed:.0f} s, no GPU), {datetime.date.today().isoformat()}, "
         f"cuflash at {rev}.\n"
         f"FA2: `{wheel.name}` (pip download, unpacked, not installed): sm_80 its cubins; sm_90 its "
-        f"compute_80 PTX through {ptx}. cuflash: NVRTC {nvrtc} at the planner's default tiles, "
+        f"compute_80 PTX through {ptx}. cuflash: NVRTC {nvrtc} at the planner's default tiles"
+        f"{' (forward: ' + tiles + ')' if tiles else ''}, "
         f"float16, the launch's build options. cuobjdump {tool_version(_sass.find_cuobjdump())}.\n\n"
         "Per kernel: one steady-state trip of the loop with the most HMMA, per warp (FA2's "
         "backward: its Q-tile loop; cuflash's backward: its rolled inner loops times their trip "
         "counts). cuflash's forward is the interior-tile build (`-DCUFLASH_FWD_INTERIOR_ONLY=1`): "
         "no mask, the lazy rescale's vote kept and its rescale left out (a tile where no row's max "
-        "moves; FA2 rescales on every tile). Out-of-line blocks the loop returns from are added, the "
+        "moves; FA2 rescales on every tile); the fwd-rescale rows add `-DCUFLASH_FWD_COUNT_RESCALE=1`: "
+        "the rescale of O and l taken on every tile, as FA2 does. Out-of-line blocks the loop returns from are added, the "
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"

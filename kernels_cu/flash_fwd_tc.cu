@@ -168,7 +168,8 @@ constexpr float kLazy = 8.0f;
 
 // For instruction counting only: compile just the path of a steady-state interior K/V tile
 // (no mask, no partial tile, no move of the reference max, no flush of O's second level).
-// Results are then wrong.
+// Results are then wrong.  With CUFLASH_FWD_COUNT_RESCALE besides, the move of the reference
+// max and the rescale of O and l stay in (bench/fa2_sass_compare.py's fwd-rescale rows).
 #ifndef CUFLASH_FWD_INTERIOR_ONLY
 #define CUFLASH_FWD_INTERIOR_ONLY 0
 #endif
@@ -839,8 +840,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                 move |= x > m_i[mt][rr] + lazy;  // NaN: no move; P and l become NaN anyway
             }
         const bool any_move = __any_sync(0xffffffffu, move);
+#ifdef CUFLASH_FWD_COUNT_RESCALE
+        if (any_move) {  // counting the interior tile with its rescale (results wrong as above)
+#else
         if (CUFLASH_FWD_INTERIOR_ONLY && any_move) __trap();  // counting: keep the test, drop the rescale
         if (!CUFLASH_FWD_INTERIOR_ONLY && any_move) {
+#endif
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
                 float alpha[2];
