@@ -162,8 +162,8 @@ __device__ __forceinline__ void load_tile(float* s, const float* g, long long gs
 // acc (16 x 8*kNQ) += A (16 rows of `As`, row stride kAS, columns [0, kK)) x B^T (kNQ*8 rows of
 // `Bs`, row stride kBS): the S^T / dP^T products.  Per 16 columns: one 128-bit load of each A
 // row (g, g + 8) and each B row, columns 4t, 4t+1 as k = t, t+4 of the first k8 MMA, 4t+2,
-// 4t+3 of the second.  kAInf: A is K, split keeping an infinite key's -inf logits finite-free
-// of NaN (split_tf32_inf); once per A fragment, shared by the kNQ n8 tiles.
+// 4t+3 of the second.  kAInf: A is K, split by split_tf32_inf so that an infinite key's -inf
+// logits do not turn NaN; once per A fragment, shared by the kNQ n8 tiles.
 template <int kK, int kAS, int kBS, bool kAInf = false>
 __device__ __forceinline__ void mma_abt(float (&acc)[kNQ][4], const float* As, const float* Bs, int g, int t,
                                         uint32_t hm) {
