@@ -42,6 +42,7 @@ import argparse
 import concurrent.futures as cf
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -219,7 +220,10 @@ def compile_all(jobs, workers=None, progress=True):
         return []
     workers = max(1, workers or os.cpu_count() or 1)
     out, t0 = [], time.perf_counter()
-    with cf.ProcessPoolExecutor(max_workers=workers) as ex:
+    # forkserver: the workers start from a clean process, never forked from one whose other
+    # threads (JAX's, in the test suite) may hold locks the child would then wait on forever
+    ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else None
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
         for i, res in enumerate(ex.map(compile_job, jobs, chunksize=2), 1):
             out.append(res)
             if progress and (i % 50 == 0 or i == len(jobs)):

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -613,3 +614,19 @@ def test_rehash_tokens_see_code_not_comments_or_emulator_code(tmp_path):
     assert SWEEP.nvrtc_tokens(job, kdir) == base
     (kdir / fname).write_text("__device__ int one_more_symbol;\n" + src)
     assert SWEEP.nvrtc_tokens(job, kdir) != base
+
+
+def test_sweep_workers_do_not_fork_a_threaded_process(tmp_path):
+    """bench/plan_sweep.py's compile workers start from a forkserver: forked from a process in
+    which JAX (imported by other tests of the suite) runs threads, a child can hang on a lock
+    one of those threads held, and JAX warns on every such fork."""
+    pytest.importorskip("jax")
+    script = ("import jax, jax.numpy as jnp\n"
+              "jnp.ones(3).block_until_ready()  # JAX's threads are running\n"
+              "import plan_sweep as ps\n"
+              "res = ps.compile_all(ps.group_jobs('online_softmax')[:4], 2, progress=False)\n"
+              "assert len(res) == 4 and all('error' not in info for _, _, info, _ in res), res\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)] + sys.path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "os.fork() was called" not in r.stderr, r.stderr[-2000:]
