@@ -26,7 +26,8 @@ path of a steady-state K/V tile (no mask, full tile, no flush), where the lazy r
 stays and its rescale is compiled out -- the count of a tile where no row's max moves; and the
 ``fwd-rescale`` rows with ``-DCUFLASH_FWD_COUNT_RESCALE=1`` besides: the rescale of O and l
 taken on every tile (a row max that moves on every tile), FA2's forward beside it unchanged
-(it rescales on every tile).  ``--fwd-tiles BQxBKV`` counts the forward at other tiles (the
+(it rescales on every tile).  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward /
+backward at other tiles (the
 planner's threads for them).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
@@ -509,12 +510,16 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, help="where it is unpacked (default: --wheel-dir)")
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--bwd-tiles", metavar="BQxBKV",
+                    help="count cuflash's backward at these tiles instead of the default plan's")
     ap.add_argument("--fwd-tiles", metavar="BQxBKV",
                     help="count cuflash's forward at these tiles instead of the default plan's (written to "
                          "fa2_sass_compare_fwd_<tiles>.md)")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
-    fwd_tiles = tuple(int(x) for x in args.fwd_tiles.lower().split("x")) if args.fwd_tiles else None
+    def _tiles(text):
+        return tuple(int(x) for x in text.lower().split("x")) if text else None
+    fwd_tiles, bwd_tiles = _tiles(args.fwd_tiles), _tiles(args.bwd_tiles)
     t0 = time.time()
     ok, why = _nvrtc.is_available()
     if not ok:
@@ -546,19 +551,21 @@ def main(argv=None):
                     ops, note = fa2_count(code)
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
                 try:
-                    ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch, fwd_tiles if kind != "bwd" else None)
-                except ValueError as e:  # --fwd-tiles that this architecture's shared memory refuses
+                    ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch, bwd_tiles if kind == "bwd" else fwd_tiles)
+                except ValueError as e:  # tiles that this architecture's shared memory refuses
                     m = re.search(r"needs \d+ B of shared memory", str(e))
                     r["cuflash"] = f"not planned: {m.group(0) if m else str(e)[:120]}"
                     continue
                 r["cuflash"] = dict(row(key, ops, cbq, cbkv, cwarps), note=note)
     table = markdown(rows)
     elapsed = time.time() - t0
-    head = header(wheel, ptxas, elapsed, argv, args.fwd_tiles)
+    tiles = ", ".join(f"{k}: {v}" for k, v in (("forward", args.fwd_tiles), ("backward", args.bwd_tiles)) if v)
+    head = header(wheel, ptxas, elapsed, argv, tiles)
     print(table)
     print(f"\n({elapsed:.0f} s)", file=sys.stderr)
     if not args.no_write:
-        out = RESULT if not fwd_tiles else RESULT.with_name(f"{RESULT.stem}_fwd_{args.fwd_tiles.lower()}.md")
+        suffix = "".join(f"_{k}_{v.lower()}" for k, v in (("fwd", args.fwd_tiles), ("bwd", args.bwd_tiles)) if v)
+        out = RESULT.with_name(f"{RESULT.stem}{suffix}.md")
         out.write_text(head + "\n" + table + "\n")
         print(f"written: {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
@@ -584,7 +591,7 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         f"cuflash at {rev}.\n"
         f"FA2: `{wheel.name}` (pip download, unpacked, not installed): sm_80 its cubins; sm_90 its "
         f"compute_80 PTX through {ptx}. cuflash: NVRTC {nvrtc} at the planner's default tiles"
-        f"{' (forward: ' + tiles + ')' if tiles else ''}, "
+        f"{' (' + tiles + ')' if tiles else ''}, "
         f"float16, the launch's build options. cuobjdump {tool_version(_sass.find_cuobjdump())}.\n\n"
         "Per kernel: one steady-state trip of the loop with the most HMMA, per warp (FA2's "
         "backward: its Q-tile loop; cuflash's backward: its rolled inner loops times their trip "
