@@ -22,7 +22,7 @@ import numpy as np
 
 import cuflash
 
-from . import available_backends
+from . import available_backends, tiling
 from ._cliargs import Parser, choice_list, int_list, nonneg_int, positive_int
 from ._validate import SUPPORTED_DTYPES
 from .reference import standard_attention
@@ -336,6 +336,11 @@ def main(argv=None):
         return bench_module("gpu").main(gpu_argv, prog="python -m cuflash bench --gpu")
     p = build_parser()
     args = p.parse_args(argv)
+    if getattr(args, "backend", None) == "emulator":
+        try:
+            tiling.emulator_arch()  # $CUFLASH_EMULATOR_ARCH, checked before any work
+        except ValueError as e:
+            p.error(str(e))
     if args.command == "demo":
         backend = args.backend or _default_backend()
         if available_backends().get(backend, (False, ""))[0]:

@@ -72,6 +72,13 @@ def test_demo_tiles_the_planner_refuses_are_an_option_error(capsys):
     assert "block_q=7" in line
 
 
+@pytest.mark.parametrize("command", [["demo", "--no-walkthrough"], ["compile", "--dtypes", "float16"]])
+def test_unknown_emulator_arch_is_one_line_error(capsys, monkeypatch, command):
+    monkeypatch.setenv("CUFLASH_EMULATOR_ARCH", "sm_91")
+    line = assert_one_line_error(capsys, cli.main, [command[0], "--backend", "emulator", *command[1:]])
+    assert "CUFLASH_EMULATOR_ARCH='sm_91'" in line and "sm_90" in line
+
+
 def test_bench_script_rejects_bad_values(capsys):
     # bench/bench_cpu.py parses through the same parser
     line = assert_one_line_error(capsys, cpu_bench.main, ["--reps", "0"], "bench_cpu.py")
