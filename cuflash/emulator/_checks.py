@@ -191,7 +191,7 @@ def profile_sink():
 
 
 # files whose lines say less than their caller's: the emulator's and the accessors' own
-_HELPER_FILES = ("cuda_host.h", "portable.cuh", "saddr.cuh")
+_HELPER_FILES = ("cuda_host.h", "engine.cpp", "portable.cuh", "saddr.cuh")
 
 
 def resolve_sites(lib_path, offsets):

@@ -37,10 +37,12 @@ __all__ = ["RawModule", "RawKernel", "last_launch_stats", "last_launch_profile",
 
 _HERE = Path(__file__).resolve().parent
 HOST_HEADER = _HERE / "cuda_host.h"
-# headers cuda_host.h includes (part of the cache key with it)
-_ENGINE_HEADERS = (_HERE / "fiber_engine.h",)
+# the engine's definitions (see engine.cpp)
+ENGINE_SOURCE = _HERE / "engine.cpp"
+# files the host build reads besides cuda_host.h (part of the cache key with it)
+_ENGINE_HEADERS = (_HERE / "fiber_engine.h", ENGINE_SOURCE)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "9"
+_LAUNCHER_VERSION = "10"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds.
 # The memcheck (cuda_host.h): every load and store calls a hook (kernel-address
 # instrumentation through calls, no shadow memory, no stack or global redzones); -g1 gives
@@ -49,6 +51,11 @@ _MEMCHECK_FLAGS = ("-DCUFLASH_EMULATOR_MEMCHECK=1", "-g1", "-fsanitize=kernel-ad
                    "--param", "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0",
                    "--param", "asan-globals=0")
 _LIB_FLAGS = ("-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fvisibility=hidden", *_MEMCHECK_FLAGS)
+# engine.cpp (launch, block scheduling, the checks, the profiler, the emulated instructions'
+# bodies) is compiled once per configuration into an object that each library links with
+# hidden symbols: each library keeps its own engine state, and a library's compile is about its
+# kernel.
+_ENGINE_FLAGS = tuple(f for f in _LIB_FLAGS if f != "-shared") + ("-c",)
 _TSAN_FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread")
 _DEFAULT_ARCH = 800
 _MAX_THREADS_PER_BLOCK = 1024
@@ -476,7 +483,7 @@ class RawModule:
     def _key(self, kind):
         h = hashlib.sha256()
         parts = (kind, _LAUNCHER_VERSION, _TSAN_MAIN if kind == "tsan" else "",
-                 " ".join(_LIB_FLAGS + _TSAN_FLAGS), HOST_HEADER.read_text(),
+                 " ".join(_LIB_FLAGS + _TSAN_FLAGS + _ENGINE_FLAGS), HOST_HEADER.read_text(),
                  *(h.read_text() for h in _ENGINE_HEADERS),
                  self._pre, self.code, "\0".join(self._flags), _cxx(), str(self.path))
         for part in parts:
@@ -497,8 +504,39 @@ class RawModule:
         tu = d / f"{key}{'_tsan' if tsan else ''}.cpp"
         # including the .cu file (not a copy) keeps compiler messages and
         # ThreadSanitizer reports on the file's own lines
-        _atomic_write(tu, f'#include "{src}"\n' + _launcher_code(launchable, tsan_main=tsan))
+        # a race-check program is one translation unit: the engine comes in source
+        engine = f'#include "{ENGINE_SOURCE}"\n' if tsan else ""
+        _atomic_write(tu, f'#include "{src}"\n' + engine + _launcher_code(launchable, tsan_main=tsan))
         return tu
+
+    def _engine_flags(self):
+        # The macros the host headers read (the arch, the engine's own switches) must be the
+        # same in the engine object as in the kernel's translation unit; the kernel's other
+        # macros do not reach the headers, which are included first.
+        headers = HOST_HEADER.read_text() + "".join(h.read_text() for h in _ENGINE_HEADERS)
+        out = []
+        for f in self._flags:
+            m = re.match(r"-[DU]([A-Za-z_]\w*)", f)
+            if m and re.search(rf"\b{m.group(1)}\b", headers):
+                out.append(f)
+        return out
+
+    def _engine_object(self):
+        """The engine compiled for this module's configuration (cached and shared by libraries)."""
+        flags = self._engine_flags()
+        h = hashlib.sha256()
+        for part in ("engine", _LAUNCHER_VERSION, " ".join(_ENGINE_FLAGS), HOST_HEADER.read_text(),
+                     *(e.read_text() for e in _ENGINE_HEADERS), "\0".join(flags), _cxx()):
+            h.update(part.encode())
+            h.update(b"\0")
+        obj = cache_dir() / f"engine_{h.hexdigest()[:24]}.o"
+        with _build_lock(obj):
+            if not obj.exists():
+                tmp = obj.with_name(f"{obj.name}.{os.getpid()}.tmp")
+                _run([_cxx(), *_ENGINE_FLAGS, "-x", "c++", "-include", str(HOST_HEADER), *flags,
+                      str(ENGINE_SOURCE), "-o", str(tmp)], "compiling the emulator's engine")
+                os.replace(tmp, obj)
+        return obj
 
     def _compile(self):
         if self._lib is not None:
@@ -513,10 +551,11 @@ class RawModule:
             so = cache_dir() / f"{key}.so"
             with _build_lock(so):
                 if not so.exists():
+                    engine = self._engine_object()
                     tu = self._sources(key, tsan=False)
                     tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
                     _run([_cxx(), *_LIB_FLAGS, "-x", "c++", "-include", str(HOST_HEADER), *self._flags, str(tu),
-                          "-o", str(tmp)], f"compiling {self._what()} for the emulator")
+                          "-x", "none", str(engine), "-o", str(tmp)], f"compiling {self._what()} for the emulator")
                     os.replace(tmp, so)
             self._lib = _libs[key] = ctypes.CDLL(str(so))
             self._lib_path = _lib_paths[key] = so

@@ -20,6 +20,13 @@
 // cannot complete (bulk copies in flight land first), the launch fails with a message
 // instead of hanging.
 //
+// What is not a template or a one-liner (the launch, the checks, the error messages, the
+// emulated instructions' bodies) is only declared here and defined in engine.cpp, which is
+// compiled once per configuration into an object that every kernel library links: a kernel's
+// translation unit then generates code for little more than the kernel.  The definitions that
+// stay here as `inline` but serve only the engine (run_blocks, the profiler's tables) generate
+// no code in a kernel's translation unit, which never calls them.
+//
 // All per-thread state hangs off ONE thread_local pointer (`tctx`): several
 // thread_locals per library exhausted glibc's static TLS after ~14 loaded
 // libraries on these machines.  The fibers of a block share their OS thread's
@@ -334,13 +341,7 @@ struct Block {
     }
 
     // Stop the launch: record the first error and wake every waiting thread.
-    void abort_locked(const std::string& msg) {
-        if (!aborted) { error = msg; aborted = true; }
-        // a new generation wakes every waiter, which then sees `aborted`
-        next_generation(bar);
-        for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
-        next_generation(mbar_gen);
-    }
+    void abort_locked(const std::string& msg);
 
     // Every thread waiting on some mbarrier re-checks its own (a phase completed).
     void release_mbar_waiters() {
@@ -365,26 +366,10 @@ struct Block {
     bool land_bulk_locked();
     // A block that ends with copies in flight has let them write into shared memory that
     // the next block on that SM may already own (no thread waited on their mbarrier).
-    std::string bulk_in_flight_message() const {
-        return "block " + where() + " of kernel " + kernel + " ended with " + std::to_string(bulk.size()) +
-               " cp.async.bulk cop" + (bulk.size() == 1 ? "y" : "ies") +
-               " still in flight (issued by thread " + std::to_string(bulk.front().tid) +
-               "): no thread waited on their mbarrier";
-    }
+    std::string bulk_in_flight_message() const;
 
     std::string where() const;
-    std::string deadlock_message() const {
-        unsigned at_sync = bar.waiters, at_warp = 0;
-        for (unsigned w = 0; w < nwarps; ++w) at_warp += warp_bar[w].waiters;
-        return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
-               " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
-               " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix), " +
-               (mbar_waiters ? std::to_string(mbar_waiters) +
-                                   " at an mbarrier wait (a phase no arrival or bulk copy left can complete), "
-                             : std::string()) +
-               std::to_string(nthreads - live) + " of " + std::to_string(nthreads) +
-               " returned; a barrier is not reached by every thread (divergent __syncthreads or collective)";
-    }
+    std::string deadlock_message() const;
 
     // `parity`: the caller's count of waits at this barrier, mod 2 (all
     // participants agree on it), selecting the ThreadSanitizer sync object.
@@ -398,69 +383,18 @@ struct Block {
         tsan_acquire(&b.sync[parity]);
     }
 
-    void arrive_and_wait_locked(Barrier& b) {
-        unsigned g = 0;
-        bool last;
-        {
-            std::lock_guard<BlockMutex> lk(mu);
-            if (aborted) throw KernelAbort{};
-            last = ++b.arrived == b.expected;
-            if (last) {
-                release(b);
-            } else {
-                g = b.gen.load(std::memory_order_relaxed);
-                ++b.waiters; ++waiting;
-                if (waiting == live && !land_bulk_locked()) {  // nobody left who could complete any barrier
-                    abort_locked(deadlock_message());
-                    throw KernelAbort{};
-                }
-            }
-        }
-#if CUFLASH_EMULATOR_THREADS
-        if (last) return;
-        while (b.gen.load(std::memory_order_acquire) == g) b.gen.wait(g, std::memory_order_acquire);
-#else
-        // The last to arrive steps aside too, so that the threads of a block
-        // run the code between two barriers in the scheduler's order.
-        if (last) fibers->yield();
-        else fibers->wait(b.gen, g);
-#endif
-        if (aborted) throw KernelAbort{};
-    }
+    void arrive_and_wait_locked(Barrier& b);
 
     // A returning thread stops counting in its barriers, as on the hardware.
-    void thread_exit(unsigned warp) {
-        TsanQuiet quiet;
-        std::lock_guard<BlockMutex> lk(mu);
-        --live;
-        for (Barrier* b : {&bar, &warp_bar[warp]}) {
-            --b->expected;
-            if (b->arrived > 0 && b->arrived == b->expected) release(*b);
-        }
-        if (!aborted && live > 0 && waiting == live && !land_bulk_locked()) abort_locked(deadlock_message());
-        if (!aborted && live == 0 && !bulk.empty()) abort_locked(bulk_in_flight_message());
-    }
+    void thread_exit(unsigned warp);
 
-    [[noreturn]] void fail(const std::string& msg) {
-        {
-            TsanQuiet quiet;
-            std::lock_guard<BlockMutex> lk(mu);
-            abort_locked(msg);
-        }
-        throw KernelAbort{};
-    }
+    [[noreturn]] void fail(const std::string& msg);
 };
 
-inline std::string fmt_idx(uint3 v) {
-    return "(" + std::to_string(v.x) + "," + std::to_string(v.y) + "," + std::to_string(v.z) + ")";
-}
-inline std::string Block::where() const { return tctx ? fmt_idx(tctx->blockIdx) : std::string("?"); }
+std::string fmt_idx(uint3 v);
 
 // An error raised by device code (trap, bad collective): ends the launch.
-[[noreturn]] inline void device_error(const std::string& msg) {
-    ThreadCtx& c = *tctx;
-    c.blk->fail(msg + " [block " + fmt_idx(c.blockIdx) + ", thread " + fmt_idx(c.threadIdx) + "]");
-}
+[[noreturn]] void device_error(const std::string& msg);
 
 inline unsigned warp_lanes_mask(const ThreadCtx& c) {
     unsigned n = c.blk->warp_size(c.warp);
@@ -531,61 +465,24 @@ struct MemcheckState {
 };
 inline MemcheckState memcheck;
 
-inline std::string hex(uintptr_t a) { char b[32]; std::snprintf(b, sizeof b, "0x%llx", (unsigned long long)a); return b; }
+std::string hex(uintptr_t a);
 
 // The launch's buffer nearest to [a, a + n): "@ARG<i>:<offset>@", or "" without buffers.
-inline std::string nearest_buffer(uintptr_t a) {
-    const GlobalBuf* best = nullptr;
-    uintptr_t dist = ~uintptr_t(0);
-    for (const GlobalBuf& b : memcheck.bufs) {
-        const uintptr_t d = a < b.lo ? b.lo - a : a >= b.hi ? a - b.hi + 1 : 0;
-        if (d < dist) { dist = d; best = &b; }
-    }
-    if (!best) return "no pointer argument";
-    return "@ARG" + std::to_string(best->arg) + ":" + std::to_string((long long)(a - best->lo)) + "@";
-}
+std::string nearest_buffer(uintptr_t a);
 
-inline const char* memcheck_thread_where(std::string& out) {
-    ThreadCtx* c = tctx;
-    if (c) out = "block " + fmt_idx(c->blockIdx) + ", thread " + fmt_idx(c->threadIdx);
-    else out = "outside any CUDA thread";
-    return out.c_str();
-}
+const char* memcheck_thread_where(std::string& out);
 
-[[noreturn]] inline void global_stray(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
-    std::string where;
-    memcheck_thread_where(where);
-    device_error(std::string("memcheck: out-of-bounds ") + what + " of " + std::to_string(n) + " bytes at " +
-                 hex(a) + " in kernel " + tctx->blk->kernel + " (" + file + ":" + std::to_string(line) +
-                 "): not inside any array passed to the launch; nearest: " + nearest_buffer(a));
-}
+[[noreturn]] void global_stray(uintptr_t a, unsigned n, const char* what, const char* file, int line);
 
 // A global access of n bytes at p by the calling CUDA thread.
-inline void record_access(const void* pc, const char* file, int line, uintptr_t a, unsigned n, AccessKind kind) {
-    ThreadCtx* c = tctx;
-    if (c && !c->quiet) c->recs.push_back(AccessRec{pc, file, line, c->epoch, a, n, kind});
-}
+void record_access(const void* pc, const char* file, int line, uintptr_t a, unsigned n, AccessKind kind);
 
 // A plain shared access.  The host compiler splits a vector access whose parts are used
 // separately (a float4 load into four 4-byte loads, where the GPU does one 16-byte load):
 // an access by distinct nearby instructions (within 64 bytes of code) that continues the
 // thread's previous one in the same direction, kind and wait interval, and together with it
 // stays inside one aligned 16-byte (8-byte, 4-byte) block, is merged into it.
-inline void record_plain_shared(const void* pc, uintptr_t a, unsigned n, AccessKind kind) {
-    ThreadCtx* c = tctx;
-    if (!c || c->quiet) return;
-    if (!c->recs.empty()) {
-        AccessRec& p = c->recs.back();
-        const unsigned m = p.size + n;
-        const intptr_t dpc = static_cast<const char*>(pc) - static_cast<const char*>(p.pc);
-        if (p.kind == kind && p.epoch == c->epoch && p.file == nullptr && p.addr + p.size == a && pc != p.pc &&
-            dpc > -64 && dpc < 64 && m <= 16 && p.addr % (m <= 4 ? 4 : m <= 8 ? 8 : 16) == 0) {
-            p.size = m;
-            return;
-        }
-    }
-    c->recs.push_back(AccessRec{pc, nullptr, 0, c->epoch, a, n, kind});
-}
+void record_plain_shared(const void* pc, uintptr_t a, unsigned n, AccessKind kind);
 
 inline AccessKind global_kind(const char* what) {
     switch (what[0]) {
@@ -599,103 +496,31 @@ inline AccessKind global_kind(const char* what) {
 // A global access for the profiler.  Sectors are counted on the offset into the launch's array
 // that holds the access, as if the array started on a 256-byte boundary like a GPU allocation
 // (NumPy aligns to 16 or 64 bytes): array i is placed at (i + 1) << 40.
-inline void record_global(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
-    for (size_t i = 0; i < memcheck.bufs.size(); ++i)
-        if (a >= memcheck.bufs[i].lo && a + n <= memcheck.bufs[i].hi) {
-            a = ((uintptr_t(i) + 1) << 40) + (a - memcheck.bufs[i].lo);
-            break;
-        }
-    record_access(nullptr, file, line, a, n, global_kind(what));
-}
+void record_global(uintptr_t a, unsigned n, const char* what, const char* file, int line);
 
-inline void check_global(const void* p, unsigned n, const char* what, const char* file, int line) {
-    if (memcheck.profile) record_global(reinterpret_cast<uintptr_t>(p), n, what, file, line);
-    if (!memcheck.global_on) return;
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const std::vector<GlobalBuf>& bs = memcheck.bufs;
-    if (memcheck.last < bs.size() && a >= bs[memcheck.last].lo && a + n <= bs[memcheck.last].hi) return;
-    for (size_t i = 0; i < bs.size(); ++i)
-        if (a >= bs[i].lo && a + n <= bs[i].hi) { memcheck.last = i; return; }
-    global_stray(a, n, what, file, line);
-}
+void check_global(const void* p, unsigned n, const char* what, const char* file, int line);
 
 // The library offset of a code address, as "@PC:<hex>@" for addr2line.
-inline std::string pc_token(const void* pc) {
-    Dl_info info{};
-    if (pc && dladdr(pc, &info) && info.dli_fbase)
-        return "@PC:" + hex(reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1) + "@";
-    return "an unknown line";
-}
+std::string pc_token(const void* pc);
 
-inline std::string shared_stray_message(uintptr_t a, unsigned n, const char* what, const std::string& site) {
-    std::string where;
-    memcheck_thread_where(where);
-    const long long off = (long long)(a - memcheck.dyn_lo);
-    return std::string("memcheck: out-of-bounds shared-memory ") + what + " of " + std::to_string(n) +
-           " bytes in kernel " + (tctx ? tctx->blk->kernel : std::string("?")) + " at " + site + ": byte offset " +
-           std::to_string(off) + " of the dynamic shared memory, which holds " +
-           std::to_string(memcheck.dyn_hi - memcheck.dyn_lo) + " bytes [" + where + "]";
-}
+std::string shared_stray_message(uintptr_t a, unsigned n, const char* what, const std::string& site);
 
 inline bool in_shared_window(uintptr_t a) { return a - memcheck.win_lo < memcheck.win_size; }
 inline bool in_shared_alloc(uintptr_t a, unsigned n) { return a >= memcheck.dyn_lo && a + n <= memcheck.dyn_hi; }
 
 // Shared side of cp.async / ldmatrix (emulator code): fails the launch at once.
-inline void check_shared(const void* p, unsigned n, const char* what, const char* file, int line) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    if (!in_shared_window(a)) return;
-    if (in_shared_alloc(a, n)) {
-        if (memcheck.profile) record_access(nullptr, file, line, a, n, what[0] == 'l' ? ACC_LDMATRIX : ACC_CP_ASYNC_SHARED);
-        return;
-    }
-    if (!memcheck.shared_on) return;
-    tctx->blk->fail(shared_stray_message(a, n, what, std::string(file) + ":" + std::to_string(line)));
-}
+void check_shared(const void* p, unsigned n, const char* what, const char* file, int line);
 
 // From the instrumented kernel code: record the first stray access and stop the launch at the
 // thread's next barrier (the hook cannot throw: the compiler treats it as nothrow).
-__attribute__((noinline, cold)) inline void shared_stray_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
-    ThreadCtx* c = tctx;
-    if (!c) return;
-    TsanQuiet quiet;
-    std::lock_guard<BlockMutex> lk(c->blk->mu);
-    c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
-}
+__attribute__((noinline, cold)) void shared_stray_hook(uintptr_t a, unsigned n, bool store, const void* pc);
 
 // A plain shared access to bytes a cp.async.bulk in flight is still writing: on the GPU it
 // reads (or races with) whatever the copy engine has written so far.  Reported like a stray
 // access (the launch fails at the thread's next wait).
-__attribute__((noinline, cold)) inline void bulk_overlap_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
-    ThreadCtx* c = tctx;
-    if (!c) return;
-    for (const BulkCopy& b : c->blk->bulk) {
-        const uintptr_t lo = reinterpret_cast<uintptr_t>(b.dst), hi = lo + b.data.size();
-        if (a + n <= lo || a >= hi) continue;
-        std::string where;
-        memcheck_thread_where(where);
-        const std::string msg =
-            std::string("memcheck: shared-memory ") + (store ? "store" : "load") + " of " + std::to_string(n) +
-            " bytes in kernel " + c->blk->kernel + " at " + pc_token(pc) + " touches byte offset " +
-            std::to_string((long long)(a - memcheck.dyn_lo)) + " of the dynamic shared memory while a " +
-            "cp.async.bulk of " + std::to_string(b.data.size()) + " bytes (issued by thread " +
-            std::to_string(b.tid) + ") is still writing there; wait on its mbarrier first [" + where + "]";
-        TsanQuiet quiet;
-        std::lock_guard<BlockMutex> lk(c->blk->mu);
-        c->blk->abort_locked(msg);
-        return;
-    }
-}
+__attribute__((noinline, cold)) void bulk_overlap_hook(uintptr_t a, unsigned n, bool store, const void* pc);
 
-__attribute__((noinline)) inline void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
-    if (in_shared_alloc(a, n)) {
-        if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
-#if !CUFLASH_EMULATOR_THREADS
-        if (memcheck.shared_on && tctx && !tctx->blk->bulk.empty()) bulk_overlap_hook(a, n, store, pc);
-#endif
-        return;
-    }
-    if (memcheck.shared_on) shared_stray_hook(a, n, store, pc);
-}
+__attribute__((noinline)) void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc);
 
 // Every instrumented load and store comes here: the common case (not near the shared memory)
 // is one subtraction and one comparison.
@@ -808,32 +633,6 @@ inline void profile_block(std::vector<ThreadCtx>& ctxs) {
 
 }  // namespace cuflash_emu
 
-// The hooks that -fsanitize=kernel-address code calls at every load and store (see memcheck above).
-#if CUFLASH_EMULATOR_MEMCHECK
-#define CUFLASH_ASAN_HOOK(N)                                                                         \
-    extern "C" __attribute__((visibility("hidden"))) void __asan_load##N##_noabort(uintptr_t a) {  \
-        ::cuflash_emu::raw_access(a, N, false, __builtin_return_address(0));                        \
-    }                                                                                               \
-    extern "C" __attribute__((visibility("hidden"))) void __asan_store##N##_noabort(uintptr_t a) { \
-        ::cuflash_emu::raw_access(a, N, true, __builtin_return_address(0));                         \
-    }
-CUFLASH_ASAN_HOOK(1)
-CUFLASH_ASAN_HOOK(2)
-CUFLASH_ASAN_HOOK(4)
-CUFLASH_ASAN_HOOK(8)
-CUFLASH_ASAN_HOOK(16)
-#undef CUFLASH_ASAN_HOOK
-extern "C" __attribute__((visibility("hidden"))) void __asan_loadN_noabort(uintptr_t a, size_t n) {
-    ::cuflash_emu::raw_access(a, unsigned(n), false, __builtin_return_address(0));
-}
-extern "C" __attribute__((visibility("hidden"))) void __asan_storeN_noabort(uintptr_t a, size_t n) {
-    ::cuflash_emu::raw_access(a, unsigned(n), true, __builtin_return_address(0));
-}
-extern "C" __attribute__((visibility("hidden"))) void __asan_handle_no_return() {}
-// (the check of the order of dynamic initialisers: nothing to do here)
-extern "C" __attribute__((visibility("hidden"))) void __asan_before_dynamic_init(const char*) {}
-extern "C" __attribute__((visibility("hidden"))) void __asan_after_dynamic_init() {}
-#endif
 
 namespace cuflash_emu {
 
@@ -924,12 +723,7 @@ inline float tc_block_fma(float c, const double* p, int n) {
 
 // ---------------------------------------------------------------- tensor-core emulation
 // Fragment layouts of mma.m16n8k16 / ldmatrix: PTX ISA, see docs/emulator.md.
-inline void require_full_warp(const char* what) {
-    ThreadCtx& c = *tctx;
-    if (c.blk->warp_size(c.warp) != 32)
-        device_error(std::string(what) + " needs a full warp of 32 threads (blockDim gives warp " +
-                     std::to_string(c.warp) + " only " + std::to_string(c.blk->warp_size(c.warp)) + ")");
-}
+void require_full_warp(const char* what);
 
 struct MmaLane { uint32_t a[4]; uint32_t b[2]; float c[4]; };
 
@@ -993,33 +787,9 @@ inline void ldmatrix(uint32_t* r, const void* row, const char* file = "?", int l
 // cp.async: the copy is recorded at issue and lands only when a wait covers
 // its group, so reading shared memory before the wait sees the old contents.
 // src == nullptr: a zero fill (cp.async with src-size 0), no global read.
-inline void cp_async_16(void* dst, const void* src, const char* file = "?", int line = 0) {
-    ThreadCtx& c = *tctx;
-    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
-        device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
-    check_shared(dst, 16, "cp.async destination", file, line);
-    if (src) check_global(src, 16, "cp.async source", file, line);
-    count(CNT_CP_ASYNC);
-    if (src) c.bytes_read += 16;
-    c.cp_open.push_back(CpCopy{dst, src});
-}
-inline void cp_async_commit() {
-    ThreadCtx& c = *tctx;
-    c.cp_groups.push_back(std::move(c.cp_open));
-    c.cp_open.clear();
-}
-inline void cp_async_wait(int n) {  // all but the n most recent committed groups complete
-    ThreadCtx& c = *tctx;
-    c.quiet = true;  // the copies' shared side was recorded at issue
-    while ((int)c.cp_groups.size() > n) {
-        for (const CpCopy& cp : c.cp_groups.front()) {
-            if (cp.src) std::memcpy(cp.dst, cp.src, 16);
-            else std::memset(cp.dst, 0, 16);
-        }
-        c.cp_groups.erase(c.cp_groups.begin());
-    }
-    c.quiet = false;
-}
+void cp_async_16(void* dst, const void* src, const char* file = "?", int line = 0);
+void cp_async_commit();
+void cp_async_wait(int n);
 
 // ---------------------------------------------------------------- mbarrier and bulk copies (sm_90)
 // mbarrier objects (PTX ISA, "Parallel Synchronization and Communication Instructions:
@@ -1044,156 +814,22 @@ inline void cp_async_wait(int n) {  // all but the n most recent committed group
 // thread of the block waits -- the latest moment the GPU could deliver it.  Reading the
 // destination before waiting on the mbarrier thus sees NaN; with memcheck on, such an access
 // (load or store) is reported at once, with its source line.
-inline std::string mbar_name(const void* bar) { return "the mbarrier at shared address " + hex(reinterpret_cast<uintptr_t>(bar)); }
+std::string mbar_name(const void* bar);
 
-inline void mbar_check_object(const void* bar, const char* what, const char* file, int line) {
-    if (reinterpret_cast<uintptr_t>(bar) % 8)
-        device_error(std::string(what) + ": " + mbar_name(bar) + " is not 8-byte aligned");
-    check_shared(bar, 8, what, file, line);
-}
+void mbar_check_object(const void* bar, const char* what, const char* file, int line);
 
-inline void mbarrier_init(void* bar, unsigned count, const char* file = "?", int line = 0) {
-    mbar_check_object(bar, "mbarrier.init", file, line);
-    if (count < 1 || count > (1u << 20) - 1)
-        device_error("mbarrier.init: count " + std::to_string(count) + " is outside [1, 2^20 - 1]");
-    Block& b = *tctx->blk;
-    TsanQuiet quiet;
-    std::lock_guard<BlockMutex> lk(b.mu);
-    Mbarrier& m = b.mbars[reinterpret_cast<uintptr_t>(bar)];
-    m = Mbarrier{};
-    m.expected = m.pending = count;
-}
+void mbarrier_init(void* bar, unsigned count, const char* file = "?", int line = 0);
 
 // arrive (tx = 0) or arrive.expect_tx(tx); returns the phase the arrival counted in (the
 // "state" operand of the PTX form).
-inline unsigned long long mbarrier_arrive(void* bar, unsigned tx, const char* file = "?", int line = 0) {
-    mbar_check_object(bar, tx ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive", file, line);
-    Block& b = *tctx->blk;
-    std::string err;
-    unsigned long long phase = 0;
-    tsan_release(bar);
-    {
-        TsanQuiet quiet;
-        std::lock_guard<BlockMutex> lk(b.mu);
-        auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
-        if (it == b.mbars.end()) {
-            err = "mbarrier.arrive: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
-        } else if (it->second.pending == 0) {
-            err = "mbarrier.arrive: " + mbar_name(bar) + " has no pending arrival left in its phase " +
-                  std::to_string(it->second.phase) + " (more arrivals than its count " +
-                  std::to_string(it->second.expected) + " before the transactions completed)";
-        } else {
-            Mbarrier& m = it->second;
-            m.tx += tx;
-            if (m.tx > (1ll << 20) - 1)
-                err = "mbarrier.arrive.expect_tx: the tx-count of " + mbar_name(bar) + " exceeds 2^20 - 1 bytes";
-            phase = m.phase;
-            --m.pending;
-            if (Block::complete_phase(m)) b.release_mbar_waiters();
-        }
-    }
-    if (!err.empty()) device_error(err);
-    return phase;
-}
+unsigned long long mbarrier_arrive(void* bar, unsigned tx, const char* file = "?", int line = 0);
 
 // try_wait.parity in a loop: returns once the phase of parity `parity` has completed.
-inline void mbarrier_wait_parity(void* bar, unsigned parity, const char* file = "?", int line = 0) {
-    mbar_check_object(bar, "mbarrier.try_wait.parity", file, line);
-    ThreadCtx& c = *tctx;
-    Block& b = *c.blk;
-    ++c.epoch;
-    for (;;) {
-        std::string err;
-        bool done = false, again = false;
-        unsigned g = 0;
-        {
-            TsanQuiet quiet;
-            std::lock_guard<BlockMutex> lk(b.mu);
-            if (b.aborted) throw KernelAbort{};
-            auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
-            if (it == b.mbars.end()) {
-                err = "mbarrier.try_wait.parity: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
-            } else if ((it->second.phase & 1u) != (parity & 1u)) {
-                done = true;
-            } else {
-                g = b.mbar_gen.load(std::memory_order_relaxed);
-                ++b.mbar_waiters; ++b.waiting;
-                if (b.waiting == b.live) {
-                    if (!b.land_bulk_locked()) {
-                        b.abort_locked(b.deadlock_message());
-                        throw KernelAbort{};
-                    }
-                    again = true;  // a phase completed and this thread was released: look again
-                }
-            }
-        }
-        if (!err.empty()) device_error(err);
-        if (done) break;
-        if (again) continue;
-#if CUFLASH_EMULATOR_THREADS
-        while (b.mbar_gen.load(std::memory_order_acquire) == g) b.mbar_gen.wait(g, std::memory_order_acquire);
-#else
-        b.fibers->wait(b.mbar_gen, g);
-#endif
-        if (b.aborted) throw KernelAbort{};
-    }
-    tsan_acquire(bar);
-}
+void mbarrier_wait_parity(void* bar, unsigned parity, const char* file = "?", int line = 0);
 
-inline bool Block::land_bulk_locked() {
-    if (bulk.empty()) return false;
-    std::vector<BulkCopy> copies;
-    copies.swap(bulk);  // first: the overlap check must not see the landing itself
-    bool completed = false;
-    ThreadCtx* c = tctx;
-    if (c) c->quiet = true;  // the destinations were recorded at issue
-    for (BulkCopy& cp : copies) {
-        std::memcpy(cp.dst, cp.data.data(), cp.data.size());
-        auto it = mbars.find(cp.bar);
-        if (it == mbars.end()) continue;  // re-initialised meanwhile: nobody waits for these bytes
-        it->second.tx -= (long long)cp.data.size();
-        completed |= complete_phase(it->second);
-    }
-    if (c) c->quiet = false;
-    if (completed) release_mbar_waiters();
-    return completed;
-}
 
 // cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]
-inline void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file = "?", int line = 0) {
-    ThreadCtx& c = *tctx;
-    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
-        device_error("cp.async.bulk: source and destination must be 16-byte aligned");
-    if (bytes == 0 || bytes % 16)
-        device_error("cp.async.bulk: the size " + std::to_string(bytes) + " is not a positive multiple of 16 bytes");
-    mbar_check_object(bar, "cp.async.bulk mbarrier", file, line);
-    check_shared(dst, bytes, "cp.async.bulk destination", file, line);
-    check_global(src, bytes, "cp.async.bulk source", file, line);
-    c.bytes_read += bytes;
-    BulkCopy cp{static_cast<unsigned char*>(dst),
-                std::vector<unsigned char>(static_cast<const unsigned char*>(src),
-                                           static_cast<const unsigned char*>(src) + bytes),
-                reinterpret_cast<uintptr_t>(bar), c.tid};
-    c.quiet = true;
-    std::memset(dst, 0xff, bytes);  // poison: until the copy lands, readers see NaN
-    c.quiet = false;
-    // Under ThreadSanitizer the poison is this thread's write: a thread that reads the
-    // destination without waiting on the mbarrier races with it (a race report); one that
-    // waits acquires `bar`, released here since the copy's completion comes after its issue
-    // (the landing itself is emulator code, invisible to TSan).
-    tsan_release(bar);
-    Block& b = *c.blk;
-    std::string err;
-    {
-        TsanQuiet quiet;
-        std::lock_guard<BlockMutex> lk(b.mu);
-        if (b.mbars.count(cp.bar) == 0)
-            err = "cp.async.bulk: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
-        else
-            b.bulk.push_back(std::move(cp));
-    }
-    if (!err.empty()) device_error(err);
-}
+void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file = "?", int line = 0);
 
 // ---------------------------------------------------------------- atomic order check
 // A float atomic add is deterministic only in the order the adds reach an address.  Adds of
@@ -1204,10 +840,7 @@ inline void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar,
 // launch an address that received adds from two threads is reported.  A launch meant to be
 // bitwise repeatable (the backward with deterministic=True) must pass it; the atomic dQ path
 // does not (several KV blocks add into each dQ element), which is its documented trade.
-inline void note_atomic(const void* p) {
-    ThreadCtx& c = *tctx;
-    if (c.record_atomics) c.atomics.push_back(AtomicRec{reinterpret_cast<uintptr_t>(p), c.block_lin, c.tid});
-}
+void note_atomic(const void* p);
 
 inline std::string fmt_block(unsigned long long lin, const unsigned* grid);
 
@@ -1240,19 +873,7 @@ inline std::string check_atomic_order(std::vector<ThreadCtx>& ctxs, const char* 
 
 // red.global.add.f32 (scalar, .v2, .v4): n floats at p, p must be 4n-byte aligned for n > 1
 // (as the vector instruction requires).  Counted as 4 bytes read + 4 written per element.
-inline void red_add_f32(float* p, const float* v, int n, const char* file = "?", int line = 0) {
-    ThreadCtx& c = *tctx;
-    if (n > 1 && reinterpret_cast<uintptr_t>(p) % (4u * n) != 0)
-        device_error("red.global.add.v" + std::to_string(n) + ".f32: address " +
-                     std::to_string(reinterpret_cast<uintptr_t>(p)) + " is not " + std::to_string(4 * n) +
-                     "-byte aligned");
-    check_global(p, 4u * n, "red.global.add", file, line);
-    for (int i = 0; i < n; ++i) count(CNT_GLOBAL_ATOMIC);  // n scalar reds before sm_90
-    for (int i = 0; i < n; ++i) note_atomic(p + i);
-    for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
-    c.bytes_read += 4ull * n;
-    c.bytes_written += 4ull * n;
-}
+void red_add_f32(float* p, const float* v, int n, const char* file = "?", int line = 0);
 
 // ---------------------------------------------------------------- inter-block write check
 // Blocks of one launch run one after another here, but concurrently (in any order) on a
@@ -1261,10 +882,7 @@ inline void red_add_f32(float* p, const float* v, int n, const char* file = "?",
 // the check on, gstore logs (address, size, block) per thread (a vector append, no lock);
 // after the launch the logs are sorted by address and swept once: an overlap of two
 // stores from different blocks is reported.  Atomics/reds are not logged (they commute).
-inline void note_store(const void* p, unsigned bytes) {
-    ThreadCtx& c = *tctx;
-    if (c.record_stores) c.stores.push_back(StoreRec{reinterpret_cast<uintptr_t>(p), bytes, c.block_lin});
-}
+void note_store(const void* p, unsigned bytes);
 
 inline std::string fmt_block(unsigned long long lin, const unsigned* grid) {
     return fmt_idx(uint3{unsigned(lin % grid[0]), unsigned((lin / grid[0]) % grid[1]),
@@ -1583,144 +1201,23 @@ inline std::string run_blocks(const char* name, unsigned nthreads, unsigned long
 }
 #endif
 
+// ---------------------------------------------------------------- the engine's entry points
+// The generated launcher of each kernel calls these (defined in engine.cpp).
+
 // The launch's pointer arguments for the global check: n (first byte, end) pairs, argument index
 // i for pair i; the next launch of this library checks against them (and forgets them).
-inline void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigned n) {
-    memcheck.bufs.clear();
-    for (unsigned i = 0; i < n; ++i)
-        memcheck.bufs.push_back(GlobalBuf{uintptr_t(ranges[2 * i]), uintptr_t(ranges[2 * i + 1]), args[i]});
-}
-
+void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigned n);
 // The last profiled launch of this library as text, one line per access site
 // ("site <kind> <bytes> <pc offset or -> <file or -> <line> <requests> <lanes> <wavefronts or sectors> <ideal>")
 // and per counted class ("count <name>\t<thread executions>").
-inline std::string profile_text() {
-    std::string out;
-    char buf[512];
-    static const char* const kinds[] = {"shared_load", "shared_store", "ldmatrix", "cp.async_shared",
-                                        "global_load", "global_store", "global_atomic", "cp.async_global"};
-    for (const auto& [k, st] : profile.sites) {
-        std::string pc = "-";
-        Dl_info info{};
-        if (k.pc && dladdr(k.pc, &info) && info.dli_fbase)
-            pc = hex(reinterpret_cast<uintptr_t>(k.pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1);
-        std::snprintf(buf, sizeof buf, "site\t%s\t%u\t%s\t%s\t%d\t%llu\t%llu\t%llu\t%llu\n", kinds[k.kind], k.size,
-                      pc.c_str(), k.file ? k.file : "-", k.line, st.requests, st.lanes, st.wavefronts, st.ideal);
-        out += buf;
-    }
-    for (unsigned i = 0; i < CNT_NCLASSES; ++i) {
-        std::snprintf(buf, sizeof buf, "count\t%s\t%llu\n", kCountNames[i], profile.counts[i]);
-        out += buf;
-    }
-    return out;
-}
-
+std::string profile_text();
 // flags: bit 0 = the inter-block write check, bit 1 = memcheck, bit 2 = profile, bit 3 = the
 // atomic order check.  Returns 0, 1 (launch error), 2 (inter-block race) or 3 (atomic order).
 enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u, LAUNCH_PROFILE = 4u,
                   LAUNCH_CHECK_ATOMIC_ORDER = 8u };
-inline int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
-                  const unsigned* block, unsigned long long shmem, unsigned long long* stats,
-                  char* err, size_t errlen, unsigned flags) {
-    const unsigned nthreads = block[0] * block[1] * block[2];
-    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
-    Block blk(nthreads, name);
-    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block,
-    // in the middle of the memcheck window (see memcheck above; pages are only committed when
-    // touched, so the window costs address space, not memory).
-    const size_t dyn_bytes = shmem ? shmem : 16;
-    const size_t page = size_t(sysconf(_SC_PAGESIZE));
-    const size_t map_bytes = 2 * kSharedWindow + (dyn_bytes + page - 1) / page * page;
-    void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (map == MAP_FAILED) {
-        std::snprintf(err, errlen, "could not map %zu bytes of address space for the shared memory", map_bytes);
-        return 1;
-    }
-    std::unique_ptr<unsigned char, std::function<void(unsigned char*)>> dyn(
-        static_cast<unsigned char*>(map) + kSharedWindow,
-        [map, map_bytes](unsigned char*) { munmap(map, map_bytes); });
-    struct MemcheckScope {  // the window is checked only while this launch runs
-        MemcheckScope(uintptr_t lo, size_t size, uintptr_t d, size_t n, bool on, bool prof) {
-            memcheck.win_lo = lo; memcheck.win_size = on || prof ? size : 0;
-            memcheck.dyn_lo = d; memcheck.dyn_hi = d + n;
-            memcheck.global_on = on; memcheck.shared_on = on; memcheck.profile = prof; memcheck.last = 0;
-            if (prof) profile.clear();
-        }
-        ~MemcheckScope() {
-            memcheck.win_size = 0; memcheck.global_on = memcheck.shared_on = memcheck.profile = false;
-            memcheck.bufs.clear();
-        }
-    } memcheck_scope(reinterpret_cast<uintptr_t>(map), map_bytes, reinterpret_cast<uintptr_t>(dyn.get()), shmem,
-                     (flags & LAUNCH_MEMCHECK) != 0, (flags & LAUNCH_PROFILE) != 0);
-    std::vector<ThreadCtx> ctxs(nthreads);
-    for (unsigned t = 0; t < nthreads; ++t) {
-        ThreadCtx& c = ctxs[t];
-        c.blockDim = dim3(block[0], block[1], block[2]);
-        c.gridDim = dim3(grid[0], grid[1], grid[2]);
-        c.threadIdx = uint3{t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
-        c.tid = t; c.lane = t % 32; c.warp = t / 32;
-        c.blk = &blk;
-        c.dyn_smem = dyn.get();
-        c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
-        c.record_atomics = (flags & LAUNCH_CHECK_ATOMIC_ORDER) != 0;
-    }
-    // Before block b (every thread is between blocks).
-    auto begin_block = [&](unsigned long long b) {
-        if (b > 0 && memcheck.profile) profile_block(ctxs);
-        blk.reset();
-        std::memset(dyn.get(), 0xff, dyn_bytes);
-    };
-    // One CUDA thread's part of block b.  The catch blocks only record the
-    // error: the fiber engine must not switch inside one.
-    auto run_thread = [&](ThreadCtx& c, unsigned long long b) {
-        c.block_lin = b;
-        c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
-                           unsigned(b / (1ull * grid[0] * grid[1]))};
-        c.xphase = 0; c.bar_phase = 0;
-        c.cp_open.clear(); c.cp_groups.clear();
-        try {
-            entry(args);
-        } catch (const KernelAbort&) {
-        } catch (const std::exception& e) {
-            TsanQuiet quiet;
-            std::lock_guard<BlockMutex> lk(blk.mu);
-            blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
-        } catch (...) {
-            TsanQuiet quiet;
-            std::lock_guard<BlockMutex> lk(blk.mu);
-            blk.abort_locked("unknown C++ exception in device code");
-        }
-        blk.thread_exit(c.warp);
-    };
-    const std::string start_error = run_blocks(name, nthreads, nblocks, blk, ctxs, begin_block, run_thread);
-    if (!start_error.empty()) {
-        std::snprintf(err, errlen, "%s", start_error.c_str());
-        return 1;
-    }
-    if (memcheck.profile) profile_block(ctxs);
-    unsigned long long rd = 0, wr = 0;
-    for (const ThreadCtx& c : ctxs) { rd += c.bytes_read; wr += c.bytes_written; }
-    stats[0] = rd; stats[1] = wr;
-    if (blk.aborted) {
-        std::snprintf(err, errlen, "%s", blk.error.c_str());
-        return 1;
-    }
-    if (flags & LAUNCH_CHECK_INTERBLOCK) {
-        const std::string race = check_interblock_stores(ctxs, name, grid);
-        if (!race.empty()) {
-            std::snprintf(err, errlen, "%s", race.c_str());
-            return 2;
-        }
-    }
-    if (flags & LAUNCH_CHECK_ATOMIC_ORDER) {
-        const std::string order = check_atomic_order(ctxs, name, grid);
-        if (!order.empty()) {
-            std::snprintf(err, errlen, "%s", order.c_str());
-            return 3;
-        }
-    }
-    return 0;
-}
+int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
+           const unsigned* block, unsigned long long shmem, unsigned long long* stats,
+           char* err, size_t errlen, unsigned flags);
 
 }  // namespace cuflash_emu
 

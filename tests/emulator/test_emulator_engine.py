@@ -275,9 +275,9 @@ def test_engine_selftest_program(tmp_path, variant):
     if variant == "aarch64-qemu" and (shutil.which(cxx) is None or shutil.which(runner[0]) is None):
         pytest.skip("needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt: g++-aarch64-linux-gnu qemu-user)")
     exe = tmp_path / "engine_selftest"
-    from cuflash.emulator._module import HOST_HEADER
+    from cuflash.emulator._module import ENGINE_SOURCE, HOST_HEADER
     r = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", *flags, "-x", "c++", "-include", str(HOST_HEADER),
-                        f"-I{em.kernels_cu_dir()}", str(SELFTEST_CPP), "-o", str(exe)],
+                        f"-I{em.kernels_cu_dir()}", str(SELFTEST_CPP), str(ENGINE_SOURCE), "-o", str(exe)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-5000:]
     r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=600)
@@ -315,11 +315,13 @@ def test_fiber_stacks_are_shared_by_libraries(engine_mods, monkeypatch):
 
 def test_processes_build_a_library_once(tmp_path):
     """Processes that need the same library at once (parallel test workers, ranks on one host)
-    compile it once: the others wait on its build lock and load it.  A CXX wrapper logs each
-    library compile (the only g++ call with -o) and sleeps, so all three overlap."""
+    compile it once, and the engine object it links once: the others wait on the build locks
+    and load the result.  A CXX wrapper logs each compile (the g++ calls with -o: "engine" for
+    engine.cpp, "build" for a library) and sleeps, so all three overlap."""
     log = tmp_path / "builds.log"
     cxx = tmp_path / "cxx"
-    cxx.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo build >> "{log}"; sleep 2;; esac\n'
+    cxx.write_text(f'#!/bin/sh\ncase " $* " in *"engine.cpp -o "*) echo engine >> "{log}"; sleep 2;;\n'
+                   f'  *" -o "*) echo build >> "{log}"; sleep 2;; esac\n'
                    f'exec "{shutil.which("g++") or "g++"}" "$@"\n')
     cxx.chmod(0o755)
     script = ("import cuflash.emulator as em\n"
@@ -329,5 +331,6 @@ def test_processes_build_a_library_once(tmp_path):
                PYTHONPATH=os.pathsep.join([str(ROOT.parent)] + sys.path))
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(3)]
     assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
-    assert log.read_text().split() == ["build"]
+    assert log.read_text().split() == ["engine", "build"]
     assert len(list((tmp_path / "cache" / "emulator").glob("*.so"))) == 1
+    assert len(list((tmp_path / "cache" / "emulator").glob("engine_*.o"))) == 1

@@ -1,0 +1,610 @@
+// engine.cpp -- the emulator's out-of-line runtime: everything cuda_host.h declares and does not
+// define.  cuflash.emulator compiles it once per configuration (the arch and the engine's own
+// macros, the compiler flags of the libraries) into an object that each kernel library links
+// with hidden symbols, so every library keeps its own engine state (memcheck buffers, profile,
+// fiber pool) as when all of it was compiled into the library.  The race-check programs, one
+// translation unit each, include it after the kernel.
+#include "cuda_host.h"
+
+// host code: the built-in variables are the ThreadCtx fields of these names
+#undef threadIdx
+#undef blockIdx
+#undef blockDim
+#undef gridDim
+
+namespace cuflash_emu {
+
+std::string fmt_idx(uint3 v) {
+    return "(" + std::to_string(v.x) + "," + std::to_string(v.y) + "," + std::to_string(v.z) + ")";
+}
+
+std::string Block::where() const { return tctx ? fmt_idx(tctx->blockIdx) : std::string("?"); }
+
+[[noreturn]] void device_error(const std::string& msg) {
+    ThreadCtx& c = *tctx;
+    c.blk->fail(msg + " [block " + fmt_idx(c.blockIdx) + ", thread " + fmt_idx(c.threadIdx) + "]");
+}
+
+std::string hex(uintptr_t a) { char b[32]; std::snprintf(b, sizeof b, "0x%llx", (unsigned long long)a); return b; }
+
+std::string nearest_buffer(uintptr_t a) {
+    const GlobalBuf* best = nullptr;
+    uintptr_t dist = ~uintptr_t(0);
+    for (const GlobalBuf& b : memcheck.bufs) {
+        const uintptr_t d = a < b.lo ? b.lo - a : a >= b.hi ? a - b.hi + 1 : 0;
+        if (d < dist) { dist = d; best = &b; }
+    }
+    if (!best) return "no pointer argument";
+    return "@ARG" + std::to_string(best->arg) + ":" + std::to_string((long long)(a - best->lo)) + "@";
+}
+
+const char* memcheck_thread_where(std::string& out) {
+    ThreadCtx* c = tctx;
+    if (c) out = "block " + fmt_idx(c->blockIdx) + ", thread " + fmt_idx(c->threadIdx);
+    else out = "outside any CUDA thread";
+    return out.c_str();
+}
+
+[[noreturn]] void global_stray(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    std::string where;
+    memcheck_thread_where(where);
+    device_error(std::string("memcheck: out-of-bounds ") + what + " of " + std::to_string(n) + " bytes at " +
+                 hex(a) + " in kernel " + tctx->blk->kernel + " (" + file + ":" + std::to_string(line) +
+                 "): not inside any array passed to the launch; nearest: " + nearest_buffer(a));
+}
+
+void record_access(const void* pc, const char* file, int line, uintptr_t a, unsigned n, AccessKind kind) {
+    ThreadCtx* c = tctx;
+    if (c && !c->quiet) c->recs.push_back(AccessRec{pc, file, line, c->epoch, a, n, kind});
+}
+
+void record_plain_shared(const void* pc, uintptr_t a, unsigned n, AccessKind kind) {
+    ThreadCtx* c = tctx;
+    if (!c || c->quiet) return;
+    if (!c->recs.empty()) {
+        AccessRec& p = c->recs.back();
+        const unsigned m = p.size + n;
+        const intptr_t dpc = static_cast<const char*>(pc) - static_cast<const char*>(p.pc);
+        if (p.kind == kind && p.epoch == c->epoch && p.file == nullptr && p.addr + p.size == a && pc != p.pc &&
+            dpc > -64 && dpc < 64 && m <= 16 && p.addr % (m <= 4 ? 4 : m <= 8 ? 8 : 16) == 0) {
+            p.size = m;
+            return;
+        }
+    }
+    c->recs.push_back(AccessRec{pc, nullptr, 0, c->epoch, a, n, kind});
+}
+
+void record_global(uintptr_t a, unsigned n, const char* what, const char* file, int line) {
+    for (size_t i = 0; i < memcheck.bufs.size(); ++i)
+        if (a >= memcheck.bufs[i].lo && a + n <= memcheck.bufs[i].hi) {
+            a = ((uintptr_t(i) + 1) << 40) + (a - memcheck.bufs[i].lo);
+            break;
+        }
+    record_access(nullptr, file, line, a, n, global_kind(what));
+}
+
+void check_global(const void* p, unsigned n, const char* what, const char* file, int line) {
+    if (memcheck.profile) record_global(reinterpret_cast<uintptr_t>(p), n, what, file, line);
+    if (!memcheck.global_on) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const std::vector<GlobalBuf>& bs = memcheck.bufs;
+    if (memcheck.last < bs.size() && a >= bs[memcheck.last].lo && a + n <= bs[memcheck.last].hi) return;
+    for (size_t i = 0; i < bs.size(); ++i)
+        if (a >= bs[i].lo && a + n <= bs[i].hi) { memcheck.last = i; return; }
+    global_stray(a, n, what, file, line);
+}
+
+std::string pc_token(const void* pc) {
+    Dl_info info{};
+    if (pc && dladdr(pc, &info) && info.dli_fbase)
+        return "@PC:" + hex(reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1) + "@";
+    return "an unknown line";
+}
+
+std::string shared_stray_message(uintptr_t a, unsigned n, const char* what, const std::string& site) {
+    std::string where;
+    memcheck_thread_where(where);
+    const long long off = (long long)(a - memcheck.dyn_lo);
+    return std::string("memcheck: out-of-bounds shared-memory ") + what + " of " + std::to_string(n) +
+           " bytes in kernel " + (tctx ? tctx->blk->kernel : std::string("?")) + " at " + site + ": byte offset " +
+           std::to_string(off) + " of the dynamic shared memory, which holds " +
+           std::to_string(memcheck.dyn_hi - memcheck.dyn_lo) + " bytes [" + where + "]";
+}
+
+void check_shared(const void* p, unsigned n, const char* what, const char* file, int line) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (!in_shared_window(a)) return;
+    if (in_shared_alloc(a, n)) {
+        if (memcheck.profile) record_access(nullptr, file, line, a, n, what[0] == 'l' ? ACC_LDMATRIX : ACC_CP_ASYNC_SHARED);
+        return;
+    }
+    if (!memcheck.shared_on) return;
+    tctx->blk->fail(shared_stray_message(a, n, what, std::string(file) + ":" + std::to_string(line)));
+}
+
+__attribute__((noinline, cold)) void shared_stray_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
+    ThreadCtx* c = tctx;
+    if (!c) return;
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(c->blk->mu);
+    c->blk->abort_locked(shared_stray_message(a, n, store ? "store" : "load", pc_token(pc)));
+}
+
+__attribute__((noinline, cold)) void bulk_overlap_hook(uintptr_t a, unsigned n, bool store, const void* pc) {
+    ThreadCtx* c = tctx;
+    if (!c) return;
+    for (const BulkCopy& b : c->blk->bulk) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(b.dst), hi = lo + b.data.size();
+        if (a + n <= lo || a >= hi) continue;
+        std::string where;
+        memcheck_thread_where(where);
+        const std::string msg =
+            std::string("memcheck: shared-memory ") + (store ? "store" : "load") + " of " + std::to_string(n) +
+            " bytes in kernel " + c->blk->kernel + " at " + pc_token(pc) + " touches byte offset " +
+            std::to_string((long long)(a - memcheck.dyn_lo)) + " of the dynamic shared memory while a " +
+            "cp.async.bulk of " + std::to_string(b.data.size()) + " bytes (issued by thread " +
+            std::to_string(b.tid) + ") is still writing there; wait on its mbarrier first [" + where + "]";
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(c->blk->mu);
+        c->blk->abort_locked(msg);
+        return;
+    }
+}
+
+__attribute__((noinline)) void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
+    if (in_shared_alloc(a, n)) {
+        if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
+#if !CUFLASH_EMULATOR_THREADS
+        if (memcheck.shared_on && tctx && !tctx->blk->bulk.empty()) bulk_overlap_hook(a, n, store, pc);
+#endif
+        return;
+    }
+    if (memcheck.shared_on) shared_stray_hook(a, n, store, pc);
+}
+
+void require_full_warp(const char* what) {
+    ThreadCtx& c = *tctx;
+    if (c.blk->warp_size(c.warp) != 32)
+        device_error(std::string(what) + " needs a full warp of 32 threads (blockDim gives warp " +
+                     std::to_string(c.warp) + " only " + std::to_string(c.blk->warp_size(c.warp)) + ")");
+}
+
+void cp_async_16(void* dst, const void* src, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+        device_error("cp.async 16 bytes: source and destination must be 16-byte aligned");
+    check_shared(dst, 16, "cp.async destination", file, line);
+    if (src) check_global(src, 16, "cp.async source", file, line);
+    count(CNT_CP_ASYNC);
+    if (src) c.bytes_read += 16;
+    c.cp_open.push_back(CpCopy{dst, src});
+}
+
+void cp_async_commit() {
+    ThreadCtx& c = *tctx;
+    c.cp_groups.push_back(std::move(c.cp_open));
+    c.cp_open.clear();
+}
+
+void cp_async_wait(int n) {  // all but the n most recent committed groups complete
+    ThreadCtx& c = *tctx;
+    c.quiet = true;  // the copies' shared side was recorded at issue
+    while ((int)c.cp_groups.size() > n) {
+        for (const CpCopy& cp : c.cp_groups.front()) {
+            if (cp.src) std::memcpy(cp.dst, cp.src, 16);
+            else std::memset(cp.dst, 0, 16);
+        }
+        c.cp_groups.erase(c.cp_groups.begin());
+    }
+    c.quiet = false;
+}
+
+std::string mbar_name(const void* bar) { return "the mbarrier at shared address " + hex(reinterpret_cast<uintptr_t>(bar)); }
+
+void mbar_check_object(const void* bar, const char* what, const char* file, int line) {
+    if (reinterpret_cast<uintptr_t>(bar) % 8)
+        device_error(std::string(what) + ": " + mbar_name(bar) + " is not 8-byte aligned");
+    check_shared(bar, 8, what, file, line);
+}
+
+void mbarrier_init(void* bar, unsigned count, const char* file, int line) {
+    mbar_check_object(bar, "mbarrier.init", file, line);
+    if (count < 1 || count > (1u << 20) - 1)
+        device_error("mbarrier.init: count " + std::to_string(count) + " is outside [1, 2^20 - 1]");
+    Block& b = *tctx->blk;
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(b.mu);
+    Mbarrier& m = b.mbars[reinterpret_cast<uintptr_t>(bar)];
+    m = Mbarrier{};
+    m.expected = m.pending = count;
+}
+
+unsigned long long mbarrier_arrive(void* bar, unsigned tx, const char* file, int line) {
+    mbar_check_object(bar, tx ? "mbarrier.arrive.expect_tx" : "mbarrier.arrive", file, line);
+    Block& b = *tctx->blk;
+    std::string err;
+    unsigned long long phase = 0;
+    tsan_release(bar);
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(b.mu);
+        auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
+        if (it == b.mbars.end()) {
+            err = "mbarrier.arrive: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+        } else if (it->second.pending == 0) {
+            err = "mbarrier.arrive: " + mbar_name(bar) + " has no pending arrival left in its phase " +
+                  std::to_string(it->second.phase) + " (more arrivals than its count " +
+                  std::to_string(it->second.expected) + " before the transactions completed)";
+        } else {
+            Mbarrier& m = it->second;
+            m.tx += tx;
+            if (m.tx > (1ll << 20) - 1)
+                err = "mbarrier.arrive.expect_tx: the tx-count of " + mbar_name(bar) + " exceeds 2^20 - 1 bytes";
+            phase = m.phase;
+            --m.pending;
+            if (Block::complete_phase(m)) b.release_mbar_waiters();
+        }
+    }
+    if (!err.empty()) device_error(err);
+    return phase;
+}
+
+void mbarrier_wait_parity(void* bar, unsigned parity, const char* file, int line) {
+    mbar_check_object(bar, "mbarrier.try_wait.parity", file, line);
+    ThreadCtx& c = *tctx;
+    Block& b = *c.blk;
+    ++c.epoch;
+    for (;;) {
+        std::string err;
+        bool done = false, again = false;
+        unsigned g = 0;
+        {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(b.mu);
+            if (b.aborted) throw KernelAbort{};
+            auto it = b.mbars.find(reinterpret_cast<uintptr_t>(bar));
+            if (it == b.mbars.end()) {
+                err = "mbarrier.try_wait.parity: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+            } else if ((it->second.phase & 1u) != (parity & 1u)) {
+                done = true;
+            } else {
+                g = b.mbar_gen.load(std::memory_order_relaxed);
+                ++b.mbar_waiters; ++b.waiting;
+                if (b.waiting == b.live) {
+                    if (!b.land_bulk_locked()) {
+                        b.abort_locked(b.deadlock_message());
+                        throw KernelAbort{};
+                    }
+                    again = true;  // a phase completed and this thread was released: look again
+                }
+            }
+        }
+        if (!err.empty()) device_error(err);
+        if (done) break;
+        if (again) continue;
+#if CUFLASH_EMULATOR_THREADS
+        while (b.mbar_gen.load(std::memory_order_acquire) == g) b.mbar_gen.wait(g, std::memory_order_acquire);
+#else
+        b.fibers->wait(b.mbar_gen, g);
+#endif
+        if (b.aborted) throw KernelAbort{};
+    }
+    tsan_acquire(bar);
+}
+
+bool Block::land_bulk_locked() {
+    if (bulk.empty()) return false;
+    std::vector<BulkCopy> copies;
+    copies.swap(bulk);  // first: the overlap check must not see the landing itself
+    bool completed = false;
+    ThreadCtx* c = tctx;
+    if (c) c->quiet = true;  // the destinations were recorded at issue
+    for (BulkCopy& cp : copies) {
+        std::memcpy(cp.dst, cp.data.data(), cp.data.size());
+        auto it = mbars.find(cp.bar);
+        if (it == mbars.end()) continue;  // re-initialised meanwhile: nobody waits for these bytes
+        it->second.tx -= (long long)cp.data.size();
+        completed |= complete_phase(it->second);
+    }
+    if (c) c->quiet = false;
+    if (completed) release_mbar_waiters();
+    return completed;
+}
+
+void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+        device_error("cp.async.bulk: source and destination must be 16-byte aligned");
+    if (bytes == 0 || bytes % 16)
+        device_error("cp.async.bulk: the size " + std::to_string(bytes) + " is not a positive multiple of 16 bytes");
+    mbar_check_object(bar, "cp.async.bulk mbarrier", file, line);
+    check_shared(dst, bytes, "cp.async.bulk destination", file, line);
+    check_global(src, bytes, "cp.async.bulk source", file, line);
+    c.bytes_read += bytes;
+    BulkCopy cp{static_cast<unsigned char*>(dst),
+                std::vector<unsigned char>(static_cast<const unsigned char*>(src),
+                                           static_cast<const unsigned char*>(src) + bytes),
+                reinterpret_cast<uintptr_t>(bar), c.tid};
+    c.quiet = true;
+    std::memset(dst, 0xff, bytes);  // poison: until the copy lands, readers see NaN
+    c.quiet = false;
+    // Under ThreadSanitizer the poison is this thread's write: a thread that reads the
+    // destination without waiting on the mbarrier races with it (a race report); one that
+    // waits acquires `bar`, released here since the copy's completion comes after its issue
+    // (the landing itself is emulator code, invisible to TSan).
+    tsan_release(bar);
+    Block& b = *c.blk;
+    std::string err;
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(b.mu);
+        if (b.mbars.count(cp.bar) == 0)
+            err = "cp.async.bulk: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+        else
+            b.bulk.push_back(std::move(cp));
+    }
+    if (!err.empty()) device_error(err);
+}
+
+void note_atomic(const void* p) {
+    ThreadCtx& c = *tctx;
+    if (c.record_atomics) c.atomics.push_back(AtomicRec{reinterpret_cast<uintptr_t>(p), c.block_lin, c.tid});
+}
+
+void red_add_f32(float* p, const float* v, int n, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    if (n > 1 && reinterpret_cast<uintptr_t>(p) % (4u * n) != 0)
+        device_error("red.global.add.v" + std::to_string(n) + ".f32: address " +
+                     std::to_string(reinterpret_cast<uintptr_t>(p)) + " is not " + std::to_string(4 * n) +
+                     "-byte aligned");
+    check_global(p, 4u * n, "red.global.add", file, line);
+    for (int i = 0; i < n; ++i) count(CNT_GLOBAL_ATOMIC);  // n scalar reds before sm_90
+    for (int i = 0; i < n; ++i) note_atomic(p + i);
+    for (int i = 0; i < n; ++i) std::atomic_ref<float>(p[i]).fetch_add(v[i]);
+    c.bytes_read += 4ull * n;
+    c.bytes_written += 4ull * n;
+}
+
+void note_store(const void* p, unsigned bytes) {
+    ThreadCtx& c = *tctx;
+    if (c.record_stores) c.stores.push_back(StoreRec{reinterpret_cast<uintptr_t>(p), bytes, c.block_lin});
+}
+
+void Block::abort_locked(const std::string& msg) {
+    if (!aborted) { error = msg; aborted = true; }
+    // a new generation wakes every waiter, which then sees `aborted`
+    next_generation(bar);
+    for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
+    next_generation(mbar_gen);
+}
+
+std::string Block::bulk_in_flight_message() const {
+    return "block " + where() + " of kernel " + kernel + " ended with " + std::to_string(bulk.size()) +
+           " cp.async.bulk cop" + (bulk.size() == 1 ? "y" : "ies") +
+           " still in flight (issued by thread " + std::to_string(bulk.front().tid) +
+           "): no thread waited on their mbarrier";
+}
+
+std::string Block::deadlock_message() const {
+    unsigned at_sync = bar.waiters, at_warp = 0;
+    for (unsigned w = 0; w < nwarps; ++w) at_warp += warp_bar[w].waiters;
+    return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
+           " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
+           " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix), " +
+           (mbar_waiters ? std::to_string(mbar_waiters) +
+                               " at an mbarrier wait (a phase no arrival or bulk copy left can complete), "
+                         : std::string()) +
+           std::to_string(nthreads - live) + " of " + std::to_string(nthreads) +
+           " returned; a barrier is not reached by every thread (divergent __syncthreads or collective)";
+}
+
+void Block::arrive_and_wait_locked(Barrier& b) {
+    unsigned g = 0;
+    bool last;
+    {
+        std::lock_guard<BlockMutex> lk(mu);
+        if (aborted) throw KernelAbort{};
+        last = ++b.arrived == b.expected;
+        if (last) {
+            release(b);
+        } else {
+            g = b.gen.load(std::memory_order_relaxed);
+            ++b.waiters; ++waiting;
+            if (waiting == live && !land_bulk_locked()) {  // nobody left who could complete any barrier
+                abort_locked(deadlock_message());
+                throw KernelAbort{};
+            }
+        }
+    }
+#if CUFLASH_EMULATOR_THREADS
+    if (last) return;
+    while (b.gen.load(std::memory_order_acquire) == g) b.gen.wait(g, std::memory_order_acquire);
+#else
+    // The last to arrive steps aside too, so that the threads of a block
+    // run the code between two barriers in the scheduler's order.
+    if (last) fibers->yield();
+    else fibers->wait(b.gen, g);
+#endif
+    if (aborted) throw KernelAbort{};
+}
+
+void Block::thread_exit(unsigned warp) {
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(mu);
+    --live;
+    for (Barrier* b : {&bar, &warp_bar[warp]}) {
+        --b->expected;
+        if (b->arrived > 0 && b->arrived == b->expected) release(*b);
+    }
+    if (!aborted && live > 0 && waiting == live && !land_bulk_locked()) abort_locked(deadlock_message());
+    if (!aborted && live == 0 && !bulk.empty()) abort_locked(bulk_in_flight_message());
+}
+
+[[noreturn]] void Block::fail(const std::string& msg) {
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(mu);
+        abort_locked(msg);
+    }
+    throw KernelAbort{};
+}
+
+void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigned n) {
+    memcheck.bufs.clear();
+    for (unsigned i = 0; i < n; ++i)
+        memcheck.bufs.push_back(GlobalBuf{uintptr_t(ranges[2 * i]), uintptr_t(ranges[2 * i + 1]), args[i]});
+}
+
+std::string profile_text() {
+    std::string out;
+    char buf[512];
+    static const char* const kinds[] = {"shared_load", "shared_store", "ldmatrix", "cp.async_shared",
+                                        "global_load", "global_store", "global_atomic", "cp.async_global"};
+    for (const auto& [k, st] : profile.sites) {
+        std::string pc = "-";
+        Dl_info info{};
+        if (k.pc && dladdr(k.pc, &info) && info.dli_fbase)
+            pc = hex(reinterpret_cast<uintptr_t>(k.pc) - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1);
+        std::snprintf(buf, sizeof buf, "site\t%s\t%u\t%s\t%s\t%d\t%llu\t%llu\t%llu\t%llu\n", kinds[k.kind], k.size,
+                      pc.c_str(), k.file ? k.file : "-", k.line, st.requests, st.lanes, st.wavefronts, st.ideal);
+        out += buf;
+    }
+    for (unsigned i = 0; i < CNT_NCLASSES; ++i) {
+        std::snprintf(buf, sizeof buf, "count\t%s\t%llu\n", kCountNames[i], profile.counts[i]);
+        out += buf;
+    }
+    return out;
+}
+
+int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
+           const unsigned* block, unsigned long long shmem, unsigned long long* stats,
+           char* err, size_t errlen, unsigned flags) {
+    const unsigned nthreads = block[0] * block[1] * block[2];
+    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
+    Block blk(nthreads, name);
+    // Dynamic shared memory: one buffer, 0xff bytes (NaN in every float type) before each block,
+    // in the middle of the memcheck window (see memcheck above; pages are only committed when
+    // touched, so the window costs address space, not memory).
+    const size_t dyn_bytes = shmem ? shmem : 16;
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    const size_t map_bytes = 2 * kSharedWindow + (dyn_bytes + page - 1) / page * page;
+    void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) {
+        std::snprintf(err, errlen, "could not map %zu bytes of address space for the shared memory", map_bytes);
+        return 1;
+    }
+    std::unique_ptr<unsigned char, std::function<void(unsigned char*)>> dyn(
+        static_cast<unsigned char*>(map) + kSharedWindow,
+        [map, map_bytes](unsigned char*) { munmap(map, map_bytes); });
+    struct MemcheckScope {  // the window is checked only while this launch runs
+        MemcheckScope(uintptr_t lo, size_t size, uintptr_t d, size_t n, bool on, bool prof) {
+            memcheck.win_lo = lo; memcheck.win_size = on || prof ? size : 0;
+            memcheck.dyn_lo = d; memcheck.dyn_hi = d + n;
+            memcheck.global_on = on; memcheck.shared_on = on; memcheck.profile = prof; memcheck.last = 0;
+            if (prof) profile.clear();
+        }
+        ~MemcheckScope() {
+            memcheck.win_size = 0; memcheck.global_on = memcheck.shared_on = memcheck.profile = false;
+            memcheck.bufs.clear();
+        }
+    } memcheck_scope(reinterpret_cast<uintptr_t>(map), map_bytes, reinterpret_cast<uintptr_t>(dyn.get()), shmem,
+                     (flags & LAUNCH_MEMCHECK) != 0, (flags & LAUNCH_PROFILE) != 0);
+    std::vector<ThreadCtx> ctxs(nthreads);
+    for (unsigned t = 0; t < nthreads; ++t) {
+        ThreadCtx& c = ctxs[t];
+        c.blockDim = dim3(block[0], block[1], block[2]);
+        c.gridDim = dim3(grid[0], grid[1], grid[2]);
+        c.threadIdx = uint3{t % block[0], (t / block[0]) % block[1], t / (block[0] * block[1])};
+        c.tid = t; c.lane = t % 32; c.warp = t / 32;
+        c.blk = &blk;
+        c.dyn_smem = dyn.get();
+        c.record_stores = (flags & LAUNCH_CHECK_INTERBLOCK) != 0;
+        c.record_atomics = (flags & LAUNCH_CHECK_ATOMIC_ORDER) != 0;
+    }
+    // Before block b (every thread is between blocks).
+    auto begin_block = [&](unsigned long long b) {
+        if (b > 0 && memcheck.profile) profile_block(ctxs);
+        blk.reset();
+        std::memset(dyn.get(), 0xff, dyn_bytes);
+    };
+    // One CUDA thread's part of block b.  The catch blocks only record the
+    // error: the fiber engine must not switch inside one.
+    auto run_thread = [&](ThreadCtx& c, unsigned long long b) {
+        c.block_lin = b;
+        c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
+                           unsigned(b / (1ull * grid[0] * grid[1]))};
+        c.xphase = 0; c.bar_phase = 0;
+        c.cp_open.clear(); c.cp_groups.clear();
+        try {
+            entry(args);
+        } catch (const KernelAbort&) {
+        } catch (const std::exception& e) {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(blk.mu);
+            blk.abort_locked(std::string("C++ exception in device code: ") + e.what());
+        } catch (...) {
+            TsanQuiet quiet;
+            std::lock_guard<BlockMutex> lk(blk.mu);
+            blk.abort_locked("unknown C++ exception in device code");
+        }
+        blk.thread_exit(c.warp);
+    };
+    const std::string start_error = run_blocks(name, nthreads, nblocks, blk, ctxs, begin_block, run_thread);
+    if (!start_error.empty()) {
+        std::snprintf(err, errlen, "%s", start_error.c_str());
+        return 1;
+    }
+    if (memcheck.profile) profile_block(ctxs);
+    unsigned long long rd = 0, wr = 0;
+    for (const ThreadCtx& c : ctxs) { rd += c.bytes_read; wr += c.bytes_written; }
+    stats[0] = rd; stats[1] = wr;
+    if (blk.aborted) {
+        std::snprintf(err, errlen, "%s", blk.error.c_str());
+        return 1;
+    }
+    if (flags & LAUNCH_CHECK_INTERBLOCK) {
+        const std::string race = check_interblock_stores(ctxs, name, grid);
+        if (!race.empty()) {
+            std::snprintf(err, errlen, "%s", race.c_str());
+            return 2;
+        }
+    }
+    if (flags & LAUNCH_CHECK_ATOMIC_ORDER) {
+        const std::string order = check_atomic_order(ctxs, name, grid);
+        if (!order.empty()) {
+            std::snprintf(err, errlen, "%s", order.c_str());
+            return 3;
+        }
+    }
+    return 0;
+}
+
+}  // namespace cuflash_emu
+
+// The hooks that -fsanitize=kernel-address code calls at every load and store (see the memcheck
+// in cuda_host.h).
+#if CUFLASH_EMULATOR_MEMCHECK
+#define CUFLASH_ASAN_HOOK(N)                                                                         \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_load##N##_noabort(uintptr_t a) {  \
+        ::cuflash_emu::raw_access(a, N, false, __builtin_return_address(0));                        \
+    }                                                                                               \
+    extern "C" __attribute__((visibility("hidden"))) void __asan_store##N##_noabort(uintptr_t a) { \
+        ::cuflash_emu::raw_access(a, N, true, __builtin_return_address(0));                         \
+    }
+CUFLASH_ASAN_HOOK(1)
+CUFLASH_ASAN_HOOK(2)
+CUFLASH_ASAN_HOOK(4)
+CUFLASH_ASAN_HOOK(8)
+CUFLASH_ASAN_HOOK(16)
+#undef CUFLASH_ASAN_HOOK
+extern "C" __attribute__((visibility("hidden"))) void __asan_loadN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), false, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_storeN_noabort(uintptr_t a, size_t n) {
+    ::cuflash_emu::raw_access(a, unsigned(n), true, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __asan_handle_no_return() {}
+// (the check of the order of dynamic initialisers: nothing to do here)
+extern "C" __attribute__((visibility("hidden"))) void __asan_before_dynamic_init(const char*) {}
+extern "C" __attribute__((visibility("hidden"))) void __asan_after_dynamic_init() {}
+#endif
