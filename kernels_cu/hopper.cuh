@@ -13,6 +13,29 @@
 //                                           thread's generic-proxy shared accesses (plain
 //                                           stores, mbarrier.init) with later async-proxy ones
 //
+// Warpgroup MMA (sm_90a; all 128 threads of a warpgroup call each of these together):
+//   wgmma_desc(smem, lbo, sbo, swizzle)     a matrix descriptor: the operand at `smem`
+//                                           (dynamic shared memory), leading and stride byte
+//                                           offsets, swizzle 0 / 32 / 64 / 128 (bytes)
+//   wgmma_fence()                           wgmma.fence: before the first wgmma after the
+//                                           registers it uses were touched
+//   wgmma_ss<N, kBF16, kTransA, kTransB>(d, a_desc, b_desc, acc)
+//   wgmma_rs<N, kBF16, kTransB>(d, a_regs, b_desc, acc)
+//                                           wgmma.mma_async m64nNk16, f32 += f16/bf16: A by
+//                                           descriptor (ss) or the mma.m16n8k16 A fragment of
+//                                           the warp's 16 rows (rs); D = float[N / 2] per thread,
+//                                           added to when acc; kTrans*: M/N-major operand
+//   wgmma_commit()                          wgmma.commit_group
+//   wgmma_wait<N>()                         wgmma.wait_group N: all but the N most recent
+//                                           groups complete; their D may be read after it
+//   wgmma_fence_operand(d)                  keeps the compiler from moving accesses of d
+//                                           across the asynchronous instructions
+//   setmaxnreg_inc<R>() / setmaxnreg_dec<R>()  the warpgroup's registers per thread; ptxas
+//                                           honours them only in a kernel with
+//                                           __launch_bounds__ (else C7508: "ignored")
+// The layouts, and what the emulator checks (a read of D before its wait sees NaN, a store
+// to an operand's shared memory before the wait is reported, ...): cuda_host.h, "warpgroup MMA".
+//
 // `bar` is a 64-bit mbarrier object in shared memory, 8-byte aligned.  A phase completes
 // when all `count` arrivals of it happened and the transaction count (bytes announced by
 // expect_tx minus bytes landed) is zero; the barrier then re-arms and its parity flips.
@@ -27,7 +50,23 @@
 #pragma once
 #include "portable.cuh"
 
+template <int R>
+struct CuflashMaxnreg {
+    static_assert(R >= 24 && R <= 256 && R % 8 == 0, "setmaxnreg: 24..256 registers, a multiple of 8");
+    static constexpr int value = R;
+};
+
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, unsigned lbo, unsigned sbo, int swizzle) {
+    const uint64_t a = (uint64_t)__cvta_generic_to_shared(smem);
+    const uint64_t mode = swizzle == 128 ? 1 : swizzle == 64 ? 2 : swizzle == 32 ? 3 : 0;
+    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (mode << 62);
+}
+
 #if defined(CUFLASH_EMULATOR)
+
+// The call site of a function without other parameters (CUFLASH_SITE for the others).
+#define CUFLASH_SITE_ONLY const char* cuflash_file = __builtin_FILE(), int cuflash_line = __builtin_LINE()
 
 // As on the GPU, the instructions exist only from sm_90 on (the emulated -arch).
 #if CUFLASH_ARCH < 900
@@ -56,6 +95,34 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
 }
 // One OS thread (or the block lock) orders everything the emulator does.
 __device__ __forceinline__ void fence_proxy_async() {}
+
+__device__ __forceinline__ void wgmma_fence() {
+    CUFLASH_NEED_SM90("wgmma.fence");
+    ::cuflash_emu::wgmma_fence();
+}
+__device__ __forceinline__ void wgmma_commit() { ::cuflash_emu::wgmma_commit_group(); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait(CUFLASH_SITE_ONLY) { ::cuflash_emu::wgmma_wait_group(N, CUFLASH_SITE_ARGS); }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, bool acc CUFLASH_SITE) {
+    CUFLASH_NEED_SM90("wgmma.mma_async");
+    ::cuflash_emu::wgmma_mma(d, N, kBF16, nullptr, a, b, kTransA, kTransB, acc, CUFLASH_SITE_ARGS);
+}
+template <int N, bool kBF16, bool kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool acc CUFLASH_SITE) {
+    CUFLASH_NEED_SM90("wgmma.mma_async");
+    ::cuflash_emu::wgmma_mma(d, N, kBF16, a, 0, b, false, kTransB, acc, CUFLASH_SITE_ARGS);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&)[N]) {}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc(CUFLASH_SITE_ONLY) {
+    ::cuflash_emu::setmaxnreg(CuflashMaxnreg<R>::value, true, CUFLASH_SITE_ARGS);
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec(CUFLASH_SITE_ONLY) {
+    ::cuflash_emu::setmaxnreg(CuflashMaxnreg<R>::value, false, CUFLASH_SITE_ARGS);
+}
 
 #elif CUFLASH_ARCH >= 900
 
@@ -93,6 +160,33 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+#include "wgmma_sm90.cuh"
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, bool acc) {
+    CuflashWgmma<N, kBF16>::template ss<kTransA, kTransB>(d, a, b, acc);
+}
+template <int N, bool kBF16, bool kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool acc) {
+    CuflashWgmma<N, kBF16>::template rs<kTransB>(d, a, b, acc);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CuflashMaxnreg<R>::value));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(CuflashMaxnreg<R>::value));
+}
+
 #else  // before sm_90: no such instructions
 
 __device__ __forceinline__ void mbarrier_init(uint64_t*, unsigned) { __trap(); }
@@ -101,5 +195,19 @@ __device__ __forceinline__ uint64_t mbarrier_arrive_expect_tx(uint64_t*, unsigne
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t*, unsigned) { __trap(); }
 __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint64_t*) { __trap(); }
 __device__ __forceinline__ void fence_proxy_async() {}
+__device__ __forceinline__ void wgmma_fence() { __trap(); }
+__device__ __forceinline__ void wgmma_commit() { __trap(); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { __trap(); }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&)[N / 2], uint64_t, uint64_t, bool) { __trap(); }
+template <int N, bool kBF16, bool kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&)[N / 2], const uint32_t (&)[4], uint64_t, bool) { __trap(); }
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&)[N]) {}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() { __trap(); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() { __trap(); }
 
 #endif

@@ -58,6 +58,9 @@ that works on the emulator also works with CuPy on a GPU):
   bulk copy's destination reads as NaN until a thread waits on its mbarrier
   (memcheck reports an access before that); an mbarrier wait that no arrival
   or copy can complete is a deadlock; a block may not end with copies in flight;
+* ``hopper.cuh``'s warpgroup MMA (``wgmma_ss``/``wgmma_rs``, fence, commit, wait)
+  needs ``-arch=sm_90a`` and whole warpgroups; D reads as NaN until the wait that
+  completes it, and a store to an operand's shared memory before then is an error;
 * ``race_check=True`` runs each launch under ThreadSanitizer, with real
   threads, and raises
   :class:`RaceError` (blocks run one after another, so races between blocks

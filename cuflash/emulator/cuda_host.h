@@ -234,11 +234,30 @@ struct AccessRec { const void* pc; const char* file; int line; unsigned epoch; u
 // Executed-instruction classes the profiler counts per thread (summed per warp: / 32).
 enum CountClass : unsigned { CNT_MMA_F16, CNT_MMA_BF16, CNT_MMA_TF32, CNT_MMA_3XTF32, CNT_LDMATRIX_X1, CNT_LDMATRIX_X2,
                              CNT_LDMATRIX_X4, CNT_SHFL, CNT_VOTE, CNT_SYNCTHREADS, CNT_SYNCWARP, CNT_EXP2,
-                             CNT_GLOBAL_ATOMIC, CNT_CP_ASYNC, CNT_RCP, CNT_NCLASSES };
+                             CNT_GLOBAL_ATOMIC, CNT_CP_ASYNC, CNT_RCP, CNT_WGMMA, CNT_NCLASSES };
 inline const char* const kCountNames[CNT_NCLASSES] = {
     "mma.m16n8k16.f16", "mma.m16n8k16.bf16", "mma.m16n8k8.tf32", "mma.m16n8k8.tf32 x3 (3xTF32)", "ldmatrix.x1",
     "ldmatrix.x2", "ldmatrix.x4", "shfl", "vote", "bar.sync (__syncthreads)", "bar.warp.sync (__syncwarp)",
-    "ex2 (exp2)", "global atomic/red", "cp.async", "rcp (rcp.approx)"};
+    "ex2 (exp2)", "global atomic/red", "cp.async", "rcp (rcp.approx)",
+    "wgmma.mma_async (per k16)"};
+
+// A wgmma.mma_async in flight (see "warpgroup MMA" below), this thread's part: its
+// accumulator registers, the operand values it read at issue (and, for the shared-memory
+// operands, where from: a store there before the completion is a race), and the result.
+struct WgmmaOp {
+    float* d = nullptr;               // the thread's accumulator registers (nregs = N / 2)
+    unsigned nregs = 0;
+    bool accumulate = false;          // scale-d: D = A B + D (else D = A B)
+    std::vector<float> c;             // D's value at issue (when not chained)
+    std::shared_ptr<std::vector<float>> chain;  // else the result of the wgmma in flight before it on d
+    std::shared_ptr<std::vector<float>> result;
+    float a[2][16];                   // A: this thread's two rows, k = 0..15
+    std::vector<float> b;             // B: [k][column], this thread's N / 4 columns
+    std::vector<const unsigned short*> src;  // shared-memory elements read (SS operands)
+    std::vector<unsigned short> bits;         // their values at issue
+    const char* file = "?";
+    int line = 0;
+};
 
 // Everything one CUDA thread knows; reached through the one thread_local `tctx`.
 struct ThreadCtx {
@@ -265,6 +284,9 @@ struct ThreadCtx {
     unsigned long long counts[24] = {};
     std::vector<CpCopy> cp_open;                 // issued, not yet committed
     std::vector<std::vector<CpCopy>> cp_groups;  // committed, oldest first
+    std::vector<WgmmaOp> wg_open;                 // wgmma issued, not committed
+    std::vector<std::vector<WgmmaOp>> wg_groups;  // committed wgmma groups, oldest first
+    bool wg_fenced = false;                       // a wgmma.fence since the last wait_group
 };
 
 inline thread_local ThreadCtx* tctx = nullptr;
@@ -830,6 +852,35 @@ void mbarrier_wait_parity(void* bar, unsigned parity, const char* file = "?", in
 
 // cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]
 void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file = "?", int line = 0);
+
+// ---------------------------------------------------------------- warpgroup MMA (sm_90a)
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}: a warpgroup (4 consecutive warps,
+// the first a multiple of 4) computes D (64 x N, float) = A (64 x 16) B (16 x N) [+ D].  Warp
+// w of the group holds rows 16w..16w+15 of D, lane l rows 16w + l/4 and +8, columns
+// 8j + 2(l%4) + {0, 1}: register i is (row 16w + l/4 + 8((i >> 1) & 1), column
+// 8(i >> 2) + 2(l%4) + (i & 1)), the mma.m16n8 accumulator layout repeated over N/8.
+// B, and A in the SS form, come from shared memory through matrix descriptors (PTX ISA,
+// "Matrix Descriptor"): start address, leading and stride byte offsets (>> 4), base offset
+// (must be 0 here) and swizzle mode (none, 128B, 64B, 32B), laid out K-major or, with the
+// transpose flag, M/N-major, in the canonical layouts of "Shared Memory Matrix Layout"; the
+// swizzle XORs address bits [4, 4 + log2(width / 16)) with bits [7, ...) of the shared address.
+// In the RS form A is in registers: 4 x b32 per thread, the mma.m16n8k16 A fragment of the
+// warp's 16 rows.  The sums are the tensor cores' (tc_block_fma: blocks of 8 products).
+//
+// Asynchrony, as the emulator holds a kernel to it: mma_async reads its operands at issue
+// and fills D with NaN; D gets the result only at the wait_group that completes the
+// wgmma's commit group, so reading D earlier sees NaN.  A store by any thread to the shared
+// memory an SS operand read, before that wait, is reported (the tensor cores may read it any
+// time until completion), as is a write to D in flight, a thread that returns with a wgmma
+// in flight, and a first wgmma after launch or after a wait_group without a wgmma.fence
+// before it (the fence orders the thread's register accesses with the tensor cores').
+// Consecutive wgmma on the same D without a wait chain: each adds to the previous result.
+void wgmma_fence();
+void wgmma_commit_group();
+void wgmma_wait_group(int n, const char* file = "?", int line = 0);
+void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
+               bool trans_b, bool accumulate, const char* file = "?", int line = 0);
+void setmaxnreg(unsigned regs, bool inc, const char* file = "?", int line = 0);
 
 // ---------------------------------------------------------------- atomic order check
 // A float atomic add is deterministic only in the order the adds reach an address.  Adds of
@@ -1441,6 +1492,9 @@ inline T __ldg(const T* p, const char* file = __builtin_FILE(), int line = __bui
 }
 
 // Shared-memory address spaces are one on the host.
-inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+// A shared-memory address is the byte offset into the block's dynamic shared memory, which
+// starts at shared address 0 (wgmma descriptors and ldmatrix/cp.async operands hold these).
+// Static __shared__ variables have none here.
+size_t __cvta_generic_to_shared(const void* p);
 
 #endif  // CUFLASH_PREPROCESS_ONLY

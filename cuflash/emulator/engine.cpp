@@ -346,6 +346,198 @@ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const 
     if (!err.empty()) device_error(err);
 }
 
+// ---- warpgroup MMA (see cuda_host.h)
+namespace {
+constexpr uint32_t kWgmmaPoison = 0x7fd0bad5u;  // a quiet NaN that marks D in flight
+
+// The warpgroup's checks: a full warp, and all four warps of the group in the block.
+void wgmma_require_warpgroup(const char* what) {
+    require_full_warp(what);
+    const ThreadCtx& c = *tctx;
+    if ((c.warp / 4) * 4 + 3 >= c.blk->nwarps)
+        device_error(std::string(what) + ": warp " + std::to_string(c.warp) + " has no complete warpgroup (the block has " +
+                     std::to_string(c.blk->nthreads) + " threads; a warpgroup is 4 warps, 128 threads)");
+}
+
+// The shared-memory element (mn, k) of a descriptor's operand (16-bit elements: 8 per 16 bytes).
+const unsigned short* wgmma_element(uint64_t desc, int mn, int k, bool mn_major, const char* what) {
+    const uint64_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4, sbo = ((desc >> 32) & 0x3fffu) << 4;
+    const unsigned base_offset = unsigned(desc >> 49) & 7u, mode = unsigned(desc >> 62) & 3u;
+    if (base_offset != 0)
+        device_error(std::string(what) + ": matrix descriptor with base offset " + std::to_string(base_offset) +
+                     " (the emulator takes swizzle patterns that start on their repeat boundary only)");
+    const uint64_t width = mode == 0 ? 0 : mode == 1 ? 128 : mode == 2 ? 64 : 32;  // swizzle bytes
+    uint64_t off;
+    if (!mn_major) {  // K-major: rows of MN, k contiguous
+        if (width == 0)  // ((8,m),(T,2k)):((1T,SBO),(1,LBO))
+            off = 16 * (mn % 8) + sbo * (mn / 8) + 2 * (k % 8) + lbo * (k / 8);
+        else             // ((8,m),(T,2k)):((xT,SBO),(1,T)): one row of `width` bytes per mn
+            off = width * (mn % 8) + sbo * (mn / 8) + 2 * k;
+    } else {          // MN-major: mn contiguous
+        if (width == 0)  // ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO))
+            off = 2 * (mn % 8) + sbo * (mn / 8) + 16 * (k % 8) + lbo * (k / 8);
+        else             // ((T,x,m),(8,k)):((1,T,LBO),(xT,SBO)), x = width / 16
+            off = 2 * (mn % (width / 2)) + lbo * (mn / (width / 2)) + width * (k % 8) + sbo * (k / 8);
+    }
+    uint64_t addr = start + off;
+    if (width) addr ^= ((addr >> 7) & (width / 16 - 1)) << 4;
+    const uint64_t size = memcheck.dyn_hi - memcheck.dyn_lo;
+    if (addr + 2 > size)
+        device_error(std::string(what) + ": the matrix descriptor's element (" + std::to_string(mn) + ", " +
+                     std::to_string(k) + ") is at shared byte " + std::to_string(addr) + ", outside the " +
+                     std::to_string(size) + " bytes of dynamic shared memory");
+    return reinterpret_cast<const unsigned short*>(tctx->dyn_smem + addr);
+}
+
+// The result of one wgmma for this thread (its N / 2 accumulator registers).
+void wgmma_compute(WgmmaOp& op) {
+    const std::vector<float>& cin = op.chain ? *op.chain : op.c;
+    op.result->assign(op.nregs, 0.0f);
+    for (unsigned i = 0; i < op.nregs; ++i) {
+        const int r = (i >> 1) & 1, col = int((i >> 2) * 2 + (i & 1));  // row of 2, column of N / 4
+        float acc = op.accumulate ? cin[i] : 0.0f;
+        for (int k0 = 0; k0 < 16; k0 += kTcBlock16) {
+            double p[kTcBlock16];
+            for (int k = 0; k < kTcBlock16; ++k)
+                p[k] = double(op.a[r][k0 + k]) * op.b[size_t(k0 + k) * (op.nregs / 2) + col];
+            acc = tc_block_fma(acc, p, kTcBlock16);
+        }
+        (*op.result)[i] = acc;
+    }
+}
+
+const WgmmaOp* wgmma_first_in_flight(const ThreadCtx& c) {
+    for (const auto& g : c.wg_groups) if (!g.empty()) return &g.front();
+    return c.wg_open.empty() ? nullptr : &c.wg_open.front();
+}
+
+bool wgmma_in_flight(const ThreadCtx& c, const float* d) {
+    for (const WgmmaOp& o : c.wg_open) if (o.d == d) return true;
+    for (const auto& g : c.wg_groups) for (const WgmmaOp& o : g) if (o.d == d) return true;
+    return false;
+}
+}  // namespace
+
+void wgmma_fence() {
+    ThreadCtx& c = *tctx;
+    wgmma_require_warpgroup("wgmma.fence");
+    c.wg_fenced = true;
+}
+
+void wgmma_commit_group() {
+    ThreadCtx& c = *tctx;
+    wgmma_require_warpgroup("wgmma.commit_group");
+    c.wg_groups.push_back(std::move(c.wg_open));  // an empty group too, as on the GPU
+    c.wg_open.clear();
+}
+
+void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
+               bool trans_b, bool accumulate, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    const char* what = "wgmma.mma_async";
+    wgmma_require_warpgroup(what);
+    if (n < 8 || n > 256 || n % 8) device_error(std::string(what) + ": N = " + std::to_string(n) + " (8..256, multiples of 8)");
+    if (!c.wg_fenced)
+        device_error(std::string(what) + " at " + file + ":" + std::to_string(line) +
+                     " without a wgmma.fence since the launch or the last wgmma.wait_group");
+    count(CNT_WGMMA);
+    auto value = [bf16](unsigned short h) { return bf16 ? bf16_bits_to_float(h) : h16_bits_to_float(h); };
+    WgmmaOp op;
+    op.d = d; op.nregs = unsigned(n / 2); op.accumulate = accumulate; op.file = file; op.line = line;
+    const int g = int(c.lane >> 2), t = int(c.lane & 3), row0 = 16 * int(c.warp % 4) + g;
+    if (a_regs) {  // RS: the warp's A fragment, as mma.m16n8k16's
+        struct Frag { uint32_t a[4]; } mine;
+        std::memcpy(mine.a, a_regs, 16);
+        const unsigned char* s = warp_exchange(&mine, sizeof mine, 0xffffffffu, what);
+        for (int r = 0; r < 2; ++r)
+            for (int k = 0; k < 16; ++k) {
+                const Frag& f = *reinterpret_cast<const Frag*>(s + 64 * (g * 4 + (k % 8) / 2));
+                const uint32_t reg = f.a[r + 2 * (k / 8)];
+                op.a[r][k] = value((unsigned short)((k & 1) ? reg >> 16 : reg & 0xffffu));
+            }
+    } else {
+        for (int r = 0; r < 2; ++r)
+            for (int k = 0; k < 16; ++k) {
+                const unsigned short* e = wgmma_element(desc_a, row0 + 8 * r, k, trans_a, "wgmma.mma_async A");
+                op.src.push_back(e); op.bits.push_back(*e);
+                op.a[r][k] = value(*e);
+            }
+    }
+    const int ncols = n / 4;
+    op.b.resize(size_t(16) * ncols);
+    for (int k = 0; k < 16; ++k)
+        for (int j = 0; j < ncols; ++j) {
+            const int col = 8 * (j / 2) + 2 * t + (j & 1);
+            const unsigned short* e = wgmma_element(desc_b, col, k, trans_b, "wgmma.mma_async B");
+            op.src.push_back(e); op.bits.push_back(*e);
+            op.b[size_t(k) * ncols + j] = value(*e);
+        }
+    // a wgmma in flight on the same registers: this one adds to its result
+    const WgmmaOp* prev = nullptr;
+    for (const auto& gr : c.wg_groups) for (const WgmmaOp& o : gr) if (o.d == d) prev = &o;
+    for (const WgmmaOp& o : c.wg_open) if (o.d == d) prev = &o;
+    if (prev) {
+        if (prev->nregs != op.nregs)
+            device_error(std::string(what) + ": a wgmma of another N is in flight on the same accumulator registers");
+        op.chain = prev->result;
+    } else if (accumulate) {
+        op.c.assign(d, d + op.nregs);
+    }
+    op.result = std::make_shared<std::vector<float>>();
+    for (unsigned i = 0; i < op.nregs; ++i) std::memcpy(&d[i], &kWgmmaPoison, 4);
+    c.wg_open.push_back(std::move(op));
+}
+
+void wgmma_wait_group(int n, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    wgmma_require_warpgroup("wgmma.wait_group");
+    if (n < 0 || n > 7) device_error("wgmma.wait_group: N = " + std::to_string(n) + " (0..7)");
+    c.wg_fenced = false;
+    const size_t done = c.wg_groups.size() > size_t(n) ? c.wg_groups.size() - size_t(n) : 0;
+    std::vector<std::vector<WgmmaOp>> finished(std::make_move_iterator(c.wg_groups.begin()),
+                                               std::make_move_iterator(c.wg_groups.begin() + done));
+    c.wg_groups.erase(c.wg_groups.begin(), c.wg_groups.begin() + done);
+    for (auto& gr : finished)
+        for (WgmmaOp& op : gr) {
+            for (size_t i = 0; i < op.src.size(); ++i)
+                if (*op.src[i] != op.bits[i]) {
+                    const uintptr_t off = reinterpret_cast<uintptr_t>(op.src[i]) - reinterpret_cast<uintptr_t>(c.dyn_smem);
+                    device_error("wgmma.mma_async at " + std::string(op.file) + ":" + std::to_string(op.line) +
+                                 ": its shared-memory operand (byte " + std::to_string(off) +
+                                 ") was written before the wgmma.wait_group at " + file + ":" +
+                                 std::to_string(line) + " completed it (the tensor cores may still read it)");
+                }
+            wgmma_compute(op);
+        }
+    // write each accumulator once, with the result of the last finished wgmma on it
+    std::vector<const WgmmaOp*> last_on;
+    for (auto& gr : finished)
+        for (WgmmaOp& op : gr) {
+            bool replaced = false;
+            for (const WgmmaOp*& q : last_on) if (q->d == op.d) { q = &op; replaced = true; }
+            if (!replaced) last_on.push_back(&op);
+        }
+    for (const WgmmaOp* op : last_on) {
+        if (wgmma_in_flight(c, op->d)) continue;  // a later wgmma in flight still owns d
+        for (unsigned i = 0; i < op->nregs; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, &op->d[i], 4);
+            if (bits != kWgmmaPoison)
+                device_error("wgmma.mma_async at " + std::string(op->file) + ":" + std::to_string(op->line) +
+                             ": its accumulator register " + std::to_string(i) +
+                             " was written while the wgmma was in flight");
+        }
+        std::memcpy(op->d, op->result->data(), 4 * op->nregs);
+    }
+}
+
+void setmaxnreg(unsigned regs, bool inc, const char* file, int line) {
+    wgmma_require_warpgroup(inc ? "setmaxnreg.inc" : "setmaxnreg.dec");
+    if (regs < 24 || regs > 256 || regs % 8)
+        device_error(std::string("setmaxnreg at ") + file + ":" + std::to_string(line) + ": " + std::to_string(regs) +
+                     " registers (24..256, a multiple of 8)");
+}
+
 void note_atomic(const void* p) {
     ThreadCtx& c = *tctx;
     if (c.record_atomics) c.atomics.push_back(AtomicRec{reinterpret_cast<uintptr_t>(p), c.block_lin, c.tid});
@@ -535,8 +727,16 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
                            unsigned(b / (1ull * grid[0] * grid[1]))};
         c.xphase = 0; c.bar_phase = 0;
         c.cp_open.clear(); c.cp_groups.clear();
+        c.wg_open.clear(); c.wg_groups.clear(); c.wg_fenced = false;
         try {
             entry(args);
+            if (const WgmmaOp* first = wgmma_first_in_flight(c)) {
+                TsanQuiet quiet;
+                std::lock_guard<BlockMutex> lk(blk.mu);
+                blk.abort_locked("thread " + fmt_idx(c.threadIdx) + " of block " + fmt_idx(c.blockIdx) +
+                                 " returned with a wgmma.mma_async in flight (issued at " + first->file + ":" +
+                                 std::to_string(first->line) + "; no wgmma.wait_group completed it)");
+            }
         } catch (const KernelAbort&) {
         } catch (const std::exception& e) {
             TsanQuiet quiet;
@@ -580,6 +780,15 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
 }
 
 }  // namespace cuflash_emu
+
+size_t __cvta_generic_to_shared(const void* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t lo = ::cuflash_emu::memcheck.dyn_lo, hi = ::cuflash_emu::memcheck.dyn_hi;
+    if (a < lo || a > hi)
+        ::cuflash_emu::device_error("__cvta_generic_to_shared: the pointer is not in the dynamic shared memory "
+                                    "(the emulator gives shared addresses to the dynamic shared memory only)");
+    return a - lo;
+}
 
 // The hooks that -fsanitize=kernel-address code calls at every load and store (see the memcheck
 // in cuda_host.h).
