@@ -12,6 +12,12 @@
 //   fence_proxy_async()                     fence.proxy.async.shared::cta: orders this
 //                                           thread's generic-proxy shared accesses (plain
 //                                           stores, mbarrier.init) with later async-proxy ones
+//   tma_load<R>(dst, tmap, coords, bar)    cp.async.bulk.tensor.Rd (R = 1..5): the box of
+//                                           the tensor map `tmap` (global memory, 64-byte
+//                                           aligned; cuflash.launch.tma.tensor_map) at
+//                                           `coords` (elements, innermost first, signed;
+//                                           outside the tensor: zeros) into dst, completing
+//                                           the box's bytes on `bar`
 //
 // Warpgroup MMA (sm_90a; all 128 threads of a warpgroup call each of these together):
 //   wgmma_desc(smem, lbo, sbo, swizzle)     a matrix descriptor: the operand at `smem`
@@ -96,6 +102,12 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
 // One OS thread (or the block lock) orders everything the emulator does.
 __device__ __forceinline__ void fence_proxy_async() {}
 
+template <int R>
+__device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int (&coords)[R], uint64_t* bar CUFLASH_SITE) {
+    CUFLASH_NEED_SM90("cp.async.bulk.tensor");
+    ::cuflash_emu::tma_load(dst, tmap, coords, R, bar, CUFLASH_SITE_ARGS);
+}
+
 __device__ __forceinline__ void wgmma_fence() {
     CUFLASH_NEED_SM90("wgmma.fence");
     ::cuflash_emu::wgmma_fence();
@@ -160,6 +172,28 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+template <int R>
+__device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int (&c)[R], uint64_t* bar) {
+    static_assert(R >= 1 && R <= 5, "a tensor map has 1 to 5 dimensions");
+    const unsigned d = cuflash_smem_addr(dst), b = cuflash_smem_addr(bar);
+    const uint64_t t = reinterpret_cast<uint64_t>(tmap);
+    if constexpr (R == 1)
+        asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n"
+                     ::"r"(d), "l"(t), "r"(c[0]), "r"(b) : "memory");
+    else if constexpr (R == 2)
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                     ::"r"(d), "l"(t), "r"(c[0]), "r"(c[1]), "r"(b) : "memory");
+    else if constexpr (R == 3)
+        asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                     ::"r"(d), "l"(t), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(b) : "memory");
+    else if constexpr (R == 4)
+        asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                     ::"r"(d), "l"(t), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(b) : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                     ::"r"(d), "l"(t), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]), "r"(b) : "memory");
+}
+
 #include "wgmma_sm90.cuh"
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -195,6 +229,8 @@ __device__ __forceinline__ uint64_t mbarrier_arrive_expect_tx(uint64_t*, unsigne
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t*, unsigned) { __trap(); }
 __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint64_t*) { __trap(); }
 __device__ __forceinline__ void fence_proxy_async() {}
+template <int R>
+__device__ __forceinline__ void tma_load(void*, const void*, const int (&)[R], uint64_t*) { __trap(); }
 __device__ __forceinline__ void wgmma_fence() { __trap(); }
 __device__ __forceinline__ void wgmma_commit() { __trap(); }
 template <int N>

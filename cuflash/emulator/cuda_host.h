@@ -853,6 +853,30 @@ void mbarrier_wait_parity(void* bar, unsigned parity, const char* file = "?", in
 // cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]
 void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const char* file = "?", int line = 0);
 
+// Queues a bulk copy whose bytes were read at issue (cp.async.bulk and its tensor form).
+void issue_bulk(void* dst, std::vector<unsigned char> data, void* bar, const char* what);
+
+// ---------------------------------------------------------------- TMA (sm_90)
+// cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes: a box of
+// the tensor a tensor map describes, at signed coordinates (innermost first), into shared
+// memory as rows of box[0] elements, the 16-byte chunks of each row XOR-ed with address bits
+// [7, ...) as wgmma's descriptors read them (swizzle 32/64/128: the row must fill the span;
+// the destination aligned to 8 rows of it, else to 128 bytes); elements outside the tensor
+// are zero.  It lands like cp.async.bulk (NaN until the mbarrier wait) and completes the
+// box's bytes, the zero-filled ones included.  The GPU's CUtensorMap is opaque; the
+// emulator reads its own 128-byte form, which cuflash.launch.tma.tensor_map writes.
+struct TensorMapEmu {
+    uint32_t magic, elem_bytes, rank, swizzle;  // swizzle: 0, 32, 64, 128 (bytes)
+    uint64_t addr;
+    uint64_t dims[5];     // elements, innermost first
+    uint64_t strides[4];  // bytes of dims 1..4
+    uint32_t box[5];      // elements
+    uint32_t reserved[3];
+};
+static_assert(sizeof(TensorMapEmu) == 128, "a tensor map is 128 bytes");
+constexpr uint32_t kTensorMapMagic = 0x4d544643u;  // "CFTM"
+void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* bar, const char* file = "?", int line = 0);
+
 // ---------------------------------------------------------------- warpgroup MMA (sm_90a)
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}: a warpgroup (4 consecutive warps,
 // the first a multiple of 4) computes D (64 x N, float) = A (64 x 16) B (16 x N) [+ D].  Warp

@@ -321,10 +321,16 @@ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const 
     check_shared(dst, bytes, "cp.async.bulk destination", file, line);
     check_global(src, bytes, "cp.async.bulk source", file, line);
     c.bytes_read += bytes;
-    BulkCopy cp{static_cast<unsigned char*>(dst),
-                std::vector<unsigned char>(static_cast<const unsigned char*>(src),
-                                           static_cast<const unsigned char*>(src) + bytes),
-                reinterpret_cast<uintptr_t>(bar), c.tid};
+    issue_bulk(dst, std::vector<unsigned char>(static_cast<const unsigned char*>(src),
+                                               static_cast<const unsigned char*>(src) + bytes),
+               bar, "cp.async.bulk");
+}
+
+// A copy whose bytes were read at issue: poison the destination, queue it on `bar`.
+void issue_bulk(void* dst, std::vector<unsigned char> data, void* bar, const char* what) {
+    ThreadCtx& c = *tctx;
+    const size_t bytes = data.size();
+    BulkCopy cp{static_cast<unsigned char*>(dst), std::move(data), reinterpret_cast<uintptr_t>(bar), c.tid};
     c.quiet = true;
     std::memset(dst, 0xff, bytes);  // poison: until the copy lands, readers see NaN
     c.quiet = false;
@@ -339,11 +345,66 @@ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes, void* bar, const 
         TsanQuiet quiet;
         std::lock_guard<BlockMutex> lk(b.mu);
         if (b.mbars.count(cp.bar) == 0)
-            err = "cp.async.bulk: " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
+            err = std::string(what) + ": " + mbar_name(bar) + " was not initialised in this block (mbarrier.init)";
         else
             b.bulk.push_back(std::move(cp));
     }
     if (!err.empty()) device_error(err);
+}
+
+// ---- TMA: cp.async.bulk.tensor (see cuda_host.h)
+void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* bar, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    const char* what = "cp.async.bulk.tensor";
+    if (reinterpret_cast<uintptr_t>(tmap) % 64) device_error(std::string(what) + ": the tensor map is not 64-byte aligned");
+    check_global(tmap, sizeof(TensorMapEmu), "tensor map", file, line);
+    TensorMapEmu m;
+    std::memcpy(&m, tmap, sizeof m);
+    if (m.magic != kTensorMapMagic)
+        device_error(std::string(what) + ": not a tensor map made for the emulator (cuflash.launch.tma.tensor_map)");
+    if (int(m.rank) != rank)
+        device_error(std::string(what) + ": a " + std::to_string(rank) + "-d copy with a rank-" + std::to_string(m.rank) +
+                     " tensor map");
+    const uint64_t elem = m.elem_bytes, inner = uint64_t(m.box[0]) * elem, span = m.swizzle;
+    if (span && inner != span)
+        device_error(std::string(what) + ": the box's inner dimension is " + std::to_string(inner) + " bytes with the " +
+                     std::to_string(span) + "-byte swizzle (the emulator takes boxes whose rows fill the swizzle span)");
+    uint64_t rows = 1;
+    for (int d = 1; d < rank; ++d) rows *= m.box[d];
+    const uint64_t bytes = rows * inner;
+    const uintptr_t off = reinterpret_cast<uintptr_t>(dst) - memcheck.dyn_lo;
+    const uint64_t align = span ? 8 * span : 128;  // the swizzle pattern repeats every 8 rows
+    if (off % align)
+        device_error(std::string(what) + ": the destination (shared byte " + std::to_string(off) + ") is not " +
+                     std::to_string(align) + "-byte aligned");
+    mbar_check_object(bar, "cp.async.bulk.tensor mbarrier", file, line);
+    check_shared(dst, unsigned(bytes), "cp.async.bulk.tensor destination", file, line);
+    std::vector<unsigned char> data(bytes, 0);  // out-of-bounds elements are zero
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(uintptr_t(m.addr));
+    for (uint64_t r = 0; r < rows; ++r) {
+        // the row's global coordinates in dims 1..rank-1, and whether it is inside the tensor
+        int64_t row_off = 0;
+        bool inside = true;
+        uint64_t rest = r;
+        for (int d = 1; d < rank; ++d) {
+            const int64_t g = int64_t(coords[d]) + int64_t(rest % m.box[d]);
+            rest /= m.box[d];
+            inside = inside && g >= 0 && uint64_t(g) < m.dims[d];
+            row_off += g * int64_t(m.strides[d - 1]);
+        }
+        if (!inside) continue;
+        const int64_t lo = std::max<int64_t>(0, coords[0]), hi = std::min<int64_t>(int64_t(m.dims[0]), int64_t(coords[0]) + m.box[0]);
+        if (lo >= hi) continue;
+        const unsigned char* src = base + row_off + lo * int64_t(elem);
+        check_global(src, unsigned((hi - lo) * elem), "cp.async.bulk.tensor source", file, line);
+        c.bytes_read += uint64_t(hi - lo) * elem;
+        for (int64_t i = lo; i < hi; ++i) {
+            uint64_t lin = r * inner + uint64_t(i - coords[0]) * elem;
+            if (span) lin ^= ((lin >> 7) & (span / 16 - 1)) << 4;
+            std::memcpy(&data[lin], src + (i - lo) * int64_t(elem), elem);
+        }
+    }
+    issue_bulk(dst, std::move(data), bar, what);
 }
 
 // ---- warpgroup MMA (see cuda_host.h)

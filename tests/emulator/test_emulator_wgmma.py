@@ -36,11 +36,12 @@ def line_of(text):
 def mods():
     cache = {}
 
-    def get(n=64, bf16=False, ta=False, tb=False, arch="sm_90a"):
-        key = (n, bf16, ta, tb, arch)
+    def get(n=64, bf16=False, ta=False, tb=False, arch="sm_90a", race_check=False):
+        key = (n, bf16, ta, tb, arch, race_check)
         if key not in cache:
             cache[key] = em.RawModule(path=SRC, options=(f"-arch={arch}", f"-DWG_N={n}", f"-DWG_BF16={int(bf16)}",
-                                                        f"-DWG_TA={int(ta)}", f"-DWG_TB={int(tb)}"))
+                                                        f"-DWG_TA={int(ta)}", f"-DWG_TB={int(tb)}"),
+                                      race_check=race_check)
         return cache[key]
     return get
 
@@ -138,7 +139,7 @@ def run_ss(mods, n, a_major, b_major, swizzle_a, swizzle_b, steps, init=False, m
     pb = np.array([b_off, lb, sb, swizzle_b, kb], np.int32)
     out = np.full((3 if mode == 5 else 1) * 128 * (n // 2), -7.0, np.float32)
     mod.get_function("wg_ss")(1, 128, (img.view(np.uint32).reshape(-1, 4).copy(), np.int32(size // 16), pa, pb,
-                                        np.int32(steps), np.int32(init), np.int32(mode), out), shared_mem=size)
+                                        np.int32(steps), np.int32(init), np.int32(mode), out), shared_mem=size + 1024)
     D = A @ B.T
     row, col = fragment_coords(n)
     expect = D[row, col] + (0.5 * (np.arange(n // 2) + 1) if init else 0.0)
@@ -206,7 +207,7 @@ def test_tensor_core_rounding(mods):
     mods().get_function("wg_ss")(1, 128, (img.view(np.uint32).reshape(-1, 4).copy(), np.int32(img.size // 16),
                                           np.array([0, la, sa, 128, ka], np.int32),
                                           np.array([8192, la, sa, 128, ka], np.int32), np.int32(2), np.int32(0),
-                                          np.int32(0), out), shared_mem=img.size)
+                                          np.int32(0), out), shared_mem=img.size + 1024)
     row, col = fragment_coords(64)
     got = out.reshape(row.shape)
     a64, b64 = A.astype(np.float64), B.astype(np.float64)
@@ -235,9 +236,22 @@ def test_rs_form(mods, tb):
     out = np.zeros(128 * (n // 2), np.float32)
     mods(n, False, False, tb).get_function("wg_rs")(
         1, 128, (img[:size].view(np.uint32).reshape(-1, 4).copy(), np.int32(size // 16), bits(A, False).copy(),
-                 np.array([0, lb, sb, 64, 0], np.int32), np.int32(1), out), shared_mem=size)
+                 np.array([0, lb, sb, 64, 0], np.int32), np.int32(1), out), shared_mem=size + 1024)
     row, col = fragment_coords(n)
     np.testing.assert_array_equal(out.reshape(row.shape), (A @ B.T)[row, col] + 0.5 * (np.arange(n // 2) + 1))
+
+
+def test_race_check(mods):
+    """Under ThreadSanitizer, with the block's threads as real threads: the same results; the
+    store to an operand in flight is reported, by ThreadSanitizer (a race with another thread's
+    read of it at issue, at the store's line) or by the emulator's own check at the wait,
+    whichever the threads' order lets come first."""
+    rc = lambda *a, **k: mods(*a, **k, race_check=True)  # noqa: E731
+    out, expect, _ = run_ss(rc, 64, "K", "MN", 128, 64, 2, init=True, seed=9)
+    np.testing.assert_array_equal(out.reshape(expect.shape), expect)
+    with pytest.raises((em.RaceError, em.LaunchError),
+                       match=f"wgmma.cu:{line_of('smem[a.offset] ^= 0x40')}|was written before the wgmma.wait_group"):
+        run_ss(rc, 64, "K", "K", 128, 128, 1, mode=2)
 
 
 def test_read_before_the_wait_is_nan(mods):
@@ -290,15 +304,15 @@ def test_needs_a_whole_warpgroup(mods):
     p = np.array([0, 16, 1024, 128, 32], np.int32)
     with pytest.raises(em.LaunchError, match="has no complete warpgroup"):
         mods().get_function("wg_ss")(1, 64, (img, np.int32(4), p, p, np.int32(1), np.int32(0), np.int32(0),
-                                             np.zeros(64 * 32, np.float32)), shared_mem=64)
+                                             np.zeros(64 * 32, np.float32)), shared_mem=64 + 1024)
 
 
 def test_descriptor_outside_shared_memory(mods):
     img = np.zeros(64, np.uint32).reshape(-1, 4)
     p = np.array([0, 16, 1024, 128, 32], np.int32)
-    with pytest.raises(em.LaunchError, match=r"outside the 256 bytes of dynamic shared memory"):
+    with pytest.raises(em.LaunchError, match=r"outside the 1280 bytes of dynamic shared memory"):
         mods().get_function("wg_ss")(1, 128, (img, np.int32(16), p, p, np.int32(1), np.int32(0), np.int32(0),
-                                              np.zeros(128 * 32, np.float32)), shared_mem=256)
+                                              np.zeros(128 * 32, np.float32)), shared_mem=256 + 1024)
 
 
 def test_needs_sm90(mods):
@@ -346,3 +360,51 @@ def test_nvrtc_sm90a_machine_code():
     assert "WARPGROUP.ARRIVE" in ops     # wgmma.fence
     assert any(o.startswith("WARPGROUP.DEPBAR") for o in ops)  # wgmma.wait_group
     assert "USETMAXREG.TRY_ALLOC.CTAPOOL" in ops  # setmaxnreg.inc, honoured
+
+
+@pytest.mark.cuda
+def test_gpu_matches_the_emulator(mods):
+    """On a GPU (sm_90): the hardware reads the layouts this file places as the emulator does."""
+    cp = pytest.importorskip("cupy")
+    if cp.cuda.Device().compute_capability < "90":
+        pytest.skip("needs sm_90")
+    for (am, asw), (bm, bsw), n in ((("K", 128), ("MN", 64), 64), (("MN", 32), ("K", 0), 64),
+                                    (("K", 64), ("K", 128), 256), (("MN", 0), ("MN", 128), 8)):
+        steps = 1 if "K" in (am, bm) and 32 in (asw, bsw) else 2
+        emu, expect, _ = run_ss(mods, n, am, bm, asw, bsw, steps, init=True, seed=n)
+        gpu = run_ss(_gpu_mods(), n, am, bm, asw, bsw, steps, init=True, seed=n)[0]
+        np.testing.assert_array_equal(gpu, emu, err_msg=f"A {am}/{asw}, B {bm}/{bsw}, N {n}")
+
+
+def _gpu_mods():
+    """The test kernels compiled by CuPy for sm_90a, called as the emulator's are."""
+    import cupy as cp
+    cache = {}
+
+    class Kernel:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            self.fn.max_dynamic_shared_size_bytes = shared_mem
+            dev = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+            self.fn((grid,), (block,), tuple(dev), shared_mem=shared_mem)
+            for a, d in zip(args, dev):
+                if isinstance(a, np.ndarray):
+                    a[...] = cp.asnumpy(d)
+
+    class Module:
+        def __init__(self, m):
+            self.m = m
+
+        def get_function(self, name):
+            return Kernel(self.m.get_function(name))
+
+    def get(n=64, bf16=False, ta=False, tb=False, arch="sm_90a"):
+        key = (n, bf16, ta, tb)
+        if key not in cache:
+            cache[key] = Module(cp.RawModule(code=SRC.read_text(), options=(
+                "-arch=sm_90a", f"-I{ROOT / 'kernels_cu'}", "-std=c++17", f"-DWG_N={n}", f"-DWG_BF16={int(bf16)}",
+                f"-DWG_TA={int(ta)}", f"-DWG_TB={int(tb)}")))
+        return cache[key]
+    return get

@@ -14,6 +14,15 @@
 #include "portable.cuh"
 #include "hopper.cuh"
 
+// The dynamic shared memory from its first 1024-byte aligned shared address: the swizzle
+// patterns repeat on 1024-byte boundaries of the address, and a GPU's dynamic shared memory
+// need not start on one (the emulator's starts at address 0).  Launches add 1024 bytes.
+__device__ unsigned char* aligned_smem() {
+    CUFLASH_DYNAMIC_SHARED(unsigned char, raw);
+    const unsigned a = (unsigned)__cvta_generic_to_shared(raw);
+    return raw + ((1024u - (a & 1023u)) & 1023u);
+}
+
 constexpr int kN = WG_N;
 constexpr int kRegs = WG_N / 2;
 
@@ -39,7 +48,7 @@ __device__ void store(float* out, const float (&d)[kRegs]) {
 // __launch_bounds__: ptxas honours setmaxnreg only where it knows the registers at entry (C7508)
 extern "C" __global__ void __launch_bounds__(128, 1) wg_ss(const uint4* img, int nvec, const int* pa, const int* pb, int steps, int init,
                                  int mode, float* out) {
-    CUFLASH_DYNAMIC_SHARED(unsigned char, smem);
+    unsigned char* smem = aligned_smem();
     const Operand a = operand(pa), b = operand(pb);
     load_image(smem, img, nvec);
     float d[kRegs];
@@ -73,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wg_ss(const uint4* img, int
 
 extern "C" __global__ void wg_rs(const uint4* img, int nvec, const unsigned short* a, const int* pb, int init,
                                  float* out) {
-    CUFLASH_DYNAMIC_SHARED(unsigned char, smem);
+    unsigned char* smem = aligned_smem();
     const Operand b = operand(pb);
     load_image(smem, img, nvec);
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, row = 16 * (threadIdx.x / 32 % 4) + g;
