@@ -267,6 +267,7 @@ struct ThreadCtx {
     unsigned tid = 0, lane = 0, warp = 0;
     unsigned xphase = 0;  // which of the two warp exchange buffers is next
     unsigned bar_phase = 0;  // parity of this thread's __syncthreads count
+    unsigned wg_phase = 0;   // parity of this thread's warpgroup barrier count
     Block* blk = nullptr;
     unsigned char* dyn_smem = nullptr;
     unsigned long long bytes_read = 0, bytes_written = 0;
@@ -314,6 +315,7 @@ struct Block {
     std::atomic<int> sync_count[2];
     unsigned long long bar_completions = 0;
     std::unique_ptr<Barrier[]> warp_bar;
+    std::unique_ptr<Barrier[]> wg_bar;  // per warpgroup (4 warps): wgmma.wait_group's sync
     std::unique_ptr<WarpExchange[]> wx;
 #if !CUFLASH_EMULATOR_THREADS
     FiberScheduler* fibers = nullptr;  // runs this block's threads
@@ -328,6 +330,7 @@ struct Block {
 
     Block(unsigned n, const char* name) : nthreads(n), nwarps((n + 31) / 32), kernel(name) {
         warp_bar.reset(new Barrier[nwarps]);
+        wg_bar.reset(new Barrier[(nwarps + 3) / 4]);
         wx.reset(new WarpExchange[nwarps]);
     }
     unsigned warp_size(unsigned w) const { return std::min(32u, nthreads - 32u * w); }
@@ -341,6 +344,10 @@ struct Block {
         for (unsigned w = 0; w < nwarps; ++w) {
             warp_bar[w].expected = warp_size(w);
             warp_bar[w].arrived = 0; warp_bar[w].waiters = 0;
+        }
+        for (unsigned g = 0; g < (nwarps + 3) / 4; ++g) {
+            wg_bar[g].expected = std::min(128u, nthreads - 128u * g);
+            wg_bar[g].arrived = 0; wg_bar[g].waiters = 0;
         }
         std::memset(wx.get(), 0xff, sizeof(WarpExchange) * nwarps);
         mbars.clear(); bulk.clear(); mbar_waiters = 0;
@@ -899,6 +906,9 @@ void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* ba
 // in flight, and a first wgmma after launch or after a wait_group without a wgmma.fence
 // before it (the fence orders the thread's register accesses with the tensor cores').
 // Consecutive wgmma on the same D without a wait chain: each adds to the previous result.
+// wait_group synchronises the warpgroup (it is .sync.aligned): one thread may release the
+// operands' shared memory for all (an mbarrier arrive) as soon as it has passed it; a
+// warpgroup whose threads do not all reach it deadlocks (reported).
 void wgmma_fence();
 void wgmma_commit_group();
 void wgmma_wait_group(int n, const char* file = "?", int line = 0);

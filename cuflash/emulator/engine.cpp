@@ -549,10 +549,22 @@ void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc
     c.wg_open.push_back(std::move(op));
 }
 
+// wait_group is .sync.aligned: the warpgroup's threads pass it together, so one thread may
+// release the operands' shared memory for the whole group (an mbarrier arrive) right after
+// it.  Two barriers: every thread is at the wait before any completes, and every thread has
+// checked its operands before any goes on.
+static void warpgroup_sync() {
+    ThreadCtx& c = *tctx;
+    const unsigned phase = c.wg_phase;
+    c.wg_phase ^= 1u;
+    c.blk->arrive_and_wait(c.blk->wg_bar[c.warp / 4], phase);
+}
+
 void wgmma_wait_group(int n, const char* file, int line) {
     ThreadCtx& c = *tctx;
     wgmma_require_warpgroup("wgmma.wait_group");
     if (n < 0 || n > 7) device_error("wgmma.wait_group: N = " + std::to_string(n) + " (0..7)");
+    warpgroup_sync();
     c.wg_fenced = false;
     const size_t done = c.wg_groups.size() > size_t(n) ? c.wg_groups.size() - size_t(n) : 0;
     std::vector<std::vector<WgmmaOp>> finished(std::make_move_iterator(c.wg_groups.begin()),
@@ -590,6 +602,7 @@ void wgmma_wait_group(int n, const char* file, int line) {
         }
         std::memcpy(op->d, op->result->data(), 4 * op->nregs);
     }
+    warpgroup_sync();
 }
 
 void setmaxnreg(unsigned regs, bool inc, const char* file, int line) {
@@ -628,6 +641,7 @@ void Block::abort_locked(const std::string& msg) {
     // a new generation wakes every waiter, which then sees `aborted`
     next_generation(bar);
     for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
+    for (unsigned g = 0; g < (nwarps + 3) / 4; ++g) next_generation(wg_bar[g]);
     next_generation(mbar_gen);
 }
 
@@ -641,9 +655,10 @@ std::string Block::bulk_in_flight_message() const {
 std::string Block::deadlock_message() const {
     unsigned at_sync = bar.waiters, at_warp = 0;
     for (unsigned w = 0; w < nwarps; ++w) at_warp += warp_bar[w].waiters;
+    for (unsigned g = 0; g < (nwarps + 3) / 4; ++g) at_warp += wg_bar[g].waiters;
     return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
            " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
-           " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix), " +
+           " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix, or a warpgroup's wgmma.wait_group), " +
            (mbar_waiters ? std::to_string(mbar_waiters) +
                                " at an mbarrier wait (a phase no arrival or bulk copy left can complete), "
                          : std::string()) +
@@ -685,7 +700,7 @@ void Block::thread_exit(unsigned warp) {
     TsanQuiet quiet;
     std::lock_guard<BlockMutex> lk(mu);
     --live;
-    for (Barrier* b : {&bar, &warp_bar[warp]}) {
+    for (Barrier* b : {&bar, &warp_bar[warp], &wg_bar[warp / 4]}) {
         --b->expected;
         if (b->arrived > 0 && b->arrived == b->expected) release(*b);
     }
@@ -786,7 +801,7 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
         c.block_lin = b;
         c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                            unsigned(b / (1ull * grid[0] * grid[1]))};
-        c.xphase = 0; c.bar_phase = 0;
+        c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0;
         c.cp_open.clear(); c.cp_groups.clear();
         c.wg_open.clear(); c.wg_groups.clear(); c.wg_fenced = false;
         try {
