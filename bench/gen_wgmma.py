@@ -21,7 +21,8 @@ HEADER = """\
 //
 // CuflashWgmma<N, kBF16>::ss / ::rs: wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}
 // with A from a shared-memory descriptor (ss) or from registers (rs), B from a descriptor,
-// D (N / 2 floats per thread) accumulated when `acc` is nonzero (the scale-d predicate).
+// D (N / 2 floats per thread) accumulated when `acc` is nonzero (the scale-d predicate);
+// ::ss0: D = A B with D write-only, so that the compiler need not give D a value first.
 // Included by hopper.cuh for sm_90a; the emulator's versions are in hopper.cuh.
 #pragma once
 
@@ -34,8 +35,8 @@ def regs(first, count):
     return ", ".join(f"%{i}" for i in range(first, first + count))
 
 
-def outputs(nregs):
-    ops = [f'"+f"(d[{i}])' for i in range(nregs)]
+def outputs(nregs, mode="+f"):
+    ops = [f'"{mode}"(d[{i}])' for i in range(nregs)]
     return ",\n                       ".join(", ".join(ops[i:i + 8]) for i in range(0, nregs, 8))
 
 
@@ -46,6 +47,10 @@ def specialisation(n, bf16, ty):
           f'                     "{op} {{{regs(0, r)}}}, %{r}, %{r + 1}, p, 1, 1, %{r + 3}, %{r + 4};\\n}}\\n"\n'
           f'                     : {outputs(r)}\n'
           f'                     : "l"(a), "l"(b), "r"(acc), "n"(kTransA), "n"(kTransB));\n')
+    ss0 = (f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+           f'                     "{op} {{{regs(0, r)}}}, %{r}, %{r + 1}, p, 1, 1, %{r + 3}, %{r + 4};\\n}}\\n"\n'
+           f'                     : {outputs(r, "=f")}\n'
+           f'                     : "l"(a), "l"(b), "n"(0), "n"(kTransA), "n"(kTransB));\n')
     rs = (f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"\n'
           f'                     "{op} {{{regs(0, r)}}}, {{{regs(r, 4)}}}, %{r + 4}, p, 1, 1, %{r + 6};\\n}}\\n"\n'
           f'                     : {outputs(r)}\n'
@@ -54,6 +59,9 @@ def specialisation(n, bf16, ty):
             f"    template <int kTransA, int kTransB>\n"
             f"    static __device__ __forceinline__ void ss(float (&d)[{r}], uint64_t a, uint64_t b, int acc) {{\n"
             f"{ss}    }}\n"
+            f"    template <int kTransA, int kTransB>  // D = A B: D's old value is not an input\n"
+            f"    static __device__ __forceinline__ void ss0(float (&d)[{r}], uint64_t a, uint64_t b) {{\n"
+            f"{ss0}    }}\n"
             f"    template <int kTransB>\n"
             f"    static __device__ __forceinline__ void rs(float (&d)[{r}], const uint32_t (&a)[4], uint64_t b, int acc) {{\n"
             f"{rs}    }}\n}};\n")

@@ -26,6 +26,7 @@
 //   wgmma_fence()                           wgmma.fence: before the first wgmma after the
 //                                           registers it uses were touched
 //   wgmma_ss<N, kBF16, kTransA, kTransB>(d, a_desc, b_desc, acc)
+//   wgmma_ss_zero<N, kBF16, kTransA, kTransB>(d, a_desc, b_desc)   D = A B, D write-only
 //   wgmma_rs<N, kBF16, kTransB>(d, a_regs, b_desc, acc)
 //                                           wgmma.mma_async m64nNk16, f32 += f16/bf16: A by
 //                                           descriptor (ss) or the mma.m16n8k16 A fragment of
@@ -120,6 +121,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t
     CUFLASH_NEED_SM90("wgmma.mma_async");
     ::cuflash_emu::wgmma_mma(d, N, kBF16, nullptr, a, b, kTransA, kTransB, acc, CUFLASH_SITE_ARGS);
 }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss_zero(float (&d)[N / 2], uint64_t a, uint64_t b CUFLASH_SITE) {
+    CUFLASH_NEED_SM90("wgmma.mma_async");
+    ::cuflash_emu::wgmma_mma(d, N, kBF16, nullptr, a, b, kTransA, kTransB, false, CUFLASH_SITE_ARGS);
+}
 template <int N, bool kBF16, bool kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool acc CUFLASH_SITE) {
     CUFLASH_NEED_SM90("wgmma.mma_async");
@@ -203,6 +209,10 @@ template <int N, bool kBF16, bool kTransA, bool kTransB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, bool acc) {
     CuflashWgmma<N, kBF16>::template ss<kTransA, kTransB>(d, a, b, acc);
 }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss_zero(float (&d)[N / 2], uint64_t a, uint64_t b) {
+    CuflashWgmma<N, kBF16>::template ss0<kTransA, kTransB>(d, a, b);
+}
 template <int N, bool kBF16, bool kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, bool acc) {
     CuflashWgmma<N, kBF16>::template rs<kTransB>(d, a, b, acc);
@@ -237,6 +247,8 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { __trap(); }
 template <int N, bool kBF16, bool kTransA, bool kTransB>
 __device__ __forceinline__ void wgmma_ss(float (&)[N / 2], uint64_t, uint64_t, bool) { __trap(); }
+template <int N, bool kBF16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_ss_zero(float (&)[N / 2], uint64_t, uint64_t) { __trap(); }
 template <int N, bool kBF16, bool kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&)[N / 2], const uint32_t (&)[4], uint64_t, bool) { __trap(); }
 template <int N>

@@ -1,0 +1,250 @@
+// flash_fwd_wgmma.cu: the attention forward for Hopper (sm_90a), float16 / bfloat16:
+// TMA loads, warpgroup MMA (wgmma) and a producer warpgroup that keeps K/V tiles streaming
+// while two consumer warpgroups compute (the FlashAttention-3 structure, Shah et al. 2024).
+// Result contract as flash_fwd_tc: O = softmax(scale * Q K^T [causal mask]) V, lse = m + log(l)
+// per query row (natural log); rows that see no key give o = 0, lse = -inf.
+//
+// Block: 384 threads = 3 warpgroups, one (Q tile of 128 rows, query head, batch) per block
+// (folded grid, params.cuh; FwdParams.n_tiles = ceil(Nq / 128)).
+//   warpgroup 0, the producer: gives up registers (setmaxnreg 24); its thread 0 loads Q once
+//     and then K_j, V_j into kStages shared-memory stages by TMA, each stage guarded by two
+//     mbarriers: "full" (the copies' bytes landed) and "empty" (both consumers are done).
+//   warpgroups 1 and 2, the consumers (setmaxnreg 240): rows 64(w-1) .. 64(w-1)+63 of the tile.
+//     Per K/V tile:  S (64 x Bc) = Q_w K_j^T     wgmma SS, d/16 steps, f32 accumulators
+//                    online softmax on S's registers (rows g, g + 8 of each lane: two
+//                    shuffles per row statistic, as the mma.sync kernels)
+//                    O (64 x d) += P V_j         wgmma RS: P's accumulators become the A
+//                                                fragments in registers, V by descriptor
+//     then one thread per consumer arrives on the stage's "empty" barrier (the wait_group
+//     before it is warpgroup-wide).  The two consumers are independent, so one's softmax
+//     overlaps the other's matrix products on the tensor cores.
+//
+// Shared memory (dynamic, from its first 1024-byte aligned shared address; every tile is
+// rows of 64 elements = 128 bytes, written by TMA with the 128-byte swizzle, which the
+// wgmma descriptors read back):
+//   Q: kD/64 chunks x 128 rows | K: kStages x kD/64 chunks x Bc rows | V: likewise | mbarriers
+//   S's B operand K_j: K-major (d contiguous), descriptor start + 32 bytes per k16 step inside a
+//     chunk, SBO 1024 (8 rows of 128 bytes).
+//   P V's B operand V_j (kv x d, d contiguous): N-major, SBO 1024 (8 kv rows), LBO = one d
+//     chunk (Bc x 128 bytes), start + 2048 bytes per k16 step (16 kv rows).
+// Tensor maps (cuflash.launch.tma.tensor_map, 4-d: d, rows, heads, batch): Q with boxes of
+// 64 x 64 (one consumer's rows of one chunk), K and V with boxes of 64 x Bc.  Rows past the
+// end of Q or K/V come in as zeros; keys past Nk are masked to -inf, query rows past Nq are
+// not stored.
+//
+// Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16, CUFLASH_HEAD_DIM (64, 128, 192 or 256),
+// CUFLASH_BLOCK_KV (Bc: 64, 96, 128, 192 or 256; a wgmma N), CUFLASH_STAGES (default 2).
+// Arguments: the tensor maps of Q, K, V (global, 64-byte aligned), the arrays Q, K, V (not
+// read through their pointers: the maps address them), O, LSE and the FwdParams block (o_*,
+// lse_*, scale, Nq, Nk, H, group, causal, causal_offset, n_tiles of its dense fields).
+// Not yet chosen by cuflash's launchers: tests/kernels/test_flash_fwd_wgmma.py runs it.
+#if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
+#error "flash_fwd_wgmma.cu supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16"
+#endif
+#include "dtype.cuh"
+#include "params.cuh"
+#include "hopper.cuh"
+
+#ifndef CUFLASH_STAGES
+#define CUFLASH_STAGES 2
+#endif
+constexpr int kD = CUFLASH_HEAD_DIM;
+constexpr int kBc = CUFLASH_BLOCK_KV;
+constexpr int kStages = CUFLASH_STAGES;
+constexpr int kBr = 128;                 // query rows per block: 64 per consumer warpgroup
+constexpr int kChunks = kD / 64;         // 64-column chunks of d (one TMA box and 128-byte row each)
+#ifdef CUFLASH_DTYPE_BF16
+constexpr bool kBF16 = true;
+#else
+constexpr bool kBF16 = false;
+#endif
+static_assert(kD % 64 == 0 && kD <= 256, "head dim: 64, 128, 192 or 256");
+static_assert(kBc % 16 == 0 && kBc <= 256, "block_kv: a multiple of 16 up to 256");
+static_assert(kStages >= 2 && kStages <= 4, "2 to 4 stages");
+
+constexpr int kQBytes = kChunks * kBr * 128;
+constexpr int kTileBytes = kChunks * kBc * 128;         // one K or V tile
+constexpr int kKOffset = kQBytes;
+constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
+// The launch's dynamic shared memory: kBarOffset + 8 (1 + 2 kStages) bytes of tiles and
+// barriers, and 1024 bytes for the alignment.
+#define CUFLASH_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ unsigned char* aligned_shared() {
+    CUFLASH_DYNAMIC_SHARED(unsigned char, raw);
+    const unsigned a = (unsigned)__cvta_generic_to_shared(raw);
+    return raw + ((1024u - (a & 1023u)) & 1023u);
+}
+
+// The key tiles a query tile of rows [q0, q0 + kBr) needs: all, or up to the causal diagonal.
+__device__ __forceinline__ int kv_tiles(const FwdParams& p, int q0) {
+    int end = p.Nk;
+    if (p.causal) end = min(end, q0 + kBr + p.causal_offset);
+    return end <= 0 ? 0 : (end + kBc - 1) / kBc;
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
+                const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+                elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P) {
+    const FwdParams& p = *P;
+    unsigned char* smem = aligned_shared();
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kBarOffset);
+    uint64_t* full = q_full + 1;
+    uint64_t* empty = full + kStages;
+    const int tid = threadIdx.x, wg = tid / 128;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
+    const int h = fi.h, b = fi.b, q0 = fi.tile * kBr, kvh = h / p.group;
+    const int n_kv = kv_tiles(p, q0);
+    if (tid == 0) {
+        mbarrier_init(q_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], 2);  // one arrival per consumer warpgroup
+        }
+        fence_proxy_async();  // the inits before the copy engine's complete_tx
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---------------------------------------------------------- producer
+        setmaxnreg_dec<24>();
+        if (tid != 0) return;
+        mbarrier_arrive_expect_tx(q_full, kQBytes);
+        for (int c = 0; c < kChunks; ++c)
+            for (int half = 0; half < 2; ++half) {
+                const int at[4] = {64 * c, q0 + 64 * half, h, b};
+                tma_load<4>(smem + c * kBr * 128 + half * 64 * 128, tmap_q, at, q_full);
+            }
+        for (int j = 0; j < n_kv; ++j) {
+            const int s = j % kStages;
+            if (j >= kStages) mbarrier_wait_parity(&empty[s], (j / kStages - 1) & 1);  // its last use is done
+            mbarrier_arrive_expect_tx(&full[s], 2 * kTileBytes);
+            for (int c = 0; c < kChunks; ++c) {
+                const int at[4] = {64 * c, j * kBc, kvh, b};
+                tma_load<4>(smem + kKOffset + s * kTileBytes + c * kBc * 128, tmap_k, at, &full[s]);
+                tma_load<4>(smem + kVOffset + s * kTileBytes + c * kBc * 128, tmap_v, at, &full[s]);
+            }
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------- consumers
+    setmaxnreg_inc<240>();
+    // w from a shuffle: warp-uniform as far as the compiler knows, so the descriptors built
+    // from it live in uniform registers (an HGMMA reads its descriptors from there)
+    const int w = __shfl_sync(0xffffffffu, wg, 0) - 1, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = 64 * w + 16 * ((tid / 32) & 3) + g;   // this lane's rows: row0, row0 + 8 (in the tile)
+    const float c = (float)p.scale * CUFLASH_LOG2E;          // p = 2^(s c - m c)
+    // the parameters the loop reads, in registers: the wgmma operand fences clobber memory
+    const int nk = p.Nk, causal = p.causal, causal_offset = p.causal_offset;
+    // the descriptors' low words (start address, LBO) for Q's chunks and stage 0's K and V; a
+    // k16 step, a stage or a chunk adds its byte offset / 16 to the start field (bits 0-13:
+    // no carry below 256 KB).  The high word (SBO 1024, 128-byte swizzle) is a constant, so
+    // the arithmetic is 32-bit.
+    const uint64_t dq0 = wgmma_desc(smem + w * 64 * 128, 16, 1024, 128);
+    const uint32_t dq = (uint32_t)dq0, dk = (uint32_t)wgmma_desc(smem + kKOffset, 16, 1024, 128);
+    const uint32_t dv = (uint32_t)wgmma_desc(smem + kVOffset, kBc * 128, 1024, 128);
+    constexpr uint64_t kHi = (uint64_t)((1024 >> 4) | (1u << 30)) << 32;  // wgmma_desc(..., 1024, 128)'s
+    auto desc = [](uint32_t lo) { return kHi | lo; };
+    float o[kD / 2];
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+    float mc[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    mbarrier_wait_parity(q_full, 0);
+    for (int j = 0; j < n_kv; ++j) {
+        const int s = j % kStages;
+        const uint32_t stage = (uint32_t)(s * kTileBytes) >> 4;
+        mbarrier_wait_parity(&full[s], (j / kStages) & 1);
+        // S = Q_w K_j^T: per 64-column chunk, four k16 steps of 32 bytes along the rows
+        float sacc[kBc / 2];
+        wgmma_fence();
+        wgmma_ss_zero<kBc, kBF16, false, false>(sacc, desc(dq), desc(dk + stage));
+#pragma unroll
+        for (int st = 1; st < 4 * kChunks; ++st) {
+            const int ch = st / 4, kk = st % 4;
+            wgmma_ss<kBc, kBF16, false, false>(sacc, desc(dq + ((ch * kBr * 128 + 32 * kk) >> 4)),
+                                               desc(dk + stage + ((ch * kBc * 128 + 32 * kk) >> 4)), true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(sacc);
+#ifndef CUFLASH_FWD_INTERIOR_ONLY  // (instruction-count builds: the steady tiles only)
+        // masks: keys past Nk, and past the causal diagonal, on the tiles that reach them
+        const int k0 = j * kBc;
+        if (k0 + kBc > nk || (causal && k0 + kBc - 1 > q0 + 64 * w + causal_offset)) {
+#pragma unroll
+            for (int i = 0; i < kBc / 2; ++i) {
+                const int key = k0 + 8 * (i >> 2) + 2 * t + (i & 1);
+                const int qi = q0 + row0 + 8 * ((i >> 1) & 1);
+                if (key >= nk || (causal && key > qi + causal_offset)) sacc[i] = -INFINITY;
+            }
+        }
+#endif
+        // online softmax: new row max, rescale of O and l, P = 2^(S c - m c)
+        float alpha[2], msub[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < kBc / 2; ++i)
+                if (((i >> 1) & 1) == r) mx = fmaxf(mx, sacc[i]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(mc[r], mx * c);
+            // a row that has seen no key yet has m = -inf: it subtracts 0 instead, so that its
+            // exponentials are 2^-inf = 0 and alpha 0 (its O and l are 0 anyway), never NaN
+            msub[r] = mnew == -INFINITY ? 0.0f : mnew;
+            alpha[r] = exp2f(mc[r] - msub[r]);
+            mc[r] = mnew;
+            l[r] *= alpha[r];
+        }
+        uint32_t pf[kBc / 16][4];
+#pragma unroll
+        for (int i = 0; i < kBc / 2; ++i) {
+            const int r = (i >> 1) & 1;
+            sacc[i] = exp2f(fmaf(sacc[i], c, -msub[r]));
+            l[r] += sacc[i];
+        }
+#pragma unroll
+        for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        // P's accumulators (n8 tiles 2kk, 2kk + 1) as the A fragment of k16 step kk
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+            const float* a = sacc + 8 * kk;
+            pf[kk][0] = pack2<elem_t>(a[0], a[1]);
+            pf[kk][1] = pack2<elem_t>(a[2], a[3]);
+            pf[kk][2] = pack2<elem_t>(a[4], a[5]);
+            pf[kk][3] = pack2<elem_t>(a[6], a[7]);
+        }
+        // O += P V_j: k16 steps of 16 key rows (2048 bytes), V N-major
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk)
+            wgmma_rs<kD, kBF16, true>(o, pf[kk], desc(dv + stage + ((2048 * kk) >> 4)), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(o);
+        if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
+    }
+
+    // O / l and lse = ln 2 * (m c + log2 l); rows that saw no key: 0 and -inf
+    elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
+    float* LSEb = LSE + b * p.lse_sb + h * p.lse_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const int qi = q0 + row0 + 8 * r;
+        if (qi >= p.Nq) continue;
+        const bool none = lr == 0.0f;
+        const float inv = none ? 0.0f : __fdividef(1.0f, lr);
+        elem_t* orow = Ob + qi * p.o_sr;
+#pragma unroll
+        for (int nt = 0; nt < kD / 8; ++nt)
+            gstore(reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * t),
+                   pack2<elem_t>(o[4 * nt + 2 * r] * inv, o[4 * nt + 2 * r + 1] * inv));
+        if (t == 0) gstore(LSEb + qi, none ? -INFINITY : (mc[r] + log2f(lr)) * 0.6931471805599453f);
+    }
+}
