@@ -169,7 +169,7 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(sacc);
-#ifndef CUFLASH_FWD_INTERIOR_ONLY  // (instruction-count builds: the steady tiles only)
+#ifndef CUFLASH_FWD_INTERIOR_ONLY  // instruction counting (bench/hopper_sass_count.py): steady tiles only
         // masks: keys past Nk, and past the causal diagonal, on the tiles that reach them
         const int k0 = j * kBc;
         if (k0 + kBc > nk || (causal && k0 + kBc - 1 > q0 + 64 * w + causal_offset)) {
@@ -181,24 +181,42 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
             }
         }
 #endif
-        // online softmax: new row max, rescale of O and l, P = 2^(S c - m c)
-        float alpha[2], msub[2];
+        // online softmax, the reference max m lazy (as flash_fwd_tc): it moves, and O and l are
+        // rescaled, only when a row's tile max would make p exceed 2^8 (a warp-uniform test),
+        // so most tiles skip the 64 multiplies of O's rescale.  P = 2^(S c - m c) <= 2^8.
+        float mx[2];
+        bool move = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
+            float x = -INFINITY;
 #pragma unroll
             for (int i = 0; i < kBc / 2; ++i)
-                if (((i >> 1) & 1) == r) mx = fmaxf(mx, sacc[i]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mc[r], mx * c);
-            // a row that has seen no key yet has m = -inf: it subtracts 0 instead, so that its
-            // exponentials are 2^-inf = 0 and alpha 0 (its O and l are 0 anyway), never NaN
-            msub[r] = mnew == -INFINITY ? 0.0f : mnew;
-            alpha[r] = exp2f(mc[r] - msub[r]);
-            mc[r] = mnew;
-            l[r] *= alpha[r];
+                if (((i >> 1) & 1) == r) x = fmaxf(x, sacc[i]);
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            mx[r] = x * c;
+            move |= mx[r] > mc[r] + 8.0f;
         }
+        const bool any_move = __any_sync(0xffffffffu, move);
+#if defined(CUFLASH_FWD_INTERIOR_ONLY) && !defined(CUFLASH_FWD_COUNT_RESCALE)
+        if (any_move) __trap();  // counting the lazy path: keep the test, drop the rescale
+#else
+        if (any_move) {
+            // a row that has seen no key yet keeps m = -inf; its alpha is 0 (O and l are 0)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float mnew = fmaxf(mc[r], mx[r]);
+                const float alpha = exp2f(mc[r] - (mnew == -INFINITY ? 0.0f : mnew));
+                mc[r] = mnew;
+                l[r] *= alpha;
+#pragma unroll
+                for (int i = 0; i < kD / 2; ++i)
+                    if (((i >> 1) & 1) == r) o[i] *= alpha;
+            }
+        }
+#endif
+        // the exponentials subtract 0 for a row without keys: 2^-inf = 0, never NaN
+        const float msub[2] = {mc[0] == -INFINITY ? 0.0f : mc[0], mc[1] == -INFINITY ? 0.0f : mc[1]};
         uint32_t pf[kBc / 16][4];
 #pragma unroll
         for (int i = 0; i < kBc / 2; ++i) {
@@ -206,8 +224,6 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
             sacc[i] = exp2f(fmaf(sacc[i], c, -msub[r]));
             l[r] += sacc[i];
         }
-#pragma unroll
-        for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
         // P's accumulators (n8 tiles 2kk, 2kk + 1) as the A fragment of k16 step kk
 #pragma unroll
         for (int kk = 0; kk < kBc / 16; ++kk) {

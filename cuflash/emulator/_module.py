@@ -42,7 +42,7 @@ ENGINE_SOURCE = _HERE / "engine.cpp"
 # files the host build reads besides cuda_host.h (part of the cache key with it)
 _ENGINE_HEADERS = (_HERE / "fiber_engine.h", ENGINE_SOURCE)
 # bump when the generated launcher code changes (part of the cache key)
-_LAUNCHER_VERSION = "10"
+_LAUNCHER_VERSION = "11"
 # -O1: kernels barely slower than at -O2 (they are bound by barriers), ~20% faster builds.
 # The memcheck (cuda_host.h): every load and store calls a hook (kernel-address
 # instrumentation through calls, no shadow memory, no stack or global redzones); -g1 gives
@@ -252,7 +252,7 @@ typedef int (*cuflash_launcher_t)(const unsigned*, const unsigned*, unsigned lon
 struct cuflash_entry_t { const char* name; cuflash_launcher_t fn; };
 static const cuflash_entry_t cuflash_table[] = {@TABLE@};
 // file: name\n grid0 grid1 grid2 block0 block1 block2 shmem nargs nbuffers flags\n
-//       then per buffer: nbytes\n <raw bytes>\n
+//       then per buffer: nbytes parent_address\n <raw bytes>\n
 //       then per arg: "a buffer offset\n" (a pointer into a buffer) or "s nbytes\n<raw bytes>\n"
 // Arguments that alias (the same array twice, or overlapping views) point into one buffer,
 // as they would into one allocation on the GPU.
@@ -262,12 +262,16 @@ int main(int argc, char** argv) {
   std::string name; unsigned g[3], b[3], flags; unsigned long long shmem; size_t nargs, nbuf;
   in >> name >> g[0] >> g[1] >> g[2] >> b[0] >> b[1] >> b[2] >> shmem >> nargs >> nbuf >> flags;
   std::vector<std::vector<unsigned char>> bufs(nbuf);
+  std::vector<unsigned long long> from(nbuf), to(nbuf), sizes(nbuf);
   for (size_t i = 0; i < nbuf; ++i) {
-    size_t n; in >> n; in.get();
+    size_t n; in >> n >> from[i]; in.get();
     bufs[i].resize(n + 64);
     in.read(reinterpret_cast<char*>(bufs[i].data()), n);
     in.get();
+    to[i] = reinterpret_cast<unsigned long long>(bufs[i].data()); sizes[i] = n;
   }
+  // addresses held in the data (tensor maps) are the parent's: the engine moves them here
+  ::cuflash_emu::set_relocations(from.data(), to.data(), sizes.data(), unsigned(nbuf));
   std::vector<std::vector<unsigned char>> scalars(nargs);
   std::vector<void*> ptrs(nargs), args(nargs);
   for (size_t i = 0; i < nargs; ++i) {

@@ -101,7 +101,7 @@ def run_tsan(kernel, grid, block, shmem, args):
             f.write(f"{kernel.name} {grid[0]} {grid[1]} {grid[2]} {block[0]} {block[1]} {block[2]} "
                     f"{shmem} {len(holders)} {len(buffers)} {launch_flags() & 9}\n".encode())
             for start, n in buffers:
-                f.write(f"{n}\n".encode())
+                f.write(f"{n} {start}\n".encode())
                 f.write(ctypes.string_at(start, n))
                 f.write(b"\n")
             ai = 0

@@ -883,6 +883,12 @@ struct TensorMapEmu {
 static_assert(sizeof(TensorMapEmu) == 128, "a tensor map is 128 bytes");
 constexpr uint32_t kTensorMapMagic = 0x4d544643u;  // "CFTM"
 void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* bar, const char* file = "?", int line = 0);
+// A race-check program runs in a child process whose copies of the launch's arrays sit at
+// other addresses than the parent's: the global addresses a tensor map holds are moved by
+// these (parent start, child start, bytes) ranges; none in a launch in the caller's process.
+void set_relocations(const unsigned long long* from, const unsigned long long* to, const unsigned long long* sizes,
+                     unsigned n);
+uintptr_t relocate(uintptr_t addr);
 
 // ---------------------------------------------------------------- warpgroup MMA (sm_90a)
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}: a warpgroup (4 consecutive warps,

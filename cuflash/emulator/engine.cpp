@@ -353,6 +353,22 @@ void issue_bulk(void* dst, std::vector<unsigned char> data, void* bar, const cha
 }
 
 // ---- TMA: cp.async.bulk.tensor (see cuda_host.h)
+namespace {
+std::vector<std::array<uintptr_t, 3>> relocations;  // (parent start, child start, bytes)
+}
+
+void set_relocations(const unsigned long long* from, const unsigned long long* to, const unsigned long long* sizes,
+                     unsigned n) {
+    relocations.clear();
+    for (unsigned i = 0; i < n; ++i) relocations.push_back({uintptr_t(from[i]), uintptr_t(to[i]), uintptr_t(sizes[i])});
+}
+
+uintptr_t relocate(uintptr_t addr) {
+    for (const auto& r : relocations)
+        if (addr - r[0] < r[2]) return addr - r[0] + r[1];
+    return addr;
+}
+
 void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* bar, const char* file, int line) {
     ThreadCtx& c = *tctx;
     const char* what = "cp.async.bulk.tensor";
@@ -380,7 +396,7 @@ void tma_load(void* dst, const void* tmap, const int* coords, int rank, void* ba
     mbar_check_object(bar, "cp.async.bulk.tensor mbarrier", file, line);
     check_shared(dst, unsigned(bytes), "cp.async.bulk.tensor destination", file, line);
     std::vector<unsigned char> data(bytes, 0);  // out-of-bounds elements are zero
-    const unsigned char* base = reinterpret_cast<const unsigned char*>(uintptr_t(m.addr));
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(relocate(uintptr_t(m.addr)));
     for (uint64_t r = 0; r < rows; ++r) {
         // the row's global coordinates in dims 1..rank-1, and whether it is inside the tensor
         int64_t row_off = 0;

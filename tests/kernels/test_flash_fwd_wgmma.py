@@ -37,10 +37,10 @@ def options(dtype, d, bc):
 _MODS = {}
 
 
-def module(dtype, d, bc):
-    key = (dtype, d, bc)
+def module(dtype, d, bc, race_check=False):
+    key = (dtype, d, bc, race_check)
     if key not in _MODS:
-        _MODS[key] = em.RawModule(path=SRC, options=options(dtype, d, bc))
+        _MODS[key] = em.RawModule(path=SRC, options=options(dtype, d, bc), race_check=race_check)
     return _MODS[key]
 
 
@@ -62,12 +62,17 @@ def oracle(q, k, v, scale, causal):
     return o, lse
 
 
-def run(dtype, d, bc, B, H, Hk, nq, nk, causal, seed=0):
+def run(dtype, d, bc, B, H, Hk, nq, nk, causal, seed=0, rising=False, race_check=False):
+    """(o, lse, oracle o, oracle lse); `rising`: scores that grow along the keys by far more
+    than 2^8 per tile, so that every tile moves the row max (the rescale of O and l)."""
     npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, nq, d)).astype(npdt)
     k = rng.standard_normal((B, Hk, nk, d)).astype(npdt)
     v = rng.standard_normal((B, Hk, nk, d)).astype(npdt)
+    if rising:
+        q = (np.abs(q.astype(np.float32)) + 0.5).astype(npdt)
+        k = (np.abs(k.astype(np.float32)) * np.linspace(0.0, 3.0, nk)[:, None]).astype(npdt)
     scale = d ** -0.5
     o = np.full((B, H, nq, d), np.nan, npdt)
     lse = np.full((B, H, nq), np.nan, np.float32)
@@ -80,7 +85,7 @@ def run(dtype, d, bc, B, H, Hk, nq, nk, causal, seed=0):
     rt = emulator_backend.runtime()
     maps = [tensor_map(rt, q, (1, 1, 64, 64), swizzle=128), tensor_map(rt, k, (1, 1, bc, 64), swizzle=128),
             tensor_map(rt, v, (1, 1, bc, 64), swizzle=128)]
-    fn = module(dtype, d, bc).get_function("flash_fwd_wgmma")
+    fn = module(dtype, d, bc, race_check).get_function("flash_fwd_wgmma")
     fn.max_dynamic_shared_size_bytes = shared_bytes(d, bc)
     fn((n_tiles * H * B,), (384,), (*maps, q, k, v, o, lse, prm.view(np.uint8)), shared_mem=shared_bytes(d, bc))
     want_o, want_lse = oracle(q, k, v, scale, causal)
@@ -93,6 +98,8 @@ CASES = [
     ("float16", 128, 64, 1, 1, 1, 256, 256, True),
     ("bfloat16", 64, 64, 2, 1, 1, 70, 150, False),
     ("float16", 128, 128, 1, 1, 1, 129, 100, True),    # causal, fewer keys: rows that see none
+    ("bfloat16", 192, 96, 1, 1, 1, 100, 200, False),
+    ("float16", 256, 64, 1, 1, 1, 140, 140, True),
 ]
 
 
@@ -109,6 +116,38 @@ def test_matches_the_oracle(case):
     assert st["blocks"] == -(-nq // BR) * H * B
 
 
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_checked_launch():
+    """Under memcheck and the inter-block write check (every access inside the launch's
+    arrays and shared memory, no two blocks storing to one address), and the traffic: Q, K,
+    V read once per query tile (keys past the causal diagonal skipped), O and lse written once."""
+    B, H, nq, nk, d, bc = 1, 2, 200, 200, 64, 64
+    with em.memcheck(), em.interblock_check():
+        o, lse, want_o, want_lse = run("float16", d, bc, B, H, H, nq, nk, False, seed=7)
+    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=4e-3, rtol=4e-3)
+    st = em.last_launch_stats()
+    n_tiles = -(-nq // BR)
+    # per block: its Q rows (the TMA box reads only rows inside Q), every K and V row
+    q_rows = nq * H * B
+    kv_rows = n_tiles * nk * 2 * H * B
+    assert st["global_bytes_read"] == 2 * d * (q_rows + kv_rows)  # (the maps and params are not traffic)
+    assert st["global_bytes_written"] == 2 * d * nq * H * B + 4 * nq * H * B
+
+
+def test_race_check():
+    """The pipeline's mbarriers and the warpgroup waits order every shared access under
+    ThreadSanitizer, with the block's 384 threads as real threads."""
+    o, lse, want_o, want_lse = run("float16", 64, 64, 1, 1, 1, 64, 192, True, seed=8, race_check=True)
+    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=4e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rising_scores_rescale_every_tile(causal):
+    o, lse, want_o, want_lse = run("float16", 64, 64, 1, 1, 1, 150, 320, causal, seed=4, rising=True)
+    np.testing.assert_allclose(o.astype(np.float64), want_o, atol=4e-3, rtol=4e-3)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
 def test_nvrtc_sm90a_machine_code():
     from cuflash import _nvrtc, _sass
     ok, why = _nvrtc.is_available()
@@ -119,7 +158,7 @@ def test_nvrtc_sm90a_machine_code():
         pytest.skip(why)
     if 90 not in _nvrtc.supported_archs():
         pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
-    for dtype, d, bc in (("float16", 64, 128), ("bfloat16", 128, 128)):
+    for dtype, d, bc in (("float16", 64, 128), ("bfloat16", 128, 128), ("float16", 192, 96), ("bfloat16", 256, 64)):
         r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(
             *options(dtype, d, bc), f"-I{SRC.parent}", "-std=c++17", "-ftz=true", "--ptxas-options=-v"))
         assert r.warnings == []
