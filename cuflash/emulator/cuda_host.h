@@ -255,6 +255,8 @@ struct WgmmaOp {
     std::vector<float> b;             // B: [k][column], this thread's N / 4 columns
     std::vector<const unsigned short*> src;  // shared-memory elements read (SS operands)
     std::vector<unsigned short> bits;         // their values at issue
+    const uint32_t* a_regs = nullptr;         // RS: the thread's A registers, and their values
+    uint32_t a_bits[4] = {};
     const char* file = "?";
     int line = 0;
 };
@@ -908,7 +910,8 @@ uintptr_t relocate(uintptr_t addr);
 // and fills D with NaN; D gets the result only at the wait_group that completes the
 // wgmma's commit group, so reading D earlier sees NaN.  A store by any thread to the shared
 // memory an SS operand read, before that wait, is reported (the tensor cores may read it any
-// time until completion), as is a write to D in flight, a thread that returns with a wgmma
+// time until completion), as are a write to D or to the RS form's A registers in flight, a
+// thread that returns with a wgmma
 // in flight, and a first wgmma after launch or after a wait_group without a wgmma.fence
 // before it (the fence orders the thread's register accesses with the tensor cores').
 // Consecutive wgmma on the same D without a wait chain: each adds to the previous result.

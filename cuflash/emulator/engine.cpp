@@ -525,6 +525,8 @@ void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc
     if (a_regs) {  // RS: the warp's A fragment, as mma.m16n8k16's
         struct Frag { uint32_t a[4]; } mine;
         std::memcpy(mine.a, a_regs, 16);
+        op.a_regs = a_regs;
+        std::memcpy(op.a_bits, a_regs, 16);
         const unsigned char* s = warp_exchange(&mine, sizeof mine, 0xffffffffu, what);
         for (int r = 0; r < 2; ++r)
             for (int k = 0; k < 16; ++k) {
@@ -596,6 +598,10 @@ void wgmma_wait_group(int n, const char* file, int line) {
                                  ") was written before the wgmma.wait_group at " + file + ":" +
                                  std::to_string(line) + " completed it (the tensor cores may still read it)");
                 }
+            if (op.a_regs && std::memcmp(op.a_regs, op.a_bits, 16) != 0)
+                device_error("wgmma.mma_async at " + std::string(op.file) + ":" + std::to_string(op.line) +
+                             ": its A registers were written before the wgmma.wait_group at " + file + ":" +
+                             std::to_string(line) + " completed it (the tensor cores may still read them)");
             wgmma_compute(op);
         }
     // write each accumulator once, with the result of the last finished wgmma on it

@@ -221,9 +221,7 @@ def test_tensor_core_rounding(mods):
     assert np.max(np.abs(got - exact) / (np.abs(exact) + 1)) < 1e-6
 
 
-@pytest.mark.parametrize("tb", [False, True])
-def test_rs_form(mods, tb):
-    """A from registers (the mma.m16n8k16 fragment), B by descriptor."""
+def run_rs(mods, tb, mode=0):
     rng = np.random.default_rng(11)
     n = 32
     A = rng.integers(-3, 4, (64, 16)) * 0.25
@@ -236,9 +234,21 @@ def test_rs_form(mods, tb):
     out = np.zeros(128 * (n // 2), np.float32)
     mods(n, False, False, tb).get_function("wg_rs")(
         1, 128, (img[:size].view(np.uint32).reshape(-1, 4).copy(), np.int32(size // 16), bits(A, False).copy(),
-                 np.array([0, lb, sb, 64, 0], np.int32), np.int32(1), out), shared_mem=size + 1024)
+                 np.array([0, lb, sb, 64, 0], np.int32), np.int32(1), np.int32(mode), out), shared_mem=size + 1024)
     row, col = fragment_coords(n)
-    np.testing.assert_array_equal(out.reshape(row.shape), (A @ B.T)[row, col] + 0.5 * (np.arange(n // 2) + 1))
+    return out.reshape(row.shape), (A @ B.T)[row, col] + 0.5 * (np.arange(n // 2) + 1)
+
+
+@pytest.mark.parametrize("tb", [False, True])
+def test_rs_form(mods, tb):
+    """A from registers (the mma.m16n8k16 fragment), B by descriptor."""
+    got, want = run_rs(mods, tb)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_rs_a_registers_in_flight(mods):
+    with pytest.raises(em.LaunchError, match="its A registers were written before the wgmma.wait_group"):
+        run_rs(mods, False, mode=1)
 
 
 def test_race_check(mods):

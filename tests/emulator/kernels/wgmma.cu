@@ -6,7 +6,7 @@
 // operand: D = sum_i A_i B_i (+ D0 = 0.5 (register + 1) when `init`).  out: each thread's
 // N / 2 registers, thread-major.
 // wg_rs: A from registers (the mma.m16n8k16 A fragment of `a`, 64 x 16 row-major), B as in
-// wg_ss, one step.
+// wg_ss, one step; mode 1 writes an A register before the wait.
 // mode (wg_ss): 0 plain; 1 read D before the wait (into out, then wait); 2 a store to A's
 // shared memory before the wait; 3 no wgmma.fence; 4 return with the wgmma in flight;
 // 5 two commit groups on two accumulators, wait<1> then wait<0> (out: D1 after wait<1>,
@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wg_ss(const uint4* img, int
 }
 
 extern "C" __global__ void wg_rs(const uint4* img, int nvec, const unsigned short* a, const int* pb, int init,
-                                 float* out) {
+                                 int mode, float* out) {
     unsigned char* smem = aligned_smem();
     const Operand b = operand(pb);
     load_image(smem, img, nvec);
@@ -95,6 +95,7 @@ extern "C" __global__ void wg_rs(const uint4* img, int nvec, const unsigned shor
     for (int i = 0; i < kRegs; ++i) d[i] = init ? 0.5f * (i + 1) : 0.0f;
     wgmma_fence();
     wgmma_rs<kN, WG_BF16, WG_TB>(d, frag, desc_of(smem, b, 0), init);
+    if (mode == 1) frag[0] ^= 1u;  // the A registers of a wgmma in flight
     wgmma_commit();
     wgmma_wait<0>();
     store(out, d);
