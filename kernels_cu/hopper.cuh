@@ -100,8 +100,7 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
     CUFLASH_NEED_SM90("cp.async.bulk");
     ::cuflash_emu::bulk_copy_g2s(dst, src, bytes, bar, CUFLASH_SITE_ARGS);
 }
-// One OS thread (or the block lock) orders everything the emulator does.
-__device__ __forceinline__ void fence_proxy_async() {}
+__device__ __forceinline__ void fence_proxy_async() { ::cuflash_emu::fence_proxy_async(); }
 
 template <int R>
 __device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int (&coords)[R], uint64_t* bar CUFLASH_SITE) {

@@ -467,6 +467,8 @@ class RawModule:
         self._lib = None
         self._tsan_exe = None
         self._functions = {}
+        # asynchronous-proxy reads of shared memory (wgmma operands) happen in this module
+        self.uses_wgmma = "cuflash_emu::wgmma_mma" in self._pre
 
     # -- building
     def _preprocess(self):
@@ -782,6 +784,8 @@ class RawKernel:
             flags |= 4
         if memcheck_enabled():
             flags |= 2
+            if self.module.uses_wgmma:  # the proxy check (cuda_host.h, LAUNCH_PROXY_CHECK)
+                flags |= 16
         if flags & 6:  # the memcheck checks against the arrays, the profiler counts sectors in them
             # (first byte, end) of each pointer argument, and its parameter index
             ptr_params = [i for i, p in enumerate(self.params) if p[1] == "p"]

@@ -287,6 +287,7 @@ struct ThreadCtx {
     unsigned long long counts[24] = {};
     std::vector<CpCopy> cp_open;                 // issued, not yet committed
     std::vector<std::vector<CpCopy>> cp_groups;  // committed, oldest first
+    uint32_t proxy_gen = 0;                       // fence.proxy.async count (see proxy_mark)
     std::vector<WgmmaOp> wg_open;                 // wgmma issued, not committed
     std::vector<std::vector<WgmmaOp>> wg_groups;  // committed wgmma groups, oldest first
     bool wg_fenced = false;                       // a wgmma.fence since the last wait_group
@@ -325,6 +326,10 @@ struct Block {
     // mbarriers of the block by shared-memory address, the bulk copies in flight, and the
     // count of completed mbarrier phases, which threads waiting on any mbarrier watch
     // (they re-check their own barrier when it moves; see "mbarrier" below).
+    // With the proxy check on: per byte of dynamic shared memory, the generic-proxy store
+    // that last wrote it, as (thread + 1) | fence count << 11, 0 for none (see proxy_mark).
+    std::vector<uint32_t> proxy;
+    ThreadCtx* threads = nullptr;  // the block's thread contexts (by thread index)
     std::map<uintptr_t, Mbarrier> mbars;
     std::vector<BulkCopy> bulk;
     std::atomic<unsigned> mbar_gen{0};
@@ -924,6 +929,10 @@ void wgmma_wait_group(int n, const char* file = "?", int line = 0);
 void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
                bool trans_b, bool accumulate, const char* file = "?", int line = 0);
 void setmaxnreg(unsigned regs, bool inc, const char* file = "?", int line = 0);
+// fence.proxy.async: this thread's earlier generic-proxy shared stores become visible to the
+// asynchronous proxy (the tensor cores' operand reads).  Under the proxy check, a wgmma that
+// reads a byte a thread stored with no fence.proxy.async by that thread since is an error.
+void fence_proxy_async();
 
 // ---------------------------------------------------------------- atomic order check
 // A float atomic add is deterministic only in the order the adds reach an address.  Adds of
@@ -1307,8 +1316,10 @@ void set_buffers(const unsigned long long* ranges, const unsigned* args, unsigne
 std::string profile_text();
 // flags: bit 0 = the inter-block write check, bit 1 = memcheck, bit 2 = profile, bit 3 = the
 // atomic order check.  Returns 0, 1 (launch error), 2 (inter-block race) or 3 (atomic order).
+// bit 4 = the proxy check (with memcheck, for kernels that use wgmma: a generic-proxy store to
+// shared memory that an asynchronous-proxy read meets without a fence.proxy.async between).
 enum : unsigned { LAUNCH_CHECK_INTERBLOCK = 1u, LAUNCH_MEMCHECK = 2u, LAUNCH_PROFILE = 4u,
-                  LAUNCH_CHECK_ATOMIC_ORDER = 8u };
+                  LAUNCH_CHECK_ATOMIC_ORDER = 8u, LAUNCH_PROXY_CHECK = 16u };
 int launch(const char* name, void (*entry)(void**), void** args, const unsigned* grid,
            const unsigned* block, unsigned long long shmem, unsigned long long* stats,
            char* err, size_t errlen, unsigned flags);

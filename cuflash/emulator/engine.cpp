@@ -151,8 +151,18 @@ __attribute__((noinline, cold)) void bulk_overlap_hook(uintptr_t a, unsigned n, 
     }
 }
 
+// A generic-proxy store of n bytes at a (the proxy check: who wrote it, at which fence count).
+static void proxy_mark(uintptr_t a, unsigned n) {
+    ThreadCtx* c = tctx;
+    if (!c || c->quiet || c->blk->proxy.empty()) return;
+    const uint32_t tag = (c->tid + 1) | (c->proxy_gen << 11);
+    const uintptr_t off = a - memcheck.dyn_lo;
+    for (unsigned i = 0; i < n && off + i < c->blk->proxy.size(); ++i) c->blk->proxy[off + i] = tag;
+}
+
 __attribute__((noinline)) void raw_access_in_window(uintptr_t a, unsigned n, bool store, const void* pc) {
     if (in_shared_alloc(a, n)) {
+        if (store) proxy_mark(a, n);
         if (memcheck.profile) record_plain_shared(pc, a, n, store ? ACC_SHARED_STORE : ACC_SHARED_LOAD);
 #if !CUFLASH_EMULATOR_THREADS
         if (memcheck.shared_on && tctx && !tctx->blk->bulk.empty()) bulk_overlap_hook(a, n, store, pc);
@@ -495,6 +505,30 @@ bool wgmma_in_flight(const ThreadCtx& c, const float* d) {
 }
 }  // namespace
 
+void fence_proxy_async() {
+    ThreadCtx& c = *tctx;
+    ++c.proxy_gen;
+}
+
+// An asynchronous-proxy read (a wgmma operand) of the shared bytes [p, p + n): a generic
+// store there that its thread has not fenced since is reported.
+static void proxy_check(const void* p, unsigned n, const char* what, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    const std::vector<uint32_t>& px = c.blk->proxy;
+    if (px.empty()) return;
+    const uintptr_t off = reinterpret_cast<uintptr_t>(p) - memcheck.dyn_lo;
+    for (unsigned i = 0; i < n && off + i < px.size(); ++i) {
+        const uint32_t e = px[off + i];
+        if (e == 0) continue;
+        const unsigned writer = (e & 0x7ffu) - 1, gen = e >> 11;
+        if (gen == (c.blk->threads[writer].proxy_gen & 0x1fffffu))
+            device_error(std::string(what) + " at " + file + ":" + std::to_string(line) + " reads shared byte " +
+                         std::to_string(off + i) + ", which thread " + std::to_string(writer) +
+                         " stored (generic proxy) with no fence.proxy.async since: the tensor cores may read the "
+                         "old value");
+    }
+}
+
 void wgmma_fence() {
     ThreadCtx& c = *tctx;
     wgmma_require_warpgroup("wgmma.fence");
@@ -538,6 +572,7 @@ void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc
         for (int r = 0; r < 2; ++r)
             for (int k = 0; k < 16; ++k) {
                 const unsigned short* e = wgmma_element(desc_a, row0 + 8 * r, k, trans_a, "wgmma.mma_async A");
+                proxy_check(e, 2, "wgmma.mma_async (A)", file, line);
                 op.src.push_back(e); op.bits.push_back(*e);
                 op.a[r][k] = value(*e);
             }
@@ -548,6 +583,7 @@ void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc
         for (int j = 0; j < ncols; ++j) {
             const int col = 8 * (j / 2) + 2 * t + (j & 1);
             const unsigned short* e = wgmma_element(desc_b, col, k, trans_b, "wgmma.mma_async B");
+            proxy_check(e, 2, "wgmma.mma_async (B)", file, line);
             op.src.push_back(e); op.bits.push_back(*e);
             op.b[size_t(k) * ncols + j] = value(*e);
         }
@@ -812,10 +848,12 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
         c.record_atomics = (flags & LAUNCH_CHECK_ATOMIC_ORDER) != 0;
     }
     // Before block b (every thread is between blocks).
+    blk.threads = ctxs.data();
     auto begin_block = [&](unsigned long long b) {
         if (b > 0 && memcheck.profile) profile_block(ctxs);
         blk.reset();
         std::memset(dyn.get(), 0xff, dyn_bytes);
+        if (flags & LAUNCH_PROXY_CHECK) blk.proxy.assign(dyn_bytes, 0u);
     };
     // One CUDA thread's part of block b.  The catch blocks only record the
     // error: the fiber engine must not switch inside one.
@@ -823,7 +861,7 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
         c.block_lin = b;
         c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                            unsigned(b / (1ull * grid[0] * grid[1]))};
-        c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0;
+        c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0; c.proxy_gen = 0;
         c.cp_open.clear(); c.cp_groups.clear();
         c.wg_open.clear(); c.wg_groups.clear(); c.wg_fenced = false;
         try {

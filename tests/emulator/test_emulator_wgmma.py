@@ -294,6 +294,20 @@ def test_return_in_flight(mods):
         run_ss(mods, 64, "K", "K", 128, 128, 1, mode=4)
 
 
+def test_missing_proxy_fence(mods):
+    """Operands stored by the threads (generic proxy) and read by wgmma (async proxy) need a
+    fence.proxy.async between: under memcheck (the tests' default) its absence is reported;
+    without memcheck (no store log) the launch runs."""
+    with em.memcheck():
+        run_ss(mods, 64, "K", "K", 128, 128, 1)  # fenced: fine
+        with pytest.raises(em.LaunchError, match=r"wgmma.mma_async \(A\) at .*wgmma.cu:\d+ reads shared byte \d+, "
+                                                 r"which thread \d+ stored \(generic proxy\) with no fence.proxy.async"):
+            run_ss(mods, 64, "K", "K", 128, 128, 1, mode=8)
+    with em.memcheck(False):
+        out, expect, _ = run_ss(mods, 64, "K", "K", 128, 128, 1, mode=8)
+    np.testing.assert_array_equal(out.reshape(expect.shape), expect)
+
+
 def test_write_to_d_in_flight(mods):
     with pytest.raises(em.LaunchError, match="accumulator register 0 was written while the wgmma was in flight"):
         run_ss(mods, 64, "K", "K", 128, 128, 1, mode=6)

@@ -10,7 +10,8 @@
 // mode (wg_ss): 0 plain; 1 read D before the wait (into out, then wait); 2 a store to A's
 // shared memory before the wait; 3 no wgmma.fence; 4 return with the wgmma in flight;
 // 5 two commit groups on two accumulators, wait<1> then wait<0> (out: D1 after wait<1>,
-// then D2 after wait<1>, then D2 after wait<0>); 6 a write to D in flight; 7 setmaxnreg first.
+// then D2 after wait<1>, then D2 after wait<0>); 6 a write to D in flight; 7 setmaxnreg first;
+// 8 no fence.proxy.async after the generic stores of the operands.
 #include "portable.cuh"
 #include "hopper.cuh"
 
@@ -30,10 +31,10 @@ constexpr int kRegs = WG_N / 2;
 struct Operand { int offset, lbo, sbo, swizzle, kstep; };
 __device__ Operand operand(const int* p) { return Operand{p[0], p[1], p[2], p[3], p[4]}; }
 
-__device__ void load_image(unsigned char* smem, const uint4* img, int nvec) {
+__device__ void load_image(unsigned char* smem, const uint4* img, int nvec, bool fence = true) {
     for (int i = threadIdx.x; i < nvec; i += blockDim.x)
         reinterpret_cast<uint4*>(smem)[i] = img[i];
-    fence_proxy_async();  // the generic stores before the tensor cores' (async proxy) reads
+    if (fence) fence_proxy_async();  // the generic stores before the tensor cores' (async proxy) reads
     __syncthreads();
 }
 
@@ -50,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wg_ss(const uint4* img, int
                                  int mode, float* out) {
     unsigned char* smem = aligned_smem();
     const Operand a = operand(pa), b = operand(pb);
-    load_image(smem, img, nvec);
+    load_image(smem, img, nvec, mode != 8);
     float d[kRegs];
     for (int i = 0; i < kRegs; ++i) d[i] = init ? 0.5f * (i + 1) : 0.0f;
     if (mode == 7) setmaxnreg_inc<240>();
