@@ -524,4 +524,11 @@ def compile_variants():
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)
+    # flash_fwd_wgmma.cu (Hopper, sm_90a; its instructions trap in other builds): not planned
+    # yet, so two of its tested specialisations (tests/kernels/test_flash_fwd_wgmma.py compiles
+    # them for sm_90a)
+    out["flash_fwd_wgmma.cu"] = [build_options({"CUFLASH_DTYPE_F16": None, "CUFLASH_HEAD_DIM": 128,
+                                                "CUFLASH_BLOCK_KV": 128}),
+                                 build_options({"CUFLASH_DTYPE_BF16": None, "CUFLASH_HEAD_DIM": 64,
+                                                "CUFLASH_BLOCK_KV": 64})]
     return out

@@ -50,8 +50,8 @@
 // parity k & 1.  Typical initialisation: one thread inits, then fence_proxy_async() and
 // __syncthreads() before any thread or copy uses the barrier.
 //
-// GPU: inline PTX on sm_90 and later; on older architectures the functions trap (they exist
-// so that a file including this header still compiles for every architecture).  Emulator:
+// GPU: inline PTX on sm_90 and later (wgmma and setmaxnreg: sm_90a); elsewhere the functions
+// trap (they exist so that a file including this header still compiles for every architecture).  Emulator:
 // cuflash/emulator/cuda_host.h, where the copy's destination reads as NaN until the data
 // lands and memcheck reports an access to it before the wait.
 #pragma once
@@ -199,6 +199,9 @@ __device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int 
                      ::"r"(d), "l"(t), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]), "r"(b) : "memory");
 }
 
+// wgmma and setmaxnreg exist only in sm_90a code (-arch=sm_90a); a plain sm_90 build traps
+// (below), as builds for older GPUs do
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "wgmma_sm90.cuh"
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -229,6 +232,8 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(CuflashMaxnreg<R>::value));
 }
+#define CUFLASH_HAVE_WGMMA 1
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 #else  // before sm_90: no such instructions
 
@@ -240,6 +245,10 @@ __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint
 __device__ __forceinline__ void fence_proxy_async() {}
 template <int R>
 __device__ __forceinline__ void tma_load(void*, const void*, const int (&)[R], uint64_t*) { __trap(); }
+
+#endif
+
+#if !defined(CUFLASH_EMULATOR) && !defined(CUFLASH_HAVE_WGMMA)  // GPU code for sm_90 or older
 __device__ __forceinline__ void wgmma_fence() { __trap(); }
 __device__ __forceinline__ void wgmma_commit() { __trap(); }
 template <int N>
@@ -256,5 +265,4 @@ template <int R>
 __device__ __forceinline__ void setmaxnreg_inc() { __trap(); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { __trap(); }
-
 #endif

@@ -34,7 +34,8 @@ FULL_ARCHS = (80,)
 # mma) kept NVRTC busy for over 17 minutes on a 2-core CI box without finishing.
 NOT_PLANNED = {"flash_bwd_tf32.cu": (75,)}
 # specialisations of the test kernels (tests/emulator/kernels/*.cu)
-TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)]}
+TEST_VARIANTS = {"mma.cu": [("-DDTYPE=__half",), ("-DDTYPE=__nv_bfloat16",)],
+                 "wgmma.cu": [("-DWG_N=64", "-DWG_BF16=0", "-DWG_TA=0", "-DWG_TB=1")]}
 
 
 def _project_variants():
