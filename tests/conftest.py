@@ -204,6 +204,22 @@ def grid(cases, emulator=None, reference_only=None, ids=None):
 
 
 @pytest.fixture
+def sm90_nvrtc():
+    """(cuflash._nvrtc, cuflash._sass) where NVRTC compiles for sm_90 and the SASS tools are
+    here (the machine-code tests of the Hopper code); else the test is skipped, saying why."""
+    from cuflash import _nvrtc, _sass
+    ok, why = _nvrtc.is_available()
+    if not ok:
+        pytest.skip(f"NVRTC not available: {why}")
+    ok, why = _sass.is_available()
+    if not ok:
+        pytest.skip(why)
+    if 90 not in _nvrtc.supported_archs():
+        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
+    return _nvrtc, _sass
+
+
+@pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's id so a failure reproduces.
 

@@ -140,16 +140,8 @@ def test_needs_sm90(mods):
         run_pipeline(mods("sm_80"), 1)
 
 
-def test_nvrtc_sm90a_machine_code():
-    from cuflash import _nvrtc, _sass
-    ok, why = _nvrtc.is_available()
-    if not ok:
-        pytest.skip(f"NVRTC not available: {why}")
-    ok, why = _sass.is_available()
-    if not ok:
-        pytest.skip(why)
-    if 90 not in _nvrtc.supported_archs():
-        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
+def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
+    _nvrtc, _sass = sm90_nvrtc
     root = SRC.parents[3]
     r = _nvrtc.compile(SRC.read_text(), SRC.name, options=("-arch=sm_90a", f"-I{root / 'kernels_cu'}",
                                                             f"-I{SRC.parent}", "-std=c++17"))

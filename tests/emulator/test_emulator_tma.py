@@ -131,16 +131,8 @@ def test_errors(mod, rt):
                                              np.zeros(1024, np.uint8), np.int32(0)), shared_mem=3072)
 
 
-def test_nvrtc_sm90a_machine_code():
-    from cuflash import _nvrtc, _sass
-    ok, why = _nvrtc.is_available()
-    if not ok:
-        pytest.skip(f"NVRTC not available: {why}")
-    ok, why = _sass.is_available()
-    if not ok:
-        pytest.skip(why)
-    if 90 not in _nvrtc.supported_archs():
-        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
+def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
+    _nvrtc, _sass = sm90_nvrtc
     r = _nvrtc.compile(SRC.read_text(), SRC.name, options=("-arch=sm_90a", f"-I{ROOT / 'kernels_cu'}", "-std=c++17"))
     assert r.warnings == []
     sass = _sass.disassemble(r.cubin)

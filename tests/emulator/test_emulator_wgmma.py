@@ -357,18 +357,10 @@ def test_header_is_the_generators_output():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_nvrtc_sm90a_machine_code():
+def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
     """NVRTC compiles the GPU side (wgmma_sm90.cuh's inline PTX) for sm_90a: HGMMA in the SASS,
     SS and RS forms, f16 and bf16, with the fence, commit and wait around them."""
-    from cuflash import _nvrtc, _sass
-    ok, why = _nvrtc.is_available()
-    if not ok:
-        pytest.skip(f"NVRTC not available: {why}")
-    ok, why = _sass.is_available()
-    if not ok:
-        pytest.skip(why)
-    if 90 not in _nvrtc.supported_archs():
-        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
+    _nvrtc, _sass = sm90_nvrtc
     ops = set()
     for n, bf16, ta, tb in ((64, 0, 0, 1), (256, 1, 1, 0)):
         r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(

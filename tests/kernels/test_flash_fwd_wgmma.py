@@ -148,16 +148,8 @@ def test_rising_scores_rescale_every_tile(causal):
     np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
-def test_nvrtc_sm90a_machine_code():
-    from cuflash import _nvrtc, _sass
-    ok, why = _nvrtc.is_available()
-    if not ok:
-        pytest.skip(f"NVRTC not available: {why}")
-    ok, why = _sass.is_available()
-    if not ok:
-        pytest.skip(why)
-    if 90 not in _nvrtc.supported_archs():
-        pytest.skip(f"this NVRTC ({_nvrtc.version()}) does not compile for sm_90")
+def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
+    _nvrtc, _sass = sm90_nvrtc
     for dtype, d, bc in (("float16", 64, 128), ("bfloat16", 128, 128), ("float16", 192, 96), ("bfloat16", 256, 64)):
         r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(
             *options(dtype, d, bc), f"-I{SRC.parent}", "-std=c++17", "-ftz=true", "--ptxas-options=-v"))
