@@ -99,7 +99,7 @@ def test_tma_then_wgmma(mod, rt):
     np.testing.assert_array_equal(out.reshape(want.shape), want)
 
 
-def test_read_before_the_wait(mod, rt, monkeypatch):
+def test_read_before_the_wait(mod, rt):
     x = np.ones((16, 64), np.float16)
     with em.memcheck():
         with pytest.raises(em.MemcheckError, match="cp.async.bulk"):
