@@ -30,7 +30,7 @@ __all__ = ["find_cuobjdump", "is_available", "disassemble", "instructions", "mai
 
 # instruction classes of the report, in column order: name -> opcodes (before the first '.')
 CLASSES = collections.OrderedDict([
-    ("HMMA", ("HMMA",)),
+    ("HMMA", ("HMMA", "HGMMA")),  # HGMMA: the warpgroup MMA of sm_90a (one per warp per wgmma)
     ("LDSM", ("LDSM",)),
     ("LDS", ("LDS",)),
     ("STS", ("STS",)),
@@ -118,11 +118,12 @@ def _loops(instrs):
 
 
 def main_loop(instrs):
-    """The main loop's (start, end) addresses: the loop with the most HMMA, else FFMA; or None."""
+    """The main loop's (start, end) addresses: the loop with the most HMMA (or HGMMA), else FFMA;
+    or None."""
     best, best_key = None, (0, 0)
     for lo, hi in _loops(instrs):
         c = collections.Counter(op for a, op, _ in instrs if lo <= a <= hi)
-        key = (c["HMMA"], c["FFMA"] + c["DFMA"])
+        key = (c["HMMA"] + c["HGMMA"], c["FFMA"] + c["DFMA"])
         if key > best_key:
             best, best_key = (lo, hi), key
     return best
