@@ -48,9 +48,6 @@ def count(d, bc, rescale):
     r = _nvrtc.compile(SRC.read_text(), SRC.name, tuple(opts))
     info = _nvrtc.parse_ptxas_info(r.log)["flash_fwd_wgmma"]
     instrs = fc.parse_sass(_sass.disassemble(r.cubin))["flash_fwd_wgmma"]
-    # the opcode pattern stops at the lower-case x of HGMMA.64x128x16: put the shape back
-    instrs = [(a, op, full + args.split()[0] if full == "HGMMA.64" else full, args, pred)
-              for a, op, full, args, pred in instrs]
     b = fc.base(instrs)
     span = max(_sass._loops(b), key=lambda s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA"))
     ops, _, _, _ = fc.steady_ops(instrs, span)

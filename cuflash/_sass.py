@@ -45,7 +45,8 @@ CLASSES = collections.OrderedDict([
     ("SHFL", ("SHFL",)),
 ])
 
-_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
+# modifiers may hold lower case: HGMMA.64x128x16.F32's shape
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Za-z0-9_]*)\s*([^;]*);")
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")
 
 

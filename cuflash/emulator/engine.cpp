@@ -498,10 +498,12 @@ const WgmmaOp* wgmma_first_in_flight(const ThreadCtx& c) {
     return c.wg_open.empty() ? nullptr : &c.wg_open.front();
 }
 
-bool wgmma_in_flight(const ThreadCtx& c, const float* d) {
-    for (const WgmmaOp& o : c.wg_open) if (o.d == d) return true;
-    for (const auto& g : c.wg_groups) for (const WgmmaOp& o : g) if (o.d == d) return true;
-    return false;
+// The latest wgmma in flight on the accumulator registers d (committed or not), or null.
+const WgmmaOp* last_in_flight(const ThreadCtx& c, const float* d) {
+    const WgmmaOp* last = nullptr;
+    for (const auto& g : c.wg_groups) for (const WgmmaOp& o : g) if (o.d == d) last = &o;
+    for (const WgmmaOp& o : c.wg_open) if (o.d == d) last = &o;
+    return last;
 }
 }  // namespace
 
@@ -588,10 +590,7 @@ void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc
             op.b[size_t(k) * ncols + j] = value(*e);
         }
     // a wgmma in flight on the same registers: this one adds to its result
-    const WgmmaOp* prev = nullptr;
-    for (const auto& gr : c.wg_groups) for (const WgmmaOp& o : gr) if (o.d == d) prev = &o;
-    for (const WgmmaOp& o : c.wg_open) if (o.d == d) prev = &o;
-    if (prev) {
+    if (const WgmmaOp* prev = last_in_flight(c, d)) {
         if (prev->nregs != op.nregs)
             device_error(std::string(what) + ": a wgmma of another N is in flight on the same accumulator registers");
         op.chain = prev->result;
@@ -649,7 +648,7 @@ void wgmma_wait_group(int n, const char* file, int line) {
             if (!replaced) last_on.push_back(&op);
         }
     for (const WgmmaOp* op : last_on) {
-        if (wgmma_in_flight(c, op->d)) continue;  // a later wgmma in flight still owns d
+        if (last_in_flight(c, op->d)) continue;  // a later wgmma in flight still owns d
         for (unsigned i = 0; i < op->nregs; ++i) {
             uint32_t bits;
             std::memcpy(&bits, &op->d[i], 4);

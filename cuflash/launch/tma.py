@@ -8,6 +8,7 @@ expose it); on the emulator it is the emulator's own 128-byte form (``TensorMapE
 aligned, that a kernel takes as a pointer.
 """
 import ctypes
+import functools
 import struct
 
 import numpy as np
@@ -90,7 +91,9 @@ def _aligned(data):
     return out
 
 
-def _encode_cuda(runtime, addr, dtype, dims, strides, box, swizzle):
+@functools.lru_cache(maxsize=1)
+def _encoder():
+    """The driver's cuTensorMapEncodeTiled, typed once (a launcher makes maps on every call)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
@@ -100,6 +103,12 @@ def _encode_cuda(runtime, addr, dtype, dims, strides, box, swizzle):
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
                    ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def _encode_cuda(runtime, addr, dtype, dims, strides, box, swizzle):
+    fn = _encoder()
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rank = len(dims)
     raw = ctypes.create_string_buffer(128 + 64)
     at = ctypes.addressof(raw) + (-ctypes.addressof(raw)) % 64
