@@ -77,7 +77,11 @@ GROUPS = {
     "flash_bwd_tf32": ("flash_bwd_tf32.cu", {}, ("flash_bwd_tf32",)),
     "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", MASKS, ("flash_bwd_tf32_masked",)),
     "online_softmax": ("online_softmax.cu", {}, ()),
+    "flash_fwd_wgmma": ("flash_fwd_wgmma.cu", {}, ("flash_fwd_wgmma",)),
 }
+# groups compiled for an architecture's arch-specific code (cuflash.kernels.KERNEL_ARCH: sm_90a)
+ARCH_SPECIFIC = {g: kernels.KERNEL_ARCH[k] for g, spec in GROUPS.items() for k in spec[2]
+                 if k in kernels.KERNEL_ARCH}
 TC_DIMS = tuple(range(16, 257, 16))
 
 
@@ -89,7 +93,7 @@ class Job:
     def __init__(self, group, key, defines, arch, default=True):
         self.group, self.key, self.arch, self.default = group, key, arch, default
         self.defines = dict(GROUPS[group][1], **defines)
-        self.options = (f"-arch=sm_{arch}", "--ptxas-options=-v",
+        self.options = (f"-arch={ARCH_SPECIFIC.get(group, f'sm_{arch}')}", "--ptxas-options=-v",
                         *kernels.build_options(self.defines))
 
     @property
@@ -413,6 +417,7 @@ def nvrtc_tokens(job, kdir):
     defs = [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in job.defines.items()]
     cmd = [os.environ.get("CXX", "g++"), "-E", "-P", "-x", "c++", "-std=c++17", f"-I{kdir}",
            "-D__CUDACC__", "-D__CUDACC_RTC__", "-D__NVCC__", f"-D__CUDA_ARCH__={job.arch * 10}",
+           *(["-D__CUDA_ARCH_FEAT_SM90_ALL"] if ARCH_SPECIFIC.get(job.group) == "sm_90a" else []),
            *defs, str(Path(kdir) / fname)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:

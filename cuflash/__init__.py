@@ -82,7 +82,10 @@ _FWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator" (which models an sm_80 b
     (float64, other head dims, sm_75) ``flash_fwd`` on the CUDA cores.  A call with any of
     bias, window, alibi_slopes, softcap or dropout_p runs the same choice compiled with
     the features -- ``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``,
-    ``flash_fwd_masked`` -- and never splits the keys.  A split-KV call runs
+    ``flash_fwd_masked`` -- and never splits the keys.  On an sm_90 with ``CUFLASH_WGMMA=1``
+    (off by default until it has run on a GPU), plain float16/bfloat16 calls with d == dv in
+    64, 128, 192, 256 and block_q None or 128 run ``flash_fwd_wgmma`` (wgmma, TMA, a producer
+    warpgroup; sm_90a).  A split-KV call runs
     ``flash_fwd_serving`` and then ``flash_fwd_combine``.  :func:`memory_analysis`
     names a call's kernels and their shared memory."""
 

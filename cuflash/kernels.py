@@ -36,7 +36,7 @@ from . import emulator, tiling
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
     "get_function", "get_functions", "compile_variants", "plan_defines", "KERNEL_SOURCES",
-    "CallCache", "SpillError", "check_compiled",
+    "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV", "wgmma_chosen",
 ]
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +124,26 @@ KERNEL_SOURCES = {
     "flash_bwd_tc": "flash_bwd_tc.cu",
     "flash_bwd_tc_dq_convert": "flash_bwd_tc.cu",
     "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
+    "flash_fwd_wgmma": "flash_fwd_wgmma.cu",  # Hopper (sm_90a): TMA, wgmma, warp specialisation
 }
+
+# Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
+# it on every device that runs them (wgmma and setmaxnreg are sm_90a's; a plain sm_90 build
+# of flash_fwd_wgmma.cu traps), after any -arch the backend adds.
+KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a"}
+# Whether an sm_90 runs the Hopper forward (flash_fwd_wgmma) for the calls it takes: "1" to
+# choose it, read when a backend's runtime is made.  Off until the GPU check
+# (bench/device_check.py) has passed its tests on an H100: the kernel and the emulator's
+# wgmma/TMA are written from the PTX ISA and have run only on the emulator.
+WGMMA_ENV = "CUFLASH_WGMMA"
+
+
+def wgmma_chosen():
+    """Whether ``$CUFLASH_WGMMA`` asks for the Hopper forward on sm_90 ("1"; "0" or unset: no)."""
+    val = os.environ.get(WGMMA_ENV, "0")
+    if val not in ("0", "1"):
+        raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper forward on sm_90) or 0")
+    return val == "1"
 
 
 def plan_defines(plan):
@@ -202,11 +221,15 @@ class Runtime:
         for float16/bfloat16, flash_fwd_tf32 for float32): sm_80 and newer.  Before
         sm_80 portable.cuh emulates the mma with 32 shuffles, which is correct but
         slower than the SIMT kernel, so only an explicit ``kernel=`` runs them there.
+    wgmma : bool
+        Whether the forward takes the Hopper kernel (flash_fwd_wgmma) for the calls it
+        supports: an sm_90 (on the emulator: standing in for one) with ``$CUFLASH_WGMMA=1``.
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108):
+                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108, wgmma=False):
         self.name = name
+        self.wgmma = wgmma
         self.num_sms = num_sms
         self.calls = CallCache()
         self._synchronize = synchronize
@@ -229,7 +252,8 @@ class Runtime:
         if kernel is None and not self.tensor_cores:
             kernel = "flash_fwd_masked" if masked else "flash_fwd"
         return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
-                                     limit_source=self.smem_source, kernel=kernel, masked=masked)
+                                     limit_source=self.smem_source, kernel=kernel, masked=masked,
+                                     wgmma=self.wgmma)
 
     def synchronize(self):
         """Wait for the device (GPU: the current stream); nothing on the emulator."""
@@ -255,8 +279,8 @@ def _cupy_factory(filename, options):
 def _emulator_factory(race_check, arch=None):
     extra = () if arch is None else (f"-arch={arch}",)
 
-    def factory(filename, options):
-        return emulator.RawModule(path=source_path(filename), options=tuple(options) + extra,
+    def factory(filename, options):  # a kernel's own -arch (KERNEL_ARCH), last, wins
+        return emulator.RawModule(path=source_path(filename), options=extra + tuple(options),
                                   race_check=race_check)
     return factory
 
@@ -276,12 +300,15 @@ def get_runtime(backend, *, race_check=False, arch=None):
         if race_check:
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
         dev = cupy.cuda.Device()
+        wgmma = dev.compute_capability == "90" and wgmma_chosen()
         return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
-                       tensor_cores=int(dev.compute_capability) >= 80,
+                       tensor_cores=int(dev.compute_capability) >= 80, wgmma=wgmma,
                        synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
                        num_sms=tiling.device_sm_count("cuda")[0])
+    wgmma = tiling.emulator_arch(arch) == "sm_90" and wgmma_chosen()
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
                    race_check=race_check, device_key=("emulator", bool(race_check), arch),
+                   wgmma=wgmma,
                    tensor_cores=arch is None or int(arch.split("_")[1]) >= 80,
                    num_sms=tiling.device_sm_count("emulator", arch)[0])
 
@@ -407,7 +434,8 @@ def get_functions(runtime, requests):
     that needs kernels from several modules pays for the slowest compile, not
     the sum.  Returns the kernels in the order of ``requests``.
     """
-    keyed = [(fn, name, build_options(defines), shared) for fn, name, defines, shared in requests]
+    keyed = [(fn, name, build_options(defines) + ((f"-arch={KERNEL_ARCH[name]}",) if name in KERNEL_ARCH else ()),
+              shared) for fn, name, defines, shared in requests]
     todo = {}
     for filename, _, options, _ in keyed:
         key = (runtime.device_key, filename, options)
@@ -524,9 +552,9 @@ def compile_variants():
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)
-    # flash_fwd_wgmma.cu (Hopper, sm_90a; its instructions trap in other builds): not planned
-    # yet, so two of its tested specialisations (tests/kernels/test_flash_fwd_wgmma.py compiles
-    # them for sm_90a)
+    # flash_fwd_wgmma.cu (Hopper, sm_90a; its instructions trap in other builds): the sm_90
+    # defaults at d = 128 (float16) and a 64-key tile at d = 64 (bfloat16), with the defines the
+    # kernel reads (a launch passes the plan's others too, which it ignores)
     out["flash_fwd_wgmma.cu"] = [build_options({"CUFLASH_DTYPE_F16": None, "CUFLASH_HEAD_DIM": 128,
                                                 "CUFLASH_BLOCK_KV": 128}),
                                  build_options({"CUFLASH_DTYPE_BF16": None, "CUFLASH_HEAD_DIM": 64,

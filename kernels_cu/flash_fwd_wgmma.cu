@@ -37,7 +37,8 @@
 // Arguments: the tensor maps of Q, K, V (global, 64-byte aligned), the arrays Q, K, V (not
 // read through their pointers: the maps address them), O, LSE and the FwdParams block (o_*,
 // lse_*, scale, Nq, Nk, H, group, causal, causal_offset, n_tiles of its dense fields).
-// Not yet chosen by cuflash's launchers: tests/kernels/test_flash_fwd_wgmma.py runs it.
+// Launched by cuflash.launch.fwd on an sm_90 where $CUFLASH_WGMMA=1 (cuflash.kernels.WGMMA_ENV)
+// for the plain float16/bfloat16 calls it takes (cuflash.tiling.wgmma_takes).
 #if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
 #error "flash_fwd_wgmma.cu supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16"
 #endif

@@ -21,10 +21,11 @@ from .. import kernels, tiling
 from .._validate import check_attention_inputs, check_positive_int
 from .._validate_serving import check_num_splits
 from .common import (acc_dtype, aligned16, aligned_copies, alloc_output, array_key, cached_call,
-                     contiguous_strides, flatten_lead, fold_grid, kv_heads_for_kernel, launch,
+                     contiguous_strides, data_ptr, flatten_lead, fold_grid, kv_heads_for_kernel, launch,
                      pointer_arg, problem_dims, record_copy, track_allocations)
 from .features import (DEFINES, Prepared, cache_key, check_cached_seed, prepared_key,
                        validate)
+from .fwd_hopper import HopperMaps, tma_layout_ok
 from .serving import serving_plan, tiled_attention_split
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
@@ -81,6 +82,18 @@ def _build(runtime, spec, ms, q, k, v, kernel=None):
     needs_align = name in tiling.TC_KERNELS + tiling.TC_MASKED_KERNELS  # cp.async: 16 bytes
     emulator = runtime.name == "emulator"
     rt_name = runtime.name
+    maps = None
+    if name == tiling.WGMMA_KERNEL:  # TMA: the maps of each call's q, k, v
+        needs_align = True
+        kv_bh = (B, H // spec.group if grouped else H)
+        shapes = ((B, H), spec.Nq, qs), (kv_bh, spec.Nk, ks), (kv_bh, spec.Nk, vs)
+        if not all(tma_layout_ok(*sh, q.itemsize) for sh in shapes):
+            def run_copied(q, k, v, f=None):  # strides the copy engine cannot step
+                q, k, v = _materialised(xp, spec, q, k, v)
+                return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, f)
+            return run_copied
+        maps = HopperMaps(runtime, ((B, H), kv_bh), (spec.Nq, spec.Nk), spec.d, (qs, ks, vs),
+                          plan.block_kv)
 
     def run(q, k, v, f=None):
         q_in = q
@@ -100,7 +113,10 @@ def _build(runtime, spec, ms, q, k, v, kernel=None):
         p = params(f)
         o = alloc_output(xp, out_shape, dtype, "o")
         lse = alloc_output(xp, lse_shape, lse_dtype, "lse")
-        launch(rt_name, fn, name, grid, block, (q, k, v, o, lse, p) + extra, smem)
+        args = (q, k, v, o, lse, p) + extra
+        if maps is not None:
+            args = maps(q, k, v) + args
+        launch(rt_name, fn, name, grid, block, args, smem)
         return o, lse
     return run
 
@@ -112,7 +128,7 @@ def tc_scale(xp, plan, scale):
     softmax(s * q.k) = softmax(-s * (-q).k) exactly; scale 0 makes every logit 0 * (q.k), as
     does q * 0 with scale 1.  ``q_transform`` (None: q as it is) makes the q to launch with.
     """
-    if plan.kernel not in tiling.TC_KERNELS + tiling.TC_MASKED_KERNELS or scale > 0:
+    if plan.kernel not in tiling.TC_KERNELS + tiling.TC_MASKED_KERNELS + (tiling.WGMMA_KERNEL,) or scale > 0:
         return scale, None
     if scale < 0:
         def negate(x):
@@ -136,6 +152,19 @@ def _misaligned(runtime, spec, ms, q, k, v, kernel, f):
     """An input view whose rows cp.async cannot read aligned: run on contiguous copies."""
     q, k, v = aligned_copies(runtime.xp, (q, k, v))
     return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, f)
+
+
+def _materialised(xp, spec, q, k, v):
+    """Contiguous copies of q, k, v at their full problem shapes (broadcast axes written out):
+    for the Hopper kernel's copy engine, which steps no stride of 0."""
+    kv_lead = spec.lead[:-1] + (k.shape[-3],) if spec.group > 1 else spec.lead
+    out = []
+    for x, lead in ((q, spec.lead), (k, kv_lead), (v, kv_lead)):
+        c = xp.ascontiguousarray(xp.broadcast_to(x, lead + x.shape[-2:]))
+        if data_ptr(c) != data_ptr(x):
+            record_copy("copy for the tensor maps", c)
+        out.append(c)
+    return out
 
 
 def _cached(runtime, spec, ms, q, k, v, kernel=None):
@@ -193,7 +222,8 @@ def _splits_for(runtime, spec, num_splits):
     if spec.Nq > plan.block_q or spec.Nk == 0 or B * H == 0:
         return 1
     Hk, group = kv_heads_for_kernel(spec)  # the serving kernel packs a GQA/MQA group's rows
-    if plan.kernel in tiling.TC_KERNELS and group * spec.Nq > tiling.SPLIT_MAX_ROWS_OVER_TC:
+    if (plan.kernel in tiling.TC_KERNELS + (tiling.WGMMA_KERNEL,)
+            and group * spec.Nq > tiling.SPLIT_MAX_ROWS_OVER_TC):
         return 1
     # the split runs the serving kernel: its tiles (as short as the rows allow) and threads
     sp = serving_plan(runtime, spec.d, spec.dv, spec.dtype, group * spec.Nq, spec.block_q,

@@ -22,7 +22,7 @@ _CU_DTYPES = {"uint8": 0, "uint16": 1, "uint32": 2, "int32": 3, "uint64": 4, "in
 _CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 
 
-def tensor_map(runtime, x, box, *, swizzle=0):
+def tensor_map(runtime, x, box, *, swizzle=0, shape=None, strides=None):
     """The tensor map of array ``x`` for boxes of shape ``box``.
 
     Parameters
@@ -39,11 +39,19 @@ def tensor_map(runtime, x, box, *, swizzle=0):
     swizzle : {0, 32, 64, 128}
         The shared-memory swizzle (bytes), as wgmma descriptors read it.
 
+    shape, strides : tuple of int, optional
+        The tensor the map describes, when it is not ``x``'s own view: its sizes and its
+        strides in elements (the last one 1), starting at ``x``'s first element -- a launcher's
+        flattened (batch, heads, rows, columns) problem of an input, say.
+
     A kernel gives coordinates innermost first (``x``'s last axis first).  The array must be
     passed to the launch too: on the emulator memcheck checks the copies against the launch's
     arrays, and on a GPU it keeps ``x`` alive for the launch.
     """
-    rank = x.ndim
+    elem = x.dtype.itemsize
+    shape = tuple(x.shape if shape is None else shape)
+    byte_strides = tuple(x.strides if strides is None else (int(t) * elem for t in strides))
+    rank = len(shape)
     box = tuple(int(b) for b in box)
     dtype = str(x.dtype)
     if not 1 <= rank <= 5:
@@ -54,12 +62,12 @@ def tensor_map(runtime, x, box, *, swizzle=0):
         raise TypeError(f"tensor_map: dtype {dtype} (takes {', '.join(_CU_DTYPES)})")
     if swizzle not in _CU_SWIZZLE:
         raise ValueError(f"tensor_map: swizzle={swizzle!r} (0, 32, 64 or 128 bytes)")
-    elem = x.dtype.itemsize
-    if x.strides[-1] != elem:
-        raise ValueError(f"tensor_map: the last axis must be contiguous (stride {x.strides[-1]} bytes, element {elem})")
-    outer = x.strides[:-1]
+    if len(byte_strides) != rank or byte_strides[-1] != elem:
+        raise ValueError(f"tensor_map: the last axis must be contiguous (strides {byte_strides} bytes, "
+                         f"element {elem})")
+    outer = byte_strides[:-1]
     if any(s <= 0 or s % 16 for s in outer):
-        raise ValueError(f"tensor_map: strides {x.strides} bytes: the outer ones must be positive multiples of 16")
+        raise ValueError(f"tensor_map: strides {byte_strides} bytes: the outer ones must be positive multiples of 16")
     if any(not 1 <= b <= 256 for b in box):
         raise ValueError(f"tensor_map: box {box}: each size 1..256")
     inner = box[-1] * elem
@@ -70,7 +78,7 @@ def tensor_map(runtime, x, box, *, swizzle=0):
     addr = x.data.ptr if runtime.name == "cuda" else x.ctypes.data
     if addr % 16:
         raise ValueError("tensor_map: the data must be 16-byte aligned")
-    dims, strides, box_in = x.shape[::-1], outer[::-1], box[::-1]  # innermost first
+    dims, strides, box_in = shape[::-1], outer[::-1], box[::-1]  # innermost first
     if runtime.name == "cuda":
         return _encode_cuda(runtime, addr, dtype, dims, strides, box_in, swizzle)
     raw = struct.pack("<4IQ5Q4Q5I3I", _MAGIC, elem, rank, swizzle, addr, *_pad(dims, 5), *_pad(strides, 4),

@@ -318,6 +318,22 @@ CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
 """)
 
 # --------------------------------------------------------------------------
+# The Hopper forward (flash_fwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv in 64..256 by 64;
+# block_q is 128 (two consumer warpgroups of 64 rows).
+#   sm_90
+# 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1605 instructions per
+# 1,000 HMMA-equivalents at d = 128 against 1922 at 64 keys, bench/results/hopper_sass_count.md),
+# 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  NVRTC 13.0 spills
+# none of these; bfloat16 at d = 64 with 256 keys does.
+# --------------------------------------------------------------------------
+CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
+ 64 | 128x128 128x64 128x192
+128 | 128x128 128x64
+192 | 128x96 128x64
+256 | 128x64
+""")
+
+# --------------------------------------------------------------------------
 # Tensor-core backward (flash_bwd_tc.cu, float16/bfloat16; _masked with the features).
 #   sm_86 | sm_80 | sm_90
 # 128 keys per block where the shared memory allows (K/V and the dQ reds amortised over the

@@ -236,6 +236,58 @@ for _k in TC_KERNELS + TC_MASKED_KERNELS:
     ))
 
 
+# flash_fwd_wgmma (kernels_cu/flash_fwd_wgmma.cu): the Hopper forward, sm_90a only (wgmma,
+# TMA, setmaxnreg), float16/bfloat16, d == dv in 64..256 by 64, no logit features.  A block is
+# 3 warpgroups (a TMA producer, two consumers of 64 query rows), so block_q is 128; block_kv
+# is the N of S's wgmma.  Shared memory: Q (d/64 chunks of 128 rows of 128 bytes), K and V in
+# WGMMA_STAGES stages, the mbarriers (8 bytes each) and 1 KB to align the tiles for the
+# 128-byte swizzle.  Registers: a consumer thread keeps O (d/2 floats) and S (block_kv/2).
+WGMMA_KERNEL = "flash_fwd_wgmma"
+WGMMA_HEAD_DIMS = (64, 128, 192, 256)
+WGMMA_STAGES = 2
+WGMMA_MAX_ACC_REGS = 160   # of the 240 setmaxnreg gives a consumer (O + S; P packed is S/4 more)
+
+
+def _wgmma_shared(bq, bkv, d, dv, acc):
+    chunks = d // 64
+    return (chunks * bq * 128 + 2 * WGMMA_STAGES * chunks * bkv * 128
+            + 8 * (1 + 2 * WGMMA_STAGES) + 1024)
+
+
+def _wgmma_layout(bq, bkv, d, dv, acc):
+    return (f"16-bit Q[{bq}][{d}] + K[{WGMMA_STAGES}][{bkv}][{d}] + V[{WGMMA_STAGES}][{bkv}][{d}] "
+            "(128-byte swizzled rows) + mbarriers + 1 KB alignment")
+
+
+def _wgmma_check(bq, bkv, d, dv):
+    if d != dv or d not in WGMMA_HEAD_DIMS:
+        return f"{WGMMA_KERNEL} needs d == dv in {WGMMA_HEAD_DIMS}, got d={d}, dv={dv}"
+    if d // 2 + bkv // 2 > WGMMA_MAX_ACC_REGS:
+        return (f"block_kv={bkv} with d={d} needs {d // 2 + bkv // 2} accumulator registers per "
+                f"consumer thread in {WGMMA_KERNEL} (limit {WGMMA_MAX_ACC_REGS})")
+    return None
+
+
+register(KernelTiling(
+    name=WGMMA_KERNEL,
+    block_q_choices=(128,),
+    block_kv_choices=(64, 96, 128, 192, 256),
+    shared_bytes=_wgmma_shared,
+    threads=lambda bq, bkv, d, dv: 384,
+    layout=_wgmma_layout,
+    check=_wgmma_check,
+))
+
+
+def wgmma_takes(d, dv, dtype, block_q=None, block_kv=None):
+    """Whether a plain forward call of these head dims, dtype and explicit tiles is one
+    flash_fwd_wgmma takes (on an sm_90 with the Hopper kernels chosen)."""
+    t = kernel_tiling(WGMMA_KERNEL)
+    return (_dtype_name(dtype) in TC_DTYPES and block_q in (None, 128)
+            and (block_kv is None or block_kv in t.block_kv_choices)
+            and _wgmma_check(128, block_kv or 64, d, dv) is None)
+
+
 def tc_kernel_for(dtype, masked=False):
     """The tensor-core forward kernel of a dtype name (its ``_masked`` variant with the logit
     features), or None (float64)."""
@@ -249,7 +301,7 @@ def tc_kernel_for(dtype, masked=False):
 
 
 def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
-                   limit_source="unlimited", kernel=None, masked=False):
+                   limit_source="unlimited", kernel=None, masked=False, wgmma=False):
     """The forward's plan: which kernel (tensor cores or the SIMT flash_fwd) with which tiles.
 
     float16/bfloat16 run on tensor cores (flash_fwd_tc), float32 as 3xTF32 on tensor cores
@@ -260,9 +312,13 @@ def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     are honoured by whichever kernel runs, or refused by flash_fwd's rules.  ``kernel``
     forces one kernel ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32"; tests use it).
     ``masked``: the call has logit features -- the same choice between their kernels
-    (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_fwd_masked).
+    (flash_fwd_tc_masked, flash_fwd_tf32_masked, flash_fwd_masked).  ``wgmma``: the device
+    is an sm_90 that runs the Hopper forward (``flash_fwd_wgmma``), taken for the plain calls
+    and tiles it supports (:func:`wgmma_takes`); the others plan as above.
     """
     tc_name = tc_kernel_for(dtype, masked)
+    if kernel is None and wgmma and not masked and wgmma_takes(d, dv, dtype, block_q, block_kv):
+        kernel = WGMMA_KERNEL
     if kernel is None:
         if tc_name is not None:
             tc = kernel_tiling(tc_name)
@@ -279,6 +335,9 @@ def plan_flash_fwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                 _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
                                          limit_source, None)
         kernel = "flash_fwd_masked" if masked else "flash_fwd"
+    if kernel == WGMMA_KERNEL and (masked or _dtype_name(dtype) not in TC_DTYPES):
+        raise ValueError(f"{kernel} runs plain {TC_DTYPES} calls only, got {_dtype_name(dtype)}"
+                         + (" with logit features" if masked else ""))
     if kernel in TC_KERNELS + TC_MASKED_KERNELS and kernel != tc_name:
         want = TC_DTYPES if _tc_base(kernel) == "flash_fwd_tc" else TF32_DTYPES
         raise ValueError(f"{kernel} runs {want} only, got {_dtype_name(dtype)}")

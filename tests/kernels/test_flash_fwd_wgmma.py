@@ -2,7 +2,8 @@
 warpgroup and two consumers, on the emulator (sm_90a) against the float64 oracle, and its
 machine code for sm_90a (NVRTC): HGMMA, TMA, setmaxnreg honoured, no local memory.
 
-The launchers do not choose this kernel yet; these tests launch it directly.
+These tests launch it directly, with the emulator's own tensor maps and parameter block; the
+launchers' choice of it is tests/launch/test_fwd_hopper.py's.
 """
 import re
 from pathlib import Path

@@ -135,8 +135,13 @@ def test_table_shapes():
     """Head-dim classes: the SIMT classes, multiples of 16 up to 256 on the tensor cores
     (flash_bwd_tf32: 32 .. 128); every class has a default at every planned architecture
     (but float64 d = 256 backward on sm_75, which nothing fits); tensor-core families are not
-    planned on sm_75."""
+    planned on sm_75; the Hopper forward (head dims 64..256 by 64) only on sm_90."""
     for kernel, grids in curated.CURATED.items():
+        if kernel == tiling.WGMMA_KERNEL:
+            assert curated.table_arches(kernel) == ("sm_90",)
+            assert all(tuple(g) == tiling.WGMMA_HEAD_DIMS and all(r["sm_90"] for r in g.values())
+                       for g in grids.values()) and set(grids) == set(tiling.TC_DTYPES)
+            continue
         simt = not any(kernel.startswith(f) for f in TC_FAMILIES)
         classes = (tiling.SIMT_HEAD_DIM_CLASSES if simt else (32, 64, 96, 128)
                    if kernel.startswith("flash_bwd_tf32") else tuple(range(16, 257, 16)))
