@@ -1,4 +1,4 @@
-"""flash_fwd_wgmma's main loop in machine code: instructions per 1,000 HMMA-equivalents.
+"""The Hopper kernels' main loops in machine code: instructions per 1,000 HMMA-equivalents.
 
 No GPU is needed: NVRTC compiles kernels_cu/flash_fwd_wgmma.cu for sm_90a with
 ``-DCUFLASH_FWD_INTERIOR_ONLY`` (only the path of a steady-state K/V tile: no mask), and
@@ -12,6 +12,11 @@ trip with bench/fa2_sass_compare.py's method (``steady_ops``), in two rows per h
 An HGMMA.64xNx16 counts as N/8 HMMA.16816 per warp (each warp of the warpgroup issues it for
 its 16 rows).  FlashAttention-3's forward at d=128 (128x176 tiles, flash-attn3-jax 0.2.3)
 issues 1688 per 1,000 (../shared/docs/sass-baseline.md), rescaling on every tile.
+
+flash_bwd_wgmma (kernels_cu/flash_bwd_wgmma.cu) likewise with ``-DCUFLASH_BWD_INTERIOR_ONLY``
+(a (head, query tile) step off the causal diagonal): its consumers' loop, one trip per warp --
+S^T, dP^T, dV, dK and the dQ chunks with their reds.  FlashAttention-3's backward at d=128
+issues 1290 per 1,000.
 
     python bench/hopper_sass_count.py             # print the table, write bench/results/
     python bench/hopper_sass_count.py --no-write
@@ -33,21 +38,25 @@ import fa2_sass_compare as fc  # noqa: E402
 from cuflash import _nvrtc, _sass  # noqa: E402
 
 SRC = ROOT / "kernels_cu" / "flash_fwd_wgmma.cu"
+BWD_SRC = ROOT / "kernels_cu" / "flash_bwd_wgmma.cu"
 RESULT = HERE / "results" / "hopper_sass_count.md"
 FA3_D128 = 1688
+FA3_BWD_D128 = 1290
 CONFIGS = ((64, 128), (128, 128), (128, 64), (256, 64))  # (d, block_kv)
+BWD_DIMS = (64, 128)
 
 
-def count(d, bc, rescale):
+def count(d, bc, rescale, backward=False):
     """(Counter of full opcodes of one steady trip, HMMA-equivalents, ptxas figures)."""
+    src, name = (BWD_SRC, "flash_bwd_wgmma") if backward else (SRC, "flash_fwd_wgmma")
     opts = ["-arch=sm_90a", "-DCUFLASH_DTYPE_F16", f"-DCUFLASH_HEAD_DIM={d}", f"-DCUFLASH_BLOCK_KV={bc}",
-            f"-I{ROOT / 'kernels_cu'}", "-DCUFLASH_FWD_INTERIOR_ONLY", "-std=c++17", "-ftz=true",
-            "--ptxas-options=-v"]
+            f"-I{ROOT / 'kernels_cu'}", "-std=c++17", "-ftz=true", "--ptxas-options=-v",
+            "-DCUFLASH_BWD_INTERIOR_ONLY" if backward else "-DCUFLASH_FWD_INTERIOR_ONLY"]
     if rescale:
         opts.append("-DCUFLASH_FWD_COUNT_RESCALE")
-    r = _nvrtc.compile(SRC.read_text(), SRC.name, tuple(opts))
-    info = _nvrtc.parse_ptxas_info(r.log)["flash_fwd_wgmma"]
-    instrs = fc.parse_sass(_sass.disassemble(r.cubin))["flash_fwd_wgmma"]
+    r = _nvrtc.compile(src.read_text(), src.name, tuple(opts))
+    info = _nvrtc.parse_ptxas_info(r.log)[name]
+    instrs = fc.parse_sass(_sass.disassemble(r.cubin))[name]
     b = fc.base(instrs)
     span = max(_sass._loops(b), key=lambda s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA"))
     ops, _, _, _ = fc.steady_ops(instrs, span)
@@ -59,19 +68,24 @@ def count(d, bc, rescale):
     return ops, eq, info
 
 
+def _row(d, bc, path, ops, eq, info):
+    cls = fc.classify(ops)
+    hg = sum(k for f, k in ops.items() if f.startswith("HGMMA"))
+    per = collections.OrderedDict((k, 1000.0 * v / eq) for k, v in cls.items())
+    return (f"| {d} | {bc} | {path} | {info['registers']} | {info['spill_stores']} | {hg} | {eq:.0f} | "
+            f"{cls['total']} | **{per['total']:.0f}** | " + " | ".join(f"{per[n]:.0f}" for n in fc.CLASS_NAMES) + " |")
+
+
 def table():
-    lines = ["| d | block_kv | path | registers | spills | HGMMA | HMMA-eq | instructions | per 1,000 HMMA-eq | "
-             + " | ".join(fc.CLASS_NAMES) + " |",
-             "|---" * (9 + len(fc.CLASS_NAMES)) + "|"]
+    head = ["| d | block_kv | path | registers | spills | HGMMA | HMMA-eq | instructions | per 1,000 HMMA-eq | "
+            + " | ".join(fc.CLASS_NAMES) + " |", "|---" * (9 + len(fc.CLASS_NAMES)) + "|"]
+    lines = ["## flash_fwd_wgmma", ""] + head
     for d, bc in CONFIGS:
         for rescale in (False, True):
-            ops, eq, info = count(d, bc, rescale)
-            cls = fc.classify(ops)
-            hg = sum(k for f, k in ops.items() if f.startswith("HGMMA"))
-            per = collections.OrderedDict((k, 1000.0 * v / eq) for k, v in cls.items())
-            lines.append(f"| {d} | {bc} | {'rescale' if rescale else 'lazy'} | {info['registers']} | "
-                         f"{info['spill_stores']} | {hg} | {eq:.0f} | {cls['total']} | **{per['total']:.0f}** | "
-                         + " | ".join(f"{per[n]:.0f}" for n in fc.CLASS_NAMES) + " |")
+            lines.append(_row(d, bc, "rescale" if rescale else "lazy", *count(d, bc, rescale)))
+    lines += ["", "## flash_bwd_wgmma (block_kv 128: 64 keys per consumer warpgroup; 64 queries per step)", ""] + head
+    for d in BWD_DIMS:
+        lines.append(_row(d, 128, "steady", *count(d, 128, False, backward=True)))
     return "\n".join(lines)
 
 
@@ -85,10 +99,10 @@ def main(argv=None):
         return 1
     body = table()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    text = (f"# flash_fwd_wgmma, steady trip per warp (sm_90a, NVRTC {'.'.join(map(str, _nvrtc.version()))}, "
+    text = (f"# The Hopper kernels, steady trip per warp (sm_90a, NVRTC {'.'.join(map(str, _nvrtc.version()))}, "
             f"float16, at {rev or '?'}, {datetime.date.today()})\n\n"
-            f"Command: `python bench/hopper_sass_count.py`. FlashAttention-3 d=128: {FA3_D128} per 1,000 "
-            "(rescale on every tile).\n\n" + body + "\n")
+            f"Command: `python bench/hopper_sass_count.py`. FlashAttention-3 d=128: forward {FA3_D128} per 1,000 "
+            f"(rescale on every tile), backward {FA3_BWD_D128}.\n\n" + body + "\n")
     print(text)
     if not args.no_write:
         RESULT.write_text(text)

@@ -145,7 +145,7 @@ def _short(options):
 
 # kernels whose instructions exist only in arch-specific code (wgmma, setmaxnreg: sm_90a): compiled
 # for the "a" target of the architectures at or above the first, and for no other
-ARCH_SPECIFIC = {"flash_fwd_wgmma.cu": 90}
+ARCH_SPECIFIC = {"flash_fwd_wgmma.cu": 90, "flash_bwd_wgmma.cu": 90}
 
 
 def _compile_one(job):

@@ -78,6 +78,7 @@ GROUPS = {
     "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", MASKS, ("flash_bwd_tf32_masked",)),
     "online_softmax": ("online_softmax.cu", {}, ()),
     "flash_fwd_wgmma": ("flash_fwd_wgmma.cu", {}, ("flash_fwd_wgmma",)),
+    "flash_bwd_wgmma": ("flash_bwd_wgmma.cu", {}, ("flash_bwd_wgmma",)),
 }
 # groups compiled for an architecture's arch-specific code (cuflash.kernels.KERNEL_ARCH: sm_90a)
 ARCH_SPECIFIC = {g: kernels.KERNEL_ARCH[k] for g, spec in GROUPS.items() for k in spec[2]

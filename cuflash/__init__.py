@@ -98,7 +98,10 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     (``flash_bwd_dkdv_masked``), then dQ by ``flash_bwd_dq_convert`` (from float32
     atomics, summed over per-slot slices with ``deterministic=True``) or, for float64 and
     ``deterministic=True`` off ``flash_bwd_tf32``, by the separate pass ``flash_bwd_dq``
-    (``flash_bwd_dq_masked``).  ``memory_analysis(...)["backward_kernels"]``
+    (``flash_bwd_dq_masked``).  On an sm_90 with ``CUFLASH_WGMMA=1`` (off by default until it
+    has run on a GPU), plain float16/bfloat16 calls with d == dv in 64, 128 that are not
+    ``deterministic`` run ``flash_bwd_wgmma`` (wgmma, TMA, a producer warpgroup; sm_90a) between
+    the same preprocess and dQ conversion.  ``memory_analysis(...)["backward_kernels"]``
     lists them with their shared memory."""
 
 _SERVING_KERNELS_NOTE = """Kernel on "cuda" and "emulator": ``flash_fwd_serving`` on the CUDA cores, every dtype

@@ -125,14 +125,15 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_dq_convert": "flash_bwd_tc.cu",
     "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
     "flash_fwd_wgmma": "flash_fwd_wgmma.cu",  # Hopper (sm_90a): TMA, wgmma, warp specialisation
+    "flash_bwd_wgmma": "flash_bwd_wgmma.cu",  # with flash_bwd_tc.cu's preprocess and dQ conversion
 }
 
 # Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
 # it on every device that runs them (wgmma and setmaxnreg are sm_90a's; a plain sm_90 build
 # of flash_fwd_wgmma.cu traps), after any -arch the backend adds.
-KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a"}
-# Whether an sm_90 runs the Hopper forward (flash_fwd_wgmma) for the calls it takes: "1" to
-# choose it, read when a backend's runtime is made.  Off until the GPU check
+KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a", "flash_bwd_wgmma": "sm_90a"}
+# Whether an sm_90 runs the Hopper kernels (flash_fwd_wgmma, flash_bwd_wgmma) for the calls
+# they take: "1" to choose them, read when a backend's runtime is made.  Off until the GPU check
 # (bench/device_check.py) has passed its tests on an H100: the kernel and the emulator's
 # wgmma/TMA are written from the PTX ISA and have run only on the emulator.
 WGMMA_ENV = "CUFLASH_WGMMA"
@@ -559,4 +560,8 @@ def compile_variants():
                                                 "CUFLASH_BLOCK_KV": 128}),
                                  build_options({"CUFLASH_DTYPE_BF16": None, "CUFLASH_HEAD_DIM": 64,
                                                 "CUFLASH_BLOCK_KV": 64})]
+    # flash_bwd_wgmma.cu (Hopper, sm_90a): its one tile shape at both head dims
+    sm90 = tiling.EMULATOR_ARCHES["sm_90"]
+    add("flash_bwd_wgmma", "float16", 128, limit=sm90)
+    add("flash_bwd_wgmma", "bfloat16", 64, limit=sm90)
     return out

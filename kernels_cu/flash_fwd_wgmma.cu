@@ -5,7 +5,8 @@
 // per query row (natural log); rows that see no key give o = 0, lse = -inf.
 //
 // Block: 384 threads = 3 warpgroups, one (Q tile of 128 rows, query head, batch) per block
-// (folded grid, params.cuh; FwdParams.n_tiles = ceil(Nq / 128)).
+// (folded grid, params.cuh; FwdParams.n_tiles = ceil(Nq / 128); causal calls take the last query
+// tile, the one with the most keys, first).
 //   warpgroup 0, the producer: gives up registers (setmaxnreg 24); its thread 0 loads Q once
 //     and then K_j, V_j into kStages shared-memory stages by TMA, each stage guarded by two
 //     mbarriers: "full" (the copies' bytes landed) and "empty" (both consumers are done).
@@ -72,12 +73,6 @@ constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
 // barriers, and 1024 bytes for the alignment.
 #define CUFLASH_LOG2E 1.4426950408889634f
 
-__device__ __forceinline__ unsigned char* aligned_shared() {
-    CUFLASH_DYNAMIC_SHARED(unsigned char, raw);
-    const unsigned a = (unsigned)__cvta_generic_to_shared(raw);
-    return raw + ((1024u - (a & 1023u)) & 1023u);
-}
-
 // The key tiles a query tile of rows [q0, q0 + kBr) needs: all, or up to the causal diagonal.
 __device__ __forceinline__ int kv_tiles(const FwdParams& p, int q0) {
     int end = p.Nk;
@@ -90,22 +85,18 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
                 const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
                 elem_t* __restrict__ O, float* __restrict__ LSE, const FwdParams* __restrict__ P) {
     const FwdParams& p = *P;
-    unsigned char* smem = aligned_shared();
+    unsigned char* smem = shared_aligned_1024();
     uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + kBarOffset);
     uint64_t* full = q_full + 1;
     uint64_t* empty = full + kStages;
     const int tid = threadIdx.x, wg = tid / 128;
     const FoldedIndex fi = cuflash_fold_decode(p.n_tiles, p.H);
-    const int h = fi.h, b = fi.b, q0 = fi.tile * kBr, kvh = h / p.group;
+    // causal: the last query tiles see the most keys; the grid runs them first (blocks start
+    // in index order), so the short ones fill the tail of the launch
+    const int tile = p.causal ? p.n_tiles - 1 - fi.tile : fi.tile;
+    const int h = fi.h, b = fi.b, q0 = tile * kBr, kvh = h / p.group;
     const int n_kv = kv_tiles(p, q0);
-    if (tid == 0) {
-        mbarrier_init(q_full, 1);
-        for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], 2);  // one arrival per consumer warpgroup
-        }
-        fence_proxy_async();  // the inits before the copy engine's complete_tx
-    }
+    if (tid == 0) pipeline_init(q_full, kStages, 2);
     __syncthreads();
 
     if (wg == 0) {  // ---------------------------------------------------------- producer
@@ -225,15 +216,7 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
             sacc[i] = exp2f(fmaf(sacc[i], c, -msub[r]));
             l[r] += sacc[i];
         }
-        // P's accumulators (n8 tiles 2kk, 2kk + 1) as the A fragment of k16 step kk
-#pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk) {
-            const float* a = sacc + 8 * kk;
-            pf[kk][0] = pack2<elem_t>(a[0], a[1]);
-            pf[kk][1] = pack2<elem_t>(a[2], a[3]);
-            pf[kk][2] = pack2<elem_t>(a[4], a[5]);
-            pf[kk][3] = pack2<elem_t>(a[6], a[7]);
-        }
+        wgmma_acc_to_a<elem_t>(sacc, pf);  // P as the A operand of P V
         // O += P V_j: k16 steps of 16 key rows (2048 bytes), V N-major
         wgmma_fence();
 #pragma unroll

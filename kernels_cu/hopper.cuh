@@ -12,6 +12,9 @@
 //   fence_proxy_async()                     fence.proxy.async.shared::cta: orders this
 //                                           thread's generic-proxy shared accesses (plain
 //                                           stores, mbarrier.init) with later async-proxy ones
+//   warpgroup_barrier()                     bar.sync of the warpgroup's 128 threads (named
+//                                           barrier 1 + warpgroup): a tile its threads stored
+//                                           becomes one a wgmma of the warpgroup may read
 //   tma_load<R>(dst, tmap, coords, bar)    cp.async.bulk.tensor.Rd (R = 1..5): the box of
 //                                           the tensor map `tmap` (global memory, 64-byte
 //                                           aligned; cuflash.launch.tma.tensor_map) at
@@ -113,6 +116,7 @@ __device__ __forceinline__ void wgmma_fence() {
     ::cuflash_emu::wgmma_fence();
 }
 __device__ __forceinline__ void wgmma_commit() { ::cuflash_emu::wgmma_commit_group(); }
+__device__ __forceinline__ void warpgroup_barrier() { ::cuflash_emu::warpgroup_barrier(); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait(CUFLASH_SITE_ONLY) { ::cuflash_emu::wgmma_wait_group(N, CUFLASH_SITE_ARGS); }
 template <int N, bool kBF16, bool kTransA, bool kTransB>
@@ -176,6 +180,10 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
                  ::"r"(cuflash_smem_addr(dst)), "l"(src), "r"(bytes), "r"(cuflash_smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// named barrier 1 + warpgroup index (0 is __syncthreads'), the warpgroup's 128 threads
+__device__ __forceinline__ void warpgroup_barrier() {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (threadIdx.x >> 7)) : "memory");
+}
 
 template <int R>
 __device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int (&c)[R], uint64_t* bar) {
@@ -243,6 +251,7 @@ __device__ __forceinline__ uint64_t mbarrier_arrive_expect_tx(uint64_t*, unsigne
 __device__ __forceinline__ void mbarrier_wait_parity(uint64_t*, unsigned) { __trap(); }
 __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint64_t*) { __trap(); }
 __device__ __forceinline__ void fence_proxy_async() {}
+__device__ __forceinline__ void warpgroup_barrier() { __trap(); }
 template <int R>
 __device__ __forceinline__ void tma_load(void*, const void*, const int (&)[R], uint64_t*) { __trap(); }
 
@@ -266,3 +275,40 @@ __device__ __forceinline__ void setmaxnreg_inc() { __trap(); }
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { __trap(); }
 #endif
+
+// -- shared by the warp-specialised kernels (flash_fwd_wgmma.cu, flash_bwd_wgmma.cu) --------
+// The dynamic shared memory from its first 1024-byte aligned address: the 128-byte swizzle's
+// atoms (8 rows of 128 bytes) must start on one, as the descriptors and TMA address them.  A
+// launch passes 1024 bytes beyond its tiles for it.
+__device__ __forceinline__ unsigned char* shared_aligned_1024() {
+    CUFLASH_DYNAMIC_SHARED(unsigned char, raw);
+    const unsigned a = (unsigned)__cvta_generic_to_shared(raw);
+    return raw + ((1024u - (a & 1023u)) & 1023u);
+}
+
+// The mbarriers of a producer / consumers pipeline, initialised by one thread before a
+// __syncthreads: bars[0] for a load made once (one arrival and its bytes), then kStages "full"
+// barriers (the producer's arrival and its copies' bytes) and kStages "empty" ones (one
+// arrival per consumer warpgroup).
+__device__ __forceinline__ void pipeline_init(uint64_t* bars, int stages, unsigned consumers) {
+    mbarrier_init(bars, 1);
+    for (int s = 0; s < stages; ++s) {
+        mbarrier_init(bars + 1 + s, 1);
+        mbarrier_init(bars + 1 + stages + s, consumers);
+    }
+    fence_proxy_async();  // the inits before the copy engine's complete_tx
+}
+
+// A wgmma accumulator (m64nN, float[N / 2] per thread) as the register A operands of the
+// next product: the fragments of n8 tiles 2kk, 2kk + 1 are the A fragment of k16 step kk.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_acc_to_a(const float (&x)[N], uint32_t (&a)[N / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 8; ++kk) {
+        const float* v = x + 8 * kk;
+        a[kk][0] = pack2<T>(v[0], v[1]);
+        a[kk][1] = pack2<T>(v[2], v[3]);
+        a[kk][2] = pack2<T>(v[4], v[5]);
+        a[kk][3] = pack2<T>(v[6], v[7]);
+    }
+}

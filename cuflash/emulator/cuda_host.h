@@ -925,6 +925,9 @@ uintptr_t relocate(uintptr_t addr);
 // warpgroup whose threads do not all reach it deadlocks (reported).
 void wgmma_fence();
 void wgmma_commit_group();
+// bar.sync on the warpgroup's named barrier (128 threads): its threads' shared stores before
+// it happen before any access after it (a warpgroup sharing a tile it wrote for wgmma)
+void warpgroup_barrier();
 void wgmma_wait_group(int n, const char* file = "?", int line = 0);
 void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
                bool trans_b, bool accumulate, const char* file = "?", int line = 0);

@@ -613,6 +613,11 @@ static void warpgroup_sync() {
     c.blk->arrive_and_wait(c.blk->wg_bar[c.warp / 4], phase);
 }
 
+void warpgroup_barrier() {
+    wgmma_require_warpgroup("bar.sync (a warpgroup's named barrier)");
+    warpgroup_sync();
+}
+
 void wgmma_wait_group(int n, const char* file, int line) {
     ThreadCtx& c = *tctx;
     wgmma_require_warpgroup("wgmma.wait_group");

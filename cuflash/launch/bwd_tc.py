@@ -20,8 +20,9 @@ import numpy as np
 from .. import kernels, tiling
 from .common import (aligned16, aligned_copies, alloc_output, array_key, cached_call,
                      flatten_lead, fold_grid, grad_shapes, kv_heads_for_kernel, launch,
-                     pointer_arg, problem_dims, sum_back)
+                     pointer_arg, problem_dims, record_copy, sum_back)
 from .features import DEFINES, Prepared, prepared_key
+from .fwd_hopper import HopperMaps, materialised, tma_layout_ok
 
 __all__ = ["build", "requests", "dq_splits"]
 
@@ -33,15 +34,17 @@ _CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
 
 def requests(plan):
     """``(file, kernel, defines, shared_bytes)`` of the three kernels of a plan: the helpers'
-    module (dtype, d, dv) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked)."""
+    module (dtype, d, dv) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked; the
+    Hopper backward flash_bwd_wgmma from its own file)."""
     main = kernels.plan_defines(plan)
-    main["CUFLASH_BWD_TC_MAIN"] = None
+    if plan.kernel != tiling.BWD_WGMMA_KERNEL:
+        main["CUFLASH_BWD_TC_MAIN"] = None
     if plan.kernel == "flash_bwd_tc_masked":
         main.update(DEFINES)
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
                "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
-            (_FILE, plan.kernel, main, plan.shared_bytes),
+            (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
             (_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
 
 
@@ -81,6 +84,15 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
     want, summed, alloc_shape = grad_shapes(spec, q, k, v, Hk)
     grouped = group > 1
     groups_of = (False, grouped, grouped, False, False)
+    hopper = plan.kernel == tiling.BWD_WGMMA_KERNEL
+    full = False  # the Hopper kernel's copies of inputs its tensor maps cannot step
+    if hopper:
+        flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, do), groups_of)]
+        layouts = [((B, H), Nq), ((B, Hk), Nk), ((B, Hk), Nk), ((B, H), Nq)]
+        full = not all(tma_layout_ok(bh, rows, st, q.itemsize)
+                       for (bh, rows), (_, st) in zip(layouts, flat))
+        if full:
+            q, k, v, do = _full_inputs(xp, spec, Hk, q, k, v, do)
     flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
     strides = [st for _, st in flat]
     copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
@@ -114,11 +126,16 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
     conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),
                              _CONVERT_BLOCKS.get(runtime.name, 4)))
     pre, main, conv = kernels.get_functions(runtime, requests(plan))
+    maps = (HopperMaps(runtime, [((B, H), Nq, d, qs, 64), ((B, Hk), Nk, d, ks, 64),
+                                 ((B, Hk), Nk, d, vs, 64), ((B, H), Nq, d, dos, 64)])
+            if hopper else None)
     rt_name = runtime.name
     emulator = rt_name == "emulator"
     back = sum_back(xp, acc, dtype, want, summed)
 
     def run(do, q, k, v, o, lse, f=None):
+        if full:
+            q, k, v, do = _full_inputs(xp, spec, Hk, q, k, v, do)
         ins = [q, k, v, o, do]
         for i, c in enumerate(copies):
             if c:
@@ -142,12 +159,22 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         db = feats.dbias_args()
         launch(rt_name, pre, "flash_bwd_tc_preprocess", pre_grid, (tiling.BWD_TC_PRE_THREADS,),
                (o_, do_, lse, ws, p), 0)
-        launch(rt_name, main, plan.kernel, main_grid, (plan.threads,),
-               (q_, k_, v_, do_, ws, dk, dv_, p) + extra + db, plan.shared_bytes)
+        args = (q_, k_, v_, do_, ws, dk, dv_, p) + extra + db
+        if maps is not None:
+            args = maps(q_, k_, v_, do_) + args
+        launch(rt_name, main, plan.kernel, main_grid, (plan.threads,), args, plan.shared_bytes)
         launch(rt_name, conv, "flash_bwd_tc_dq_convert", (conv_blocks,),
                (tiling.BWD_TC_CONVERT_THREADS,), (ws, dq, p), 0)
         return (back(dq, "dq"), back(dk, "dk"), back(dv_, "dv")) + feats.dbias_result(db)
     return run
+
+
+def _full_inputs(xp, spec, Hk, q, k, v, do):
+    """q, k, v, do at their full problem shapes, contiguous (the Hopper kernel's tensor maps)."""
+    kv_lead = spec.lead[:-1] + (Hk,) if spec.group > 1 else spec.lead
+    return materialised(xp, [(q, spec.lead + q.shape[-2:]), (k, kv_lead + k.shape[-2:]),
+                             (v, kv_lead + v.shape[-2:]), (do, spec.lead + do.shape[-2:])],
+                        record_copy)
 
 
 def _misaligned(runtime, spec, ms, plan, ins, lse, deterministic, f):

@@ -21,11 +21,11 @@ from .. import kernels, tiling
 from .._validate import check_attention_inputs, check_positive_int
 from .._validate_serving import check_num_splits
 from .common import (acc_dtype, aligned16, aligned_copies, alloc_output, array_key, cached_call,
-                     contiguous_strides, data_ptr, flatten_lead, fold_grid, kv_heads_for_kernel, launch,
+                     contiguous_strides, flatten_lead, fold_grid, kv_heads_for_kernel, launch,
                      pointer_arg, problem_dims, record_copy, track_allocations)
 from .features import (DEFINES, Prepared, cache_key, check_cached_seed, prepared_key,
                        validate)
-from .fwd_hopper import HopperMaps, tma_layout_ok
+from .fwd_hopper import Q_ROWS_PER_BOX, HopperMaps, materialised, tma_layout_ok
 from .serving import serving_plan, tiled_attention_split
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",
@@ -92,8 +92,9 @@ def _build(runtime, spec, ms, q, k, v, kernel=None):
                 q, k, v = _materialised(xp, spec, q, k, v)
                 return _cached(runtime, spec, ms, q, k, v, kernel)(q, k, v, f)
             return run_copied
-        maps = HopperMaps(runtime, ((B, H), kv_bh), (spec.Nq, spec.Nk), spec.d, (qs, ks, vs),
-                          plan.block_kv)
+        maps = HopperMaps(runtime, [((B, H), spec.Nq, spec.d, qs, Q_ROWS_PER_BOX),
+                                    (kv_bh, spec.Nk, spec.d, ks, plan.block_kv),
+                                    (kv_bh, spec.Nk, spec.d, vs, plan.block_kv)])
 
     def run(q, k, v, f=None):
         q_in = q
@@ -155,16 +156,10 @@ def _misaligned(runtime, spec, ms, q, k, v, kernel, f):
 
 
 def _materialised(xp, spec, q, k, v):
-    """Contiguous copies of q, k, v at their full problem shapes (broadcast axes written out):
-    for the Hopper kernel's copy engine, which steps no stride of 0."""
+    """q, k, v at their full problem shapes, contiguous (the Hopper kernel's tensor maps)."""
     kv_lead = spec.lead[:-1] + (k.shape[-3],) if spec.group > 1 else spec.lead
-    out = []
-    for x, lead in ((q, spec.lead), (k, kv_lead), (v, kv_lead)):
-        c = xp.ascontiguousarray(xp.broadcast_to(x, lead + x.shape[-2:]))
-        if data_ptr(c) != data_ptr(x):
-            record_copy("copy for the tensor maps", c)
-        out.append(c)
-    return out
+    return materialised(xp, [(q, spec.lead + q.shape[-2:]), (k, kv_lead + k.shape[-2:]),
+                             (v, kv_lead + v.shape[-2:])], record_copy)
 
 
 def _cached(runtime, spec, ms, q, k, v, kernel=None):

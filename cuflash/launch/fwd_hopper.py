@@ -10,9 +10,10 @@ found, so strided views are read in place; the copy engine needs every stride of
 than one to be a positive multiple of 16 bytes (:func:`tma_layout_ok`), and the launcher makes
 contiguous copies of inputs that are not (a broadcast along heads or batch, say).
 """
+from .common import data_ptr
 from .tma import tensor_map
 
-__all__ = ["HopperMaps", "tma_layout_ok", "Q_ROWS_PER_BOX"]
+__all__ = ["HopperMaps", "tma_layout_ok", "materialised", "Q_ROWS_PER_BOX"]
 
 # Q is loaded in boxes of 64 rows (one consumer warpgroup's rows) x 64 columns (128 bytes: the
 # 128-byte swizzle); K and V in boxes of block_kv rows x 64 columns.
@@ -38,36 +39,39 @@ def tma_layout_ok(shape_bh, rows, strides, itemsize):
 
 
 class HopperMaps:
-    """The tensor maps of one prepared forward call: ``maps(q, k, v)`` -> (map_q, map_k, map_v).
+    """The tensor maps of one prepared call: ``maps(*arrays)`` -> one map per array.
 
-    ``dims``: ((B, H) of q, (B, Hk) of k and v), the row counts (Nq, Nk) and the head dim;
-    ``strides``: the (batch, head, row) element strides of q, k and v.
+    ``inputs``: per array, ``((B, H), rows, cols, (batch, head, row) element strides, box
+    rows)`` of the problem it is read as; boxes are ``box rows`` x 64 columns (128 bytes: the
+    128-byte swizzle).
     """
 
-    def __init__(self, runtime, dims, rows, d, strides, block_kv, keep=4):
+    def __init__(self, runtime, inputs, keep=4):
         self.runtime = runtime
-        (bh_q, bh_kv), (nq, nk) = dims, rows
-        self._q = _problem(bh_q, nq, d, strides[0])
-        self._k = _problem(bh_kv, nk, d, strides[1])
-        self._v = _problem(bh_kv, nk, d, strides[2])
-        self._box_q = (1, 1, Q_ROWS_PER_BOX, BOX_COLS)
-        self._box_kv = (1, 1, block_kv, BOX_COLS)
+        self._specs = [(_problem(bh, rows, cols, strides), (1, 1, box_rows, BOX_COLS))
+                       for bh, rows, cols, strides, box_rows in inputs]
         self._keep = keep
         self._made = {}
 
-    def __call__(self, q, k, v):
-        key = tuple(_address(self.runtime, x) for x in (q, k, v))
+    def __call__(self, *arrays):
+        key = tuple(data_ptr(x) for x in arrays)
         got = self._made.get(key)
         if got is None:
-            rt = self.runtime
-            got = (tensor_map(rt, q, self._box_q, swizzle=128, shape=self._q[0], strides=self._q[1]),
-                   tensor_map(rt, k, self._box_kv, swizzle=128, shape=self._k[0], strides=self._k[1]),
-                   tensor_map(rt, v, self._box_kv, swizzle=128, shape=self._v[0], strides=self._v[1]))
+            got = tuple(tensor_map(self.runtime, x, box, swizzle=128, shape=shape, strides=strides)
+                        for x, ((shape, strides), box) in zip(arrays, self._specs))
             if len(self._made) >= self._keep:
                 self._made.pop(next(iter(self._made)))
             self._made[key] = got
         return got
 
 
-def _address(runtime, x):
-    return x.data.ptr if runtime.name == "cuda" else x.ctypes.data
+def materialised(xp, arrays, record):
+    """Contiguous copies of ``(array, full shape)`` pairs, broadcast axes written out (the copy
+    engine steps no stride of 0); ``record(what, copy)`` for each copy made."""
+    out = []
+    for x, shape in arrays:
+        c = xp.ascontiguousarray(xp.broadcast_to(x, shape))
+        if data_ptr(c) != data_ptr(x):
+            record("copy for the tensor maps", c)
+        out.append(c)
+    return out

@@ -56,8 +56,8 @@ def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False
     separate ``flash_bwd_dq`` pass (``deterministic`` off flash_bwd_tf32, and
     float64); ``_masked`` kernels with ``masked``.
     """
-    main = bwd.plan_backward(runtime, d, dv, dtype, masked=masked)
-    if main.kernel in ("flash_bwd_tc", "flash_bwd_tc_masked"):
+    main = bwd.plan_backward(runtime, d, dv, dtype, masked=masked, deterministic=deterministic)
+    if main.kernel in ("flash_bwd_tc", "flash_bwd_tc_masked", tiling.BWD_WGMMA_KERNEL):
         return bwd_tc.requests(main)
     suffix = "_masked" if masked else ""
     plan = runtime.plan("flash_bwd_dkdv" + suffix, d, dv, dtype)

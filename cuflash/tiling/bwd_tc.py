@@ -175,8 +175,53 @@ for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
     ))
 
 
+# flash_bwd_wgmma (kernels_cu/flash_bwd_wgmma.cu): the Hopper backward, sm_90a only,
+# float16/bfloat16, d == dv in (64, 128), no logit features, dQ by float32 reds (not the
+# deterministic path).  A block is 3 warpgroups (a TMA producer, two consumers of 64 keys), so
+# block_kv is 128; query tiles of 64 rows.  Shared memory: K and V (128 rows each), Q and dO in
+# two stages (64 rows), dS^T in two buffers per consumer (64 x 64), lse2 and D per stage, the
+# mbarriers and 1 KB to align the tiles for the 128-byte swizzle.  Registers: a consumer
+# thread keeps dK and dV (d/2 floats each), S^T and dP^T (32 each) and a dQ chunk (32).
+BWD_WGMMA_KERNEL = "flash_bwd_wgmma"
+BWD_WGMMA_HEAD_DIMS = (64, 128)
+
+
+def _bwd_wgmma_shared(bq, bkv, d, dv, acc):
+    rows = (d // 64) * 128  # bytes of one 64-column chunk's row
+    return (2 * bkv * rows + 2 * 2 * bq * rows + 4 * 64 * 128 + 2 * 2 * bq * 4
+            + 8 * (1 + 2 * 2) + 1024)
+
+
+def _bwd_wgmma_check(bq, bkv, d, dv):
+    if d != dv or d not in BWD_WGMMA_HEAD_DIMS:
+        return f"{BWD_WGMMA_KERNEL} needs d == dv in {BWD_WGMMA_HEAD_DIMS}, got d={d}, dv={dv}"
+    return None
+
+
+register(KernelTiling(
+    name=BWD_WGMMA_KERNEL,
+    block_q_choices=(64,),
+    block_kv_choices=(128,),
+    shared_bytes=_bwd_wgmma_shared,
+    threads=lambda bq, bkv, d, dv: 384,
+    layout=lambda bq, bkv, d, dv, acc: (
+        f"16-bit K[{bkv}][{d}] + V[{bkv}][{d}] + Q[2][{bq}][{d}] + dO[2][{bq}][{d}] + "
+        f"dS^T[2][2][64][{bq}] (128-byte swizzled rows) + float lse2, D [2][{bq}] + mbarriers "
+        "+ 1 KB alignment"),
+    check=_bwd_wgmma_check,
+))
+
+
+def bwd_wgmma_takes(d, dv, dtype, block_q=None, block_kv=None):
+    """Whether a plain, non-deterministic backward call of these head dims, dtype and explicit
+    tiles is one flash_bwd_wgmma takes (on an sm_90 with the Hopper kernels chosen)."""
+    return (_dtype_name(dtype) in TC_DTYPES and block_q in (None, 64) and block_kv in (None, 128)
+            and _bwd_wgmma_check(64, 128, d, dv) is None)
+
+
 def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
-                   limit_source="unlimited", kernel=None, tensor_cores=True, masked=False):
+                   limit_source="unlimited", kernel=None, tensor_cores=True, masked=False,
+                   wgmma=False):
     """The backward's plan: flash_bwd_tc (tensor cores) or flash_bwd_dkdv (SIMT), with tiles.
 
     float16/bfloat16 run flash_bwd_tc when ``tensor_cores`` (sm_80+), the head dims are
@@ -184,9 +229,17 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     does not fit the limit there) runs the SIMT kernels of flash_bwd.cu.  ``kernel``
     forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).  ``masked``: a call with
     logit features -- the same choice between flash_bwd_tc_masked and flash_bwd_dkdv_masked.
+    ``wgmma``: the device is an sm_90 that runs the Hopper backward (``flash_bwd_wgmma``) and the
+    call is not deterministic: taken for the plain calls and tiles it supports
+    (:func:`bwd_wgmma_takes`).
     """
     name = _dtype_name(dtype)
     tc_name = "flash_bwd_tc_masked" if masked else "flash_bwd_tc"
+    if kernel is None and wgmma and not masked and bwd_wgmma_takes(d, dv, dtype, block_q, block_kv):
+        kernel = BWD_WGMMA_KERNEL
+    if kernel == BWD_WGMMA_KERNEL and (masked or name not in TC_DTYPES):
+        raise ValueError(f"{kernel} runs plain {TC_DTYPES} calls only, got {name}"
+                         + (" with logit features" if masked else ""))
     if kernel is None:
         tc = kernel_tiling(tc_name)
         if tensor_cores and name in TC_DTYPES:

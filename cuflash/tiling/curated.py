@@ -389,6 +389,16 @@ CURATED["flash_bwd_tc_masked"] = _table(_TC, float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
+# The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64 or 128;
+# one tile shape (128 keys: two consumer warpgroups of 64; 64 queries per tile).
+#   sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
+ 64 | 64x128
+128 | 64x128
+""")
+
+# --------------------------------------------------------------------------
 # float32's tensor-core backward (flash_bwd_tf32.cu; _masked with the features): 16 keys per
 # warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.  The padded build at 64
 # on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers);

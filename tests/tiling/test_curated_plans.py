@@ -135,11 +135,14 @@ def test_table_shapes():
     """Head-dim classes: the SIMT classes, multiples of 16 up to 256 on the tensor cores
     (flash_bwd_tf32: 32 .. 128); every class has a default at every planned architecture
     (but float64 d = 256 backward on sm_75, which nothing fits); tensor-core families are not
-    planned on sm_75; the Hopper forward (head dims 64..256 by 64) only on sm_90."""
+    planned on sm_75; the Hopper kernels (the forward's head dims 64..256 by 64, the backward's
+    64 and 128) only on sm_90."""
     for kernel, grids in curated.CURATED.items():
-        if kernel == tiling.WGMMA_KERNEL:
+        hopper = {tiling.WGMMA_KERNEL: tiling.WGMMA_HEAD_DIMS,
+                  tiling.BWD_WGMMA_KERNEL: tiling.BWD_WGMMA_HEAD_DIMS}
+        if kernel in hopper:
             assert curated.table_arches(kernel) == ("sm_90",)
-            assert all(tuple(g) == tiling.WGMMA_HEAD_DIMS and all(r["sm_90"] for r in g.values())
+            assert all(tuple(g) == hopper[kernel] and all(r["sm_90"] for r in g.values())
                        for g in grids.values()) and set(grids) == set(tiling.TC_DTYPES)
             continue
         simt = not any(kernel.startswith(f) for f in TC_FAMILIES)
