@@ -17,6 +17,10 @@ default 540 s), its output kept in ``OUT/<stage>.log``:
   cuDNN and efficient kernels (forward and forward + backward, d = 64 and 128, float16,
   bfloat16, float32), a decode shape and the host time per call;
 * ``ncu``: Nsight Compute on flash_fwd_tc and flash_bwd_tc (float16, d = 64 and 128);
+* ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 128,
+  float16, with ``CUFLASH_WGMMA=1`` -- flash_fwd_wgmma and flash_bwd_wgmma against SDPA's
+  kernels, beside the ``bench`` stage's mma.sync rows -- and Nsight Compute on the two kernels;
+  its results decide whether the Hopper kernels become sm_90's default;
 * optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its
   tile sweep (every block_q x block_kv the kernels accept, against the default).
 
@@ -58,7 +62,7 @@ SUBSET = [
 # the rehearsal's tests: quick emulator tests, enough to show the stage's plumbing works
 REHEARSAL_TESTS = ["tests/api/test_errors.py", "-k", "emulator and (non_finite_scale or fewer_than)"]
 
-STAGE_CAPS = {"env": 30, "tests": 240, "racecheck": 90, "bench": 240, "ncu": 150,
+STAGE_CAPS = {"env": 30, "tests": 240, "hopper": 150, "racecheck": 90, "bench": 240, "ncu": 150,
               "features": 400, "tiles": 400}
 
 RACE_CALL = """
@@ -300,6 +304,54 @@ def stage_ncu(ctx, timeout):
     return out
 
 
+def _compute_capability(ctx):
+    """The device's compute capability ("90"), or the emulated one (the Hopper rehearsal: "90")."""
+    if ctx.backend == "emulator":
+        return "90"
+    r = subprocess.run([sys.executable, "-c", "import cupy; print(cupy.cuda.Device().compute_capability)"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    return r.stdout.strip() or "?"
+
+
+def stage_hopper(ctx, timeout):
+    """The Hopper kernels (CUFLASH_WGMMA=1) on an sm_90: the benchmark's grid at d = 128 and
+    Nsight Compute on flash_fwd_wgmma and flash_bwd_wgmma; skipped on other GPUs."""
+    cc = _compute_capability(ctx)
+    if cc != "90":
+        return {"status": "ok", "note": f"skipped: the device is sm_{cc}, the Hopper kernels are sm_90a's"}
+    env = dict(_env(), CUFLASH_WGMMA="1")
+    if ctx.backend == "emulator":
+        env["CUFLASH_EMULATOR_ARCH"] = "sm_90"
+    t0 = time.time()
+    jp = ctx.out / "hopper.json"
+    cmd = [sys.executable, "-m", "cuflash", "bench", "--gpu", "--sections", "grid", "--plot", "",
+           "--json", str(jp), "--dtypes", "float16", "--modes", "fwd,fwdbwd"]
+    cmd += (["--backend", "emulator", "--dims", "64", "--seqlens", "64", "--causal", "no", "--hidden", "64",
+             "--tokens", "64"]
+            if ctx.backend == "emulator" else
+            ["--dims", "128", "--seqlens", "4096,16384", "--causal", "both", "--target-ms", "20"])
+    rc, _ = _run(cmd, ctx.out / "hopper.log", max(5, timeout * 0.7), env)
+    out = {"status": _status(rc)}
+    if jp.exists():
+        out.update(summarize_bench(json.loads(jp.read_text())))
+    script = ctx.out / "ncu_call.py"
+    script.write_text(NCU_CALL)
+    tool = shutil.which("ncu") if ctx.backend == "cuda" else None
+    log = ctx.out / "hopper_ncu.log"
+    n = "4096" if ctx.backend == "cuda" else "64"
+    call = [sys.executable, str(script), ctx.backend, "128" if ctx.backend == "cuda" else "64", n]
+    cmd = ([tool, "--csv", "--page", "details", "--kernel-name", "regex:flash_(fwd|bwd)_wgmma$",
+            "--launch-skip", "2", "--launch-count", "2", "--section", "SpeedOfLight", "--section",
+            "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis"] + call
+           if tool else call)
+    rc2, _ = _run(cmd, log, max(5, timeout - (time.time() - t0)), env)
+    out["kernels"] = {f"{k} d=128": v for k, v in parse_ncu_csv(log.read_text(errors="replace")).items()}
+    if out["status"] == "ok" and rc2 != 0:
+        out["status"] = f"ncu: {_status(rc2)}"
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
 def _bench_section(ctx, timeout, name, extra):
     """An optional benchmark section, run as the harness runs it (its table in OUT/<name>.md)."""
     jp = ctx.out / f"{name}.json"
@@ -324,9 +376,9 @@ def stage_tiles(ctx, timeout):
                           "--dims", dims, "--causal", "no", "--modes", "fwd,bwd"])
 
 
-STAGES = {"env": stage_env, "tests": stage_tests, "racecheck": stage_racecheck,
+STAGES = {"env": stage_env, "tests": stage_tests, "hopper": stage_hopper, "racecheck": stage_racecheck,
           "bench": stage_bench, "ncu": stage_ncu, "features": stage_features, "tiles": stage_tiles}
-DEFAULT_STAGES = ("env", "tests", "racecheck", "bench", "ncu")
+DEFAULT_STAGES = ("env", "tests", "hopper", "racecheck", "bench", "ncu")
 
 
 def render_markdown(res):
@@ -345,9 +397,29 @@ def render_markdown(res):
     if r:
         lines += ["", "**Racecheck**: " + (f"{r['hazards']} hazards, {r['errors']} errors"
                                             if "hazards" in r else r.get("note", r.get("status", "")))]
-    b = res["stages"].get("bench")
+    h = res["stages"].get("hopper")
+    if h and h.get("note"):
+        lines += ["", "**Hopper kernels**: " + h["note"]]
+    for title, b in (("Benchmark, the Hopper kernels (CUFLASH_WGMMA=1)", h),
+                     ("Benchmark", res["stages"].get("bench"))):
+        lines += _bench_table(title, b)
+    n = res["stages"].get("ncu")
+    for title, n in (("Nsight Compute", n), ("Nsight Compute, the Hopper kernels", h)):
+        if n and n.get("kernels"):
+            metrics = [m for m in NCU_METRICS if any(m in v for v in n["kernels"].values())]
+            lines += ["", f"**{title}**", "", "| kernel | " + " | ".join(metrics) + " |",
+                      "|---|" + "---|" * len(metrics)]
+            for k, v in n["kernels"].items():
+                lines.append(f"| {k} | " + " | ".join(v.get(m, "") for m in metrics) + " |")
+        elif n and title == "Nsight Compute":
+            lines += ["", "**Nsight Compute**: " + n.get("note", n.get("status", ""))]
+    return "\n".join(lines) + "\n"
+
+
+def _bench_table(title, b):
+    lines = []
     if b and b.get("rows"):
-        lines += ["", "**Benchmark** (TFLOP/s, flash-attn convention; time ratios below 1: cuflash faster)",
+        lines += ["", f"**{title}** (TFLOP/s, flash-attn convention; time ratios below 1: cuflash faster)",
                   "", "| section | dtype | d | causal | mode | B x H | N | cuflash | SDPA flash (FA2) | "
                   "SDPA cuDNN | SDPA efficient | time / FA2 | time / cuDNN |",
                   "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -363,16 +435,7 @@ def render_markdown(res):
             lines += [f"| {h.get('method')} | {h.get('mode')} | {h.get('dtype')} | "
                       f"{_f(h.get('us_per_call') and round(h['us_per_call'], 1))} |"
                       for h in b["host_time"]]
-    n = res["stages"].get("ncu")
-    if n and n.get("kernels"):
-        metrics = [m for m in NCU_METRICS if any(m in v for v in n["kernels"].values())]
-        lines += ["", "**Nsight Compute**", "", "| kernel | " + " | ".join(metrics) + " |",
-                  "|---|" + "---|" * len(metrics)]
-        for k, v in n["kernels"].items():
-            lines.append(f"| {k} | " + " | ".join(v.get(m, "") for m in metrics) + " |")
-    elif n:
-        lines += ["", "**Nsight Compute**: " + n.get("note", n.get("status", ""))]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _f(x):

@@ -32,7 +32,7 @@ def test_rehearsal_runs_every_stage(rehearsal):
     r, out = rehearsal
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "device_check.json").read_text())
-    assert list(res["stages"]) == ["env", "tests", "racecheck", "bench", "ncu"]
+    assert list(res["stages"]) == ["env", "tests", "hopper", "racecheck", "bench", "ncu"]
     assert all(s["status"] == "ok" for s in res["stages"].values()), res["stages"]
     assert res["stages"]["env"]["gpu"].startswith("none")
     tests = res["stages"]["tests"]
@@ -46,6 +46,10 @@ def test_rehearsal_runs_every_stage(rehearsal):
     assert any(w["section"] == "decode" for w in rows)
     assert res["stages"]["bench"]["host_time"]
     assert (out / "bench.json").exists() and (out / "ncu_d64.log").exists()
+    # the Hopper stage, rehearsed on the emulator standing in for an sm_90 with CUFLASH_WGMMA=1
+    hop = [w for w in res["stages"]["hopper"]["rows"] if w["section"] == "grid"]
+    assert {w["mode"] for w in hop} == {"fwd", "fwdbwd"} and all(w["cuflash_ms"] > 0 for w in hop)
+    assert "ncu call ok" in (out / "hopper_ncu.log").read_text()
     md = (out / "device_check.md").read_text()
     assert "| grid | float16 | 16 | no | fwd |" in md and "**Host time per call**" in md
     assert md in r.stdout
