@@ -145,15 +145,11 @@ def group_jobs(group):
                             jobs[job.key].default |= job.default
                         else:
                             jobs[job.key] = job
-    if group == "flash_bwd_tc_helpers":  # the helpers' module: dtype, d and dv only
+    if group == "flash_bwd_tc_helpers":  # the helpers' module: the dtype only
         for dtype in tiling.TC_DTYPES:
-            for d in TC_DIMS:
-                for dv in TC_DIMS:
-                    for arch in (80, 90):
-                        defines = {kernels.dtype_define(dtype): None, "CUFLASH_HEAD_DIM": d,
-                                   "CUFLASH_HEAD_DIM_V": dv}
-                        job = Job(group, f"{group} {dtype} {d}/{dv} sm_{arch}", defines, arch)
-                        jobs[job.key] = job
+            for arch in (80, 90):
+                job = Job(group, f"{group} {dtype} sm_{arch}", {kernels.dtype_define(dtype): None}, arch)
+                jobs[job.key] = job
     if group == "online_softmax":
         for dtype in ("float16", "bfloat16", "float32", "float64"):
             for arch in (75, 80, 90):
@@ -166,11 +162,9 @@ def group_jobs(group):
 def sample_jobs(group):
     """A few of ``group``'s compiles, which the tests compile on every run to hold the record
     to the installed NVRTC: per table, dtype class and architecture class, the default of the
-    largest head-dim class (the most registers); the helpers at 256/256, online_softmax all."""
-    if group == "online_softmax":
+    largest head-dim class (the most registers); the helpers and online_softmax all."""
+    if group in ("online_softmax", "flash_bwd_tc_helpers"):
         return group_jobs(group)
-    if group == "flash_bwd_tc_helpers":
-        return [j for j in group_jobs(group) if " 256/256 " in j.key]
     jobs = {}
     for kernel in GROUPS[group][2]:
         classes = []   # one dtype of each dtype class (the dtypes of one grid)

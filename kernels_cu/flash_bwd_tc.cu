@@ -135,8 +135,13 @@
 #endif
 
 // Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
-// builds only the preprocess and convert kernels (they need just the dtype, d and dv);
+// builds only the preprocess and convert kernels, which need just the dtype (they read the
+// head dims from BwdParams, so one module serves every head dim and the Hopper backward);
 // -DCUFLASH_BWD_TC_MAIN only flash_bwd_tc; neither builds all three.
+// float32 log2(e): exp(x) = exp2(x * log2(e))
+#define CUFLASH_LOG2E 1.4426950408889634f
+
+#ifndef CUFLASH_BWD_TC_HELPERS
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V)
 #error "define CUFLASH_HEAD_DIM and CUFLASH_HEAD_DIM_V"
 #endif
@@ -148,10 +153,6 @@ constexpr bool kPadded = true;   // the call's head dims (BwdParams) may be belo
 #else
 constexpr bool kPadded = false;
 #endif
-// float32 log2(e): exp(x) = exp2(x * log2(e))
-#define CUFLASH_LOG2E 1.4426950408889634f
-
-#ifndef CUFLASH_BWD_TC_HELPERS
 #if !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV) || !defined(CUFLASH_THREADS)
 #error "define CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV and CUFLASH_THREADS"
 #endif
@@ -293,7 +294,7 @@ flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__
     const BwdParams& p = *P;
     const int tid = threadIdx.x;
     const FoldedIndex fi = cuflash_fold_decode(p.n_pre_tiles, p.H);
-    const int h = fi.h, b = fi.b, Nq = p.Nq, nq_pad = p.nq_pad;
+    const int h = fi.h, b = fi.b, Nq = p.Nq, nq_pad = p.nq_pad, d = p.head_d, dv = p.head_dv;
     const size_t bh = (size_t)b * p.H + h;
     const elem_t* Ob = O + b * p.o_sb + h * p.o_sh;
     const elem_t* dOb = dO + b * p.do_sb + h * p.do_sh;
@@ -307,7 +308,7 @@ flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__
         const int r = rg + (tid >> 3);
         float part = 0.0f;
         if (r < Nq) {
-            for (int c = sub * 8; c < kDv; c += 64) {
+            for (int c = sub * 8; c < dv; c += 64) {
                 const uint4 o4 = gload(reinterpret_cast<const uint4*>(Ob + r * p.o_sr + c));
                 const uint4 d4 = gload(reinterpret_cast<const uint4*>(dOb + r * p.do_sr + c));
                 const uint32_t ow[4] = {o4.x, o4.y, o4.z, o4.w}, dw[4] = {d4.x, d4.y, d4.z, d4.w};
@@ -336,9 +337,9 @@ flash_bwd_tc_preprocess(const elem_t* __restrict__ O, const elem_t* __restrict__
     // zero this block's rows of every dQ accumulator slice (16-byte stores)
     const int z_end = min(Nq, r_end);
     if (z_end > r0) {
-        const long long n4 = (long long)(z_end - r0) * kD / 4;
+        const long long n4 = (long long)(z_end - r0) * d / 4;
         for (int s = 0; s < p.n_splits; ++s) {
-            float* acc = ws + p.dq_accum_offset + s * p.dq_slice_stride + (bh * Nq + r0) * kD;
+            float* acc = ws + p.dq_accum_offset + s * p.dq_slice_stride + (bh * Nq + r0) * d;
             for (long long e = tid; e < n4; e += kPreThreads)
                 gstore(reinterpret_cast<float4*>(acc) + e, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
         }

@@ -12,8 +12,9 @@ planner's choice, :func:`cuflash.tiling.plan_flash_bwd`) run three kernels:
    accumulator slice each when ``deterministic=True`` (:func:`dq_splits`);
 3. ``flash_bwd_tc_dq_convert``: dQ = scale * (sum of the slices, in order).
 
-The helpers (1, 3) are one module per (dtype, d, dv), shared by both variants;
-the main kernel is compiled per plan.
+The helpers (1, 3) are one module per dtype, shared by every head dim and
+both variants (and the Hopper backward, flash_bwd_wgmma); the main kernel is
+compiled per plan.
 """
 import numpy as np
 
@@ -34,15 +35,14 @@ _CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
 
 def requests(plan):
     """``(file, kernel, defines, shared_bytes)`` of the three kernels of a plan: the helpers'
-    module (dtype, d, dv) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked; the
+    module (one per dtype: they read the head dims from BwdParams) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked; the
     Hopper backward flash_bwd_wgmma from its own file)."""
     main = kernels.plan_defines(plan)
     if plan.kernel != tiling.BWD_WGMMA_KERNEL:
         main["CUFLASH_BWD_TC_MAIN"] = None
     if plan.kernel == "flash_bwd_tc_masked":
         main.update(DEFINES)
-    helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_HEAD_DIM": plan.d,
-               "CUFLASH_HEAD_DIM_V": plan.dv, "CUFLASH_BWD_TC_HELPERS": None}
+    helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
             (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
             (_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]

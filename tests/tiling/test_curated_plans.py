@@ -407,8 +407,7 @@ def test_spill_error_names_the_curated_plans(_fresh_checks):
                        r"\(32, 32\) \(the default\), \(16, 32\).*These tiles are one of them"):
         kernels.check_compiled(rt, _FakeFunction(8), "flash_fwd_serving", opts)
     # a helper kernel (no tiles of its own)
-    opts = kernels.build_options({"CUFLASH_DTYPE_F16": None, "CUFLASH_HEAD_DIM": 64,
-                                  "CUFLASH_HEAD_DIM_V": 64, "CUFLASH_BWD_TC_HELPERS": None})
+    opts = kernels.build_options({"CUFLASH_DTYPE_F16": None, "CUFLASH_BWD_TC_HELPERS": None})
     with pytest.raises(kernels.SpillError, match="no curated tile plans.*please report"):
         kernels.check_compiled(rt, _FakeFunction(4), "flash_bwd_tc_dq_convert", opts)
     # no local memory: nothing raised, and not checked again
