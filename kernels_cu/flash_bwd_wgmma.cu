@@ -53,6 +53,7 @@ constexpr int kBc = 128;                  // keys per block: 64 per consumer war
 constexpr int kBr = 64;                   // queries per tile
 constexpr int kStages = 2;
 constexpr int kChunks = kD / 64;
+constexpr unsigned kConsumersBarrier = 4;  // named barrier of the two consumer warpgroups (1..3: per warpgroup)
 #ifdef CUFLASH_DTYPE_BF16
 constexpr bool kBF16 = true;
 #else
@@ -162,6 +163,8 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     const uint32_t n_do = (uint32_t)wgmma_desc(smem + kDOOff, kBr * 128, 1024, 128);
     const uint32_t n_k = (uint32_t)wgmma_desc(smem + kKOff + w * 64 * 128, kBc * 128, 1024, 128);
     const uint32_t a_ds = (uint32_t)wgmma_desc(smem + kDSOff + w * kDSBytes, kDSBytes, 1024, 128);
+    const uint32_t a_ds_all = (uint32_t)wgmma_desc(smem + kDSOff, kDSBytes, 1024, 128);  // both consumers' rows
+    const uint32_t n_k_all = (uint32_t)wgmma_desc(smem + kKOff, kBc * 128, 1024, 128);
     constexpr uint64_t kHi = (uint64_t)((1024 >> 4) | (1u << 30)) << 32;
     auto desc = [](uint32_t lo) { return kHi | lo; };
 
@@ -247,31 +250,38 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         for (int kk = 0; kk < kBr / 16; ++kk)
             wgmma_rs<kD, kBF16, true>(dk, df[kk], desc(n_q + qo + ((2048 * kk) >> 4)), true);
         wgmma_commit();
-        warpgroup_barrier();  // every row of dS^T stored before the dQ product reads them
-        // dQ_i += dS_w K_w, one 64-column chunk of d at a time: A = dS^T (M-major), B = K_w
-        // (N-major), four k16 steps of 16 keys; reduced into the float32 accumulator
+        // dQ_i += dS K, reduced into the float32 accumulator: A = dS^T (M-major: queries
+        // contiguous), B = K (N-major), k16 steps of 16 keys.  d = 64: each warpgroup adds its
+        // own 64 keys' share of all 64 columns (after its own barrier); d = 128: each adds all
+        // 128 keys' share of its 64-column chunk, reading both warpgroups' dS^T (after the two
+        // meet): half the reds of the first way, for the same products.
         const uint32_t dso = (uint32_t)(2 * s * kDSBytes) >> 4;
         float* dq_rows = ws + p.dq_accum_offset + (((size_t)b * p.H + h) * Nq + q0) * kD;
+        constexpr int kDqSteps = kChunks == 1 ? 4 : 8;      // keys / 16
+        uint32_t a_dq = a_ds + dso, b_dq = n_k;             // this warpgroup's keys, chunk 0
+        if constexpr (kChunks == 1) {
+            warpgroup_barrier();  // every row of this warpgroup's dS^T stored
+        } else {
+            named_barrier_sync(kConsumersBarrier, 256);  // both warpgroups' dS^T stored
+            a_dq = a_ds_all + dso;                              // keys 0..127
+            b_dq = n_k_all + ((w * kBc * 128) >> 4);            // keys 0..127 of chunk w
+        }
+        float dq[32];
+        wgmma_fence();
+        wgmma_ss_zero<64, kBF16, true, true>(dq, desc(a_dq), desc(b_dq));
 #pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-            float dq[32];
-            wgmma_fence();
-            wgmma_ss_zero<64, kBF16, true, true>(dq, desc(a_ds + dso), desc(n_k + ((ch * kBc * 128) >> 4)));
+        for (int kk = 1; kk < kDqSteps; ++kk)
+            wgmma_ss<64, kBF16, true, true>(dq, desc(a_dq + ((2048 * kk) >> 4)), desc(b_dq + ((2048 * kk) >> 4)), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(dq);
 #pragma unroll
-            for (int kk = 1; kk < 4; ++kk)
-                wgmma_ss<64, kBF16, true, true>(dq, desc(a_ds + dso + ((2048 * kk) >> 4)),
-                                                desc(n_k + ((ch * kBc * 128 + 2048 * kk) >> 4)), true);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operand(dq);
+        for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = wr + 8 * h2;
+            if (q0 + r >= Nq) continue;
+            float* row = dq_rows + (size_t)r * kD + (kChunks == 1 ? 0 : 64 * w) + 2 * t;
 #pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-                const int r = wr + 8 * h2;
-                if (q0 + r >= Nq) continue;
-                float* row = dq_rows + (size_t)r * kD + 64 * ch + 2 * t;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) gred_add_v2(row + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
-            }
+            for (int j = 0; j < 8; ++j) gred_add_v2(row + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
         }
         if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
         if (++i == n_q_tiles) {

@@ -15,6 +15,9 @@
 //   warpgroup_barrier()                     bar.sync of the warpgroup's 128 threads (named
 //                                           barrier 1 + warpgroup): a tile its threads stored
 //                                           becomes one a wgmma of the warpgroup may read
+//   named_barrier_sync(id, count)           bar.sync id, count: `count` threads (whole warps)
+//                                           of several warpgroups meet at barrier id (4..15;
+//                                           1..3 are warpgroup_barrier's)
 //   tma_load<R>(dst, tmap, coords, bar)    cp.async.bulk.tensor.Rd (R = 1..5): the box of
 //                                           the tensor map `tmap` (global memory, 64-byte
 //                                           aligned; cuflash.launch.tma.tensor_map) at
@@ -117,6 +120,9 @@ __device__ __forceinline__ void wgmma_fence() {
 }
 __device__ __forceinline__ void wgmma_commit() { ::cuflash_emu::wgmma_commit_group(); }
 __device__ __forceinline__ void warpgroup_barrier() { ::cuflash_emu::warpgroup_barrier(); }
+__device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned count CUFLASH_SITE) {
+    ::cuflash_emu::named_barrier(id, count, CUFLASH_SITE_ARGS);
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait(CUFLASH_SITE_ONLY) { ::cuflash_emu::wgmma_wait_group(N, CUFLASH_SITE_ARGS); }
 template <int N, bool kBF16, bool kTransA, bool kTransB>
@@ -183,6 +189,9 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // named barrier 1 + warpgroup index (0 is __syncthreads'), the warpgroup's 128 threads
 __device__ __forceinline__ void warpgroup_barrier() {
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (threadIdx.x >> 7)) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 template <int R>
@@ -252,6 +261,7 @@ __device__ __forceinline__ void mbarrier_wait_parity(uint64_t*, unsigned) { __tr
 __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint64_t*) { __trap(); }
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void warpgroup_barrier() { __trap(); }
+__device__ __forceinline__ void named_barrier_sync(unsigned, unsigned) { __trap(); }
 template <int R>
 __device__ __forceinline__ void tma_load(void*, const void*, const int (&)[R], uint64_t*) { __trap(); }
 

@@ -270,6 +270,7 @@ struct ThreadCtx {
     unsigned xphase = 0;  // which of the two warp exchange buffers is next
     unsigned bar_phase = 0;  // parity of this thread's __syncthreads count
     unsigned wg_phase = 0;   // parity of this thread's warpgroup barrier count
+    unsigned named_phase = 0;  // bit i: parity of this thread's count at named barrier i
     Block* blk = nullptr;
     unsigned char* dyn_smem = nullptr;
     unsigned long long bytes_read = 0, bytes_written = 0;
@@ -319,6 +320,7 @@ struct Block {
     unsigned long long bar_completions = 0;
     std::unique_ptr<Barrier[]> warp_bar;
     std::unique_ptr<Barrier[]> wg_bar;  // per warpgroup (4 warps): wgmma.wait_group's sync
+    Barrier named[16];  // bar.sync id, count (id 1..15; 0 is bar); expected set by the first arrival
     std::unique_ptr<WarpExchange[]> wx;
 #if !CUFLASH_EMULATOR_THREADS
     FiberScheduler* fibers = nullptr;  // runs this block's threads
@@ -356,6 +358,7 @@ struct Block {
             wg_bar[g].expected = std::min(128u, nthreads - 128u * g);
             wg_bar[g].arrived = 0; wg_bar[g].waiters = 0;
         }
+        for (Barrier& b : named) { b.expected = 0; b.arrived = 0; b.waiters = 0; }
         std::memset(wx.get(), 0xff, sizeof(WarpExchange) * nwarps);
         mbars.clear(); bulk.clear(); mbar_waiters = 0;
     }
@@ -928,6 +931,9 @@ void wgmma_commit_group();
 // bar.sync on the warpgroup's named barrier (128 threads): its threads' shared stores before
 // it happen before any access after it (a warpgroup sharing a tile it wrote for wgmma)
 void warpgroup_barrier();
+// bar.sync id, count: the first `count` threads (whole warps) to arrive at named barrier `id`
+// (1..15) pass together; every arrival of one phase must name the same count
+void named_barrier(unsigned id, unsigned count, const char* file = "?", int line = 0);
 void wgmma_wait_group(int n, const char* file = "?", int line = 0);
 void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
                bool trans_b, bool accumulate, const char* file = "?", int line = 0);

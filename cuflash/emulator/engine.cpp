@@ -618,6 +618,32 @@ void warpgroup_barrier() {
     warpgroup_sync();
 }
 
+void named_barrier(unsigned id, unsigned count, const char* file, int line) {
+    ThreadCtx& c = *tctx;
+    Block& blk = *c.blk;
+    const std::string at = std::string(" at ") + file + ":" + std::to_string(line);
+    require_full_warp("bar.sync");
+    if (id == 0 || id > 15)
+        device_error("bar.sync " + std::to_string(id) + at + ": named barriers are 1..15 (0 is __syncthreads')");
+    if (count == 0 || count % 32 || count > blk.nthreads)
+        device_error("bar.sync " + std::to_string(id) + ", " + std::to_string(count) + at +
+                     ": the count must be a multiple of 32 up to the block's " + std::to_string(blk.nthreads) + " threads");
+    Barrier& b = blk.named[id];
+    unsigned had = 0;
+    {
+        TsanQuiet quiet;
+        std::lock_guard<BlockMutex> lk(blk.mu);
+        if (b.arrived == 0) b.expected = count;
+        else had = b.expected;
+    }
+    if (had != 0 && had != count)
+        device_error("bar.sync " + std::to_string(id) + at + ": this thread's count " + std::to_string(count) +
+                     " differs from the " + std::to_string(had) + " of the threads already waiting there");
+    const unsigned bit = 1u << id, phase = (c.named_phase & bit) ? 1u : 0u;
+    c.named_phase ^= bit;
+    blk.arrive_and_wait(b, phase);
+}
+
 void wgmma_wait_group(int n, const char* file, int line) {
     ThreadCtx& c = *tctx;
     wgmma_require_warpgroup("wgmma.wait_group");
@@ -704,6 +730,7 @@ void Block::abort_locked(const std::string& msg) {
     next_generation(bar);
     for (unsigned w = 0; w < nwarps; ++w) next_generation(warp_bar[w]);
     for (unsigned g = 0; g < (nwarps + 3) / 4; ++g) next_generation(wg_bar[g]);
+    for (Barrier& b : named) next_generation(b);
     next_generation(mbar_gen);
 }
 
@@ -718,9 +745,10 @@ std::string Block::deadlock_message() const {
     unsigned at_sync = bar.waiters, at_warp = 0;
     for (unsigned w = 0; w < nwarps; ++w) at_warp += warp_bar[w].waiters;
     for (unsigned g = 0; g < (nwarps + 3) / 4; ++g) at_warp += wg_bar[g].waiters;
+    for (const Barrier& b : named) at_warp += b.waiters;
     return "deadlock in block " + where() + ": " + std::to_string(at_sync) +
            " thread(s) wait at __syncthreads(), " + std::to_string(at_warp) +
-           " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix, or a warpgroup's wgmma.wait_group), " +
+           " at a warp collective (shuffle/ballot/__syncwarp/mma/ldmatrix, a warpgroup's wgmma.wait_group, or a named barrier), " +
            (mbar_waiters ? std::to_string(mbar_waiters) +
                                " at an mbarrier wait (a phase no arrival or bulk copy left can complete), "
                          : std::string()) +
@@ -865,7 +893,7 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
         c.block_lin = b;
         c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                            unsigned(b / (1ull * grid[0] * grid[1]))};
-        c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0; c.proxy_gen = 0;
+        c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0; c.named_phase = 0; c.proxy_gen = 0;
         c.cp_open.clear(); c.cp_groups.clear();
         c.wg_open.clear(); c.wg_groups.clear(); c.wg_fenced = false;
         try {

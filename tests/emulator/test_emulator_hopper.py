@@ -155,3 +155,37 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops   # mbarrier.try_wait.parity
     assert "UBLKCP.S.G" in ops                       # cp.async.bulk global -> shared
     assert "FENCE.VIEW.ASYNC.S" in ops               # fence.proxy.async.shared::cta
+
+
+def run_named(mod, threads, mode):
+    out = np.full((2, threads), -1, np.int32)
+    mod.get_function("named_barrier")(1, threads, (out, np.int32(mode)))
+    return out
+
+
+@pytest.mark.parametrize("threads", [96, 288])
+def test_named_barrier_orders_the_warps(mods, threads):
+    """bar.sync 4, n: the n threads of warps 1.. (warp 0 has returned) pass together, at both
+    phase parities; each reads a store of another warp made before the barrier."""
+    out = run_named(mods(), threads, 0)
+    n = threads - 32
+    for r in range(2):
+        want = [1000 * r + 32 + (t - 32 + 32) % n for t in range(32, threads)]
+        np.testing.assert_array_equal(out[r, 32:], want)
+
+
+def test_named_barrier_race_check(mods):
+    """Under ThreadSanitizer the barrier orders the stores before the reads; without it, a race."""
+    mod = em.RawModule(path=SRC, options=("-arch=sm_90a",), race_check=True)
+    out = run_named(mod, 160, 0)
+    assert out[1, 32] == 1000 + 64
+    with pytest.raises(em.RaceError, match=f"hopper.cu:{line_of('(int)slot[r][32 + (tid - 32 + 32) % n]')}"):
+        run_named(mod, 160, 1)
+
+
+def test_named_barrier_misuse_is_reported(mods):
+    with pytest.raises(em.LaunchError, match=r"bar.sync 4 at .*hopper.cu:\d+: this thread's count 128 differs "
+                                             r"from the 96 of the threads already waiting there"):
+        run_named(mods(), 160, 2)
+    with pytest.raises(em.LaunchError, match=r"deadlock in block \(0,0,0\)"):
+        run_named(mods(), 160, 3)

@@ -93,33 +93,37 @@ def _launch(rt, rng, causal, dtype="float16", qs=(1, 2, 90, 64), ks=(1, 1, 150, 
     return seen
 
 
-def test_checked_launch(hopper, rng):
+@pytest.mark.parametrize("d", [64, 128])
+def test_checked_launch(hopper, rng, d):
     """Under memcheck and the inter-block check (every access inside the launch's arrays and
     shared memory; blocks store disjoint dK, dV rows, dQ only by reds), and the traffic: each
     block reads its K, V rows once and, per query head of its group and query tile, Q, dO and
-    64 lse2 and D values; it stores its dK, dV rows and reduces 64 x d dQ values per tile and
-    consumer warpgroup (rows past Nq not)."""
+    64 lse2 and D values; it stores its dK, dV rows and reduces the tile's 64 x d dQ values
+    once per consumer warpgroup at d = 64 (each its own keys), once at d = 128 (each its
+    columns, both warpgroups' keys); rows past Nq not."""
     rt = kernels.get_runtime(EMU, arch="sm_90")
     assert rt.wgmma
-    B, H, Hk, nq, nk, d = 1, 2, 1, 90, 150, 64
+    B, H, Hk, nq, nk = 1, 2, 1, 90, 150
     with em.memcheck(), em.interblock_check():
-        seen = _launch(rt, rng, False)
+        seen = _launch(rt, rng, False, qs=(B, H, nq, d), ks=(B, Hk, nk, d))
     main = next(e for e in seen if e["kernel"] == "flash_bwd_wgmma")
     n_kv, n_q = -(-nk // 128), -(-nq // 64)
     # TMA reads the rows inside the tensors only (past Nq / Nk: zeros, not read)
     kv_rows = nk * 2 * Hk * B
     q_rows = n_kv * H * B * nq * 2                      # Q and dO, for every key tile
     stats = n_kv * H * B * n_q * 64 * 2 * 4              # lse2 and D per query tile
-    dq = n_kv * H * B * nq * d * 2 * 4                   # reds of both consumers (float32),
+    dq = n_kv * H * B * nq * d * (2 if d == 64 else 1) * 4   # the reds (float32),
     assert main["global_bytes_read"] == 2 * d * (kv_rows + q_rows) + stats + dq  # read and
     assert main["global_bytes_written"] == 2 * d * nk * 2 * Hk * B + dq          # written
 
 
-def test_race_check(hopper, rng):
-    """The stages' mbarriers, the warpgroup waits and the warpgroup barrier before the dQ
-    product order every shared access under ThreadSanitizer (384 threads as real threads)."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_race_check(hopper, rng, d):
+    """The stages' mbarriers, the warpgroup waits and the barrier before the dQ product (the
+    warpgroup's at d = 64, both consumers' at d = 128) order every shared access under
+    ThreadSanitizer (384 threads as real threads)."""
     rt = kernels.get_runtime(EMU, race_check=True, arch="sm_90")
-    seen = _launch(rt, rng, True, qs=(1, 1, 70, 64), ks=(1, 1, 130, 64))
+    seen = _launch(rt, rng, True, qs=(1, 1, 70, d), ks=(1, 1, 130, d))
     assert "flash_bwd_wgmma" in [e["kernel"] for e in seen]
 
 

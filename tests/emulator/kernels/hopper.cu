@@ -76,3 +76,22 @@ extern "C" __global__ void mbarrier_count(int* out, int mode) {
         gstore(out + tid, 1 + atomicAdd(&arrived, 0));
     }
 }
+
+// Named barriers (bar.sync id, count): warp 0 returns; the other n = blockDim.x - 32 threads
+// meet at barrier 4 with count n, twice (both phase parities).  Round r: each thread stores
+// 1000 r + tid to its slot, passes the barrier, and reads the slot of a thread one warp on
+// (another warp's store), out[r][tid].  mode 1: no barrier (a race); 2: warp 1 names a count
+// of n - 32, the others n (they disagree); 3: a count of n + 32, which never arrive (a deadlock).
+extern "C" __global__ void named_barrier(int* out, int mode) {
+    __shared__ long long slot[2][512];  // 8 bytes per thread: one ThreadSanitizer shadow word each
+    const int tid = threadIdx.x, n = (int)blockDim.x - 32;
+    if (tid < 32) return;  // an exited warp: not one of the barrier's threads
+    __syncthreads();       // all of them started (so that mode 1's threads overlap)
+    for (int r = 0; r < 2; ++r) {
+        slot[r][tid] = 1000 * r + tid;
+        if (mode == 0) named_barrier_sync(4, n);
+        else if (mode == 2) named_barrier_sync(4, tid < 64 ? n - 32 : n);
+        else if (mode == 3) named_barrier_sync(4, n + 32);
+        gstore(out + r * blockDim.x + tid, (int)slot[r][32 + (tid - 32 + 32) % n]);
+    }
+}
