@@ -37,7 +37,7 @@
 //   K (128 rows) | V (128 rows) | Q: kStages x 64 rows | dO: kStages x 64 rows |
 //   dS^T: 2 buffers x 2 consumers x 64 rows | lse2, D: kStages x 64 floats each | mbarriers
 // Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16, CUFLASH_HEAD_DIM (64 or 128).
-// Arguments: the tensor maps of Q, K, V, dO (cuflash.launch.fwd_hopper: 4-d, boxes of 64 x 64),
+// Arguments: the tensor maps of Q, K, V, dO (cuflash.launch.hopper: 4-d, boxes of 64 x 64),
 // the arrays Q, K, V, dO (read through the maps), the workspace, dK, dV (contiguous (B, Hk,
 // Nk, d)) and BwdParams (scale, Nq, Nk, H, Hk, group, causal, causal_offset, n_kv_blocks,
 // nq_pad, d_offset, dq_accum_offset).

@@ -220,6 +220,21 @@ def sm90_nvrtc():
 
 
 @pytest.fixture
+def sm90_gpu(monkeypatch):
+    """(cupy, the "cuda" Runtime with the Hopper kernels chosen: CUFLASH_WGMMA=1) on an sm_90
+    GPU; else the test is skipped, saying why."""
+    cp = pytest.importorskip("cupy")
+    require_backend("cuda")
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("needs an sm_90 GPU")
+    from cuflash import kernels
+    monkeypatch.setenv(kernels.WGMMA_ENV, "1")
+    rt = kernels.get_runtime("cuda")
+    assert rt.wgmma
+    return cp, rt
+
+
+@pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test's id so a failure reproduces.
 

@@ -23,7 +23,7 @@ from .common import (aligned16, aligned_copies, alloc_output, array_key, cached_
                      flatten_lead, fold_grid, grad_shapes, kv_heads_for_kernel, launch,
                      pointer_arg, problem_dims, record_copy, sum_back)
 from .features import DEFINES, Prepared, prepared_key
-from .fwd_hopper import HopperMaps, materialised, tma_layout_ok
+from .hopper import HopperMaps, materialised, tma_layout_ok
 
 __all__ = ["build", "requests", "dq_splits"]
 

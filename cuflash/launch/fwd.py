@@ -25,7 +25,7 @@ from .common import (acc_dtype, aligned16, aligned_copies, alloc_output, array_k
                      pointer_arg, problem_dims, record_copy, track_allocations)
 from .features import (DEFINES, Prepared, cache_key, check_cached_seed, prepared_key,
                        validate)
-from .fwd_hopper import Q_ROWS_PER_BOX, HopperMaps, materialised, tma_layout_ok
+from .hopper import Q_ROWS_PER_BOX, HopperMaps, materialised, tma_layout_ok
 from .serving import serving_plan, tiled_attention_split
 
 __all__ = ["tiled_attention", "flash_fwd", "memory_analysis", "verify_no_full_materialization",

@@ -148,15 +148,10 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-d{c[1]}-{c[4]}" for c in CASES])
-def test_on_an_h100(monkeypatch, rng, case):
+def test_on_an_h100(sm90_gpu, rng, case):
     """On an sm_90 GPU with CUFLASH_WGMMA=1: the same calls run flash_bwd_wgmma and meet the
     oracle -- with the forward's, the check that decides the Hopper kernels' default."""
-    cp = pytest.importorskip("cupy")
-    require_backend("cuda")
-    if cp.cuda.Device().compute_capability != "90":
-        pytest.skip("needs an sm_90 GPU")
-    monkeypatch.setenv(kernels.WGMMA_ENV, "1")
-    rt = kernels.get_runtime("cuda")
+    cp, rt = sm90_gpu
     dtype, d, qs, ks, causal = case
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="numpy")

@@ -140,17 +140,11 @@ def test_the_kernel_is_refused_where_it_cannot_run():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])
-def test_on_an_h100(monkeypatch, rng, case):
+def test_on_an_h100(sm90_gpu, rng, case):
     """On an sm_90 GPU with CUFLASH_WGMMA=1: the same calls run flash_fwd_wgmma (sm_90a, the
     driver's tensor maps) and meet the oracle -- the check that decides its default."""
-    cp = pytest.importorskip("cupy")
-    require_backend("cuda")
-    if cp.cuda.Device().compute_capability != "90":
-        pytest.skip("needs an sm_90 GPU")
     from cuflash.launch import fwd
-    monkeypatch.setenv(kernels.WGMMA_ENV, "1")
-    rt = kernels.get_runtime("cuda")
-    assert rt.wgmma
+    cp, rt = sm90_gpu
     dtype, d, qs, ks, causal, scale = case
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     with launch_common.observe_launches() as seen:

@@ -1,14 +1,15 @@
-"""What the Hopper forward (``flash_fwd_wgmma``, kernels_cu/flash_fwd_wgmma.cu) needs beyond the
-dense forward's launch (:func:`cuflash.launch.fwd._build`): the tensor maps its TMA copies read Q,
-K and V through.
+"""What the Hopper kernels (``flash_fwd_wgmma``, ``flash_bwd_wgmma``: kernels_cu/flash_*_wgmma.cu)
+need beyond the launches of their families (:mod:`cuflash.launch.fwd`, :mod:`cuflash.launch.bwd_tc`):
+the tensor maps their TMA copies read Q, K, V (and dO) through.
 
 A tensor map holds an array's address, so it is made for each call's arrays; the last few are
 kept by address (a training loop reuses its buffers, and a map of the same address, shapes and
 strides is the same map).  The maps describe each input as the launcher's flattened problem,
 (batch, heads, rows, head dim) with the element strides :func:`~cuflash.launch.common.flatten_lead`
 found, so strided views are read in place; the copy engine needs every stride of an axis longer
-than one to be a positive multiple of 16 bytes (:func:`tma_layout_ok`), and the launcher makes
-contiguous copies of inputs that are not (a broadcast along heads or batch, say).
+than one to be a positive multiple of 16 bytes (:func:`tma_layout_ok`), and the launchers make
+contiguous copies of inputs that are not (a broadcast along heads or batch, say:
+:func:`materialised`).
 """
 from .common import data_ptr
 from .tma import tensor_map
