@@ -35,8 +35,9 @@ _CONVERT_BLOCKS = {"cuda": 4096, "emulator": 4}
 
 def requests(plan):
     """``(file, kernel, defines, shared_bytes)`` of the three kernels of a plan: the helpers'
-    module (one per dtype: they read the head dims from BwdParams) and the main kernel's (flash_bwd_tc or flash_bwd_tc_masked; the
-    Hopper backward flash_bwd_wgmma from its own file)."""
+    module (one per dtype: they read the head dims from BwdParams) and the main kernel's
+    (flash_bwd_tc or flash_bwd_tc_masked; the Hopper backward flash_bwd_wgmma from its own
+    file)."""
     main = kernels.plan_defines(plan)
     if plan.kernel != tiling.BWD_WGMMA_KERNEL:
         main["CUFLASH_BWD_TC_MAIN"] = None
