@@ -9,8 +9,9 @@ flash_fwd.cu, the main kernels of flash_bwd_tc.cu, ...), the tensor-core groups 
 padded build of each cell's default (``-DCUFLASH_HEAD_DIMS_PADDED``, the build of calls with
 d != dv).  ptxas' report
 (``--ptxas-options=-v``) must show no spill stores or loads and no stack frame for any kernel
-of the module.  Besides the tables: flash_bwd_tc.cu's helper kernels at every (dtype, d, dv)
-they take, and online_softmax.cu per dtype.  No GPU needed; 0.1-2 s per compile.
+of the module.  Besides the tables: flash_bwd_tc.cu's helper kernels and online_softmax.cu per
+dtype; the Hopper groups (flash_fwd_wgmma, flash_bwd_wgmma) for sm_90a.  No GPU needed; 0.1-2 s
+per compile.
 
 ``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
 version, a hash of the group's sources (its kernel file and the headers it includes, comments
