@@ -42,7 +42,7 @@ def _backward(q, k, v, causal, rng, **kw):
 
 CASES = [  # dtype, d, q shape, k shape, causal
     ("float16", 64, (1, 2, 100, 64), (1, 1, 150, 64), False),       # GQA, ragged, 2 key tiles
-    ("bfloat16", 64, (2, 1, 130, 64), (2, 1, 130, 64), True),       # 3 query tiles, the diagonal
+    ("bfloat16", 64, (1, 1, 130, 64), (1, 1, 130, 64), True),       # 3 query tiles, the diagonal
     ("float16", 128, (1, 1, 70, 128), (1, 1, 200, 128), "bottom_right"),
     ("bfloat16", 128, (1, 4, 65, 128), (1, 2, 40, 128), True),      # queries that see no key
     ("float16", 64, (1, 1, 70, 64), (1, 1, 300, 64), True),         # key tiles no query sees
@@ -60,12 +60,16 @@ def test_matches_the_oracle(hopper, rng, case):
 
 def test_deterministic_and_features_run_flash_bwd_tc(hopper, rng):
     """The Hopper backward reduces dQ by atomics and has no logit features: deterministic calls
-    and calls with features run flash_bwd_tc(_masked), as on sm_80."""
+    and calls with features run flash_bwd_tc(_masked), as on sm_80 (one launched, the others
+    planned: the launcher runs the plan's kernel)."""
     q, k, v = oracle.qkv(rng, (1, 1, 40, 64), (1, 1, 40, 64), dtype="float16")
-    assert _backward(q, k, v, False, rng, deterministic=True)[0][1] == "flash_bwd_tc"
-    assert _backward(q, k, v, False, rng, window=(8, 0))[0][1] == "flash_bwd_tc_masked"
-    q, k, v = oracle.qkv(rng, (1, 1, 40, 96), (1, 1, 40, 96), dtype="float16")
-    assert _backward(q, k, v, False, rng)[0][1] == "flash_bwd_tc"  # a head dim it lacks
+    ran, grads, do = _backward(q, k, v, False, rng, deterministic=True)
+    assert ran[1] == "flash_bwd_tc"
+    oracle.check_backward(grads, do, q, k, v, None, False)
+    rt = kernels.get_runtime(EMU, arch="sm_90")
+    assert launch_bwd.plan_backward(rt, 64, 64, "float16", masked=True).kernel == "flash_bwd_tc_masked"
+    assert launch_bwd.plan_backward(rt, 96, 96, "float16").kernel == "flash_bwd_tc"  # a head dim it lacks
+    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_wgmma"
 
 
 def test_broadcast_inputs_are_copied_and_their_grads_summed(hopper, rng):

@@ -93,9 +93,9 @@ def run(dtype, d, bc, B, H, Hk, nq, nk, causal, seed=0, rising=False, race_check
     return o, lse, want_o, want_lse
 
 
+# (float16 d = 64 with 128 keys per tile, grouped heads: tests/launch/test_fwd_hopper.py, through
+# the launcher)
 CASES = [
-    ("float16", 64, 128, 1, 2, 2, 200, 200, False),
-    ("float16", 64, 128, 1, 2, 1, 130, 300, True),     # GQA, more keys than queries, ragged
     ("float16", 128, 64, 1, 1, 1, 256, 256, True),
     ("bfloat16", 64, 64, 2, 1, 1, 70, 150, False),
     ("float16", 128, 128, 1, 1, 1, 129, 100, True),    # causal, fewer keys: rows that see none

@@ -12,6 +12,7 @@ import oracle
 from conftest import require_backend
 from cuflash import emulator as em
 from cuflash import emulator_backend, kernels, tiling
+from cuflash.launch import bwd as launch_bwd
 from cuflash.launch import common as launch_common
 
 pytestmark = pytest.mark.emulator
@@ -31,11 +32,11 @@ def _run(q, k, v, **kw):
     return o, lse, [e["kernel"] for e in seen]
 
 
+# (head dims 192 and 256: tests/kernels/test_flash_fwd_wgmma.py, which launches the kernel directly)
 CASES = [  # dtype, d, q shape, k shape, causal, scale
     ("float16", 64, (2, 4, 150, 64), (2, 2, 150, 64), True, None),     # GQA, two tiles, ragged
     ("bfloat16", 128, (1, 1, 70, 128), (1, 1, 200, 128), False, None),  # more keys than queries
-    ("float16", 192, (1, 1, 130, 192), (1, 1, 90, 192), "bottom_right", None),
-    ("float16", 256, (1, 1, 64, 256), (1, 1, 64, 256), False, -0.05),  # a negative scale
+    ("float16", 128, (1, 1, 130, 128), (1, 1, 90, 128), "bottom_right", -0.05),  # a negative scale
 ]
 
 
@@ -75,32 +76,38 @@ def test_broadcast_inputs_are_copied_once_and_said(hopper, rng):
     np.testing.assert_array_equal(o2, o)
 
 
-@pytest.mark.parametrize("kw, dtype, d, want", [
-    ({}, "float16", 96, "flash_fwd_tc"),                      # a head dim it lacks
-    ({}, "float32", 64, "flash_fwd_tf32"),                    # a dtype it lacks
-    ({"block_q": 64}, "float16", 64, "flash_fwd_tc"),         # tiles it lacks
-    ({"block_kv": 64}, "float16", 64, "flash_fwd_wgmma"),     # a curated alternative
-    ({"window": (16, 0)}, "float16", 64, "flash_fwd_tc_masked"),  # logit features
+@pytest.mark.parametrize("d, dtype, tiles, masked, want", [
+    (96, "float16", (None, None), False, "flash_fwd_tc"),       # a head dim it lacks
+    (64, "float32", (None, None), False, "flash_fwd_tf32"),     # a dtype it lacks
+    (64, "float16", (64, None), False, "flash_fwd_tc"),         # tiles it lacks
+    (64, "float16", (None, 64), False, "flash_fwd_wgmma"),      # a curated alternative
+    (64, "float16", (None, None), True, "flash_fwd_tc_masked"),  # logit features
 ])
-def test_other_calls_plan_as_before(hopper, rng, kw, dtype, d, want):
-    q, k, v = oracle.qkv(rng, (1, 1, 40, d), (1, 1, 40, d), dtype=dtype)
-    o, lse, ran = _run(q, k, v, **kw)
-    assert ran[0] == want
-    oracle.check_forward(o, q, k, v, lse=lse, dtype=dtype, **{k_: v_ for k_, v_ in kw.items()
-                                                               if k_ == "window"})
+def test_other_calls_plan_as_before(hopper, d, dtype, tiles, masked, want):
+    """What the calls above do not take plans as on sm_80 (the launcher runs the plan's
+    kernel: test_runs_the_hopper_forward, and the sm_80 kernels' own tests)."""
+    assert emulator_backend.runtime().plan_fwd(d, d, dtype, *tiles, masked=masked).kernel == want
+
+
+def test_a_launch_off_the_hopper_kernel(hopper, rng):
+    q, k, v = oracle.qkv(rng, (1, 1, 40, 64), (1, 1, 40, 64), dtype="float16")
+    o, lse, ran = _run(q, k, v, block_q=64)
+    assert ran == ["flash_fwd_tc"]
+    oracle.check_forward(o, q, k, v, lse=lse, dtype="float16")
 
 
 @pytest.mark.parametrize("arch, switch", [("sm_90", None), ("sm_90", "0"), ("sm_80", "1")])
-def test_only_sm_90_with_the_switch(monkeypatch, rng, arch, switch):
+def test_only_sm_90_with_the_switch(monkeypatch, arch, switch):
     require_backend(EMU)
     monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, arch)
     if switch is None:
         monkeypatch.delenv(kernels.WGMMA_ENV, raising=False)
     else:
         monkeypatch.setenv(kernels.WGMMA_ENV, switch)
-    assert emulator_backend.runtime().wgmma is False
-    q, k, v = oracle.qkv(rng, (1, 1, 40, 64), (1, 1, 40, 64), dtype="float16")
-    assert _run(q, k, v)[2] == ["flash_fwd_tc"]
+    rt = emulator_backend.runtime()
+    assert rt.wgmma is False
+    assert rt.plan_fwd(64, 64, "float16").kernel == "flash_fwd_tc"
+    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_tc"
 
 
 def test_a_bad_switch_is_refused(monkeypatch):
