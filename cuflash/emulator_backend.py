@@ -32,7 +32,7 @@ _RUNTIMES = {}
 def runtime(race_check=False):
     """The emulator :class:`cuflash.kernels.Runtime` (race_check: under ThreadSanitizer) of
     the architecture ``$CUFLASH_EMULATOR_ARCH`` names (unset: sm_80, compiled without -arch),
-    with the Hopper forward where ``$CUFLASH_WGMMA=1`` and that is sm_90."""
+    with the Hopper kernels where ``$CUFLASH_WGMMA=1`` and that is sm_90."""
     arch = None
     if os.environ.get(tiling.EMULATOR_ARCH_ENV):
         arch = tiling.emulator_arch()  # ValueError for a name it does not know

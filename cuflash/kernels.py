@@ -140,10 +140,10 @@ WGMMA_ENV = "CUFLASH_WGMMA"
 
 
 def wgmma_chosen():
-    """Whether ``$CUFLASH_WGMMA`` asks for the Hopper forward on sm_90 ("1"; "0" or unset: no)."""
+    """Whether ``$CUFLASH_WGMMA`` asks for the Hopper kernels on sm_90 ("1"; "0" or unset: no)."""
     val = os.environ.get(WGMMA_ENV, "0")
     if val not in ("0", "1"):
-        raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper forward on sm_90) or 0")
+        raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper kernels on sm_90) or 0")
     return val == "1"
 
 
@@ -223,8 +223,9 @@ class Runtime:
         sm_80 portable.cuh emulates the mma with 32 shuffles, which is correct but
         slower than the SIMT kernel, so only an explicit ``kernel=`` runs them there.
     wgmma : bool
-        Whether the forward takes the Hopper kernel (flash_fwd_wgmma) for the calls it
-        supports: an sm_90 (on the emulator: standing in for one) with ``$CUFLASH_WGMMA=1``.
+        Whether the planners take the Hopper kernels (flash_fwd_wgmma, flash_bwd_wgmma) for
+        the calls they support: an sm_90 (on the emulator: standing in for one) with
+        ``$CUFLASH_WGMMA=1``.
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
