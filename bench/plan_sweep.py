@@ -16,7 +16,13 @@ per compile.
 ``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
 version, a hash of the group's sources (its kernel file and the headers it includes, comments
 dropped, conditionals on the groups' defines resolved: :func:`source_hash`) and, per compile,
-a short digest of its options and the most registers of its kernels.
+a short digest of its options with the most registers of its kernels, and a digest of its PTX.
+
+``--stale`` compiles what the record does not vouch for.  Where a group's sources changed, a
+compile whose PTX (:func:`ptx_job`: NVRTC to PTX alone, about half a compile) is the recorded
+one keeps its recorded result (:func:`carry_by_ptx`): ptxas, given the same PTX, options and
+version, reports the same.  So an edit of a shared header re-checks most families at the
+cost of their PTX, and only the compiles it changed go through ptxas.
 tests/tiling/test_curated_plans.py (CI) takes the record's word for the compiles it vouches for
 (of the current sources, NVRTC and options), of which it compiles a sample (:func:`sample_jobs`)
 that must match it, and compiles the defaults (``Job.default``) among the others;
@@ -35,11 +41,12 @@ Usage::
 
     python bench/plan_sweep.py                           # every group: compile, print, check
     python bench/plan_sweep.py --groups flash_fwd_tc flash_fwd_tc_masked --write
-    python bench/plan_sweep.py --stale --write           # the groups whose record is stale
+    python bench/plan_sweep.py --stale --write           # after a kernel edit: what it changed
     python bench/plan_sweep.py --rehash HEAD              # after a comment-only kernel edit
     python bench/plan_sweep.py --candidates flash_bwd_tc float16 128 sm_90
 """
 import argparse
+import base64
 import concurrent.futures as cf
 import hashlib
 import json
@@ -190,14 +197,54 @@ def compile_result(job, kdir=None):
     return _nvrtc.compile((kdir / fname).read_text(), fname, opts)
 
 
+PTX_DIGEST_CHARS = 8   # 48 bits: a changed PTX passes for the old one once in 2^48
+
+
+def ptx_digest(ptx):
+    """PTX_DIGEST_CHARS base64 characters naming a compile's PTX (what ptxas reads: with the
+    options and NVRTC's version, everything its figures depend on)."""
+    return base64.urlsafe_b64encode(hashlib.sha256(ptx.encode()).digest()).decode()[:PTX_DIGEST_CHARS]
+
+
+def recorded_ptx(rec):
+    """{compile digest: PTX digest} of a group's record: its "ptx" string holds one digest per
+    row, in the rows' (sorted) order, ``.`` characters where a compile gave no PTX."""
+    text, keys = rec.get("ptx", ""), sorted(rec["rows"])
+    if len(text) != PTX_DIGEST_CHARS * len(keys):
+        return {}
+    out = {}
+    for i, k in enumerate(keys):
+        d = text[i * PTX_DIGEST_CHARS:(i + 1) * PTX_DIGEST_CHARS]
+        if not d.startswith("."):
+            out[k] = d
+    return out
+
+
 def compile_job(job):
-    """(key, digest, {kernel: ptxas figures} or {"error": log}, CPU seconds) of one compile."""
+    """(key, digest, {kernel: ptxas figures} or {"error": log}, CPU seconds, PTX digest or
+    None) of one compile."""
     t0 = time.process_time()
     try:
-        info = _nvrtc.parse_ptxas_info(compile_result(job).log)
+        res = compile_result(job)
+        info, ptx = _nvrtc.parse_ptxas_info(res.log), ptx_digest(res.ptx)
     except _nvrtc.NVRTCError as e:
-        info = {"error": e.log[-2000:]}
-    return job.key, job.digest, info, time.process_time() - t0
+        info, ptx = {"error": e.log[-2000:]}, None
+    return job.key, job.digest, info, time.process_time() - t0, ptx
+
+
+def ptx_job(job):
+    """(key, PTX digest or None, CPU seconds): the job's PTX alone (``-arch=compute_XX``, no
+    ptxas) -- the same text NVRTC hands ptxas for ``-arch=sm_XX``, at about half the cost."""
+    t0 = time.process_time()
+    kdir = ROOT / "kernels_cu"
+    opts = [f"-I{kdir}" if o.startswith("-I") else o.replace("-arch=sm_", "-arch=compute_")
+            for o in job.options if o != "--ptxas-options=-v"]
+    fname = GROUPS[job.group][0]
+    try:
+        ptx = ptx_digest(_nvrtc.compile((kdir / fname).read_text(), fname, opts).ptx)
+    except _nvrtc.NVRTCError:
+        ptx = None
+    return job.key, ptx, time.process_time() - t0
 
 
 def bad(info):
@@ -213,8 +260,8 @@ def bad(info):
     return None
 
 
-def compile_all(jobs, workers=None, progress=True):
-    """[(key, digest, info, CPU seconds)] of ``jobs``, compiled ``workers`` at a time (default:
+def compile_all(jobs, workers=None, progress=True, fn=compile_job):
+    """[compile_job(job)] of ``jobs`` (or ``fn``'s results), ``workers`` at a time (default:
     the CPUs)."""
     if not jobs:
         return []
@@ -224,7 +271,7 @@ def compile_all(jobs, workers=None, progress=True):
     # threads (JAX's, in the test suite) may hold locks the child would then wait on forever
     ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else None
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
-        for i, res in enumerate(ex.map(compile_job, jobs, chunksize=2), 1):
+        for i, res in enumerate(ex.map(fn, jobs, chunksize=2), 1):
             out.append(res)
             if progress and (i % 50 == 0 or i == len(jobs)):
                 el = time.perf_counter() - t0
@@ -362,6 +409,33 @@ def unrecorded(group, jobs, record=None):
     return [j for j in jobs if not isinstance(rec["rows"].get(j.digest), int)]
 
 
+def carry_by_ptx(group, jobs, record=None, workers=None, sample=8):
+    """After a kernel edit: where ``group``'s record is of other sources but of this NVRTC,
+    the recorded results of those of ``jobs`` whose PTX is unchanged -- ptxas, given the same
+    PTX, options and version, gives the same registers and spills -- and the jobs left to
+    compile.  A header edit leaves most families' PTX as it was; their check is then the PTX
+    pass alone, about half a compile.  A sample of up to ``sample`` jobs goes first: when none
+    of it kept its PTX (the edit changed this family's code) the rest go straight to the full
+    compile, without the PTX pass.
+
+    Returns ({digest: (recorded row, PTX digest)}, [jobs left], CPU seconds of the PTX pass)."""
+    rec = (record or load_record())["groups"].get(group)
+    if rec is None or rec["nvrtc"] != nvrtc_version() or rec["source_hash"] == group_hash(group):
+        return {}, list(jobs), 0.0
+    old = recorded_ptx(rec)
+    known = [j for j in jobs if j.digest in old and j.digest in rec["rows"]]
+    step = max(1, len(known) // sample)
+    first = known[::step][:sample]
+    done = {key: (ptx, cpu) for key, ptx, cpu in compile_all(first, workers, False, ptx_job)}
+    if any(ptx == old[j.digest] for j in first for ptx in [done[j.key][0]]):
+        rest = [j for j in known if j.key not in done]
+        done.update({key: (ptx, cpu) for key, ptx, cpu in compile_all(rest, workers, False, ptx_job)})
+    carried = {j.digest: (rec["rows"][j.digest], old[j.digest]) for j in known
+               if j.key in done and done[j.key][0] == old[j.digest]}
+    left = [j for j in jobs if j.digest not in carried]
+    return carried, left, sum(cpu for _, cpu in done.values())
+
+
 def export_kernels(rev, dest):
     """kernels_cu as of git revision ``rev``, written under ``dest``; returns that directory."""
     out = Path(dest) / "kernels_cu"
@@ -395,7 +469,7 @@ def candidates(kernel, dtype, c, arch_class, workers):
     print(f"{kernel} {dtype} head dims {c} on {arch_class}: {len(jobs)} pairs the formulas take; "
           f"curated: {' '.join(f'{a}x{b}' for a, b in cell) or 'none'}")
     print(f"{'tiles':>8s} {'threads':>7s} {'shared B':>9s} {'registers':>9s}  ptxas")
-    for key, _, info, _ in compile_all(jobs, workers, progress=False):
+    for key, _, info, _, _ in compile_all(jobs, workers, progress=False):
         p = plans[key]
         regs = max((f["registers"] for f in info.values() if isinstance(f, dict)), default=0)
         mark = " curated" if (p.block_q, p.block_kv) in cell else ""
@@ -477,51 +551,64 @@ def main(argv=None):
         return candidates(k, dt, int(c), arch, args.jobs)
     record = load_record()
     todo = {g: group_jobs(g) for g in args.groups}
+    carried = {g: {} for g in todo}
     if args.stale:
         todo = {g: unrecorded(g, jobs, record) for g, jobs in todo.items()}
     jobs = [j for js in todo.values() for j in js]
-    print(f"{len(jobs)} compiles (NVRTC {nvrtc_version()}, {args.jobs} jobs)", file=sys.stderr)
+    print(f"{len(jobs)} compiles at most (NVRTC {nvrtc_version()}, {args.jobs} jobs)", file=sys.stderr)
     t0 = time.perf_counter()
-    failing, n, cpu_all = 0, 0, 0.0
-    print(f"{'group':26s} {'compiles':>8s} {'wall s':>7s} {'CPU s':>7s} {'max regs':>8s}  failing",
-          flush=True)
+    failing, n, cpu_all, n_carried = 0, 0, 0.0, 0
+    print(f"{'group':26s} {'compiles':>8s} {'same PTX':>8s} {'wall s':>7s} {'CPU s':>7s} "
+          f"{'max regs':>8s}  failing", flush=True)
     for g, js in todo.items():   # group by group, each recorded as soon as it is compiled
         tg = time.perf_counter()
+        cpu = 0.0
+        if args.stale:   # the compiles whose PTX the edit left as it was keep their record
+            carried[g], js, cpu = carry_by_ptx(g, js, record, args.jobs)
         results = compile_all(js, args.jobs)
-        by_key = {key: (digest, info) for key, digest, info, _ in results}
-        cpu = sum(c for _, _, _, c in results)
-        infos = [by_key[j.key][1] for j in js]
-        fails = [(j.key, bad(i)) for j, i in zip(js, infos) if bad(i)]
+        cpu += sum(r[3] for r in results)
+        values = [bad(info) or max(f["registers"] for f in info.values()) for _, _, info, _, _ in results]
+        values += [row for row, _ in carried[g].values()]
+        fails = [(key, bad(info)) for key, _, info, _, _ in results if bad(info)]
+        fails += [(digest, row) for digest, (row, _) in carried[g].items() if not isinstance(row, int)]
         failing, n, cpu_all = failing + len(fails), n + len(js), cpu_all + cpu
-        regs = [f["registers"] for i in infos for f in i.values() if isinstance(f, dict)]
-        print(f"{g:26s} {len(js):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
+        n_carried += len(carried[g])
+        regs = [v for v in values if isinstance(v, int)]
+        print(f"{g:26s} {len(js):8d} {len(carried[g]):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
               f"{max(regs, default=0):8d}  {len(fails)}", flush=True)
         for key, why in fails:
             print(f"    {key}: {why}", flush=True)
         if args.write:
-            record = _record_group(load_record(), g, js, by_key, args.stale)
+            record = _record_group(load_record(), g, results, args.stale, carried[g])
             RESULTS.write_text(_dump(record))
-    print(f"{n} compiles in {time.perf_counter() - t0:.0f} s ({cpu_all:.0f} CPU s in the "
-          f"compiling processes, {args.jobs} at a time), {failing} failing")
+    print(f"{n} compiles and {n_carried} with their PTX unchanged in {time.perf_counter() - t0:.0f} s "
+          f"({cpu_all:.0f} CPU s in the compiling processes, {args.jobs} at a time), {failing} failing")
     if args.write:
         print(f"wrote {RESULTS.relative_to(ROOT)} ({RESULTS.stat().st_size} B)")
     return 1 if failing else 0
 
 
-def _record_group(record, g, js, by_key, stale):
-    """``record`` with group ``g``'s rows from this run's results (``by_key``), keeping the
-    rows of its other compiles with ``stale`` where the record is of these sources."""
+def _record_group(record, g, results, stale, carried=None):
+    """``record`` with group ``g``'s rows (registers, or why a compile fails) and PTX digests
+    from this run's ``results`` (compile_job's) and ``carried`` rows (carry_by_ptx's), keeping
+    the rows of its other compiles with ``stale`` where the record is of these sources."""
     keep = record["groups"].get(g) if stale else None
     if keep is not None and (keep["source_hash"] != group_hash(g)
                              or keep["nvrtc"] != nvrtc_version()):
         keep = None
     rows = dict(keep["rows"]) if keep else {}
-    for j in js:
-        digest, info = by_key[j.key]
+    ptxs = recorded_ptx(keep) if keep else {}
+    for digest, (row, ptx) in (carried or {}).items():
+        rows[digest], ptxs[digest] = row, ptx
+    for _, digest, info, _, ptx in results:
         rows[digest] = bad(info) or max(f["registers"] for f in info.values())
-    live = {j.digest for j in group_jobs(g)}   # drop rows of plans no longer curated
+        ptxs.pop(digest, None)
+        if ptx is not None:
+            ptxs[digest] = ptx
+    live = sorted(k for k in rows if k in {j.digest for j in group_jobs(g)})  # drop plans no longer curated
     record["groups"][g] = {"nvrtc": nvrtc_version(), "source_hash": group_hash(g),
-                           "rows": {k: rows[k] for k in sorted(rows) if k in live}}
+                           "rows": {k: rows[k] for k in live},
+                           "ptx": "".join(ptxs.get(k, "." * PTX_DIGEST_CHARS) for k in live)}
     return {"groups": {k: rec for k, rec in sorted(record["groups"].items()) if k in GROUPS}}
 
 
@@ -530,9 +617,11 @@ def _dump(record):
     lines = ["{", '"groups": {']
     items = list(record["groups"].items())
     for i, (g, rec) in enumerate(items):
-        head = json.dumps({k: v for k, v in rec.items() if k != "rows"})[1:-1]
+        head = json.dumps({k: v for k, v in rec.items() if k not in ("rows", "ptx")})[1:-1]
         rows = json.dumps(rec["rows"], separators=(",", ":"))
-        lines.append(f'{json.dumps(g)}: {{{head}, "rows": {rows}}}' + ("," if i + 1 < len(items) else ""))
+        ptx = json.dumps(rec.get("ptx", ""))
+        lines.append(f'{json.dumps(g)}: {{{head}, "rows": {rows},\n "ptx": {ptx}}}'
+                     + ("," if i + 1 < len(items) else ""))
     lines += ["}", "}"]
     return "\n".join(lines) + "\n"
 

@@ -476,7 +476,7 @@ def test_curated_plans_compile_without_local_memory(group):
         todo = jobs
     else:
         todo = [j for j in SWEEP.unrecorded(group, jobs) if j.default]
-    failing = {key: SWEEP.bad(info) for key, _, info, _ in SWEEP.compile_all(todo, progress=False)
+    failing = {key: SWEEP.bad(info) for key, _, info, _, _ in SWEEP.compile_all(todo, progress=False)
                if SWEEP.bad(info)}
     rec = SWEEP.load_record()["groups"].get(group)
     if rec is not None and rec["source_hash"] == SWEEP.group_hash(group) \
@@ -499,7 +499,7 @@ def test_record_matches_a_fresh_compile(group):
     rec = SWEEP.load_record()["groups"].get(group)
     current = (rec is not None and rec["source_hash"] == SWEEP.group_hash(group)
                and rec["nvrtc"] == SWEEP.nvrtc_version())
-    for key, digest, info, _ in SWEEP.compile_all(jobs, progress=False):
+    for key, digest, info, _, _ in SWEEP.compile_all(jobs, progress=False):
         assert SWEEP.bad(info) is None, (key, SWEEP.bad(info))
         if current:
             assert rec["rows"].get(digest) == max(f["registers"] for f in info.values()), key
@@ -632,8 +632,52 @@ def test_sweep_workers_do_not_fork_a_threaded_process(tmp_path):
               "jnp.ones(3).block_until_ready()  # JAX's threads are running\n"
               "import plan_sweep as ps\n"
               "res = ps.compile_all(ps.group_jobs('online_softmax')[:4], 2, progress=False)\n"
-              "assert len(res) == 4 and all('error' not in info for _, _, info, _ in res), res\n")
+              "assert len(res) == 4 and all('error' not in info for _, _, info, _, _ in res), res\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "bench"), str(ROOT)] + sys.path))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "os.fork() was called" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not ok, reason=f"NVRTC not available: {why}")
+def test_stale_check_carries_compiles_whose_ptx_is_unchanged(tmp_path, monkeypatch, capsys):
+    """plan_sweep --stale after a kernel edit: a compile whose PTX the edit left as it was keeps
+    its recorded result (ptxas, given the same PTX, options and version, reports the same), so
+    a header edit costs the PTX pass alone; an edit of the code compiles again, straight away
+    when the sample finds every PTX changed.  The PTX pass reads what ptxas reads."""
+    import shutil
+    shutil.copytree(ROOT / "kernels_cu", tmp_path / "kernels_cu")
+    monkeypatch.setattr(SWEEP, "ROOT", tmp_path)
+    monkeypatch.setattr(SWEEP, "RESULTS", tmp_path / "plan_sweep.json")
+    # in-process, so that the compiles see this ROOT
+    monkeypatch.setattr(SWEEP, "compile_all",
+                        lambda jobs, workers=None, progress=True, fn=SWEEP.compile_job: [fn(j) for j in jobs])
+    g = "online_softmax"
+    jobs = SWEEP.group_jobs(g)
+    job = jobs[0]
+    full = SWEEP.compile_job(job)
+    assert full[4] == SWEEP.ptx_job(job)[1] and SWEEP.ptx_digest(SWEEP.compile_result(job).ptx) == full[4]
+
+    def run(*args):
+        assert SWEEP.main(["--groups", g, "--write", "--jobs", "1", *args]) == 0
+        out = capsys.readouterr().out
+        row = next(line.split() for line in out.splitlines() if line.startswith(g))
+        rec = SWEEP.load_record()["groups"][g]
+        assert rec["source_hash"] == SWEEP.group_hash(g) and set(SWEEP.recorded_ptx(rec)) == set(rec["rows"])
+        return int(row[1]), int(row[2]), rec     # compiled, carried, the record
+
+    compiled, carried, rec0 = run()
+    assert (compiled, carried) == (len(jobs), 0) and len(rec0["rows"]) == len(jobs)
+    assert run("--stale")[:2] == (0, 0)             # nothing stale
+    header = tmp_path / "kernels_cu" / "dtype.cuh"
+    header.write_text(header.read_text() + "\n__device__ __forceinline__ int unused_helper(int x) { return x + 1; }\n")
+    compiled, carried, rec1 = run("--stale")        # a header edit: the same PTX everywhere
+    assert (compiled, carried) == (0, len(jobs)) and rec1["source_hash"] != rec0["source_hash"]
+    assert rec1["rows"] == rec0["rows"] and rec1["ptx"] == rec0["ptx"]
+    src = tmp_path / "kernels_cu" / "online_softmax.cu"
+    text = src.read_text()
+    assert text.count("off = 16; off > 0; off >>= 1) x += ") == 1   # the row sum's shuffles
+    src.write_text(text.replace("off = 16; off > 0; off >>= 1) x += ", "off = 8; off > 0; off >>= 1) x += "))
+    compiled, carried, rec2 = run("--stale")        # a code edit: every PTX differs
+    assert (compiled, carried) == (len(jobs), 0) and rec2["ptx"] != rec0["ptx"]
+    assert all(isinstance(v, int) for v in rec2["rows"].values())
