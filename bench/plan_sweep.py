@@ -570,7 +570,8 @@ def main(argv=None):
         values = [bad(info) or max(f["registers"] for f in info.values()) for _, _, info, _, _ in results]
         values += [row for row, _ in carried[g].values()]
         fails = [(key, bad(info)) for key, _, info, _, _ in results if bad(info)]
-        fails += [(digest, row) for digest, (row, _) in carried[g].items() if not isinstance(row, int)]
+        keys = {j.digest: j.key for j in group_jobs(g)}
+        fails += [(keys[digest], row) for digest, (row, _) in carried[g].items() if not isinstance(row, int)]
         failing, n, cpu_all = failing + len(fails), n + len(js), cpu_all + cpu
         n_carried += len(carried[g])
         regs = [v for v in values if isinstance(v, int)]
@@ -605,7 +606,8 @@ def _record_group(record, g, results, stale, carried=None):
         ptxs.pop(digest, None)
         if ptx is not None:
             ptxs[digest] = ptx
-    live = sorted(k for k in rows if k in {j.digest for j in group_jobs(g)})  # drop plans no longer curated
+    curated_now = {j.digest for j in group_jobs(g)}
+    live = sorted(k for k in rows if k in curated_now)   # drop rows of plans no longer curated
     record["groups"][g] = {"nvrtc": nvrtc_version(), "source_hash": group_hash(g),
                            "rows": {k: rows[k] for k in live},
                            "ptx": "".join(ptxs.get(k, "." * PTX_DIGEST_CHARS) for k in live)}
