@@ -334,3 +334,38 @@ def test_processes_build_a_library_once(tmp_path):
     assert log.read_text().split() == ["engine", "build"]
     assert len(list((tmp_path / "cache" / "emulator").glob("*.so"))) == 1
     assert len(list((tmp_path / "cache" / "emulator").glob("engine_*.o"))) == 1
+
+
+def test_second_library_of_a_configuration_precompiles_the_host_header(tmp_path):
+    """The first library of a configuration parses the host header; the second precompiles it
+    (host_<hash>.h.gch in the cache) and it and every later one include it -- a precompiled
+    header that g++ accepts for the libraries' flags (``-H`` marks a used one with ``!``) --
+    and their kernels compute the same.  CUFLASH_EMULATOR_PCH=0 builds none."""
+    from cuflash.emulator import _module as M
+    code = 'extern "C" __global__ void k(float* x) {{ x[threadIdx.x] = {}f; }}'
+    script = ("import sys, numpy as np, cuflash.emulator as em\n"
+              "for v in sys.argv[1:]:\n"
+              f"    m = em.RawModule(code={code!r}.format(v))\n"
+              "    x = np.zeros(32, np.float32)\n"
+              "    m.get_function('k')((1,), (32,), (x,))\n"
+              "    assert (x == float(v)).all(), x\n")
+    cache = tmp_path / "cache"
+
+    def run(*values, **env):
+        env = dict(os.environ, CUFLASH_CACHE_DIR=str(cache), **env,
+                   PYTHONPATH=os.pathsep.join([str(ROOT.parent)] + sys.path))
+        r = subprocess.run([sys.executable, "-c", script, *values], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return sorted((cache / "emulator").glob("host_*.h.gch"))
+
+    assert run("1.5", CUFLASH_EMULATOR_PCH="0") == []
+    assert run("2.5") == []                    # the configuration's first library
+    gch = run("3.5", "4.5")                    # the second precompiles, the third reuses
+    assert len(gch) == 1 and gch[0].stat().st_size > 0
+    assert len(list((cache / "emulator").glob("*.so"))) == 4
+    stub = gch[0].with_suffix("")              # host_<hash>.h
+    cmd = [M._cxx(), *(f for f in M._LIB_FLAGS if f != "-shared"), "-DCUFLASH_ARCH=800", "-x", "c++",
+           "-include", str(stub), "-H", "-fsyntax-only", "-"]
+    r = subprocess.run(cmd, input="int main() { return 0; }\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"! {gch[0]}" in r.stderr, r.stderr[:2000]
