@@ -528,15 +528,20 @@ class RawModule:
                 out.append(f)
         return out
 
-    def _engine_object(self):
-        """The engine compiled for this module's configuration (cached and shared by libraries)."""
-        flags = self._engine_flags()
+    def _config_hash(self, kind, compile_flags, flags):
+        """24 hex digits naming a build shared by this configuration's libraries (``kind``,
+        built with ``compile_flags`` and the configuration's macros ``flags``)."""
         h = hashlib.sha256()
-        for part in ("engine", _LAUNCHER_VERSION, " ".join(_ENGINE_FLAGS), HOST_HEADER.read_text(),
+        for part in (kind, _LAUNCHER_VERSION, " ".join(compile_flags), HOST_HEADER.read_text(),
                      *(e.read_text() for e in _ENGINE_HEADERS), "\0".join(flags), _cxx()):
             h.update(part.encode())
             h.update(b"\0")
-        obj = cache_dir() / f"engine_{h.hexdigest()[:24]}.o"
+        return h.hexdigest()[:24]
+
+    def _engine_object(self):
+        """The engine compiled for this module's configuration (cached and shared by libraries)."""
+        flags = self._engine_flags()
+        obj = cache_dir() / f"engine_{self._config_hash('engine', _ENGINE_FLAGS, flags)}.o"
         with _build_lock(obj):
             if not obj.exists():
                 tmp = obj.with_name(f"{obj.name}.{os.getpid()}.tmp")
@@ -556,12 +561,7 @@ class RawModule:
         if os.environ.get(PCH_ENV, "1") == "0":
             return HOST_HEADER
         flags = self._engine_flags()
-        h = hashlib.sha256()
-        for part in ("pch", _LAUNCHER_VERSION, " ".join(_LIB_FLAGS), HOST_HEADER.read_text(),
-                     *(e.read_text() for e in _ENGINE_HEADERS), "\0".join(flags), _cxx()):
-            h.update(part.encode())
-            h.update(b"\0")
-        stub = cache_dir() / f"host_{h.hexdigest()[:24]}.h"
+        stub = cache_dir() / f"host_{self._config_hash('pch', _LIB_FLAGS, flags)}.h"
         gch = stub.with_name(stub.name + ".gch")
         with _build_lock(gch):
             if not gch.exists():
