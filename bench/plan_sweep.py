@@ -9,8 +9,8 @@ flash_fwd.cu, the main kernels of flash_bwd_tc.cu, ...), the tensor-core groups 
 padded build of each cell's default (``-DCUFLASH_HEAD_DIMS_PADDED``, the build of calls with
 d != dv).  ptxas' report
 (``--ptxas-options=-v``) must show no spill stores or loads and no stack frame for any kernel
-of the module.  Besides the tables: flash_bwd_tc.cu's helper kernels and online_softmax.cu per
-dtype; the Hopper groups (flash_fwd_wgmma, flash_bwd_wgmma) for sm_90a.  No GPU needed; 0.1-2 s
+of the module.  Besides the tables: the helper kernels of flash_bwd_tc.cu and flash_fwd.cu, and
+online_softmax.cu, per dtype; the Hopper groups (flash_fwd_wgmma, flash_bwd_wgmma) for sm_90a.  No GPU needed; 0.1-2 s
 per compile.
 
 ``--write`` records each group's results in ``bench/results/plan_sweep.json``: the NVRTC
@@ -75,6 +75,7 @@ GROUPS = {
     "flash_fwd_serving": ("flash_fwd.cu", SERVING, ("flash_fwd",)),
     "flash_fwd_masked": ("flash_fwd.cu", MASKS, ("flash_fwd_masked",)),
     "flash_fwd_serving_masked": ("flash_fwd.cu", {**SERVING, **MASKS}, ("flash_fwd_masked",)),
+    "flash_fwd_helpers": ("flash_fwd.cu", {"CUFLASH_FWD_HELPERS": None}, ()),
     "flash_bwd": ("flash_bwd.cu", {}, ("flash_bwd_dkdv",)),
     "flash_bwd_masked": ("flash_bwd.cu", MASKS, ("flash_bwd_dkdv_masked",)),
     "flash_fwd_tc": ("flash_fwd_tc.cu", {}, ("flash_fwd_tc", "flash_fwd_tf32")),
@@ -158,7 +159,7 @@ def group_jobs(group):
             for arch in (80, 90):
                 job = Job(group, f"{group} {dtype} sm_{arch}", {kernels.dtype_define(dtype): None}, arch)
                 jobs[job.key] = job
-    if group == "online_softmax":
+    if group in ("online_softmax", "flash_fwd_helpers"):   # per dtype, every architecture
         for dtype in ("float16", "bfloat16", "float32", "float64"):
             for arch in (75, 80, 90):
                 job = Job(group, f"{group} {dtype} sm_{arch}", {kernels.dtype_define(dtype): None},
@@ -171,7 +172,7 @@ def sample_jobs(group):
     """A few of ``group``'s compiles, which the tests compile on every run to hold the record
     to the installed NVRTC: per table, dtype class and architecture class, the default of the
     largest head-dim class (the most registers); the helpers and online_softmax all."""
-    if group in ("online_softmax", "flash_bwd_tc_helpers"):
+    if group in ("online_softmax", "flash_bwd_tc_helpers", "flash_fwd_helpers"):
         return group_jobs(group)
     jobs = {}
     for kernel in GROUPS[group][2]:

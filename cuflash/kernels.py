@@ -116,7 +116,8 @@ KERNEL_SOURCES = {
     "flash_bwd_dq_masked": "flash_bwd.cu",
     "flash_bwd_tc_masked": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
-    # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING
+    # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
+    # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
     "flash_fwd_serving": "flash_fwd.cu",
     "flash_fwd_combine": "flash_fwd.cu",
     "flash_kv_append": "flash_fwd.cu",
@@ -493,9 +494,11 @@ def compile_variants():
         add("flash_fwd", "float32", d)
     add("flash_fwd", "float32", 64, bq=8, bkv=8)        # smallest tiles
     add("flash_fwd", "float32", 128, bq=128, bkv=64)    # largest pair within the register rule
-    # the serving module of flash_fwd.cu (split-KV, KV cache, varlen, combine, append)
+    # the serving module of flash_fwd.cu (split-KV, KV cache, varlen), and its helpers' module
+    # (combine, append) per dtype
     for dt, d in (("float16", 128), ("bfloat16", 64), ("float32", 64), ("float64", 32)):
         add("flash_fwd", dt, d, bq=8, CUFLASH_FWD_SERVING=None)
+        out["flash_fwd.cu"].append(build_options({dtype_define(dt): None, "CUFLASH_FWD_HELPERS": None}))
     # flash_fwd_tc.cu: the default plans of float16/bfloat16 (flash_fwd_tc) and float32
     # (flash_fwd_tf32) at the head dims of the test grid, and the extremes: one warp (16
     # rows), d = 256 (16 rows per warp), dv != d

@@ -36,7 +36,8 @@
 // Two kernels: flash_fwd (dense batches) and, compiled with -DCUFLASH_FWD_SERVING,
 // flash_fwd_serving (variable-length batches, KV caches contiguous or paged, split-KV with
 // partials in the compute type merged by flash_fwd_combine, packed grouped-query rows): the same body,
-// the problem's geometry from fwd_problem.cuh.
+// the problem's geometry from fwd_problem.cuh.  flash_fwd_combine and flash_kv_append (the KV
+// cache's append) are the helpers' module, -DCUFLASH_FWD_HELPERS.
 //
 // Grouped-query attention: query head h reads key/value head h / group (index
 // arithmetic only, no copies).  Broadcast leading dims arrive as stride 0.  Every tensor
@@ -62,6 +63,11 @@
 // lists the supported values); float16/bfloat16 are loaded as such and computed in
 // float32, float32 in float32, float64 in double.
 #include "fwd_problem.cuh"
+
+// Module split: -DCUFLASH_FWD_HELPERS builds flash_fwd_combine and flash_kv_append alone (the
+// dtype is their only compile-time parameter: one module per dtype, not one per tile plan);
+// otherwise the module holds the one forward kernel its defines name.
+#ifndef CUFLASH_FWD_HELPERS
 
 #if !defined(CUFLASH_HEAD_DIM) || !defined(CUFLASH_HEAD_DIM_V) || \
     !defined(CUFLASH_BLOCK_Q) || !defined(CUFLASH_BLOCK_KV)
@@ -100,11 +106,12 @@ __device__ __forceinline__ int col_of(int idx, int tid) {
     return kThreads % W == 0 ? tid % W : idx - (idx / W) * W;
 }
 
-// The forward for one block's problem (fwd_problem.cuh).  SPLIT: write the partial
-// output and lse of this block's KV-tile range instead of o and lse.
+// The forward for one block's problem (fwd_problem.cuh).  split: write the partial
+// output and lse of this block's KV-tile range instead of o and lse.  A run-time flag, not a
+// template parameter: it steers the epilogue alone, and one instantiation of the body halves
+// the serving module's compile (ptxas time is the body's).
 // Bias and Slopes: the feature tensors of -DCUFLASH_MASKS (unused, and nullptr, otherwise).
-template <bool SPLIT>
-__device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
+__device__ __forceinline__ void flash_fwd_body(const bool split, const elem_t* __restrict__ Q,
                                                const elem_t* __restrict__ K,
                                                const elem_t* __restrict__ V,
                                                elem_t* __restrict__ O, acc_t* __restrict__ LSE,
@@ -253,7 +260,7 @@ __device__ __forceinline__ void flash_fwd_body(const elem_t* __restrict__ Q,
         const bool empty = l_i == acc_t(0);
         const acc_t inv = empty ? acc_t(0) : acc_t(1) / l_i;
         const acc_t lse = empty ? acc_t(-INFINITY) : m_i + acc_log(l_i);
-        if (SPLIT) {
+        if (split) {
             // this split's share, in the compute type (float32; double for float64), at the
             // row's lse element index
             const long long rho = f.lse0 + (long long)i * p.lse_sr;
@@ -284,7 +291,7 @@ extern "C" __global__ void flash_fwd(
     elem_t* __restrict__ O, acc_t* __restrict__ LSE, const FwdParams* __restrict__ P)
 {
     const FwdServing none = {nullptr, nullptr, nullptr, nullptr, nullptr};
-    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none, nullptr, nullptr);
+    flash_fwd_body(false, Q, K, V, O, LSE, *P, none, nullptr, nullptr);
 }
 #elif !defined(CUFLASH_FWD_SERVING)
 // Dense batches with the logit features (-DCUFLASH_MASKS, masks.cuh): the bias (read as
@@ -296,7 +303,7 @@ extern "C" __global__ void flash_fwd_masked(
     const acc_t* __restrict__ Bias, const acc_t* __restrict__ Slopes)
 {
     const FwdServing none = {nullptr, nullptr, nullptr, nullptr, nullptr};
-    flash_fwd_body<false>(Q, K, V, O, LSE, *P, none, Bias, Slopes);
+    flash_fwd_body(false, Q, K, V, O, LSE, *P, none, Bias, Slopes);
 }
 #else
 // Serving problems (fwd_problem.cuh): varlen, KV cache (contiguous or paged), split-KV,
@@ -321,14 +328,16 @@ extern "C" __global__ void CUFLASH_SERVING_KERNEL(
     acc_t* __restrict__ part CUFLASH_SERVING_MASK_ARGS)
 {
     const FwdServing sv = {cu_q, cu_k, seqlens_k, block_table, part};
-    if (P->n_splits > 1) flash_fwd_body<true>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
-    else flash_fwd_body<false>(Q, K, V, O, LSE, *P, sv, Bias, Slopes);
+    flash_fwd_body(P->n_splits > 1, Q, K, V, O, LSE, *P, sv, Bias, Slopes);
 }
 #ifndef CUFLASH_MASKS
 #undef Bias
 #undef Slopes
 #endif
+#endif  // the serving kernel
+#endif  // !CUFLASH_FWD_HELPERS
 
+#ifdef CUFLASH_FWD_HELPERS
 // Split-KV, last step: merge the n_splits partial outputs of every output row exactly,
 //     lse = log(sum_s exp(lse_s)),  o = sum_s exp(lse_s - lse) o_s
 // (splits that saw no key have lse_s = -inf and weigh 0; a row no split saw gets o = 0,
@@ -421,4 +430,4 @@ extern "C" __global__ void flash_kv_append(const elem_t* __restrict__ k_new,
         }
     }
 }
-#endif
+#endif  // CUFLASH_FWD_HELPERS

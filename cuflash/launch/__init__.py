@@ -10,7 +10,7 @@ family's plain or features variant (the same source with ``-DCUFLASH_MASKS``):
   versions of ``memory_analysis`` and ``verify_no_full_materialization``;
 * :mod:`~cuflash.launch.serving` -- the serving forward (``flash_fwd.cu`` with
   ``-DCUFLASH_FWD_SERVING``): split-KV and its combine, the KV cache and its
-  append, variable-length batches;
+  append (the helpers' module, ``-DCUFLASH_FWD_HELPERS``), variable-length batches;
 * :mod:`~cuflash.launch.bwd_tc` -- the 16-bit tensor-core backward
   (``flash_bwd_tc.cu``);
 * :mod:`~cuflash.launch.bwd_simt` -- the SIMT backward (``flash_bwd.cu``),
