@@ -140,7 +140,7 @@ def group_jobs(group):
     jobs = {}
     for kernel in tables:
         t = tiling.kernel_tiling(kernel)
-        for dtype, grid in curated.CURATED[kernel].items():
+        for dtype, grid in curated.table(kernel).items():
             for c, row in grid.items():
                 padded = t.pad_define is not None and c > _pad_step(kernel)
                 for arch_class, pairs in row.items():
@@ -177,7 +177,7 @@ def sample_jobs(group):
     jobs = {}
     for kernel in GROUPS[group][2]:
         classes = []   # one dtype of each dtype class (the dtypes of one grid)
-        for dtype, grid in curated.CURATED[kernel].items():
+        for dtype, grid in curated.table(kernel).items():
             if all(grid != g for _, g in classes):
                 classes.append((dtype, grid))
         for dtype, grid in classes:

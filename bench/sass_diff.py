@@ -46,7 +46,7 @@ def main(argv=None):
     # the group's table for this dtype (flash_fwd_tc's: flash_fwd_tc, or flash_fwd_tf32 for
     # float32), and the kernel the serving builds launch
     kernel = next(k for k in ps.GROUPS[args.group][2]
-                  if args.dtype in tiling.CURATED[k])
+                  if args.dtype in tiling.curated.table(k))
     checked = {"flash_fwd_serving": "flash_fwd_serving",
                "flash_fwd_serving_masked": "flash_fwd_serving_masked"}.get(args.group, kernel)
     bq, bkv = args.tiles or (None, None)

@@ -371,7 +371,7 @@ def _curated_advice(runtime, kernel_name, options):
         tiles = (int(defs["CUFLASH_BLOCK_Q"]), int(defs["CUFLASH_BLOCK_KV"]))
     except (KeyError, ValueError):
         kd = kdv = tiles = None
-    padded = planned in tiling.CURATED and tiling.kernel_tiling(planned).pad_define in defs
+    padded = planned in tiling.CURATED_KERNELS and tiling.kernel_tiling(planned).pad_define in defs
     cells = (tiling.curated_plans(planned, dtype, kd, kdv, runtime.smem_limit, padded)
              if dtype is not None and kd is not None else [])
     if not cells:

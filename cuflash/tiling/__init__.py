@@ -41,7 +41,7 @@ The package is split by kernel family, each module registering its kernels'
 Every public name is available as ``cuflash.tiling.<name>``.
 """
 # Each module registers its kernels when imported; the order follows their imports.
-from .curated import ARCH_CLASSES, CURATED  # noqa: F401
+from .curated import ARCH_CLASSES, CURATED, CURATED_KERNELS  # noqa: F401
 from .core import *  # noqa: F401,F403
 from .fwd import *  # noqa: F401,F403
 from .bwd import *  # noqa: F401,F403
@@ -57,6 +57,6 @@ __all__ = [
     "device_sm_count", "num_splits_heuristic", "EMULATOR_SMS", "plan_bwd_tf32", "bwd_tf32_strides",
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
     "simt_head_dim_class", "SIMT_HEAD_DIM_CLASSES", "simt_head_dims", "arch_class",
-    "curated_plans", "curated_text", "ARCH_CLASSES", "CURATED", "WGMMA_KERNEL", "WGMMA_HEAD_DIMS", "wgmma_takes", "BWD_WGMMA_KERNEL",
+    "curated_plans", "curated_text", "ARCH_CLASSES", "CURATED", "CURATED_KERNELS", "WGMMA_KERNEL", "WGMMA_HEAD_DIMS", "wgmma_takes", "BWD_WGMMA_KERNEL",
     "BWD_WGMMA_HEAD_DIMS", "bwd_wgmma_takes",
 ]

@@ -95,8 +95,9 @@ class KernelTiling:
         tensor-core kernels: ``CUFLASH_HEAD_DIMS_PADDED``); None where the kernel always
         reads the call's head dims (the SIMT kernels) or is never padded.
 
-    The default tiles come from the curated table of the kernel (:data:`.curated.CURATED`);
-    a kernel without one has a single block_q and block_kv choice.
+    The default tiles come from the curated table of the kernel's family
+    (:data:`.curated.CURATED`; of a ``_masked`` kernel, the cells' features build); a kernel
+    without one has a single block_q and block_kv choice.
     """
     name: str
     block_q_choices: Tuple[int, ...]

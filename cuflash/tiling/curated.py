@@ -2,10 +2,11 @@
 
 Design
 ------
-* **One table per planned kernel family** (``flash_fwd``, ``flash_fwd_tc``, ...; a family's
-  ``_masked`` kernel, built with the logit features, has its own).  A table maps (dtype class,
-  head-dim class, architecture class) to a *cell*: a few (block_q, block_kv) pairs, the
-  default first, then alternatives.  The defaults are the plans the library launched before
+* **One table per planned kernel family** (``flash_fwd``, ``flash_fwd_tc``, ...), for all its
+  builds: a family's ``_masked`` kernel (built with the logit features, whose registers move
+  ptxas' spill boundary) takes the same cells, which give its own pairs where they differ.  A
+  table maps (dtype class, head-dim class, architecture class) to a *cell*: a few (block_q,
+  block_kv) pairs, the default first, then alternatives.  The defaults are the plans the library launched before
   the tables existed (the planner's preference lists filtered by ptxas sweeps), kept as they
   were on sm_80 and sm_90; the alternatives are the next pairs of those lists.  A default
   moves only when its cell is edited.
@@ -38,15 +39,22 @@ Design
   memory: the repository's tests/tiling/test_curated_plans.py, with bench/plan_sweep.py to compile
   and record them.
 
-A cell is written ``BQxBKV BQxBKV ...`` (default first); ``=`` repeats the cell to its left,
-``-`` is a cell with no plan.  ``... / BQxBKV ...`` gives the pairs of the tensor-core
-kernels' padded build (calls with d != dv) where its registers differ from the plain build's
-(``-`` after the ``/``: none, so such calls run the SIMT kernel).  The SIMT forward's alternatives are the serving kernel's
-decoding tiles (block_q down to 8 at the default's block_kv), which it takes for short query
-blocks; the SIMT backward has its default only.
+A cell is written ``BQxBKV BQxBKV ...`` (default first); ``-`` is a cell with no plan.
+``... / BQxBKV ...`` gives the pairs of the tensor-core kernels' padded build (calls with d !=
+dv) where its registers differ from the plain build's (``-`` after the ``/``: none, so such
+calls run the SIMT kernel).  ``... ; BQxBKV ...`` gives the features build's pairs where they
+differ, with a ``/`` of their own for its padded build (the pairs before it may be left out:
+the plain build's); without ``;`` the features build takes the plain build's pairs, ``/``
+included.  ``=`` repeats the cell to its left, and in place of one build's pairs (``= ;
+64x32``) that build of the cell to its left.  The SIMT forward's alternatives are the serving
+kernel's decoding tiles (block_q down to 8 at the default's block_kv), which it takes for
+short query blocks; the SIMT backward has its default only.
 """
 
-__all__ = ["ARCH_CLASSES", "COMPILED_FOR", "CURATED", "cell", "table_arches"]
+import re
+
+__all__ = ["ARCH_CLASSES", "COMPILED_FOR", "CURATED", "CURATED_KERNELS", "cell", "table",
+           "table_arches"]
 
 # architecture classes, smallest shared-memory limit first, and the architecture each one's
 # plans are compiled for
@@ -57,35 +65,52 @@ _TC = ("sm_86", "sm_80", "sm_90")
 
 
 class Cell(tuple):
-    """A cell's pairs, default first; ``padded``: the pairs of the padded build (calls with
-    d != dv on the tensor cores) where the cell gives its own after ``/``, else None."""
+    """One build's pairs in a cell, default first; ``padded``: those of its padded build (calls
+    with d != dv on the tensor cores) where the cell gives its own after ``/``, else None."""
     padded = None
 
 
 def _pairs(text, line):
-    pairs = () if text == "-" else tuple(tuple(int(x) for x in p.split("x")) for p in text.split())
+    words = [] if text == "-" else text.split()
+    if not all(re.fullmatch(r"\d+x\d+", w) for w in words):
+        raise ValueError(f"curated table row {line!r}: {text!r} is not a list of pairs")
+    pairs = tuple(tuple(int(x) for x in w.split("x")) for w in words)
     if len(set(pairs)) != len(pairs):
         raise ValueError(f"curated table row {line!r}: a pair twice in one cell")
     return pairs
 
 
+def _build(text, left, plain, line):
+    """The Cell of one build's text ``pairs [/ pairs]``; ``=``: ``left`` (the same build of the
+    cell to the left).  The features build (``plain``: the plain build's Cell) may leave out
+    its pairs before a ``/``: the plain build's."""
+    if text == "=":
+        if left is None:
+            raise ValueError(f"curated table row {line!r}: '=' with no cell to its left")
+        return left
+    main, slash, pad = (x.strip() for x in text.partition("/"))
+    if not main and (plain is None or not slash):
+        raise ValueError(f"curated table row {line!r}: a build without pairs ('-' for none)")
+    out = Cell(_pairs(main, line) if main else plain)
+    if slash:
+        out.padded = _pairs(pad, line)
+    return out
+
+
 def _grid(arches, text):
-    """{head-dim class: {arch class: Cell}} from a table's rows ``c | cell | cell ...`` (one
-    cell per class of ``arches``; ``pairs / pairs``: the padded build's after the ``/``)."""
+    """{head-dim class: {arch class: (plain build's Cell, features build's Cell)}} from a
+    table's rows ``c | cell | cell ...``, one cell per class of ``arches``."""
     out = {}
     for line in text.strip().splitlines():
         key, *cells = (x.strip() for x in line.split("|"))
         if len(cells) != len(arches):
             raise ValueError(f"curated table row {line!r}: {len(cells)} cells for {arches}")
-        row, prev = {}, None
-        for arch, cell_text in zip(arches, cells):
-            if cell_text == "=":
-                cell_text = prev
-            prev = cell_text
-            main, slash, pad = cell_text.partition("/")
-            row[arch] = Cell(_pairs(main.strip(), line))
-            if slash:
-                row[arch].padded = _pairs(pad.strip(), line)
+        row, left = {}, (None, None)
+        for arch, text in zip(arches, cells):
+            text = "= ; =" if text == "=" else text   # both builds of the cell to the left
+            plain_text, semi, feat_text = (x.strip() for x in text.partition(";"))
+            plain = _build(plain_text, left[0], None, line)
+            left = row[arch] = (plain, _build(feat_text, left[1], plain, line) if semi else plain)
         out[int(key)] = row
     return out
 
@@ -99,7 +124,8 @@ CURATED = {}
 
 # --------------------------------------------------------------------------
 # SIMT forward (flash_fwd.cu: flash_fwd and the serving kernel flash_fwd_serving; with the
-# logit features flash_fwd_masked and flash_fwd_serving_masked).  Classes: max(d, dv).
+# logit features flash_fwd_masked and flash_fwd_serving_masked, whose pairs where they differ
+# follow a ``;``).  Classes: max(d, dv).
 #   sm_75 | sm_86 | sm_80 | sm_90
 # The largest tiles the shared memory and the register rule (block_kv / 4 + dv / 4 <= 96
 # accumulators per thread) allow, 8 rows per warp: 64 x 64 up to 32, 64 x 32 to 64, 32 x 32 to
@@ -131,39 +157,13 @@ CURATED["flash_fwd"] = _table(
     160 | 32x8 | 32x16 | 16x16 | 16x32
     192 | 8x16 | 32x8 | 16x16 | =
     224 | 8x8 | 32x8 | 64x8 32x8 16x8 | 16x16
-    256 | 8x8 | 32x8 | 32x16 | 16x16
-""")
-
-CURATED["flash_fwd_masked"] = _table(
-    _SIMT,
-    float16_bfloat16_float32="""
-      8 | 64x64 32x64 16x64 8x64 | = | = | =
-     16 | 64x64 32x64 16x64 8x64 | = | = | =
-     32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
-     64 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | = | =
-     96 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
-    128 | 32x32 | 32x32 16x32 | 32x32 16x32 8x32 | =
-    160 | 16x16 | = | 16x32 | 16x32 8x32
-    192 | 64x8 32x8 16x8 | 16x16 | 16x32 | 16x32 8x32
-    224 | 32x16 | 16x16 | 16x32 | =
-    256 | 32x8 | 64x8 32x8 16x8 | 16x16 | 16x32
-""",
-    float64="""
-      8 | 64x64 32x64 16x64 8x64 | = | = | =
-     16 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | = | =
-     32 | 64x32 32x32 16x32 | 64x64 32x64 16x64 | 64x64 32x64 16x64 8x64 | =
-     64 | 32x32 | 64x32 32x32 16x32 | 64x32 32x32 16x32 8x32 | =
-     96 | 32x16 | 32x32 | 32x32 16x32 | =
-    128 | 32x8 | 32x16 | 32x32 | 32x32 16x32
-    160 | 32x8 | 32x16 | 16x16 | 16x32
-    192 | 8x16 | 32x8 | 16x16 | =
-    224 | 8x8 | 32x8 | 64x8 32x8 16x8 | 16x16
-    256 | 8x8 | 32x8 | 32x8 16x8 | 8x8
+    256 | 8x8 | 32x8 | 32x16 ; 32x8 16x8 | 16x16 ; 8x8
 """)
 
 # --------------------------------------------------------------------------
 # SIMT backward (flash_bwd.cu: flash_bwd_dkdv and flash_bwd_dq run with one plan's tiles, with
-# the preprocess and dQ conversion in the same module; _masked with the features).
+# the preprocess and dQ conversion in the same module; _masked with the features, which take
+# the same pairs).
 #   sm_75 | sm_86 | sm_80 | sm_90
 # 64 x 64 up to 64, 32 x 32 to 128, 16 x 16 above (dK/dV and dQ accumulators at most 64 per
 # thread); float64's where its doubles fit the shared memory.
@@ -194,38 +194,11 @@ CURATED["flash_bwd_dkdv"] = _table(
     224 | 8x8 | 8x16 | 16x16 | =
     256 | - | 8x16 | 16x16 | =
 """)
-CURATED["flash_bwd_dkdv_masked"] = _table(
-    _SIMT,
-    float16_bfloat16_float32="""
-      8 | 64x64 | = | = | =
-     16 | 64x64 | = | = | =
-     32 | 32x64 | 64x64 | = | =
-     64 | 32x32 | 64x64 | = | =
-     96 | 32x32 | = | = | =
-    128 | 16x32 | 32x32 | = | =
-    160 | 16x16 | = | = | =
-    192 | 16x16 | = | = | =
-    224 | 16x16 | = | = | =
-    256 | 8x16 | 16x16 | = | =
-""",
-    float64="""
-      8 | 32x64 | 64x64 | = | =
-     16 | 32x64 | 64x64 | = | =
-     32 | 32x32 | 32x64 | 64x64 | =
-     64 | 16x32 | 32x32 | 32x64 | 64x64
-     96 | 16x16 | 16x32 | 32x32 | =
-    128 | 16x8 | 16x16 | 32x32 | =
-    160 | 8x16 | 16x16 | = | =
-    192 | 8x8 | 8x16 | 16x16 | =
-    224 | 8x8 | 8x16 | 16x16 | =
-    256 | - | 8x16 | 16x16 | =
-""")
 CURATED["flash_bwd_dq"] = CURATED["flash_bwd_dkdv"]
-CURATED["flash_bwd_dq_masked"] = CURATED["flash_bwd_dkdv_masked"]
 
 # --------------------------------------------------------------------------
 # Tensor-core forward (flash_fwd_tc.cu): float16/bfloat16 flash_fwd_tc, float32 flash_fwd_tf32
-# (3xTF32); _masked with the features.
+# (3xTF32); after a ``;`` the pairs of their _masked kernels (the logit features).
 #   sm_86 | sm_80 | sm_90
 # 4 warps of 32 rows where the accumulators fit (every K/V fragment feeds two MMAs) with the
 # longest K/V tile those rows hold (128 x 64 up to 96, 128 x 32 to 128); above 128, 4 warps of
@@ -248,11 +221,11 @@ CURATED["flash_fwd_tc"] = _table(_TC, float16_bfloat16="""
      16 | 128x64 128x32 64x64 | = | =
      32 | 128x64 128x32 64x64 | = | =
      48 | 128x64 128x32 64x64 | = | =
-     64 | 128x64 128x32 64x64 | = | =
-     80 | 128x64 128x32 64x32 | 128x64 128x32 64x64 | =
-     96 | 128x64 128x32 64x32 | 128x64 128x32 64x64 | =
+     64 | 128x64 128x32 64x64 ; 128x32 64x32 32x32 | = | 128x64 128x32 64x64
+     80 | 128x64 128x32 64x32 ; 128x32 64x32 16x16 | 128x64 128x32 64x64 ; 128x32 64x32 32x32 | = ; / 128x32
+     96 | 128x64 128x32 64x32 ; 128x32 64x32 16x16 | 128x64 128x32 64x64 ; 128x32 64x32 32x32 | =
     112 | 128x32 64x32 128x16 | = | =
-    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
+    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | = ; 128x32 128x16 / 128x16
     144 | 64x32 64x16 32x16 | = | =
     160 | 64x32 64x16 32x16 | = | =
     176 | 64x32 64x16 32x16 | = | =
@@ -260,25 +233,7 @@ CURATED["flash_fwd_tc"] = _table(_TC, float16_bfloat16="""
     208 | 64x32 64x16 32x16 | = | =
     224 | 64x32 64x16 32x16 | = | =
     240 | 64x32 64x16 32x16 | = | =
-    256 | 64x32 64x16 | 64x32 64x16 32x16 | =
-""")
-CURATED["flash_fwd_tc_masked"] = _table(_TC, float16_bfloat16="""
-     16 | 128x64 128x32 64x64 | = | =
-     32 | 128x64 128x32 64x64 | = | =
-     48 | 128x64 128x32 64x64 | = | =
-     64 | 128x32 64x32 32x32 | = | 128x64 128x32 64x64
-     80 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | 128x64 128x32 64x64 / 128x32
-     96 | 128x32 64x32 16x16 | 128x32 64x32 32x32 | =
-    112 | 128x32 64x32 128x16 | = | =
-    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | 128x32 128x16 / 128x16
-    144 | 64x32 64x16 32x16 | = | =
-    160 | 64x32 64x16 32x16 | = | =
-    176 | 64x32 64x16 32x16 | = | =
-    192 | 64x32 64x16 32x16 | = | =
-    208 | 64x32 64x16 32x16 | = | =
-    224 | 64x32 64x16 32x16 | = | =
-    240 | 64x32 64x16 32x16 | = | =
-    256 | 64x32 64x16 | 64x32 64x16 32x16 | 64x32 64x16 16x16
+    256 | 64x32 64x16 | 64x32 64x16 32x16 | = ; 64x32 64x16 16x16
 """)
 CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
      16 | 128x32 64x32 128x16 | = | =
@@ -286,9 +241,9 @@ CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
      48 | 128x32 64x32 128x16 | = | =
      64 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
      80 | 128x32 128x16 | 128x32 64x32 128x16 | =
-     96 | 128x16 | 128x32 64x32 128x16 | =
+     96 | 128x16 | 128x32 64x32 128x16 ; 128x16 16x16 | =
     112 | 128x16 | 128x16 64x16 16x16 | 128x16 64x16 32x16
-    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16
+    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16 ; / 128x32
     144 | 64x16 | 64x16 64x32 32x16 | =
     160 | 64x16 | 64x16 64x32 32x16 | =
     176 | 64x16 | 64x16 64x32 32x16 | =
@@ -296,25 +251,7 @@ CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
     208 | 32x16 | 64x16 64x32 32x16 | =
     224 | 32x16 | 64x16 | 64x16 64x32 32x16
     240 | 32x16 | 64x16 | 64x16 64x32 32x16
-    256 | 16x16 | 64x16 | 64x16 64x32 32x16
-""")
-CURATED["flash_fwd_tf32_masked"] = _table(_TC, float32="""
-     16 | 128x32 64x32 128x16 | = | =
-     32 | 128x32 64x32 128x16 | = | =
-     48 | 128x32 64x32 128x16 | = | =
-     64 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | =
-     80 | 128x32 128x16 | 128x32 64x32 128x16 | =
-     96 | 128x16 | 128x16 16x16 | =
-    112 | 128x16 | 128x16 64x16 16x16 | 128x16 64x16 32x16
-    128 | 64x16 | 128x16 64x16 | 128x16 64x16 32x16 / 128x32
-    144 | 64x16 | 64x16 64x32 32x16 | =
-    160 | 64x16 | 64x16 64x32 32x16 | =
-    176 | 64x16 | 64x16 64x32 32x16 | =
-    192 | 32x16 | 64x16 64x32 32x16 | =
-    208 | 32x16 | 64x16 64x32 32x16 | =
-    224 | 32x16 | 64x16 | 64x16 64x32 32x16
-    240 | 32x16 | 64x16 | 64x16 64x32 32x16
-    256 | 16x16 | 64x16 / - | 64x32
+    256 | 16x16 | 64x16 ; / - | 64x16 64x32 32x16 ; 64x32
 """)
 
 # --------------------------------------------------------------------------
@@ -334,7 +271,8 @@ CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
-# Tensor-core backward (flash_bwd_tc.cu, float16/bfloat16; _masked with the features).
+# Tensor-core backward (flash_bwd_tc.cu, float16/bfloat16; after a ``;`` the pairs of
+# flash_bwd_tc_masked, with the logit features).
 #   sm_86 | sm_80 | sm_90
 # 128 keys per block where the shared memory allows (K/V and the dQ reds amortised over the
 # most work): 32 x 128 with 32 keys per warp up to d = 64; 64 x 128 with the query split
@@ -352,40 +290,22 @@ CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
 # 16 x 64: with the tail tile's masking of rows past Nq it spills 4 B (255 registers, sm_80).
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
-     16 | 32x128 64x128 32x64 | = | =
-     32 | 32x128 64x128 32x64 | = | =
-     48 | 32x128 64x128 32x64 | = | =
-     64 | 32x128 32x64 16x64 | 32x128 64x128 32x64 | =
+     16 | 32x128 64x128 32x64 | = | = ; 32x128 64x128 16x64
+     32 | 32x128 64x128 32x64 | = | = ; 16x64 16x32 16x16
+     48 | 32x128 64x128 32x64 ; 64x128 64x64 32x128 | = | = ; 32x128 32x64 16x64
+     64 | 32x128 32x64 16x64 ; 64x64 32x128 32x64 | 32x128 64x128 32x64 ; 64x128 64x64 32x128 | =
      80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | =
-    128 | 32x64 16x32 | 64x64 32x128 32x64 | 64x128 64x64 32x128
+     96 | 64x64 32x128 32x64 ; 32x128 64x64 32x64 | 64x128 64x64 32x128 ; 32x128 64x64 64x128 | = ; 128x64 32x128 64x64
+    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 ; 32x128 64x64 64x128 | = ; 128x64 32x128 64x64
+    128 | 32x64 16x32 ; 32x64 16x64 16x32 | 64x64 32x128 32x64 ; 64x64 64x128 32x128 | 64x128 64x64 32x128 ; 128x64 64x64 64x128
     144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
     160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
-    176 | 32x64 16x64 16x32 | 32x128 32x64 16x64 | =
-    192 | 16x64 | 32x128 64x64 32x64 | =
-    208 | 16x64 | 32x64 16x64 16x32 | 32x128 32x64 16x64
-    224 | 16x64 | 16x64 16x32 | 32x128 16x64 16x32
-    240 | 16x64 | 32x64 16x64 16x32 | 32x128 32x64 16x64
-    256 | 16x32 | 32x64 16x64 16x32 | 16x64 16x32 16x16
-""")
-CURATED["flash_bwd_tc_masked"] = _table(_TC, float16_bfloat16="""
-     16 | 32x128 64x128 32x64 | = | 32x128 64x128 16x64
-     32 | 32x128 64x128 32x64 | = | 16x64 16x32 16x16
-     48 | 64x128 64x64 32x128 | = | 32x128 32x64 16x64
-     64 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-     96 | 32x128 64x64 32x64 | 32x128 64x64 64x128 | 128x64 32x128 64x64
-    112 | 32x64 16x64 16x32 | 32x128 64x64 64x128 | 128x64 32x128 64x64
-    128 | 32x64 16x64 16x32 | 64x64 64x128 32x128 | 128x64 64x64 64x128
-    144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
-    160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
-    176 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
-    192 | 16x64 | 32x128 32x64 16x64 | 32x128 64x64 32x64
-    208 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
-    224 | 16x64 | 32x64 16x64 16x32 | 32x128 64x64 32x64
-    240 | 16x64 | 16x64 16x32 | 16x64 16x32 16x16
-    256 | 16x32 / 16x16 | 16x64 16x32 / - | 16x64 16x32 16x16 / 16x16
+    176 | 32x64 16x64 16x32 | 32x128 32x64 16x64 ; 32x128 64x64 32x64 | =
+    192 | 16x64 | 32x128 64x64 32x64 ; 32x128 32x64 16x64 | 32x128 64x64 32x64
+    208 | 16x64 | 32x64 16x64 16x32 | 32x128 32x64 16x64 ; 32x128 64x64 32x64
+    224 | 16x64 | 16x64 16x32 ; 32x64 16x64 16x32 | 32x128 16x64 16x32 ; 32x128 64x64 32x64
+    240 | 16x64 | 32x64 16x64 16x32 ; 16x64 16x32 | 32x128 32x64 16x64 ; 16x64 16x32 16x16
+    256 | 16x32 ; / 16x16 | 32x64 16x64 16x32 ; 16x64 16x32 / - | 16x64 16x32 16x16 ; / 16x16
 """)
 
 # --------------------------------------------------------------------------
@@ -399,29 +319,39 @@ CURATED["flash_bwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
-# float32's tensor-core backward (flash_bwd_tf32.cu; _masked with the features): 16 keys per
-# warp, dK and dV of (d + dv) / 2 plus block_q registers per thread.  The padded build at 64
-# on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true) and runs 32 x 64 (217 registers);
-# the masked padded build at 128 on sm_80 spills 16 x 64 (28 B) and runs 16 x 32.
+# float32's tensor-core backward (flash_bwd_tf32.cu; after a ``;`` flash_bwd_tf32_masked's,
+# with the logit features): 16 keys per warp, dK and dV of (d + dv) / 2 plus block_q registers
+# per thread.  The padded build at 64 on sm_90 spills 64 x 64 (12 B; NVRTC 13.0, -ftz=true)
+# and runs 32 x 64 (217 registers); the masked padded build at 128 on sm_80 spills 16 x 64
+# (28 B) and runs 16 x 32.
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
      32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
-     64 | 32x64 16x32 | 64x64 32x64 32x32 | 64x64 32x64 32x32 / 32x64
-     96 | 16x64 | 32x64 16x64 16x32 | 32x64 16x64 32x32
-    128 | 16x32 | 16x64 16x32 | =
+     64 | 32x64 16x32 | 64x64 32x64 32x32 | 64x64 32x64 32x32 / 32x64 ; 64x64 32x64 32x32
+     96 | 16x64 | 32x64 16x64 16x32 | 32x64 16x64 32x32 ; 16x64 16x32
+    128 | 16x32 | 16x64 16x32 ; / 16x32 | 16x64 16x32
 """)
-CURATED["flash_bwd_tf32_masked"] = _table(_TC, float32="""
-     32 | 64x64 32x64 32x32 | 64x64 32x64 64x32 | =
-     64 | 32x64 16x32 | 64x64 32x64 32x32 | =
-     96 | 16x64 | 32x64 16x64 16x32 | 16x64 16x32
-    128 | 16x32 | 16x64 16x32 / 16x32 | 16x64 16x32
-""")
+
+
+# kernel name -> (its table, whether it is the table's features build): each family, and its
+# build with the logit features (``_masked``, -DCUFLASH_MASKS) but the Hopper kernels', which
+# have none
+CURATED_KERNELS = {**{k: (k, False) for k in CURATED},
+                   **{f"{k}_masked": (k, True) for k in CURATED if not k.endswith("_wgmma")}}
+
+
+def table(kernel):
+    """{dtype: {head-dim class: {arch class: Cell}}}: the cells of ``kernel``'s build (of a
+    ``_masked`` kernel: its table's features build); empty where it has no table."""
+    family, features = CURATED_KERNELS.get(kernel, (None, False))
+    return {dt: {c: {a: b[features] for a, b in row.items()} for c, row in grid.items()}
+            for dt, grid in CURATED.get(family, {}).items()}
 
 
 def table_arches(kernel):
     """The architecture classes ``kernel``'s table has cells for (none: no table)."""
-    grids = CURATED.get(kernel)
+    grids = CURATED.get(CURATED_KERNELS.get(kernel, (None,))[0])
     if not grids:
         return ()
     row = next(iter(next(iter(grids.values())).values()))
@@ -431,7 +361,12 @@ def table_arches(kernel):
 def cell(kernel, dtype, c, arch, padded=False):
     """The curated pairs of ``kernel`` for ``dtype`` at head-dim class ``c`` and architecture
     class ``arch``, default first: a tuple of (block_q, block_kv), empty where there is none;
-    ``padded``: those of the padded build (the cell's own after ``/``, else the same)."""
-    pairs = CURATED.get(kernel, {}).get(dtype, {}).get(c, {}).get(arch, ())
-    own = getattr(pairs, "padded", None)
-    return tuple(pairs) if not padded or own is None else own
+    ``padded``: those of the padded build (the build's own after ``/``, else the same).  A
+    ``_masked`` kernel takes its table's features build (the cell's after ``;``, else the
+    same)."""
+    family, features = CURATED_KERNELS.get(kernel, (None, False))
+    builds = CURATED.get(family, {}).get(dtype, {}).get(c, {}).get(arch)
+    if builds is None:
+        return ()
+    pairs = builds[features]
+    return tuple(pairs) if not padded or pairs.padded is None else pairs.padded

@@ -111,8 +111,8 @@ def test_old_kernel_choices_and_serving_tiles_are_kept():
 
 # -- the tables and the planner -------------------------------------------------------------
 def _cells():
-    for kernel, grids in curated.CURATED.items():
-        for dtype, grid in grids.items():
+    for kernel in curated.CURATED_KERNELS:
+        for dtype, grid in curated.table(kernel).items():
             for c, row in grid.items():
                 for arch, pairs in row.items():
                     yield kernel, dtype, c, arch, pairs
@@ -137,7 +137,8 @@ def test_table_shapes():
     (but float64 d = 256 backward on sm_75, which nothing fits); tensor-core families are not
     planned on sm_75; the Hopper kernels (the forward's head dims 64..256 by 64, the backward's
     64 and 128) only on sm_90."""
-    for kernel, grids in curated.CURATED.items():
+    for kernel in curated.CURATED_KERNELS:
+        grids = curated.table(kernel)
         hopper = {tiling.WGMMA_KERNEL: tiling.WGMMA_HEAD_DIMS,
                   tiling.BWD_WGMMA_KERNEL: tiling.BWD_WGMMA_HEAD_DIMS}
         if kernel in hopper:
@@ -164,16 +165,62 @@ def test_grid_parser():
          16 | 64x32 32x32 | = | -
         128 | 16x16 | 32x8 16x8 | =
     """)
-    assert g == {16: {"a": ((64, 32), (32, 32)), "b": ((64, 32), (32, 32)), "c": ()},
-                 128: {"a": ((16, 16),), "b": ((32, 8), (16, 8)), "c": ((32, 8), (16, 8))}}
+    assert {c: {a: b[0] for a, b in row.items()} for c, row in g.items()} == {
+        16: {"a": ((64, 32), (32, 32)), "b": ((64, 32), (32, 32)), "c": ()},
+        128: {"a": ((16, 16),), "b": ((32, 8), (16, 8)), "c": ((32, 8), (16, 8))}}
+    assert all(b[1] is b[0] for row in g.values() for b in row.values())  # no ";": the same
     g = curated._grid(("a", "b", "c"), "32 | 64x32 32x32 / 32x32 | = | 16x16 / -")
-    assert g[32]["b"] == ((64, 32), (32, 32)) and g[32]["b"].padded == ((32, 32),)
-    assert g[32]["c"] == ((16, 16),) and g[32]["c"].padded == ()
-    assert g[32]["a"].padded == ((32, 32),)
+    assert g[32]["b"][0] == ((64, 32), (32, 32)) and g[32]["b"][0].padded == ((32, 32),)
+    assert g[32]["c"][0] == ((16, 16),) and g[32]["c"][0].padded == ()
+    assert g[32]["a"][0].padded == ((32, 32),) and g[32]["a"][1] is g[32]["a"][0]
     with pytest.raises(ValueError, match="2 cells"):
         curated._grid(("a", "b", "c"), "16 | 64x32 | =")
     with pytest.raises(ValueError, match="twice"):
         curated._grid(("a",), "16 | 64x32 64x32")
+    for bad, why in (("= | 8x8", "no cell to its left"), ("8x8 ; | 8x8", "without pairs"),
+                     ("; 8x8 | 8x8", "without pairs"), ("/ 8x8 | 8x8", "without pairs"),
+                     ("8x8 | = ; 8x8 ; 4x4", "not a list of pairs"),
+                     ("8x8 / 4x4 / 2x2 | =", "not a list of pairs")):
+        with pytest.raises(ValueError, match=why):
+            curated._grid(("a", "b"), f"16 | {bad}")
+
+
+def test_features_build_in_the_cells(monkeypatch):
+    """After ``;`` a cell gives the features build's pairs (a ``_masked`` kernel's), with its
+    own ``/`` for its padded build, its pairs left out for the plain build's; ``=`` in place of
+    a build is that build of the cell to the left, a cell ``=`` both builds."""
+    grid = curated._grid(("a", "b", "c", "d", "e"), "64 | 64x32 32x32 / 32x32 ; 32x32 | "
+                         "= ; 16x16 / 16x8 | 8x8 ; = | = | 32x8 ; / 16x8")
+    monkeypatch.setitem(curated.CURATED, "flash_fwd", {"float16": grid})
+
+    def builds(arch):
+        return tuple(curated.cell(k, "float16", 64, arch, padded)
+                     for k in ("flash_fwd", "flash_fwd_masked") for padded in (False, True))
+    p64, p32, p16, p16_8, p8, p32_8 = (((64, 32), (32, 32)), ((32, 32),), ((16, 16),),
+                                       ((16, 8),), ((8, 8),), ((32, 8),))
+    assert builds("a") == (p64, p32, p32, p32)
+    assert builds("b") == (p64, p32, p16, p16_8)
+    assert builds("c") == builds("d") == (p8, p8, p16, p16_8)
+    assert builds("e") == (p32_8, p32_8, p32_8, p16_8)
+    assert curated.table("flash_fwd_masked")["float16"][64]["e"] == p32_8
+
+
+def test_one_table_per_family():
+    """A family's kernel with the logit features (``_masked``) takes its family's table (the
+    cells' features build), not a table of its own; the Hopper kernels have no features build."""
+    assert not any(k.endswith("_masked") for k in curated.CURATED)
+    masked = sorted(k for k in curated.CURATED_KERNELS if k.endswith("_masked"))
+    assert masked == sorted(f"{k}_masked" for k in ("flash_fwd", "flash_fwd_tc", "flash_fwd_tf32",
+                                                    "flash_bwd_dkdv", "flash_bwd_dq",
+                                                    "flash_bwd_tc", "flash_bwd_tf32"))
+    for k in masked:
+        assert tiling.kernel_tiling(k).name == k
+        assert curated.table_arches(k) == curated.table_arches(k[:-len("_masked")])
+    assert curated.cell("flash_fwd_wgmma_masked", "float16", 128, "sm_90") == ()
+    assert curated.table_arches("flash_fwd_serving_masked") == ()
+    # a cell where the builds differ (the features' registers: 128 x 64 spills on sm_80)
+    assert curated.cell("flash_fwd_tc", "float16", 64, "sm_80")[0] == (128, 64)
+    assert curated.cell("flash_fwd_tc_masked", "float16", 64, "sm_80")[0] == (128, 32)
 
 
 def test_arch_classes():
@@ -250,11 +297,11 @@ def test_every_default_is_compile_checked():
     pairs = [(d, d) for d in range(1, 257)] + [(rnd.randint(1, 256), rnd.randint(1, 256))
                                                for _ in range(300)]
     n = 0
-    for kernel, grids in curated.CURATED.items():
+    for kernel in curated.CURATED_KERNELS:
         if kernel.startswith("flash_bwd_dq"):
             continue  # launched with flash_bwd_dkdv's plan (its table)
         group = _group_of(kernel)
-        for dtype in grids:
+        for dtype in curated.table(kernel):
             for arch in curated.table_arches(kernel):
                 for d, dv in pairs:
                     try:
