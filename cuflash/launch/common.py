@@ -9,24 +9,10 @@ distinct (shapes, strides, dtypes, scalar options) and keeps the result -- the
 compiled kernels, grids, a packed parameter block in device memory -- as a
 closure in ``runtime.calls`` (:func:`cached_call`); an identical later call
 does a dictionary lookup, allocates its outputs and launches, nothing else (no
-device query, no synchronisation, no host-to-device copy).
-
-Helpers:
-
-* :func:`problem_dims`, :func:`flatten_lead`, :func:`contiguous_strides` --
-  an input's element strides (batch, head, row) for the (B, H) problems of a
-  call (stride 0 for broadcast axes, the kv head stride for grouped heads),
-  copying only when unavoidable; :func:`pointer_arg` hands strided views to
-  the emulator;
-* :func:`alloc_output` -- ``xp.empty`` plus the test hooks :func:`output_hook`
-  (poison outputs) and :func:`track_allocations` (record sizes);
-* :func:`params_dtype` / :func:`make_params` -- the ``FwdParams`` / ``BwdParams``
-  blocks of ``kernels_cu/params.cuh`` as a device buffer;
-* :func:`launch` -- every kernel launch goes through it, so tests can observe
-  launches (:func:`observe_launches`) without patching the launchers;
-* :func:`fold_grid` -- the one-axis grid of (tiles x heads x batch);
-* :func:`grad_shapes` / :func:`sum_back` / :func:`zero_grads` -- the gradients of
-  broadcast inputs, which both backward families compute at the full shape.
+device query, no synchronisation, no host-to-device copy).  Every launch goes
+through :func:`launch` and every output through :func:`alloc_output`, so tests
+observe them (:func:`observe_launches`, :func:`output_hook`,
+:func:`track_allocations`) without patching the launchers.
 """
 import contextlib
 import functools
@@ -250,14 +236,11 @@ def flatten_lead(runtime, x, lead, grouped=False):
 
     Notes
     -----
-    The batch axes ``lead[:-1]`` are one flat index in the kernels.  That is a
-    single stride only when ``x``'s strides over those axes nest (as in any
-    contiguous array, or when all of them are broadcast).  For exotic layouts
-    -- e.g. an input broadcast along one batch axis but not another -- there
-    is no single stride, and ``x`` is materialised by a broadcast copy of shape
-    ``lead[:-1] + (heads,) + x.shape[-2:]`` (heads = 1, Hk or H as x has them).
-    Whether a copy is made depends only on shapes and strides, so a repeated
-    call makes the same decision.
+    The batch axes ``lead[:-1]`` are one flat index in the kernels: a single
+    stride only when ``x``'s strides over them nest.  Otherwise (e.g. broadcast
+    along one batch axis but not another) ``x`` is materialised by a broadcast
+    copy of shape ``lead[:-1] + (heads,) + x.shape[-2:]``.  The decision depends
+    only on shapes and strides, so a repeated call makes the same one.
     """
     xp = getattr(runtime, "xp", runtime)
     no_negative = getattr(runtime, "name", None) == "emulator"
