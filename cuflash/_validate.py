@@ -2,16 +2,9 @@
 
 Every check here reads only ``.shape``, ``.dtype`` and ``.ndim`` (and the
 array's module, to refuse mixing libraries), so the same functions validate
-NumPy arrays for the reference and the emulator and CuPy arrays for the CUDA
-backend without touching their data.  Each error names the shapes or values
-involved.
-
-The result of a successful check is an :class:`AttentionSpec`, the one
-description of the problem that the backends and the launchers read: the
-broadcast leading shape, sequence lengths, head dims, dtype, scale, causal
-alignment, tile sizes and the grouped-query factor.  Its adjoint, for gradients,
-is :func:`sum_to_shape`: a result computed over the broadcast shape summed back
-to an input's own.
+NumPy and CuPy arrays without touching their data; each error names the shapes
+or values involved.  A successful check returns an :class:`AttentionSpec`, the
+one description of the problem that the backends and the launchers read.
 """
 import math
 import numbers
@@ -244,20 +237,8 @@ def check_scale(scale, d):
 
 
 def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None):
-    """Validate a forward call and describe it.
-
-    Parameters
-    ----------
-    q : ndarray, shape (..., Nq, d)
-    k : ndarray, shape (..., Nk, d)
-    v : ndarray, shape (..., Nk, dv)
-    scale : float or None
-    causal : bool or str
-    block_q, block_kv : int or None
-
-    Returns
-    -------
-    AttentionSpec
+    """Validate a forward call (arguments as :func:`cuflash.tiled_attention`'s) and describe
+    it as an :class:`AttentionSpec`.
 
     Raises
     ------
@@ -289,25 +270,11 @@ def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, b
 
 def check_backward_inputs(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
                           block_kv=None, need_forward=True):
-    """Validate a backward call: q, k, v as in the forward, plus do, o and lse.
+    """Validate a backward call: q, k, v as in the forward, plus do and o (the output's shape
+    and q's dtype) and lse (``lead + (Nq,)``, any supported float dtype).
 
-    Parameters
-    ----------
-    do : ndarray, shape lead + (Nq, dv)
-        Gradient of the loss with respect to ``o``; same dtype as q.
-    q, k, v : ndarray
-        As in :func:`check_attention_inputs`.
-    o : ndarray, shape lead + (Nq, dv)
-        Forward output; same dtype as q.
-    lse : ndarray, shape lead + (Nq,)
-        Log-sum-exp of the forward; any supported float dtype.
-    need_forward : bool
-        True (the tiled backward): o and lse must be arrays.  False
-        (``standard_attention_backward``, which recomputes P): pass None for both.
-
-    Returns
-    -------
-    AttentionSpec
+    ``need_forward`` False (``standard_attention_backward``, which recomputes P): o and lse
+    are None.  Returns the :class:`AttentionSpec`.
     """
     if need_forward:
         for name, a in (("o", o), ("lse", lse)):

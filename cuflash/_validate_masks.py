@@ -6,21 +6,8 @@ NumPy and CuPy arrays are validated by the same code.  The result is a
 :class:`MaskSpec`, the one description of the features of a call that the
 reference, the launchers and the cache keys read; ``None`` means "no feature",
 so a plain call takes exactly the path it took before these features existed.
-
-The semantics (documented in full on :func:`cuflash.tiled_attention`):
-
-* logits ``s = scale * q_i . k_j``; with ``softcap = c``: ``s = c * tanh(s / c)``;
-  then ``+ bias[..., i, j]`` and ``- slope * |i + off - j|`` (ALiBi), where
-  ``off = Nk - Nq`` (the bottom-right alignment of flash-attn);
-* query i sees key j iff the causal rule allows it and, with
-  ``window = (left, right)``, ``i + off - left <= j <= i + off + right``
-  (a negative or None side is unbounded); the visible keys of a row are one
-  interval ``[lo_i, hi_i)``;
-* dropout keeps element (b, h, i, j) iff the 16-bit half ``j % 2`` of word
-  ``2 ((i >> 3) & 1) + ((j >> 3) & 1)`` of Philox4x32-10 at counter
-  ``(4 (j >> 4) + ((j >> 1) & 3), 8 (i >> 4) + (i & 7), h, b)`` with key
-  ``(seed mod 2^32, seed // 2^32)`` is ``>= threshold = round(p * 2^16)``
-  (eight elements per block); kept probabilities are scaled by 1/(1-p).
+The semantics are documented on :func:`cuflash.tiled_attention`, the dropout
+bits in docs/kernels.md.
 """
 import math
 import numbers
