@@ -21,8 +21,6 @@ __all__ = [
 # dtype names accepted everywhere (bfloat16 is ml_dtypes.bfloat16 on NumPy)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-CAUSAL_CHOICES = (False, True, "bottom_right", "top_left")
-
 
 class _LseDtype:
     """The ``lse_dtype`` of the validated specs: float64 for float64 inputs, float32 otherwise."""

@@ -63,14 +63,6 @@ class MaskSpec:
     dropout_batch: int = 0
 
     @property
-    def has_bias(self):
-        return self.bias is not None
-
-    @property
-    def has_alibi(self):
-        return self.alibi_slopes is not None
-
-    @property
     def dropout(self):
         return self.dropout_p > 0.0
 
