@@ -105,7 +105,8 @@ def launch(runtime_name, fn, name, grid, block, args, shared_mem):
         _LAUNCH_HOOK(name, grid, block, shared_mem, runtime_name)
 
 
-def _record(what, arr):
+def record_copy(what, arr):
+    """Record an array the launch path made (for ``verify_no_full_materialization``)."""
     ledger = getattr(_state, "ledger", None)
     if ledger is not None:
         ledger.append((what, tuple(arr.shape)))
@@ -114,16 +115,10 @@ def _record(what, arr):
 def alloc_output(xp, shape, dtype, what="output"):
     """``xp.empty(shape, dtype)``, recorded, and passed to the output hook if one is set."""
     out = xp.empty(shape, dtype=dtype)
-    if getattr(_state, "ledger", None) is not None:
-        _record(what, out)
+    record_copy(what, out)
     if _ALLOC_HOOK is not None:
         _ALLOC_HOOK(out)
     return out
-
-
-def record_copy(what, arr):
-    """Record an input copy the launch path made (for ``verify_no_full_materialization``)."""
-    _record(what, arr)
 
 
 # --------------------------------------------------------------------------
@@ -247,11 +242,11 @@ def flatten_lead(runtime, x, lead, grouped=False):
     if (x.ndim >= 1 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize) or (
             no_negative and any(s < 0 for s in x.strides)):
         x = xp.ascontiguousarray(x)
-        _record("contiguous copy", x)
+        record_copy("contiguous copy", x)
     es = elem_strides(x)
     if es is None:  # strides that are not whole elements (views of odd buffers)
         x = xp.ascontiguousarray(x)
-        _record("contiguous copy", x)
+        record_copy("contiguous copy", x)
         es = elem_strides(x)
     nl = len(lead)
     sr = es[-2]
@@ -270,7 +265,7 @@ def flatten_lead(runtime, x, lead, grouped=False):
         # no single batch stride exists: materialise the broadcast (see Notes)
         full = tuple(lead[:-1]) + (head_size,) + tuple(x.shape[-2:])
         x = xp.ascontiguousarray(xp.broadcast_to(x.reshape((1,) * pad + x.shape), full))
-        _record("broadcast copy", x)
+        record_copy("broadcast copy", x)
         es = elem_strides(x)
         sr = es[-2]
         sh = 0 if head_size == 1 else es[-3]
