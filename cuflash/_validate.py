@@ -16,6 +16,7 @@ import numpy as np
 __all__ = [
     "AttentionSpec", "check_attention_inputs", "check_backward_inputs",
     "check_positive_int", "parse_causal", "check_float_dtype", "SUPPORTED_DTYPES", "sum_to_shape",
+    "check_softmax_input",
 ]
 
 # dtype names accepted everywhere (bfloat16 is ml_dtypes.bfloat16 on NumPy)
@@ -143,6 +144,22 @@ def check_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     return int(value)
+
+
+def check_softmax_input(x, chunk_size, one_d):
+    """The checked ``chunk_size`` of an online softmax call, after checking ``x``: a float
+    array, 1-D for ``online_softmax`` (``one_d``), at least 1-D for ``online_softmax_2d``."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"x must be a numpy.ndarray or cupy.ndarray, got "
+                        f"{type(x).__module__}.{type(x).__name__}")
+    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if one_d and x.ndim != 1:
+        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
+                         "use online_softmax_2d for rows")
+    if x.ndim < 1:
+        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
+    return chunk_size
 
 
 def parse_causal(causal):
