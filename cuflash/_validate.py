@@ -35,26 +35,11 @@ class _LseDtype:
 class AttentionSpec(_LseDtype):
     """What one attention call computes, after validation.
 
-    Attributes
-    ----------
-    lead : tuple of int
-        Leading shape of the output ``o`` (``o.shape == lead + (Nq, dv)``):
-        the broadcast of q's and k/v's leading dims, with grouped heads
-        counted as q's heads.
-    q_lead, kv_lead : tuple of int
-        Leading shapes of q and of k/v (k's and v's broadcast together).
-    Nq, Nk, d, dv : int
-        Query rows, key rows, q/k head dim, v head dim.
-    dtype : numpy.dtype
-        The common dtype of the inputs.
-    scale : float
-        Softmax scale (``1/sqrt(d)`` when the caller gave None).
-    causal : None, "bottom_right" or "top_left"
-        The causal alignment (None = no mask).
-    block_q, block_kv : int or None
-        Tile sizes as requested (None = backend chooses).
-    group : int
-        Query heads per key/value head (``H // Hk``); 1 when not grouped.
+    ``lead`` is the output's leading shape (``o.shape == lead + (Nq, dv)``): the broadcast
+    of q's leading dims (``q_lead``) and k/v's (``kv_lead``, k's and v's broadcast
+    together), grouped heads counted as q's.  ``scale`` is resolved (``1/sqrt(d)`` for
+    None), ``causal`` parsed (None: no mask), ``block_q``/``block_kv`` as requested (None:
+    the backend chooses); ``group`` is the query heads per key/value head (1: not grouped).
     """
     lead: Tuple[int, ...]
     q_lead: Tuple[int, ...]

@@ -25,31 +25,12 @@ __all__ = ["MaskSpec", "check_masks", "check_window", "check_softcap", "check_dr
 
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
-    """The features of one attention call, after validation.
+    """The features of one attention call, after validation (None where absent).
 
-    Attributes
-    ----------
-    bias : array or None
-        The bias as given (shape broadcastable to ``lead + (Nq, Nk)``).
-    bias_shape : tuple of int or None
-        ``bias.shape``.
-    window : (int, int) or None
-        ``(left, right)`` with -1 for an unbounded side; None: no window (also
-        when both sides are unbounded).
-    alibi_slopes : array or None
-        Shape (H,) or (B, H), broadcastable to the output's leading dims.
-    softcap : float or None
-    dropout_p : float
-        0.0 = no dropout.
-    seed : int or None
-        In [0, 2^64); required when ``dropout_p > 0``.
-    offset : int
-        ``Nk - Nq``: the alignment of the window and of ALiBi distances.
-    return_dbias : bool
-        A backward call asks for the bias gradient.
-    dropout_batch : int
-        Added to the batch index of the dropout mask: a per-sequence call of a
-        variable-length batch draws the mask of its sequence b.
+    ``window`` is ``(left, right)`` with -1 for an unbounded side (None: no window, also
+    when both sides are unbounded); ``offset`` is ``Nk - Nq``, the alignment of the window
+    and of ALiBi distances; ``dropout_batch`` is added to the batch index of the dropout
+    mask, so that a per-sequence call of a variable-length batch draws its sequence's mask.
     """
     bias: object = None
     bias_shape: Optional[Tuple[int, ...]] = None

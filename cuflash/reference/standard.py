@@ -93,10 +93,6 @@ def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=N
     logits matrix S and probability matrix P in memory (the baseline
     FlashAttention avoids), computed in float32 (float64 for float64 inputs).
     Returns ``(o, p)``, p the probabilities before dropout.
-
-    See Also
-    --------
-    tiled_attention : the same output without the (Nq, Nk) arrays.
     """
     spec = check_attention_inputs(q, k, v, scale=scale, causal=causal)
     ms = check_masks(spec, q, bias=bias, window=window, alibi_slopes=alibi_slopes,
