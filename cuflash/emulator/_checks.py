@@ -11,7 +11,7 @@ import subprocess
 
 __all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError", "MemcheckError",
            "AtomicOrderError", "set_interblock_check", "interblock_check", "set_atomic_order_check",
-           "atomic_order_check", "set_memcheck", "memcheck", "memcheck_enabled",
+           "atomic_order_check", "set_memcheck", "memcheck", "memcheck_enabled", "CHECK_ERRORS",
            "launch_flags", "describe_address", "describe_memcheck", "profiling", "profile_enabled",
            "resolve_sites"]
 
@@ -66,6 +66,10 @@ class AtomicOrderError(RuntimeError):
     (:func:`atomic_order_check`); the message names the kernel, both blocks
     and threads, the address and the kernel argument (and element) it falls in.
     """
+
+
+# the launch status of a finding of the inter-block write or atomic order check -> its error
+CHECK_ERRORS = {2: InterBlockRaceError, 3: AtomicOrderError}
 
 
 def _switch(env, name, what, set_doc):
