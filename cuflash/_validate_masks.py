@@ -141,23 +141,10 @@ def _check_array(name, a, like):
 
 def check_masks(spec, q, *, bias=None, window=None, alibi_slopes=None, softcap=None,
                 dropout_p=0.0, seed=None, return_dbias=False):
-    """Validate the features of a call described by ``spec`` (an AttentionSpec).
-
-    Returns
-    -------
-    MaskSpec or None
-        None when no feature is used (the plain path).
-
-    Raises
-    ------
-    TypeError
-        bias / alibi_slopes that are not float arrays of q's library.
-    ValueError
-        A bias not broadcastable to ``lead + (Nq, Nk)``, slopes of the wrong
-        shape, a malformed window, softcap <= 0, dropout_p outside [0, 1), a
-        missing seed, ``return_dbias`` without a bias; the message names the
-        argument and the shapes.
-    """
+    """The :class:`MaskSpec` of the features of a call described by ``spec`` (an
+    AttentionSpec), or None when it uses none (the plain path).  TypeError for a bias or
+    slopes that are not float arrays of q's library; ValueError naming the argument and the
+    shapes for anything else the front documents as refused."""
     window = check_window(window)
     softcap = check_softcap(softcap)
     dropout_p, seed = check_dropout(dropout_p, seed)

@@ -205,37 +205,17 @@ def pointer_arg(runtime, x):
 def flatten_lead(runtime, x, lead, grouped=False):
     """Address ``x`` (shape ``x_lead + (N, dim)``) as the (B, H) problems of ``lead``.
 
-    Parameters
-    ----------
-    runtime : cuflash.kernels.Runtime, or the module numpy/cupy
-        Gives the array module; with a Runtime whose kernels cannot take
-        negative strides (the emulator) such inputs are copied.  Pass the
-        returned ``arr`` through :func:`pointer_arg` when launching.
-    x : ndarray
-        An input whose leading dims broadcast to ``lead`` -- or, with
-        ``grouped=True``, whose last leading dim is the kv head count Hk of
-        grouped-query attention (the kernel maps query head h to h // group).
-    lead : tuple of int
-        The output's leading shape (``AttentionSpec.lead``).
-    grouped : bool
-        True for k/v of a grouped-query call.
-
-    Returns
-    -------
-    arr : ndarray
-        ``x`` itself, or a copy when the last dim was strided (kernels need it
-        contiguous) or the broadcast cannot be expressed with strides.
-    strides : tuple of int, (sb, sh, sr)
-        Element strides of batch (flat index over ``lead[:-1]``), head and row;
-        0 along broadcast axes, so nothing is copied for broadcasting.
-
-    Notes
-    -----
-    The batch axes ``lead[:-1]`` are one flat index in the kernels: a single
-    stride only when ``x``'s strides over them nest.  Otherwise (e.g. broadcast
-    along one batch axis but not another) ``x`` is materialised by a broadcast
-    copy of shape ``lead[:-1] + (heads,) + x.shape[-2:]``.  The decision depends
-    only on shapes and strides, so a repeated call makes the same one.
+    ``runtime`` is a :class:`cuflash.kernels.Runtime` or the module numpy/cupy; the emulator's
+    kernels cannot take negative strides, so such inputs are copied for it (pass the result
+    through :func:`pointer_arg` when launching).  ``x``'s leading dims broadcast to ``lead``
+    (the output's), or -- k/v of a grouped-query call -- end with the kv heads Hk, which the
+    kernels index as ``h // group``: both are addressed the same way, so ``grouped`` is not
+    read.  Returns ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is
+    strided) and the element strides of batch (one flat index over ``lead[:-1]``), head and
+    row, 0 along broadcast axes.  The batch stride exists only when ``x``'s strides over
+    ``lead[:-1]`` nest; otherwise (broadcast along one batch axis but not another) ``x`` is
+    materialised by a broadcast copy of shape ``lead[:-1] + (heads,) + x.shape[-2:]``.  The
+    decision depends only on shapes and strides, so a repeated call makes the same one.
     """
     xp = getattr(runtime, "xp", runtime)
     no_negative = getattr(runtime, "name", None) == "emulator"
