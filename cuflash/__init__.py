@@ -789,9 +789,8 @@ def varlen_attention_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *
 
 
 for _fn in (standard_attention, tiled_attention):
-    _fn.__doc__ = _fn.__doc__.replace("{inputs}", _INPUTS_DOC).replace("{{", "{").replace("}}", "}")
-for _fn in (standard_attention, tiled_attention):
-    _fn.__doc__ = _fn.__doc__.replace("{features}", _FEATURES_DOC)
+    _fn.__doc__ = _fn.__doc__.replace("{inputs}", _INPUTS_DOC).replace("{{", "{").replace(
+        "}}", "}").replace("{features}", _FEATURES_DOC)
 tiled_attention.__doc__ = tiled_attention.__doc__.replace("{fwd_kernels}", _FWD_KERNELS_NOTE)
 for _fn in (tiled_attention_backward, varlen_attention_backward):
     _fn.__doc__ = _fn.__doc__.replace("{bwd_kernels}", _BWD_KERNELS_NOTE)

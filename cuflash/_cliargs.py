@@ -25,27 +25,24 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _int(text, what):
+def _int(text, what, lowest=None):
     try:
-        return int(str(text).strip())
+        n = int(str(text).strip())
     except ValueError:
+        n = None
+    if n is None or (lowest is not None and n < lowest):
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    return n
 
 
 def positive_int(text):
     """An int >= 1 (argparse type)."""
-    n = _int(text, "a positive integer")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return n
+    return _int(text, "a positive integer", 1)
 
 
 def nonneg_int(text):
     """An int >= 0 (argparse type)."""
-    n = _int(text, "a non-negative integer")
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return n
+    return _int(text, "a non-negative integer", 0)
 
 
 def int_list(text, allow_empty=False):

@@ -22,20 +22,8 @@ LAYOUTS = ("bhnd", "bnhd")
 
 
 def check_layout(layout, **arrays):
-    """Refuse an unknown layout, or a ``bnhd`` array without a heads axis.
-
-    Parameters
-    ----------
-    layout : str
-        One of :data:`LAYOUTS`.
-    **arrays
-        The inputs by name (only ``.ndim`` and ``.shape`` are read).
-
-    Raises
-    ------
-    ValueError
-        Naming the choices, or the array whose shape cannot be ``(..., N, H, d)``.
-    """
+    """ValueError for a layout not in :data:`LAYOUTS`, or for a ``bnhd`` array of ``arrays``
+    (by name; only ``.ndim`` and ``.shape`` are read) without a heads axis."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose 'bhnd' ((..., H, N, d), as "
                          "torch SDPA) or 'bnhd' ((..., N, H, d), as flash-attn)")

@@ -2,16 +2,9 @@
 
 Every check here reads only ``.shape``, ``.dtype`` and ``.ndim`` (and the
 array's module, to refuse mixing libraries), so the same functions validate
-NumPy arrays for the reference and the emulator and CuPy arrays for the CUDA
-backend without touching their data.  Each error names the shapes or values
-involved.
-
-The result of a successful check is an :class:`AttentionSpec`, the one
-description of the problem that the backends and the launchers read: the
-broadcast leading shape, sequence lengths, head dims, dtype, scale, causal
-alignment, tile sizes and the grouped-query factor.  Its adjoint, for gradients,
-is :func:`sum_to_shape`: a result computed over the broadcast shape summed back
-to an input's own.
+NumPy and CuPy arrays without touching their data; each error names the shapes
+or values involved.  A successful check returns an :class:`AttentionSpec`, the
+one description of the problem that the backends and the launchers read.
 """
 import math
 import numbers
@@ -23,12 +16,11 @@ import numpy as np
 __all__ = [
     "AttentionSpec", "check_attention_inputs", "check_backward_inputs",
     "check_positive_int", "parse_causal", "check_float_dtype", "SUPPORTED_DTYPES", "sum_to_shape",
+    "check_softmax_input",
 ]
 
 # dtype names accepted everywhere (bfloat16 is ml_dtypes.bfloat16 on NumPy)
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-CAUSAL_CHOICES = (False, True, "bottom_right", "top_left")
 
 
 class _LseDtype:
@@ -43,26 +35,11 @@ class _LseDtype:
 class AttentionSpec(_LseDtype):
     """What one attention call computes, after validation.
 
-    Attributes
-    ----------
-    lead : tuple of int
-        Leading shape of the output ``o`` (``o.shape == lead + (Nq, dv)``):
-        the broadcast of q's and k/v's leading dims, with grouped heads
-        counted as q's heads.
-    q_lead, kv_lead : tuple of int
-        Leading shapes of q and of k/v (k's and v's broadcast together).
-    Nq, Nk, d, dv : int
-        Query rows, key rows, q/k head dim, v head dim.
-    dtype : numpy.dtype
-        The common dtype of the inputs.
-    scale : float
-        Softmax scale (``1/sqrt(d)`` when the caller gave None).
-    causal : None, "bottom_right" or "top_left"
-        The causal alignment (None = no mask).
-    block_q, block_kv : int or None
-        Tile sizes as requested (None = backend chooses).
-    group : int
-        Query heads per key/value head (``H // Hk``); 1 when not grouped.
+    ``lead`` is the output's leading shape (``o.shape == lead + (Nq, dv)``): the broadcast
+    of q's leading dims (``q_lead``) and k/v's (``kv_lead``, k's and v's broadcast
+    together), grouped heads counted as q's.  ``scale`` is resolved (``1/sqrt(d)`` for
+    None), ``causal`` parsed (None: no mask), ``block_q``/``block_kv`` as requested (None:
+    the backend chooses); ``group`` is the query heads per key/value head (1: not grouped).
     """
     lead: Tuple[int, ...]
     q_lead: Tuple[int, ...]
@@ -152,6 +129,22 @@ def check_positive_int(value, name):
     if value <= 0:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     return int(value)
+
+
+def check_softmax_input(x, chunk_size, one_d):
+    """The checked ``chunk_size`` of an online softmax call, after checking ``x``: a float
+    array, 1-D for ``online_softmax`` (``one_d``), at least 1-D for ``online_softmax_2d``."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"x must be a numpy.ndarray or cupy.ndarray, got "
+                        f"{type(x).__module__}.{type(x).__name__}")
+    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if one_d and x.ndim != 1:
+        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
+                         "use online_softmax_2d for rows")
+    if x.ndim < 1:
+        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
+    return chunk_size
 
 
 def parse_causal(causal):
@@ -244,20 +237,8 @@ def check_scale(scale, d):
 
 
 def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, block_kv=None):
-    """Validate a forward call and describe it.
-
-    Parameters
-    ----------
-    q : ndarray, shape (..., Nq, d)
-    k : ndarray, shape (..., Nk, d)
-    v : ndarray, shape (..., Nk, dv)
-    scale : float or None
-    causal : bool or str
-    block_q, block_kv : int or None
-
-    Returns
-    -------
-    AttentionSpec
+    """Validate a forward call (arguments as :func:`cuflash.tiled_attention`'s) and describe
+    it as an :class:`AttentionSpec`.
 
     Raises
     ------
@@ -289,25 +270,11 @@ def check_attention_inputs(q, k, v, *, scale=None, causal=False, block_q=None, b
 
 def check_backward_inputs(do, q, k, v, o, lse, *, scale=None, causal=False, block_q=None,
                           block_kv=None, need_forward=True):
-    """Validate a backward call: q, k, v as in the forward, plus do, o and lse.
+    """Validate a backward call: q, k, v as in the forward, plus do and o (the output's shape
+    and q's dtype) and lse (``lead + (Nq,)``, any supported float dtype).
 
-    Parameters
-    ----------
-    do : ndarray, shape lead + (Nq, dv)
-        Gradient of the loss with respect to ``o``; same dtype as q.
-    q, k, v : ndarray
-        As in :func:`check_attention_inputs`.
-    o : ndarray, shape lead + (Nq, dv)
-        Forward output; same dtype as q.
-    lse : ndarray, shape lead + (Nq,)
-        Log-sum-exp of the forward; any supported float dtype.
-    need_forward : bool
-        True (the tiled backward): o and lse must be arrays.  False
-        (``standard_attention_backward``, which recomputes P): pass None for both.
-
-    Returns
-    -------
-    AttentionSpec
+    ``need_forward`` False (``standard_attention_backward``, which recomputes P): o and lse
+    are None.  Returns the :class:`AttentionSpec`.
     """
     if need_forward:
         for name, a in (("o", o), ("lse", lse)):

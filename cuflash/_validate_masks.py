@@ -6,21 +6,8 @@ NumPy and CuPy arrays are validated by the same code.  The result is a
 :class:`MaskSpec`, the one description of the features of a call that the
 reference, the launchers and the cache keys read; ``None`` means "no feature",
 so a plain call takes exactly the path it took before these features existed.
-
-The semantics (documented in full on :func:`cuflash.tiled_attention`):
-
-* logits ``s = scale * q_i . k_j``; with ``softcap = c``: ``s = c * tanh(s / c)``;
-  then ``+ bias[..., i, j]`` and ``- slope * |i + off - j|`` (ALiBi), where
-  ``off = Nk - Nq`` (the bottom-right alignment of flash-attn);
-* query i sees key j iff the causal rule allows it and, with
-  ``window = (left, right)``, ``i + off - left <= j <= i + off + right``
-  (a negative or None side is unbounded); the visible keys of a row are one
-  interval ``[lo_i, hi_i)``;
-* dropout keeps element (b, h, i, j) iff the 16-bit half ``j % 2`` of word
-  ``2 ((i >> 3) & 1) + ((j >> 3) & 1)`` of Philox4x32-10 at counter
-  ``(4 (j >> 4) + ((j >> 1) & 3), 8 (i >> 4) + (i & 7), h, b)`` with key
-  ``(seed mod 2^32, seed // 2^32)`` is ``>= threshold = round(p * 2^16)``
-  (eight elements per block); kept probabilities are scaled by 1/(1-p).
+The semantics are documented on :func:`cuflash.tiled_attention`, the dropout
+bits in docs/kernels.md.
 """
 import math
 import numbers
@@ -38,31 +25,12 @@ __all__ = ["MaskSpec", "check_masks", "check_window", "check_softcap", "check_dr
 
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
-    """The features of one attention call, after validation.
+    """The features of one attention call, after validation (None where absent).
 
-    Attributes
-    ----------
-    bias : array or None
-        The bias as given (shape broadcastable to ``lead + (Nq, Nk)``).
-    bias_shape : tuple of int or None
-        ``bias.shape``.
-    window : (int, int) or None
-        ``(left, right)`` with -1 for an unbounded side; None: no window (also
-        when both sides are unbounded).
-    alibi_slopes : array or None
-        Shape (H,) or (B, H), broadcastable to the output's leading dims.
-    softcap : float or None
-    dropout_p : float
-        0.0 = no dropout.
-    seed : int or None
-        In [0, 2^64); required when ``dropout_p > 0``.
-    offset : int
-        ``Nk - Nq``: the alignment of the window and of ALiBi distances.
-    return_dbias : bool
-        A backward call asks for the bias gradient.
-    dropout_batch : int
-        Added to the batch index of the dropout mask: a per-sequence call of a
-        variable-length batch draws the mask of its sequence b.
+    ``window`` is ``(left, right)`` with -1 for an unbounded side (None: no window, also
+    when both sides are unbounded); ``offset`` is ``Nk - Nq``, the alignment of the window
+    and of ALiBi distances; ``dropout_batch`` is added to the batch index of the dropout
+    mask, so that a per-sequence call of a variable-length batch draws its sequence's mask.
     """
     bias: object = None
     bias_shape: Optional[Tuple[int, ...]] = None
@@ -74,14 +42,6 @@ class MaskSpec:
     offset: int = 0
     return_dbias: bool = False
     dropout_batch: int = 0
-
-    @property
-    def has_bias(self):
-        return self.bias is not None
-
-    @property
-    def has_alibi(self):
-        return self.alibi_slopes is not None
 
     @property
     def dropout(self):
@@ -181,23 +141,10 @@ def _check_array(name, a, like):
 
 def check_masks(spec, q, *, bias=None, window=None, alibi_slopes=None, softcap=None,
                 dropout_p=0.0, seed=None, return_dbias=False):
-    """Validate the features of a call described by ``spec`` (an AttentionSpec).
-
-    Returns
-    -------
-    MaskSpec or None
-        None when no feature is used (the plain path).
-
-    Raises
-    ------
-    TypeError
-        bias / alibi_slopes that are not float arrays of q's library.
-    ValueError
-        A bias not broadcastable to ``lead + (Nq, Nk)``, slopes of the wrong
-        shape, a malformed window, softcap <= 0, dropout_p outside [0, 1), a
-        missing seed, ``return_dbias`` without a bias; the message names the
-        argument and the shapes.
-    """
+    """The :class:`MaskSpec` of the features of a call described by ``spec`` (an
+    AttentionSpec), or None when it uses none (the plain path).  TypeError for a bias or
+    slopes that are not float arrays of q's library; ValueError naming the argument and the
+    shapes for anything else the front documents as refused."""
     window = check_window(window)
     softcap = check_softcap(softcap)
     dropout_p, seed = check_dropout(dropout_p, seed)

@@ -104,17 +104,8 @@ def _check_cu(name, cu, total):
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                         max_seqlen_k=None, scale=None, causal=False, check_inputs=True):
-    """Validate a ``varlen_attention`` call and describe it (:class:`VarlenSpec`).
-
-    Raises
-    ------
-    TypeError
-        Non-arrays, unsupported or differing dtypes, index arrays not int32.
-    ValueError
-        q/k/v not 3-D or with inconsistent dims; cu_seqlens of different
-        lengths, not starting at 0, decreasing, or not ending at the packed
-        total; a max_seqlen smaller than a sequence.
-    """
+    """Validate a ``varlen_attention`` call (errors as documented there) and describe it
+    (:class:`VarlenSpec`)."""
     _check_arrays((("q", q), ("k", k), ("v", v)))
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 3:
@@ -199,22 +190,9 @@ class KVCacheSpec(_LseDtype):
 def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
                          block_table=None, *, scale=None, causal=False, num_splits=None,
                          check_inputs=True):
-    """Validate an ``attention_with_kvcache`` call and describe it (:class:`KVCacheSpec`).
-
-    The shapes always (:func:`check_kvcache_shapes`); the index values too
-    when ``check_inputs`` (:func:`check_kvcache_values`, a host copy).
-
-    Raises
-    ------
-    TypeError
-        Non-arrays, unsupported or differing dtypes, index arrays not int32,
-        only one of k_new/v_new.
-    ValueError
-        Shapes that do not fit together (named in the message); a negative
-        ``cache_seqlens`` or one that leaves no room for ``Nnew`` new keys;
-        ``block_table`` entries outside the pages, or too few pages for a
-        sequence; bad ``num_splits``.
-    """
+    """Validate an ``attention_with_kvcache`` call (errors as documented there) and describe
+    it (:class:`KVCacheSpec`): the shapes always (:func:`check_kvcache_shapes`), the index
+    values too when ``check_inputs`` (:func:`check_kvcache_values`, a host copy)."""
     spec = check_kvcache_shapes(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                 scale=scale, causal=causal, num_splits=num_splits)
     if check_inputs:

@@ -1,15 +1,8 @@
-"""Command line: ``python -m cuflash demo``, ``bench`` and ``compile``.
-
-``demo`` prints a 4x4 walk-through of the algorithm tile by tile (the running
-``m``, ``l`` and unnormalised ``O`` after every tile, from ``cuflash.trace``)
-and its backward, then runs standard and tiled attention at a moderate size on
-the chosen backend, showing that they agree and how much memory each used.
-``bench`` runs the CPU benchmark, ``bench --gpu`` the GPU one: both belong to
-the benchmark harness, which is not part of the package but lives in
-``bench/cuflash_bench/`` of a source checkout, found beside ``cuflash/``; an
-installed copy without it says how to get it.  ``compile`` fills the kernel
-cache ahead of time (:func:`cuflash.precompile`).  Bad option values are
-one-line argparse errors with exit status 2 (``cuflash/_cliargs.py``).
+"""Command line: ``python -m cuflash demo``, ``bench`` and ``compile`` (``--help`` says what
+each does).  ``bench`` belongs to the benchmark harness, which is not part of the package but
+lives in ``bench/cuflash_bench/`` of a source checkout, found beside ``cuflash/``; an installed
+copy without it says how to get it.  Bad option values are one-line argparse errors with exit
+status 2 (``cuflash/_cliargs.py``).
 """
 import importlib
 import importlib.util

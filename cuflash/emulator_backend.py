@@ -47,28 +47,9 @@ def is_available():
     return emulator.is_available()
 
 
-def standard_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
-                       alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
-    """The NumPy reference's standard attention (the baseline users would write is not a kernel).
-
-    See Also ``cuflash.reference.standard_attention``.
-    """
-    return reference.standard_attention(q, k, v, scale=scale, causal=causal, bias=bias,
-                                        window=window, alibi_slopes=alibi_slopes,
-                                        softcap=softcap, dropout_p=dropout_p, seed=seed)
-
-
-def standard_attention_backward(do, q, k, v, *, scale=None, causal=False, bias=None,
-                                window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                                seed=None, return_dbias=False):
-    """The NumPy reference's stored-P backward (not a kernel).
-
-    See Also ``cuflash.reference.standard_attention_backward``.
-    """
-    return reference.standard_attention_backward(
-        do, q, k, v, scale=scale, causal=causal, bias=bias, window=window,
-        alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-        return_dbias=return_dbias)
+# the baseline users would write is not a kernel: the NumPy reference's, as it is
+standard_attention = reference.standard_attention
+standard_attention_backward = reference.standard_attention_backward
 
 
 # --------------------------------------------------------------------------

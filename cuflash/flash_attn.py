@@ -20,52 +20,13 @@ function                               cuflash call
 ``flash_attn_with_kvcache``            ``attention_with_kvcache`` (no backward, as FA2)
 =====================================  ===================================================
 
-What is the same as FlashAttention-2
-------------------------------------
-Causal masks aligned bottom-right; ``window_size=(left, right)`` with -1 for
-an unbounded side, intersected with causal; ``softcap > 0`` turns softcapping
-on; ALiBi slopes of shape ``(nheads,)`` or ``(batch, nheads)`` adding
-``-slope * |i + seqlen_k - seqlen_q - j|``; grouped-query and multi-query
-heads (query head h reads kv head ``h // (nheads // nheads_k)``);
-``deterministic`` for the backward; a row that sees no key gives an output of
-0 and ``softmax_lse = +inf`` (FA2's non-split kernels write +inf there; the
-functions of ``cuflash`` itself return -inf); ``softmax_lse`` of shape
-``(batch, nheads, seqlen_q)``, and ``(nheads, total_q)`` for the varlen
-functions; ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``,
-with ``S_dmask`` an empty tensor when ``dropout_p == 0``; the KV cache is
-written in place, paged through ``block_table``, per-sequence
-``cache_seqlens``, ``cache_batch_idx``, ``cache_leftpad``, rotary embedding
-of q and the new keys (interleaved or GPT-NeoX halves), ``num_splits``
-(0 = heuristic).
-
-Where it differs
-----------------
-* **The dropout mask.** cuflash draws its own mask: Philox4x32-10 keyed by a
-  64-bit seed and indexed by (batch, head, i, j) (:func:`cuflash.dropout_mask`),
-  the seed drawn per call from torch's default CPU generator.  The same
-  ``torch.manual_seed`` therefore repeats cuflash's mask, but it drops other
-  elements than FlashAttention-2 does (whose Philox state comes from the CUDA
-  generator and whose element order follows its tiling).  Same probability,
-  same ``1 / (1 - dropout_p)`` scaling of the kept values.
-* **S_dmask** (``return_attn_probs`` with dropout, a testing aid as in FA2) is
-  the normalised softmax (before dropout), negated where dropped, of exactly
-  ``(batch, nheads, seqlen_q, seqlen_k)``; FA2's has other scaling and padded
-  sizes.  It materialises the full matrix.
-* **More is accepted**: float32 and float64 besides float16/bfloat16 (float32
-  runs as 3xTF32 on tensor cores), any head dim, any page size, sm_75 (T4),
-  CPU tensors.  softmax_lse is float64 for float64 inputs.
-* **Copies FA2 avoids**: the gradient of a packed ``qkv``/``kv`` is assembled
-  from the separate dq, dk, dv by autograd (one concatenation); the varlen
-  functions with a ``block_table`` gather the sequences' pages into packed k
-  and v first.
-* The index arrays (cu_seqlens, cache_seqlens, block_table) are checked on the
-  host on every call (on a GPU, one small device-to-host copy per call);
-  FlashAttention-2 reads them unchecked.
-* ``softmax_lse`` carries no gradient (as FA2); double backward raises
-  RuntimeError.
-
-Not provided: the rest of the ``flash_attn`` package (``bert_padding``,
-``layers``, ``modules``, the Triton and FA3 variants).
+Every argument of these functions is supported.  Where the semantics differ
+(docs/frameworks.md has the list): the dropout mask is cuflash's own (Philox4x32-10 keyed
+by a seed drawn from torch's CPU generator: :func:`cuflash.dropout_mask`; same probability
+and scaling, other elements dropped); ``S_dmask`` is the exact-size normalised softmax,
+negative where dropped; the index arrays are checked on the host at every call; more
+dtypes, head dims, page sizes and GPUs are accepted.  A row that sees no key gives 0 and
+``softmax_lse = +inf``, as FA2's non-split kernels do.
 """
 try:
     import torch

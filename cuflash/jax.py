@@ -3,55 +3,25 @@
 ``cuflash.jax.attention`` is a ``jax.custom_vjp`` function: the forward is
 ``cuflash.tiled_attention(..., return_lse=True)`` and keeps ``(q, k, v, o,
 lse)`` as the residuals (P is never stored), the backward is
-``cuflash.tiled_attention_backward`` from them.
+``cuflash.tiled_attention_backward`` from them.  Where it runs (docs/frameworks.md
+has the details and the design):
 
-Where it runs
--------------
-* **Traced calls on one CUDA GPU** (under ``jax.jit``, ``jax.grad`` of a
-  jitted function, ``jax.vmap``, ...) run the CUDA kernels inside the compiled
-  XLA program, through ``jax.experimental.buffer_callback``: an XLA FFI custom
-  call that jaxlib provides (nothing is built here, at install or run time),
-  which hands a Python function XLA's device buffers and XLA's CUDA stream.
-  cuflash views the buffers as CuPy arrays (no copy), launches the
-  NVRTC-compiled kernels on that stream and copies its results into XLA's
-  output buffers (one device-to-device copy of o and lse, or of the
-  gradients: the launchers allocate their outputs).  Needs CuPy
-  (``pip install ".[cuda12]"``) and a JAX with ``buffer_callback`` (0.10.2 is
-  the version tested); without them, see the host path below.  cuflash's
-  outputs and work buffers come from CuPy's memory pool, beside XLA's own
-  pool: XLA preallocates 75% of the GPU by default, so large problems may
-  need ``XLA_PYTHON_CLIENT_MEM_FRACTION`` lowered (or
-  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).  The kernels are compiled at the
-  first execution of a configuration (``cuflash.precompile`` ahead of time).
-* **Traced calls on the CPU** go through ``jax.pure_callback`` to the NumPy
-  backend: they compose with ``jit``, ``grad`` and ``vmap``
-  (``vmap_method="broadcast_all"``: unbatched inputs are broadcast, i.e.
-  copied, to the batch).  JAX hands the callback host arrays; ``bnhd``
-  inputs are swapped views there, no copy.
-* **Eager calls on one CUDA GPU** (concrete arrays, not traced; this includes
-  ``jax.grad`` and ``jax.vjp`` without ``jit``, whose custom-VJP rules see
-  concrete arrays) go through DLPack to CuPy and the ``"cuda"`` backend:
-  no host round trip, buffers shared both ways, except bfloat16, which crosses
-  as int16 bits (``lax.bitcast_convert_type``, one device copy each way:
-  CuPy reads no DLPack bfloat16).  Synchronisation is DLPack's stream
-  handshake (each side waits on the other's stream).
+* traced calls on one CUDA GPU run the kernels inside the compiled XLA program through
+  ``jax.experimental.buffer_callback`` (XLA's buffers as CuPy arrays on XLA's stream;
+  one device-to-device copy of the results into XLA's buffers).  Needs CuPy and a JAX
+  with ``buffer_callback``; not yet run on a GPU;
+* traced calls on the CPU -- and, with a ``RuntimeWarning``, on a GPU without CuPy or
+  ``buffer_callback`` and on other accelerators -- go through ``jax.pure_callback`` to
+  the NumPy backend on the host (``vmap_method="broadcast_all"``: unbatched inputs are
+  broadcast, i.e. copied, to the batch);
+* eager calls on one CUDA GPU (``jax.grad``/``jax.vjp`` without ``jit`` included) go
+  through DLPack to CuPy and the ``"cuda"`` backend, buffers shared both ways, except
+  bfloat16, which crosses as int16 bits (one device copy each way: CuPy reads no DLPack
+  bfloat16).
 
-Not supported
--------------
-* **A GPU without CuPy, or a JAX without ``buffer_callback``**: a call there
-  (traced; without CuPy, eager too) still computes the right result, but
-  through ``pure_callback`` on the host: q, k, v (and do, o, lse) are copied
-  to the host, the NumPy backend runs there, the results are copied back.  A
-  ``RuntimeWarning`` says so (and why) when such a call is traced.  Other
-  accelerators (TPU, ROCm) take the same host path.
-* The GPU path under ``jit`` has not yet run on a GPU (it is written against
-  ``buffer_callback``'s documented contract; on the CPU the same callback
-  runs with host buffers and is tested there).
-* Forward-mode AD (``jax.jvp``/``jacfwd``): ``custom_vjp`` functions have
-  none; higher-order derivatives: the backward is not itself differentiable.
-* float64 needs ``jax.config.update("jax_enable_x64", True)``, as always in JAX.
-
-``jax`` here is the real JAX (absolute imports), not this module.
+Not supported: forward-mode AD (``jax.jvp``), higher-order derivatives.  float64 needs
+``jax.config.update("jax_enable_x64", True)``.  ``jax`` here is the real JAX (absolute
+imports), not this module.
 """
 import functools
 import warnings

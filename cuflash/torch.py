@@ -17,27 +17,11 @@ backend (``"inductor"``, ``"aot_eager"``, ...).  A dropout seed drawn here
 seed becomes a constant of the graph (a new int each step may recompile: pass
 a 0-d int64 tensor, or None, for a seed that changes).
 
-Data movement
--------------
-Tensors cross to NumPy/CuPy and back through DLPack, sharing memory:
-
-* q, k, v, the incoming gradient and the saved o/lse are read in place, in
-  either layout (``bnhd`` is a swapped view) and with any strides; outputs
-  (o, lse, dq, dk, dv) are allocated by cuflash and handed to torch without a
-  copy.  ``bnhd`` outputs are therefore non-contiguous views of a
-  ``(..., H, N, d)`` buffer (as a transpose would be).
-* bfloat16 crosses as its int16 bit pattern (``tensor.view(torch.int16)``,
-  then ``.view(ml_dtypes.bfloat16)``; the reverse for outputs): DLPack's
-  bfloat16 code is read by neither NumPy nor CuPy.  Still no copy.
-* Copies happen only inside the CUDA launcher, where a kernel cannot address
-  an input: a last axis with stride != 1 (e.g. the stride-0 gradient of
-  ``o.sum()``), or leading axes whose strides do not nest
-  (``cuflash.launch.common.flatten_lead``).  The NumPy backend reads any strides.
-* On a GPU there is no host round trip.  The kernels run on PyTorch's current
-  CUDA stream: it is made CuPy's current stream
-  (``cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)``)
-  around the cuflash calls.  CuPy allocates the outputs from its own memory
-  pool, so ``torch.cuda.memory_allocated`` does not count them.
+Data movement (docs/frameworks.md): tensors cross to NumPy/CuPy and back through DLPack,
+sharing memory both ways and in both layouts (bfloat16 as its int16 bits); the only copies
+are the CUDA launcher's, for strides a kernel cannot address.  On a GPU the kernels run on
+PyTorch's current CUDA stream, and CuPy's memory pool holds the outputs
+(``torch.cuda.memory_allocated`` does not count them).
 
 Not supported: double backward (``create_graph=True`` raises RuntimeError),
 forward-mode AD, other devices than CPU and CUDA.  ``torch`` here is the real

@@ -14,7 +14,6 @@ The update is the one of ``cuflash.reference.tiled_attention`` (and of the
 CUDA kernel), written out one 2-D tile at a time instead of vectorised, so the
 two can be read side by side.
 """
-import io
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -191,43 +190,36 @@ def format_trace(trace, decimals=3):
 
     Stats, ``P~`` and ``c`` are printed with ``decimals`` decimals, outputs with 2.
     """
-    out = io.StringIO()
     Br, Bc = trace.block_q, trace.block_kv
-    w = print
-    w(f"FlashAttention forward, tile by tile: Nq={trace.q.shape[0]}, Nk={trace.k.shape[0]}, "
-      f"d={trace.q.shape[1]}, Br={Br}, Bc={Bc}, scale={trace.scale:g}"
-      + (f", causal={trace.causal}" if trace.causal else ""), file=out)
-    w("Initialisation: m = -inf, l = 0, O = 0 for every row", file=out)
+    out = [f"FlashAttention forward, tile by tile: Nq={trace.q.shape[0]}, "
+           f"Nk={trace.k.shape[0]}, d={trace.q.shape[1]}, Br={Br}, Bc={Bc}, "
+           f"scale={trace.scale:g}" + (f", causal={trace.causal}" if trace.causal else ""),
+           "Initialisation: m = -inf, l = 0, O = 0 for every row"]
     by_i = {}
     for s in trace.steps:
         by_i.setdefault(s.i, []).append(s)
     for res in trace.q_tiles:
         for s in by_i.get(res.i, []):
             (r0, r1), (c0, c1) = s.rows, s.cols
-            w("", file=out)
-            w(f"Tile ({s.i},{s.j}): Q rows {r0}-{r1 - 1} x K rows {c0}-{c1 - 1}"
-              + ("  (crosses the causal boundary: hidden entries = -inf)" if s.masked else ""),
-              file=out)
-            w(_block("S = scale * Qi Kj^T", s.S, 2), file=out)
-            w(_block("m~ (tile row max)", s.m_tilde, 2), file=out)
-            w(_block("m: old", s.m_old, 2) + "  ->  new " + _fmt(s.m_new, 2)
-              + ("   (max increased)" if s.j > 0 and np.any(s.m_new > s.m_old) else ""),
-              file=out)
-            w(_block("c = exp(m_old - m_new)", s.c, decimals), file=out)
-            w(_block("P~ = exp(S - m_new)", s.P_tilde, decimals), file=out)
-            w(_block("l = l * c + rowsum(P~)", s.l, decimals), file=out)
-            w(_block("O = O * c + P~ Vj", s.O, 2), file=out)
+            out += ["", f"Tile ({s.i},{s.j}): Q rows {r0}-{r1 - 1} x K rows {c0}-{c1 - 1}"
+                    + ("  (crosses the causal boundary: hidden entries = -inf)"
+                       if s.masked else ""),
+                    _block("S = scale * Qi Kj^T", s.S, 2),
+                    _block("m~ (tile row max)", s.m_tilde, 2),
+                    _block("m: old", s.m_old, 2) + "  ->  new " + _fmt(s.m_new, 2)
+                    + ("   (max increased)" if s.j > 0 and np.any(s.m_new > s.m_old) else ""),
+                    _block("c = exp(m_old - m_new)", s.c, decimals),
+                    _block("P~ = exp(S - m_new)", s.P_tilde, decimals),
+                    _block("l = l * c + rowsum(P~)", s.l, decimals),
+                    _block("O = O * c + P~ Vj", s.O, 2)]
         skipped = [j for (i, j) in trace.skipped if i == res.i]
         if skipped:
-            w("", file=out)
-            w(f"Tiles ({res.i}, {skipped}) lie entirely above the causal boundary: skipped, "
-              "never computed", file=out)
+            out += ["", f"Tiles ({res.i}, {skipped}) lie entirely above the causal boundary: "
+                    "skipped, never computed"]
         r0, r1 = res.rows
-        w("", file=out)
-        w(f"Normalise (end of Q block {res.i}, rows {r0}-{r1 - 1}): O = O / l", file=out)
-        w(_block("O", res.O, 2), file=out)
-        w(_block("lse = m + log(l)", res.lse, decimals), file=out)
-    return out.getvalue()
+        out += ["", f"Normalise (end of Q block {res.i}, rows {r0}-{r1 - 1}): O = O / l",
+                _block("O", res.O, 2), _block("lse = m + log(l)", res.lse, decimals)]
+    return "\n".join(out) + "\n"
 
 
 def backward_steps(do, q, k, v, *, scale=None, causal=False):

@@ -8,25 +8,12 @@ under the name :data:`ATTN_IMPLEMENTATION`; a model then uses it through
 :func:`register` does it again (idempotent), e.g. after another library
 replaced the entry.
 
-Which path, and why
--------------------
-transformers offers two ways in.  A name containing ``"flash"`` is treated as
-a FlashAttention-style kernel: transformers then loads ``flash_attn_func`` /
-``flash_attn_varlen_func`` itself, either from the ``flash_attn`` package
-(only for the names ``flash_attention_2/3/4``) or as a kernel repository
-from the Hugging Face Hub (the ``kernels`` package, a download); a name of a
-local library has no way into that loader except by writing transformers'
-private module state.  Any other name is an *attention function*, called
-with the model's q, k, v and the mask that the registered mask function
-built.  cuflash takes the second path with FlashAttention's mask: the mask
-function hands the attention function the 2-D padding mask (or None), and
-the attention function does what transformers' flash path does with it --
-padded batches are unpacked and run as one variable-length batch
-(:func:`cuflash.flash_attn.flash_attn_varlen_func`: no padding is computed,
-no ``(N, N)`` mask is built), as are packed batches (``position_ids`` that
-restart, or ``cu_seq_lens_q/k`` from ``DataCollatorWithFlattening``);
-unpadded batches run :func:`cuflash.flash_attn.flash_attn_func`.  So the
-name avoids ``"flash"``: ``"cufa"``.
+The name avoids ``"flash"``, which would make transformers load a FlashAttention kernel
+itself (docs/frameworks.md says why).  cuflash is an *attention function* instead, with
+FlashAttention's mask: the mask function hands it the 2-D padding mask (or None), and
+padded or packed batches run as one variable-length batch
+(:func:`cuflash.flash_attn.flash_attn_varlen_func`: no padding computed, no ``(N, N)``
+mask built); unpadded batches run :func:`cuflash.flash_attn.flash_attn_func`.
 
 Supported: causal attention layers (a layer whose ``is_causal`` is False runs
 without the causal mask), grouped-query heads, padding (right or left), packed

@@ -11,7 +11,7 @@ import subprocess
 
 __all__ = ["CompileError", "LaunchError", "RaceError", "InterBlockRaceError", "MemcheckError",
            "AtomicOrderError", "set_interblock_check", "interblock_check", "set_atomic_order_check",
-           "atomic_order_check", "set_memcheck", "memcheck", "memcheck_enabled",
+           "atomic_order_check", "set_memcheck", "memcheck", "memcheck_enabled", "CHECK_ERRORS",
            "launch_flags", "describe_address", "describe_memcheck", "profiling", "profile_enabled",
            "resolve_sites"]
 
@@ -68,11 +68,34 @@ class AtomicOrderError(RuntimeError):
     """
 
 
-# ---------------------------------------------------------------- inter-block write check
-_INTERBLOCK = [os.environ.get("CUFLASH_EMULATOR_INTERBLOCK_CHECK", "0") not in ("", "0")]
+# the launch status of a finding of the inter-block write or atomic order check -> its error
+CHECK_ERRORS = {2: InterBlockRaceError, 3: AtomicOrderError}
 
 
-def set_interblock_check(on):
+def _switch(env, name, what, set_doc):
+    """A launch check that is off unless ``$env`` is set: its flag, setter and context manager."""
+    flag = [os.environ.get(env, "0") not in ("", "0")]
+
+    def setter(on):
+        old = flag[0]
+        flag[0] = bool(on)
+        return old
+
+    @contextlib.contextmanager
+    def scoped(on=True):
+        old = setter(on)
+        try:
+            yield
+        finally:
+            setter(old)
+    setter.__name__, setter.__qualname__, setter.__doc__ = f"set_{name}", f"set_{name}", set_doc
+    scoped.__name__ = scoped.__qualname__ = name
+    scoped.__doc__ = f"The {what} on (or off) inside the block (see :func:`set_{name}`)."
+    return flag, setter, scoped
+
+
+_INTERBLOCK, set_interblock_check, interblock_check = _switch(
+    "CUFLASH_EMULATOR_INTERBLOCK_CHECK", "interblock_check", "inter-block write check",
     """Turn the inter-block write check on or off for later launches; returns the old setting.
 
     With it on, every ``gstore`` of a launch is logged (address, size, block)
@@ -80,27 +103,10 @@ def set_interblock_check(on):
     :class:`InterBlockRaceError`.  Off by default (``$CUFLASH_EMULATOR_INTERBLOCK_CHECK=1``
     turns it on); the tests turn it on for the whole session.  Cost: one vector
     append per store and a sort of the log per launch.
-    """
-    old = _INTERBLOCK[0]
-    _INTERBLOCK[0] = bool(on)
-    return old
+    """)
 
-
-@contextlib.contextmanager
-def interblock_check(on=True):
-    """The inter-block write check on (or off) inside the block (see :func:`set_interblock_check`)."""
-    old = set_interblock_check(on)
-    try:
-        yield
-    finally:
-        set_interblock_check(old)
-
-
-# ---------------------------------------------------------------- atomic order check
-_ATOMIC_ORDER = [os.environ.get("CUFLASH_EMULATOR_ATOMIC_ORDER_CHECK", "0") not in ("", "0")]
-
-
-def set_atomic_order_check(on):
+_ATOMIC_ORDER, set_atomic_order_check, atomic_order_check = _switch(
+    "CUFLASH_EMULATOR_ATOMIC_ORDER_CHECK", "atomic_order_check", "atomic order check",
     """Turn the atomic order check on or off for later launches; returns the old setting.
 
     With it on, every element of a float atomic add (``gatomic_add``,
@@ -109,27 +115,10 @@ def set_atomic_order_check(on):
     :class:`AtomicOrderError`: what a launch that promises bitwise-repeatable
     results must pass.  Off by default (``$CUFLASH_EMULATOR_ATOMIC_ORDER_CHECK=1``
     turns it on): the atomic dQ path adds from many blocks by design.
-    """
-    old = _ATOMIC_ORDER[0]
-    _ATOMIC_ORDER[0] = bool(on)
-    return old
+    """)
 
-
-@contextlib.contextmanager
-def atomic_order_check(on=True):
-    """The atomic order check on (or off) inside the block (see :func:`set_atomic_order_check`)."""
-    old = set_atomic_order_check(on)
-    try:
-        yield
-    finally:
-        set_atomic_order_check(old)
-
-
-# ---------------------------------------------------------------- memcheck
-_MEMCHECK = [os.environ.get("CUFLASH_EMULATOR_MEMCHECK", "0") not in ("", "0")]
-
-
-def set_memcheck(on):
+_MEMCHECK, set_memcheck, memcheck = _switch(
+    "CUFLASH_EMULATOR_MEMCHECK", "memcheck", "memory checker",
     """Turn the memory checker on or off for later launches; returns the old setting.
 
     With it on, every global access through the kernels' accessors (``gload``,
@@ -140,20 +129,7 @@ def set_memcheck(on):
     a stray access raises :class:`MemcheckError`.  Off by default
     (``$CUFLASH_EMULATOR_MEMCHECK=1`` turns it on); the tests turn it on for the
     whole session.  Its cost per launch is in docs/emulator.md.
-    """
-    old = _MEMCHECK[0]
-    _MEMCHECK[0] = bool(on)
-    return old
-
-
-@contextlib.contextmanager
-def memcheck(on=True):
-    """The memory checker on (or off) inside the block (see :func:`set_memcheck`)."""
-    old = set_memcheck(on)
-    try:
-        yield
-    finally:
-        set_memcheck(old)
+    """)
 
 
 def memcheck_enabled():

@@ -28,9 +28,9 @@ try:
 except ImportError:  # not POSIX: no cross-process build lock (see _build_lock)
     fcntl = None
 
-from ._checks import (AtomicOrderError, CompileError, InterBlockRaceError, LaunchError, MemcheckError, describe_address,
-                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled, profile_sink,
-                      resolve_sites)
+from ._checks import (CHECK_ERRORS, CompileError, LaunchError, MemcheckError, describe_address,
+                      describe_memcheck, launch_flags, memcheck_enabled, profile_enabled,
+                      profile_sink, resolve_sites)
 from ._race import run_tsan
 
 __all__ = ["RawModule", "RawKernel", "last_launch_stats", "last_launch_profile", "cache_dir", "kernels_cu_dir"]
@@ -845,10 +845,9 @@ class RawKernel:
             sink = profile_sink()
             if sink is not None:
                 sink.append(prof)
-        if rc == 2:
-            raise InterBlockRaceError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
-        if rc == 3:
-            raise AtomicOrderError(describe_address(err.value.decode(errors="replace"), self.params, arrays))
+        if rc in CHECK_ERRORS:
+            msg = err.value.decode(errors="replace")
+            raise CHECK_ERRORS[rc](describe_address(msg, self.params, arrays))
         if rc != 0:
             msg = err.value.decode(errors="replace")
             if msg.startswith("memcheck:"):

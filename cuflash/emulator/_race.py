@@ -12,6 +12,7 @@ that engine where ``__SANITIZE_THREAD__`` is defined), not as the fibers of
 ordinary builds: ThreadSanitizer has to see them run concurrently.
 """
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import AtomicOrderError, InterBlockRaceError, LaunchError, RaceError, describe_address, launch_flags
+from ._checks import CHECK_ERRORS, LaunchError, RaceError, describe_address, launch_flags
 
 _TIMEOUT_S = 600
 
@@ -130,10 +131,7 @@ def run_tsan(kernel, grid, block, shmem, args):
     head = [int(v) for v in first.split()]
     rc, rd, wr, child_bases = head[0], head[1], head[2], head[3:]
     err, _, data = rest.partition(b"\n@@\n")
-    starts, pos = [], 0
-    for _, n in buffers:
-        starts.append(pos)
-        pos += n
+    starts = [0, *itertools.accumulate(n for _, n in buffers)]
     for a, (bi, off) in zip(arrays, places):
         if a.flags.writeable and a.nbytes:
             lo = starts[bi] + off
@@ -142,11 +140,8 @@ def run_tsan(kernel, grid, block, shmem, args):
     if "WARNING: ThreadSanitizer" in report:
         raise RaceError(f"kernel {kernel.name} (grid {grid}, block {block}): ThreadSanitizer found "
                         f"{summarize(report)}", report)
-    if rc == 2:
+    if rc in CHECK_ERRORS:
         msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
-        raise InterBlockRaceError(describe_address(msg, kernel.params, arrays))
-    if rc == 3:
-        msg = _to_host_addresses(err.decode(errors="replace"), child_bases, buffers)
-        raise AtomicOrderError(describe_address(msg, kernel.params, arrays))
+        raise CHECK_ERRORS[rc](describe_address(msg, kernel.params, arrays))
     if rc != 0:
         raise LaunchError(f"kernel {kernel.name} (grid {grid}, block {block}): {err.decode(errors='replace')}")

@@ -1,26 +1,13 @@
 """The backward on the kernels: choosing the family, caching the call, packed sequences.
 
-:func:`tiled_attention_backward` runs the FlashAttention-2 backward on a
-:class:`cuflash.kernels.Runtime`, so CuPy arrays on a GPU and NumPy arrays on
-the emulator go through the same code.  Which family runs is the planner's
-choice (:func:`cuflash.tiling.plan_flash_bwd`): float16/bfloat16 with head
-dims that are multiples of 16 on sm_80+ run the tensor-core backward
-(:mod:`cuflash.launch.bwd_tc`), everything else the SIMT kernels
-(:mod:`cuflash.launch.bwd_simt`, with float32's dK/dV on tensor cores where
-they exist).  The logit features come as one value and select each family's
-features variant.
-
-As in the forward, the first call of a kind validates, plans, compiles (all
-modules of the call concurrently: :func:`cuflash.kernels.get_functions`) and
-packs one ``BwdParams`` block; an identical later call allocates its outputs
-and one workspace and launches.
-
-Broadcasting: q, k, v, o, do are read through element strides (broadcast axes
-have stride 0, nothing is copied for them).  Each kernel writes one gradient
-per problem it computes, and the gradients of inputs that were broadcast along
-a leading axis are summed over it on the host
-(:func:`cuflash.launch.common.grad_shapes`); heads of a grouped-query (or MQA:
-one kv head) group are summed inside the dK/dV block.
+Which family runs is the planner's choice (:func:`cuflash.tiling.plan_flash_bwd`):
+float16/bfloat16 with head dims that are multiples of 16 on sm_80+ run the tensor-core
+backward (:mod:`cuflash.launch.bwd_tc`), everything else the SIMT kernels
+(:mod:`cuflash.launch.bwd_simt`, with float32's dK/dV on tensor cores where they exist).
+Calls are prepared once and cached as the forward's are (:mod:`cuflash.launch.common`).
+Gradients of inputs broadcast along a leading axis are summed over it on the host
+(:func:`cuflash.launch.common.grad_shapes`); the heads of a grouped-query (or MQA) group
+are summed inside the dK/dV block.
 """
 from dataclasses import replace
 

@@ -9,24 +9,10 @@ distinct (shapes, strides, dtypes, scalar options) and keeps the result -- the
 compiled kernels, grids, a packed parameter block in device memory -- as a
 closure in ``runtime.calls`` (:func:`cached_call`); an identical later call
 does a dictionary lookup, allocates its outputs and launches, nothing else (no
-device query, no synchronisation, no host-to-device copy).
-
-Helpers:
-
-* :func:`problem_dims`, :func:`flatten_lead`, :func:`contiguous_strides` --
-  an input's element strides (batch, head, row) for the (B, H) problems of a
-  call (stride 0 for broadcast axes, the kv head stride for grouped heads),
-  copying only when unavoidable; :func:`pointer_arg` hands strided views to
-  the emulator;
-* :func:`alloc_output` -- ``xp.empty`` plus the test hooks :func:`output_hook`
-  (poison outputs) and :func:`track_allocations` (record sizes);
-* :func:`params_dtype` / :func:`make_params` -- the ``FwdParams`` / ``BwdParams``
-  blocks of ``kernels_cu/params.cuh`` as a device buffer;
-* :func:`launch` -- every kernel launch goes through it, so tests can observe
-  launches (:func:`observe_launches`) without patching the launchers;
-* :func:`fold_grid` -- the one-axis grid of (tiles x heads x batch);
-* :func:`grad_shapes` / :func:`sum_back` / :func:`zero_grads` -- the gradients of
-  broadcast inputs, which both backward families compute at the full shape.
+device query, no synchronisation, no host-to-device copy).  Every launch goes
+through :func:`launch` and every output through :func:`alloc_output`, so tests
+observe them (:func:`observe_launches`, :func:`output_hook`,
+:func:`track_allocations`) without patching the launchers.
 """
 import contextlib
 import functools
@@ -119,7 +105,8 @@ def launch(runtime_name, fn, name, grid, block, args, shared_mem):
         _LAUNCH_HOOK(name, grid, block, shared_mem, runtime_name)
 
 
-def _record(what, arr):
+def record_copy(what, arr):
+    """Record an array the launch path made (for ``verify_no_full_materialization``)."""
     ledger = getattr(_state, "ledger", None)
     if ledger is not None:
         ledger.append((what, tuple(arr.shape)))
@@ -128,16 +115,10 @@ def _record(what, arr):
 def alloc_output(xp, shape, dtype, what="output"):
     """``xp.empty(shape, dtype)``, recorded, and passed to the output hook if one is set."""
     out = xp.empty(shape, dtype=dtype)
-    if getattr(_state, "ledger", None) is not None:
-        _record(what, out)
+    record_copy(what, out)
     if _ALLOC_HOOK is not None:
         _ALLOC_HOOK(out)
     return out
-
-
-def record_copy(what, arr):
-    """Record an input copy the launch path made (for ``verify_no_full_materialization``)."""
-    _record(what, arr)
 
 
 # --------------------------------------------------------------------------
@@ -224,51 +205,28 @@ def pointer_arg(runtime, x):
 def flatten_lead(runtime, x, lead, grouped=False):
     """Address ``x`` (shape ``x_lead + (N, dim)``) as the (B, H) problems of ``lead``.
 
-    Parameters
-    ----------
-    runtime : cuflash.kernels.Runtime, or the module numpy/cupy
-        Gives the array module; with a Runtime whose kernels cannot take
-        negative strides (the emulator) such inputs are copied.  Pass the
-        returned ``arr`` through :func:`pointer_arg` when launching.
-    x : ndarray
-        An input whose leading dims broadcast to ``lead`` -- or, with
-        ``grouped=True``, whose last leading dim is the kv head count Hk of
-        grouped-query attention (the kernel maps query head h to h // group).
-    lead : tuple of int
-        The output's leading shape (``AttentionSpec.lead``).
-    grouped : bool
-        True for k/v of a grouped-query call.
-
-    Returns
-    -------
-    arr : ndarray
-        ``x`` itself, or a copy when the last dim was strided (kernels need it
-        contiguous) or the broadcast cannot be expressed with strides.
-    strides : tuple of int, (sb, sh, sr)
-        Element strides of batch (flat index over ``lead[:-1]``), head and row;
-        0 along broadcast axes, so nothing is copied for broadcasting.
-
-    Notes
-    -----
-    The batch axes ``lead[:-1]`` are one flat index in the kernels.  That is a
-    single stride only when ``x``'s strides over those axes nest (as in any
-    contiguous array, or when all of them are broadcast).  For exotic layouts
-    -- e.g. an input broadcast along one batch axis but not another -- there
-    is no single stride, and ``x`` is materialised by a broadcast copy of shape
-    ``lead[:-1] + (heads,) + x.shape[-2:]`` (heads = 1, Hk or H as x has them).
-    Whether a copy is made depends only on shapes and strides, so a repeated
-    call makes the same decision.
+    ``runtime`` is a :class:`cuflash.kernels.Runtime` or the module numpy/cupy; the emulator's
+    kernels cannot take negative strides, so such inputs are copied for it (pass the result
+    through :func:`pointer_arg` when launching).  ``x``'s leading dims broadcast to ``lead``
+    (the output's), or -- k/v of a grouped-query call -- end with the kv heads Hk, which the
+    kernels index as ``h // group``: both are addressed the same way, so ``grouped`` is not
+    read.  Returns ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is
+    strided) and the element strides of batch (one flat index over ``lead[:-1]``), head and
+    row, 0 along broadcast axes.  The batch stride exists only when ``x``'s strides over
+    ``lead[:-1]`` nest; otherwise (broadcast along one batch axis but not another) ``x`` is
+    materialised by a broadcast copy of shape ``lead[:-1] + (heads,) + x.shape[-2:]``.  The
+    decision depends only on shapes and strides, so a repeated call makes the same one.
     """
     xp = getattr(runtime, "xp", runtime)
     no_negative = getattr(runtime, "name", None) == "emulator"
     if (x.ndim >= 1 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize) or (
             no_negative and any(s < 0 for s in x.strides)):
         x = xp.ascontiguousarray(x)
-        _record("contiguous copy", x)
+        record_copy("contiguous copy", x)
     es = elem_strides(x)
     if es is None:  # strides that are not whole elements (views of odd buffers)
         x = xp.ascontiguousarray(x)
-        _record("contiguous copy", x)
+        record_copy("contiguous copy", x)
         es = elem_strides(x)
     nl = len(lead)
     sr = es[-2]
@@ -287,7 +245,7 @@ def flatten_lead(runtime, x, lead, grouped=False):
         # no single batch stride exists: materialise the broadcast (see Notes)
         full = tuple(lead[:-1]) + (head_size,) + tuple(x.shape[-2:])
         x = xp.ascontiguousarray(xp.broadcast_to(x.reshape((1,) * pad + x.shape), full))
-        _record("broadcast copy", x)
+        record_copy("broadcast copy", x)
         es = elem_strides(x)
         sr = es[-2]
         sh = 0 if head_size == 1 else es[-3]

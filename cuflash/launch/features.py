@@ -3,28 +3,13 @@
 The features -- bias (and its gradient), sliding window, ALiBi, softcap and
 Philox dropout -- travel from a backend to a launcher as one :class:`Features`
 value; a plain call has none (``None``) and pays nothing for them.  A launcher
-validates that value once per kind of call (:func:`validate`: a
-:class:`cuflash._validate_masks.MaskSpec`, or None when only neutral values were
-given) and a :class:`Prepared` turns the MaskSpec into what its kernels need:
-
-* the ``mask_*`` fields of the parameter block (``FwdParams`` / ``BwdParams``),
-  from shapes, strides and dtypes alone, so they belong to the prepared call;
-* per call, the bias and slope arguments -- as the compute type (float32;
-  float64 for float64 inputs: a bias of another dtype is converted, a copy of
-  the bias's own size), read through element strides (batch, head, row, key)
-  that are 0 along broadcast axes, never expanded;
-* one parameter block per recent dropout seed: the seed is not part of a
-  call's cache key, so a training loop that draws a new seed every step pays
-  one small host-to-device copy, not a new plan;
-* for the backward, the bias gradient: an accumulator of the bias's shape in
-  the compute type, zeroed, into which the dK/dV kernel stores dS (each element
-  by one block) or, for a broadcast bias, adds it with atomics; then converted
-  to the bias's dtype.  Memory O(size of bias).
-
-Only where the leading dims of a bias (or of the slopes) cannot be walked with
-one batch stride -- broadcast along one batch axis but not another -- is the
-array materialised over the batch axes (as :func:`cuflash.launch.common.flatten_lead`
-does for inputs); its dbias is then accumulated at that size and summed on the host.
+validates it once per kind of call (:func:`validate`) and a :class:`Prepared`
+turns the resulting MaskSpec into what its kernels need: the ``mask_*`` fields
+of the parameter block (from shapes, strides and dtypes alone), the bias and
+slope arguments in the compute type, read with stride 0 along broadcast axes
+(never expanded; copied over the batch axes only where one batch stride cannot
+walk them), one parameter block per recent dropout seed (a new seed each step
+costs a small copy, not a new plan) and the dbias accumulator, O(size of bias).
 
 Each kernel family compiles its features variant with ``-DCUFLASH_MASKS``
 (:data:`DEFINES`); the variants take the bias and slopes after their plain

@@ -7,13 +7,9 @@ otherwise (float64, sm_75, head dims they lack).  A call with features runs
 the same kernel compiled with ``-DCUFLASH_MASKS`` (``flash_fwd_tc_masked``,
 ``flash_fwd_tf32_masked``, ``flash_fwd_masked``).
 
-:func:`tiled_attention` is the public forward of both kernel backends: on the
-first call of a kind it validates, plans, compiles and packs a ``FwdParams``
-block; it keeps all of that as one closure in ``runtime.calls``, so an
-identical later call costs a key lookup, two allocations (o, lse) and one
-launch.  Split-KV calls go to the serving kernel (:mod:`cuflash.launch.serving`).
-:func:`memory_analysis` and :func:`verify_no_full_materialization` are the
-kernel versions of the reference's.
+:func:`tiled_attention` is the forward of both kernel backends, prepared once per kind of
+call (:func:`cuflash.launch.common.cached_call`); split-KV calls go to the serving kernel
+(:mod:`cuflash.launch.serving`).
 """
 import numpy as np
 

@@ -7,7 +7,7 @@ holds 2^31 - 1 of them.
 import numpy as np
 
 from .. import kernels, tiling
-from .._validate import check_float_dtype, check_positive_int
+from .._validate import check_softmax_input
 from .common import acc_dtype, alloc_output, elem_strides, launch, pointer_arg, record_copy
 
 __all__ = ["online_softmax_rows", "online_softmax"]
@@ -64,16 +64,7 @@ def _stat_out(xp, a, scalar):
 
 def online_softmax(runtime, x, chunk_size, return_stats, one_d):
     """online_softmax / online_softmax_2d through the online_softmax_rows kernel."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"x must be an array, got {type(x).__module__}.{type(x).__name__}")
-    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
-    if one_d and x.ndim != 1:
-        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
-                         "use online_softmax_2d for rows")
-    if x.ndim < 1:
-        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
-    p, m, l = online_softmax_rows(runtime, x, chunk_size)
+    p, m, l = online_softmax_rows(runtime, x, check_softmax_input(x, chunk_size, one_d))
     if not return_stats:
         return p
     xp = runtime.xp

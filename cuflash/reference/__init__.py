@@ -26,14 +26,8 @@ ufuncs) with OpenBLAS held to one thread per call meanwhile, which measured
 ~1.5x faster on 2 cores than one Python thread driving a 2-thread BLAS (see
 ``_blas_single_thread``).  The measured figures are in the README.
 
-The package is split by family (each module holds one concern, all re-exported
-here, so ``cuflash.reference.tiled_attention`` is the public name):
-``softmax`` (online softmax), ``standard`` (the textbook algorithm),
-``flash_forward`` and ``flash_backward`` (the tiled algorithm), ``masks`` (the
-logit features -- bias, window, ALiBi, softcap -- and the Philox dropout mask), ``memory``
-(the memory/traffic model and the instrumented forward), ``serving``
-(split-KV, the KV cache and variable-length batches) and ``_common``
-(threads, BLAS control and shared helpers).
+One module per family, each re-exported here (``cuflash.reference.tiled_attention`` is
+the public name); ``_common`` holds the threads, the BLAS control and shared helpers.
 """
 import numpy as np
 

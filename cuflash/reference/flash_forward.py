@@ -239,16 +239,8 @@ def _flash_forward(spec, q, k, v, Br, Bc, workers=1, track=_no_track, stage="who
 def tiled_attention(q, k, v, *, scale=None, causal=False, bias=None, window=None,
                     alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, block_q=None,
                     block_kv=None, return_lse=False, num_splits=None):
-    """The NumPy reference of ``cuflash.tiled_attention`` (parameters, returns and semantics there).
-
-    Query tiles ``Qi`` of ``block_q`` (Br) rows, key/value tiles ``Kj``, ``Vj``
-    of ``block_kv`` (Bc) rows; for each query tile the key/value tiles stream
-    past with the online-softmax update (running max ``m_i``, running sum
-    ``l_i``, unnormalised ``acc``), normalised once at the end
-    (FlashAttention-2).  Tiles entirely above the causal boundary or outside the
-    window's band are skipped (never computed); tiles crossing them are masked.
-    The work is vectorised over all leading dims and the query tiles run on a
-    small thread pool.
+    """The NumPy reference of ``cuflash.tiled_attention`` (parameters, returns and semantics
+    there), computed by :func:`_flash_forward`.
 
     Here ``block_q``/``block_kv`` None picks CPU-friendly sizes
     (:func:`default_blocks`); explicit sizes are used as given.  ``num_splits``

@@ -1,19 +1,11 @@
 """The logit features of ``P = mask(scale * Q K^T + bias)`` in the NumPy reference.
 
-One place for what the standard and the tiled algorithms share, tile by tile:
-
-* :func:`philox4x32_10` -- the counter-based generator of the dropout mask
-  (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011),
-  bit-identical to ``kernels_cu/philox.cuh``; :func:`dropout_keep` draws the
-  keep-mask of a tile and :func:`dropout_mask` that of a whole problem (for
-  tests: the NumPy reference, the emulator and the GPU drop the same elements);
-* :class:`Features` -- a call's bias, ALiBi slopes and dropout index arrays
-  in the reference's canonical layout (grouped-query heads split into
-  (Hk, group) axes), and the per-tile transforms: softcap, bias, ALiBi,
-  the causal/window mask as one interval of keys per row.
-
-The helpers use only array methods and ``xp`` functions where they serve
-``cuflash.cuda_backend.standard_attention`` (CuPy) too.
+One place for what the standard and the tiled algorithms share, tile by tile: the
+Philox4x32-10 dropout mask (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3",
+SC 2011; bit-identical to ``kernels_cu/philox.cuh``, so every backend drops the same
+elements) and :class:`Features`, a call's features in the reference's canonical layout
+with the per-tile transforms.  The helpers use only array methods and ``xp`` functions
+where they serve the "cuda" backend's standard attention (CuPy) too.
 """
 import numpy as np
 

@@ -1,12 +1,8 @@
 """Inference shapes in NumPy: split-KV, a KV cache (contiguous or paged), variable-length batches.
 
 * Split-KV (flash-decoding): the keys of a call are cut into ``num_splits``
-  contiguous ranges of whole key/value tiles; each range gives a partial
-  output and its log-sum-exp, and :func:`combine_splits` merges them exactly:
-  ``lse = log(sum_s exp(lse_s))``, ``o = sum_s exp(lse_s - lse) o_s``.  The GPU
-  does this to give idle SMs work when (query tiles x heads x batch) cannot
-  fill the device; here it is the same arithmetic, so tests can hold the
-  kernels' split results to it.
+  ranges of whole key/value tiles whose partial results :func:`combine_splits`
+  merges exactly, the same arithmetic as the GPU's, so tests hold the kernels to it.
 * ``attention_with_kvcache``: appends ``k_new``/``v_new`` to each sequence's
   cache (the one documented in-place write) and attends over each sequence's
   own ``cache_seqlens[b] + Nnew`` keys, read through ``block_table`` when the

@@ -2,18 +2,7 @@
 """
 import numpy as np
 
-from .._validate import check_float_dtype, check_positive_int
-
-
-# ---------------------------------------------------------------------------
-# online softmax
-# ---------------------------------------------------------------------------
-def _check_softmax_input(x, chunk_size):
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"x must be a numpy.ndarray, got {type(x).__module__}.{type(x).__name__}")
-    check_float_dtype(x.dtype, f"x (shape {tuple(x.shape)})")
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
-    return chunk_size
+from .._validate import check_softmax_input
 
 
 def _online_softmax_rows(x, chunk_size):
@@ -47,11 +36,7 @@ def online_softmax(x, chunk_size=None, *, return_stats=False):
     far is rescaled by ``exp(m_old - m_new)`` (Milakov & Gimelshein 2018).  The
     statistics are returned as ``numpy.float64`` scalars.
     """
-    chunk_size = _check_softmax_input(x, chunk_size)
-    if x.ndim != 1:
-        raise ValueError(f"online_softmax takes a 1-D array, got shape {tuple(x.shape)}; "
-                         "use online_softmax_2d for rows")
-    p, m, l = _online_softmax_rows(x, chunk_size)
+    p, m, l = _online_softmax_rows(x, check_softmax_input(x, chunk_size, True))
     if return_stats:
         return p, np.float64(m), np.float64(l)
     return p
@@ -63,10 +48,7 @@ def online_softmax_2d(x, chunk_size=None, *, return_stats=False):
     Every row is processed independently with the algorithm of
     :func:`online_softmax`, all rows at once (chunks run along the last axis).
     """
-    chunk_size = _check_softmax_input(x, chunk_size)
-    if x.ndim < 1:
-        raise ValueError(f"online_softmax_2d needs at least 1 dim, got shape {tuple(x.shape)}")
-    p, m, l = _online_softmax_rows(x, chunk_size)
+    p, m, l = _online_softmax_rows(x, check_softmax_input(x, chunk_size, False))
     if return_stats:
         return p, m, l
     return p

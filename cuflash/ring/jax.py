@@ -9,14 +9,10 @@ Two entry points:
 * :func:`ring_attention_shard` is the per-device function, for use inside a
   ``shard_map`` of your own (the sequence axis sharded over ``axis_name``).
 
-The ring is a ``jax.custom_vjp`` function: the forward passes ``(k, v)`` to the next
-device with ``ppermute`` at every step and merges the partial ``(o, lse)`` of the cuflash
-calls by their log-sum-exp; the backward passes ``(k, v)`` around again with a
-``(dk, dv)`` accumulator one step behind, so each device ends with the gradients of its own
-shard.  A device's position in the ring is traced (``lax.axis_index``), so each step is a
-``lax.switch`` over the ranks, each branch with the calls (masks) of its rank.  Whether a
-transfer overlaps a step's compute is up to XLA's scheduler (the step does not read the
-block in flight).
+The ring (docs/context_parallel.md) is a ``jax.custom_vjp`` function.  A device's
+position in the ring is traced (``lax.axis_index``), so each step is a ``lax.switch`` over
+the ranks, each branch with the calls (masks) of its rank.  Whether a transfer overlaps a
+step's compute is up to XLA's scheduler (the step does not read the block in flight).
 
 The cuflash calls are :mod:`cuflash.jax`'s: ``pure_callback`` to the NumPy backend on the
 CPU, ``buffer_callback`` to the kernels on a GPU (see that module for what runs where).

@@ -3,23 +3,11 @@
 ``ring_attention(q, k, v, group=...)`` is called by every rank of the group with its own
 shard of the sequence (rows of q, k, v along the sequence axis; :func:`shard` cuts a full
 sequence).  It returns the rank's rows of the unsharded attention's output, and is
-differentiable in q, k, v and a bias (a ``torch.autograd.Function``).
-
-Forward, rank r of W: the packed ``(k, v)`` block goes to rank r+1 and the next one comes
-from rank r-1 (``batch_isend_irecv``); the transfer is posted before the step's cuflash
-calls, so on CUDA with NCCL (whose point-to-point operations run on their own stream) it
-overlaps the compute, and the step waits for it only before the next block is read.  The
-partial ``(o, lse)`` of the calls are merged into float32 accumulators (float64 for
-float64 inputs) by their log-sum-exp.
-
-Backward: the blocks go around again, and a float32 accumulator of their ``(dk, dv)``
-(float64 for float64) follows one step behind: at each step a rank computes its
-contribution to the block it holds, adds it to the accumulator received from rank r-1 and
-sends the sum on to rank r+1; after W steps each accumulator is back on its owner.  The
-accumulator's transfer overlaps the next step's compute.
-
-Every cuflash call gets the final ``o`` and ``lse`` of its rows, so ``D = rowsum(dO * O)``
-and P are those of the unsharded attention: the gradients are exact, not approximated.
+differentiable in q, k, v and a bias (a ``torch.autograd.Function``).  How the ring runs
+(the ``(k, v)`` blocks passed on with ``batch_isend_irecv``, posted before each step's
+compute so that NCCL overlaps them; partials merged by their log-sum-exp; the ``(dk, dv)``
+accumulators one step behind in the backward, exact gradients) is in
+docs/context_parallel.md.
 """
 import math
 
@@ -91,10 +79,7 @@ def ring_attention(q, k, v, *, group=None, sharding="zigzag", scale=None, causal
     RuntimeError
         ``torch.distributed`` not initialised.
     """
-    device = ops.check_tensors(q=q, k=k, v=v)
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v must have one dtype among float16, bfloat16, float32, "
-                        f"float64; got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = ops.check_tensors(q=q, k=k, v=v)   # one device, one supported dtype
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
@@ -174,14 +159,11 @@ def _group(group, device):
     return group, rank, dist.get_world_size(group)
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _agree(cfg, device, q, k, v, bias):
     """ValueError on every rank when the ranks disagree on shapes, dtype or options."""
     if cfg.world == 1:
         return
-    desc = [_DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(cfg.causal),
+    desc = [ops.DTYPES.index(q.dtype), int(cfg.causal),
             cfg.window[0] if cfg.window else -2, cfg.window[1] if cfg.window else -2,
             -1 if cfg.softcap is None else int(cfg.softcap * 2 ** 20),
             -1 if cfg.scale is None else int(cfg.scale * 2 ** 30),

@@ -186,7 +186,8 @@ _FUNCTIONS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "one
               "isneginf", "isposinf", "isinf", "isnan", "isfinite", "exp", "exp2", "log", "sqrt",
               "maximum", "minimum", "abs", "sum", "max", "min", "concatenate", "stack",
               "transpose", "reshape", "logical_and", "logical_or", "signbit", "multiply",
-              "add", "subtract", "divide", "true_divide", "negative", "power")
+              "add", "subtract", "divide", "true_divide", "negative", "power", "copyto",
+              "einsum")
 _DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
            "uint32", "uint64", "bool_", "dtype", "inf", "nan", "newaxis")
 
