@@ -82,9 +82,7 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
     Hk, group = kv_heads_for_kernel(spec)
     lead = spec.lead
     want, summed, alloc_shape = grad_shapes(spec, q, k, v, Hk)
-    grouped = group > 1
-    groups_of = (False, grouped, grouped, False, False)
-    flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
+    flat = [flatten_lead(runtime, x, lead) for x in (q, k, v, o, do)]
     (_, qs), (_, ks), (_, vs), (_, os_), (_, dos) = flat
     copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
 
@@ -161,7 +159,7 @@ def build(runtime, spec, ms, do, q, k, v, o, deterministic, allow_tf32=True):
         ins = [q, k, v, o, do]
         for i, c in enumerate(copies):
             if c:
-                ins[i] = flatten_lead(runtime, ins[i], lead, groups_of[i])[0]
+                ins[i] = flatten_lead(runtime, ins[i], lead)[0]
         if emulator:
             ins = [pointer_arg(runtime, x) for x in ins]
         q_, k_, v_, o_, do_ = ins

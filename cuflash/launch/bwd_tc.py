@@ -83,18 +83,16 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
     B, H = problem_dims(lead)
     Hk, group = kv_heads_for_kernel(spec)
     want, summed, alloc_shape = grad_shapes(spec, q, k, v, Hk)
-    grouped = group > 1
-    groups_of = (False, grouped, grouped, False, False)
     hopper = plan.kernel == tiling.BWD_WGMMA_KERNEL
     full = False  # the Hopper kernel's copies of inputs its tensor maps cannot step
     if hopper:
-        flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, do), groups_of)]
+        flat = [flatten_lead(runtime, x, lead) for x in (q, k, v, do)]
         layouts = [((B, H), Nq), ((B, Hk), Nk), ((B, Hk), Nk), ((B, H), Nq)]
         full = not all(tma_layout_ok(bh, rows, st, q.itemsize)
                        for (bh, rows), (_, st) in zip(layouts, flat))
         if full:
             q, k, v, do = _full_inputs(xp, spec, Hk, q, k, v, do)
-    flat = [flatten_lead(runtime, x, lead, gr) for x, gr in zip((q, k, v, o, do), groups_of)]
+    flat = [flatten_lead(runtime, x, lead) for x in (q, k, v, o, do)]
     strides = [st for _, st in flat]
     copies = [a is not x for (a, _), x in zip(flat, (q, k, v, o, do))]
     qs, ks, vs, os_, dos = strides
@@ -140,7 +138,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         ins = [q, k, v, o, do]
         for i, c in enumerate(copies):
             if c:
-                ins[i] = flatten_lead(runtime, ins[i], lead, groups_of[i])[0]
+                ins[i] = flatten_lead(runtime, ins[i], lead)[0]
         if not all(aligned16(x, st) for x, st in zip(ins, strides)):
             # rows that cp.async / 16-byte loads cannot read aligned (a rare view):
             # contiguous copies, prepared once per layout

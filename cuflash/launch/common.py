@@ -202,15 +202,14 @@ def pointer_arg(runtime, x):
     return np.lib.stride_tricks.as_strided(x, shape=(n,), strides=(x.itemsize,))
 
 
-def flatten_lead(runtime, x, lead, grouped=False):
+def flatten_lead(runtime, x, lead):
     """Address ``x`` (shape ``x_lead + (N, dim)``) as the (B, H) problems of ``lead``.
 
     ``runtime`` is a :class:`cuflash.kernels.Runtime` or the module numpy/cupy; the emulator's
     kernels cannot take negative strides, so such inputs are copied for it (pass the result
     through :func:`pointer_arg` when launching).  ``x``'s leading dims broadcast to ``lead``
     (the output's), or -- k/v of a grouped-query call -- end with the kv heads Hk, which the
-    kernels index as ``h // group``: both are addressed the same way, so ``grouped`` is not
-    read.  Returns ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is
+    kernels index as ``h // group``: both are addressed the same way.  Returns ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is
     strided) and the element strides of batch (one flat index over ``lead[:-1]``), head and
     row, 0 along broadcast axes.  The batch stride exists only when ``x``'s strides over
     ``lead[:-1]`` nest; otherwise (broadcast along one batch axis but not another) ``x`` is

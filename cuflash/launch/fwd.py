@@ -53,8 +53,8 @@ def _build(runtime, spec, ms, q, k, v, kernel=None):
 
     lead, grouped = spec.lead, spec.group > 1
     q_, qs = flatten_lead(runtime, q, lead)
-    k_, ks = flatten_lead(runtime, k, lead, grouped)
-    v_, vs = flatten_lead(runtime, v, lead, grouped)
+    k_, ks = flatten_lead(runtime, k, lead)
+    v_, vs = flatten_lead(runtime, v, lead)
     # whether an input is copied depends on its shape and strides only: replayed per call
     copy_q, copy_k, copy_v = q_ is not q, k_ is not k, v_ is not v
     o_sb, o_sh = contiguous_strides(lead, (spec.Nq, spec.dv))
@@ -99,9 +99,9 @@ def _build(runtime, spec, ms, q, k, v, kernel=None):
         if copy_q:
             q = flatten_lead(runtime, q, lead)[0]
         if copy_k:
-            k = flatten_lead(runtime, k, lead, grouped)[0]
+            k = flatten_lead(runtime, k, lead)[0]
         if copy_v:
-            v = flatten_lead(runtime, v, lead, grouped)[0]
+            v = flatten_lead(runtime, v, lead)[0]
         if needs_align and not (aligned16(q, qs) and aligned16(k, ks) and aligned16(v, vs)):
             return _misaligned(runtime, spec, ms, q_in, k, v, kernel, f)
         if emulator:

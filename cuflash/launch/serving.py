@@ -201,11 +201,11 @@ def tiled_attention_split(runtime, q, k, v, spec, num_splits):
            v.strides, spec.scale, spec.causal, num_splits)
 
     def build():
-        lead, grouped = spec.lead, spec.group > 1
+        lead = spec.lead
         B, H = problem_dims(lead)
         q_, qs = flatten_lead(runtime, q, lead)
-        k_, ks = flatten_lead(runtime, k, lead, grouped)
-        v_, vs = flatten_lead(runtime, v, lead, grouped)
+        k_, ks = flatten_lead(runtime, k, lead)
+        v_, vs = flatten_lead(runtime, v, lead)
         copies = (q_ is not q, k_ is not k, v_ is not v)
         # MQA (one kv head, broadcast over the heads: head stride 0) is one group of all H
         group = spec.group if spec.group > 1 else (H if ks[1] == 0 and vs[1] == 0 else 1)
@@ -225,9 +225,9 @@ def tiled_attention_split(runtime, q, k, v, spec, num_splits):
             if copies[0]:
                 q = flatten_lead(runtime, q, lead)[0]
             if copies[1]:
-                k = flatten_lead(runtime, k, lead, grouped)[0]
+                k = flatten_lead(runtime, k, lead)[0]
             if copies[2]:
-                v = flatten_lead(runtime, v, lead, grouped)[0]
+                v = flatten_lead(runtime, v, lead)[0]
             return inner(q, k, v, dummy, dummy, dummy, dummy)
         run.num_splits = inner.num_splits
         return run

@@ -655,7 +655,7 @@ def test_race_check_online_softmax(rng):
 ])
 def test_flatten_lead(xshape, lead, grouped, copied, rng):
     x = rng.standard_normal(xshape)
-    arr, (sb, sh, sr) = launch_common.flatten_lead(np, x, lead, grouped)
+    arr, (sb, sh, sr) = launch_common.flatten_lead(np, x, lead)
     assert (arr is not x) == copied
     B, H = launch_common.problem_dims(lead)
     group = 3 if grouped else 1
