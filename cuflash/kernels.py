@@ -35,8 +35,9 @@ from . import emulator, tiling
 
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
-    "get_function", "get_functions", "compile_variants", "plan_defines", "KERNEL_SOURCES",
-    "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV", "wgmma_chosen",
+    "get_function", "get_functions", "compile_variants", "plan_defines", "fwd_helper_defines",
+    "KERNEL_SOURCES", "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV",
+    "wgmma_chosen",
 ]
 
 @functools.lru_cache(maxsize=None)
@@ -146,6 +147,12 @@ def wgmma_chosen():
     if val not in ("0", "1"):
         raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper kernels on sm_90) or 0")
     return val == "1"
+
+
+def fwd_helper_defines(dtype):
+    """The defines of flash_fwd.cu's helpers' module (flash_fwd_combine, flash_kv_append): the
+    dtype alone, so every tile plan of a dtype shares one compile of them."""
+    return {dtype_define(dtype): None, "CUFLASH_FWD_HELPERS": None}
 
 
 def plan_defines(plan):
@@ -498,7 +505,7 @@ def compile_variants():
     # (combine, append) per dtype
     for dt, d in (("float16", 128), ("bfloat16", 64), ("float32", 64), ("float64", 32)):
         add("flash_fwd", dt, d, bq=8, CUFLASH_FWD_SERVING=None)
-        out["flash_fwd.cu"].append(build_options({dtype_define(dt): None, "CUFLASH_FWD_HELPERS": None}))
+        out["flash_fwd.cu"].append(build_options(fwd_helper_defines(dt)))
     # flash_fwd_tc.cu: the default plans of float16/bfloat16 (flash_fwd_tc) and float32
     # (flash_fwd_tf32) at the head dims of the test grid, and the extremes: one warp (16
     # rows), d = 256 (16 rows per warp), dv != d

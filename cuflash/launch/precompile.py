@@ -15,7 +15,7 @@ import time
 from .. import kernels, tiling
 from . import bwd, bwd_tc, fwd
 from .._validate_masks import check_window
-from .serving import helper_defines, serving_plan
+from .serving import serving_plan
 
 __all__ = ["forward_kernels", "backward_kernels", "jobs", "precompile", "memory_analysis"]
 
@@ -40,7 +40,7 @@ def forward_kernels(runtime, d, dv, dtype, *, masked=False, block_q=None, block_
         defines = dict(kernels.plan_defines(plan), CUFLASH_FWD_SERVING=None)
         combine = _COMBINE_WARPS * num_splits * tiling.accumulator_bytes(dtype)
         return [("flash_fwd.cu", "flash_fwd_serving", defines, plan.shared_bytes),
-                ("flash_fwd.cu", "flash_fwd_combine", helper_defines(dtype), combine)]
+                ("flash_fwd.cu", "flash_fwd_combine", kernels.fwd_helper_defines(dtype), combine)]
     plan = runtime.plan_fwd(d, dv, dtype, block_q, block_kv, masked=masked)
     return [(kernels.KERNEL_SOURCES[plan.kernel], plan.kernel,
              _with_masks(kernels.plan_defines(plan), masked), plan.shared_bytes)]

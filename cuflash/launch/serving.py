@@ -29,7 +29,7 @@ from .common import (acc_dtype, alloc_output, cached_call, contiguous_strides, f
 from .features import DEFINES, prepare_serving, serving_key
 
 __all__ = ["tiled_attention_split", "attention_with_kvcache", "varlen_attention",
-           "serving_plan", "helper_defines"]
+           "serving_plan"]
 
 _FILE = "flash_fwd.cu"
 _SERVING = {"CUFLASH_FWD_SERVING": None}
@@ -38,12 +38,6 @@ _APPEND_THREADS = 128
 # a GPU gets enough blocks to fill it; the emulator, where a block costs its threads'
 # start-up, a few grid-stride blocks
 _MAX_HELPER_BLOCKS = {"cuda": 4096, "emulator": 2}
-
-
-def helper_defines(dtype):
-    """The defines of flash_fwd.cu's helpers' module (flash_fwd_combine, flash_kv_append): the
-    dtype alone, so every tile plan of a dtype shares one compile of them."""
-    return {kernels.dtype_define(dtype): None, "CUFLASH_FWD_HELPERS": None}
 
 
 def serving_plan(runtime, d, dv, dtype, rows, block_q=None, block_kv=None, kernel="flash_fwd"):
@@ -114,7 +108,7 @@ def _build(runtime, g, num_splits, feats=None):
     if masked:  # the features variant of the kernel
         defines.update(DEFINES)
         name = "flash_fwd_serving_masked"
-    helpers = helper_defines(g.dtype)
+    helpers = kernels.fwd_helper_defines(g.dtype)
     fn, comb, app = kernels.get_functions(runtime, [
         (_FILE, name, defines, plan.shared_bytes),
         (_FILE, "flash_fwd_combine", helpers, (_COMBINE_THREADS // 32) * 8 * 128),
