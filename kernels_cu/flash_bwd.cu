@@ -137,6 +137,58 @@ __device__ __forceinline__ void load_tile(acc_t* __restrict__ dst, const elem_t*
     }
 }
 
+// Element t (t < PER_THREAD(M * N)) of this thread in an (M, N) tile of per-thread
+// accumulators: its row m and column j, and whether it exists (the last t of a tile that
+// NUM_THREADS does not divide).  Where NUM_THREADS and N divide one another (head dims that
+// are powers of two), element e = tid + t * NUM_THREADS is row-major: consecutive threads on
+// consecutive columns, coalesced stores.  Otherwise (96, 160, 192, 224) it is column-major:
+// M, a tile's rows (a power of two), divides NUM_THREADS, consecutive threads sit on
+// consecutive rows and the stores of the finished tile are strided.  Either way a thread's
+// offsets are compile-time steps from its first element (no index registers per element).
+template <int M, int N>
+__device__ __forceinline__ bool element_of(int t, int& m, int& j) {
+    static_assert(NUM_THREADS % N == 0 || N % NUM_THREADS == 0 || NUM_THREADS % M == 0,
+                  "a tile's rows divide the threads where its columns do not");
+    const int tid = threadIdx.x;
+    if (NUM_THREADS % N == 0) {             // the thread's column fixed
+        m = tid / N + t * (NUM_THREADS / N);
+        j = tid % N;
+        return M * N % NUM_THREADS == 0 || m < M;
+    } else if (N % NUM_THREADS == 0) {      // N / NUM_THREADS elements per row
+        m = t / (N / NUM_THREADS);
+        j = tid + (t % (N / NUM_THREADS)) * NUM_THREADS;
+        return true;
+    } else {
+        m = tid % M;                        // the thread's row fixed
+        j = tid / M + t * (NUM_THREADS / M);
+        return M * N % NUM_THREADS == 0 || j < N;
+    }
+}
+
+// acc[t] += sum over k < n of A[k * a_k + m * a_m] * B[k * b_k + j] for the thread's elements
+// (m, j) of an (M, N) result (element_of), adding each product to the running sum.  The
+// summed index k runs outside and a thread's elements inside, so the runtime k loop exists
+// once (not once per element, which made the kernels' code, and NVRTC's time, several times
+// larger), and a thread's elements that share a row (column) share its load of A (B) per k:
+// about one shared-memory load per FMA instead of two.  Shared-memory banks: row-major
+// threads read B on consecutive words and A broadcast or on consecutive words; column-major
+// threads read A[m * a_m] with m consecutive, which conflicts where a_m is a tile width
+// (dQ's dS rows): one such load per k against PER_THREAD(M * N) conflict-free loads of B.
+template <int M, int N, int a_k, int a_m, int b_k>
+__device__ __forceinline__ void accumulate_products(acc_t* acc, const acc_t* __restrict__ A,
+                                                    const acc_t* __restrict__ B, int n) {
+#pragma unroll 1
+    for (int k = 0; k < n; ++k) {
+        const acc_t* Ak = A + k * a_k;
+        const acc_t* Bk = B + k * b_k;
+#pragma unroll
+        for (int t = 0; t < PER_THREAD(M * N); ++t) {
+            int m, j;
+            if (element_of<M, N>(t, m, j)) acc[t] += Ak[m * a_m] * Bk[j];
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // D = rowsum(dO * O). grid = ceil(Nq / rows_per_block) * H * B (folded); rows_per_block is a runtime
 // multiple of PRE_ROWS (cuflash.tiling.BWD_PRE_ROWS on a GPU; one block per head on the
@@ -343,27 +395,10 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
             }
             __syncthreads();  // P_s, dS_s complete before the transposed products read them
 
-            // -- dVj += P^T dOi ; dKj += dS^T Qi (scale applied once, at the end)
-#pragma unroll
-            for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM_V); ++t) {
-                const int e = tid + t * NUM_THREADS;
-                if (e < Bc * HEAD_DIM_V) {
-                    const int c = e / HEAD_DIM_V, kk = e - (e / HEAD_DIM_V) * HEAD_DIM_V;
-                    acc_t acc = 0;
-                    for (int r = 0; r < q_rows; ++r) acc += P_s[r * Bc + c] * dO_s[r * DVP + kk];
-                    dv_acc[t] += acc;
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) {
-                const int e = tid + t * NUM_THREADS;
-                if (e < Bc * HEAD_DIM) {
-                    const int c = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
-                    acc_t acc = 0;
-                    for (int r = 0; r < q_rows; ++r) acc += dS_s[r * Bc + c] * Q_s[r * DP + kk];
-                    dk_acc[t] += acc;
-                }
-            }
+            // -- dVj += P^T dOi ; dKj += dS^T Qi (scale applied once, at the end); rows past
+            //    q_rows hold zeros and are skipped
+            accumulate_products<Bc, HEAD_DIM_V, Bc, 1, DVP>(dv_acc, P_s, dO_s, q_rows);
+            accumulate_products<Bc, HEAD_DIM, Bc, 1, DP>(dk_acc, dS_s, Q_s, q_rows);
             // -- dQi += scale * dS Kj by float32 atomics (summation order not fixed)
             if (atomic_dq) {
                 for (int e = tid; e < q_rows * HEAD_DIM; e += NUM_THREADS) {
@@ -385,15 +420,15 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dkdv)(const elem_t* __re
     elem_t* dv_tile = dV + (bhk * Nk + kv0) * dv;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM); ++t) {
-        const int e = tid + t * NUM_THREADS;
-        const int c = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
-        if (c < kv_rows && kk < d) gstore(dk_tile + c * d + kk, from_acc(scale * dk_acc[t]));
+        int c, kk;
+        if (element_of<Bc, HEAD_DIM>(t, c, kk) && c < kv_rows && kk < d)
+            gstore(dk_tile + c * d + kk, from_acc(scale * dk_acc[t]));
     }
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Bc * HEAD_DIM_V); ++t) {
-        const int e = tid + t * NUM_THREADS;
-        const int c = e / HEAD_DIM_V, kk = e - (e / HEAD_DIM_V) * HEAD_DIM_V;
-        if (c < kv_rows && kk < dv) gstore(dv_tile + c * dv + kk, from_acc(dv_acc[t]));
+        int c, kk;
+        if (element_of<Bc, HEAD_DIM_V>(t, c, kk) && c < kv_rows && kk < dv)
+            gstore(dv_tile + c * dv + kk, from_acc(dv_acc[t]));
     }
 }
 
@@ -522,25 +557,16 @@ extern "C" __global__ void CUFLASH_BWD_KERNEL(flash_bwd_dq)(const elem_t* __rest
         __syncthreads();  // dS_s complete before dS Kj reads it
 
         // -- dQi += dS Kj (scale applied once, at the end)
-#pragma unroll
-        for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
-            const int e = tid + t * NUM_THREADS;
-            if (e < Br * HEAD_DIM) {
-                const int r = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
-                acc_t acc = 0;
-                for (int c = 0; c < kv_rows; ++c) acc += dS_s[r * Bc + c] * K_s[c * DP + kk];
-                dq_acc[t] += acc;
-            }
-        }
+        accumulate_products<Br, HEAD_DIM, 1, Bc, DP>(dq_acc, dS_s, K_s, kv_rows);
         __syncthreads();  // reads of K_s, V_s, dS_s done before the next Kj, Vj overwrite them
     }
 
     elem_t* dq_tile = dQ + (bh * Nq + q0) * d;
 #pragma unroll
     for (int t = 0; t < PER_THREAD(Br * HEAD_DIM); ++t) {
-        const int e = tid + t * NUM_THREADS;
-        const int r = e / HEAD_DIM, kk = e - (e / HEAD_DIM) * HEAD_DIM;
-        if (r < q_rows && kk < d) gstore(dq_tile + r * d + kk, from_acc(scale * dq_acc[t]));
+        int r, kk;
+        if (element_of<Br, HEAD_DIM>(t, r, kk) && r < q_rows && kk < d)
+            gstore(dq_tile + r * d + kk, from_acc(scale * dq_acc[t]));
     }
 }
 

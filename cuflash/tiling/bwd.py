@@ -77,8 +77,9 @@ BWD_MAX_DQ_ACC_FLOAT64 = 48
 
 
 # float32 accumulators (float32 and 16-bit inputs) of dQ at a head dim that is not a power of
-# two: the row/column split of a thread's dQ elements costs index registers that a power of two
-# makes shifts.  Probed (NVRTC 13.0, sm_80 and sm_90, d = 96 .. 250 at 40-64 floats per thread,
+# two.  Probed when a thread's dQ elements were split into rows and columns by division (index
+# registers that a power of two makes shifts); flash_bwd.cu's element_of now gives them
+# compile-time offsets, so this bound and the float64 one above are conservative.  Probed (NVRTC 13.0, sm_80 and sm_90, d = 96 .. 250 at 40-64 floats per thread,
 # plain and masked; d = 127 and 239 had spilled): spills from 56 floats (d = 112 masked; 60-64
 # at d = 120, 127, 239), none at 48-50.  Powers of two keep BWD_MAX_ACC (64 floats at d = 128
 # and 256: compiled clean).  The defaults stay below (<= 32).  The planner applies these
