@@ -217,6 +217,21 @@ __device__ __forceinline__ void flash_fwd_body(const bool split, const elem_t* _
         const acc_t m_new = acc_max(m_i, mx);
         const acc_t m_use = m_new == acc_t(-INFINITY) ? acc_t(0) : m_new;
         const acc_t alpha = acc_exp(m_i - m_use);
+#ifdef CUFLASH_MASKS
+        // dropout: bit c of `dropped` says the lane's column c is dropped.  The draws run in
+        // a loop that is not unrolled (one Philox block each), so the kernel holds one copy
+        // of the generator, not one per column.
+        static_assert(kColsPerLane <= 32, "one bit per column in a 32-bit word");
+        uint32_t dropped = 0;
+        if (drop.on) {
+#pragma unroll 1
+            for (int c = 0; c < kColsPerLane; ++c) {
+                const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, drop_b,
+                                                       qh, qpos, k0 + t + 4 * c);
+                dropped |= uint32_t(!keep) << c;
+            }
+        }
+#endif
         acc_t rowsum = 0;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
@@ -224,10 +239,8 @@ __device__ __forceinline__ void flash_fwd_body(const bool split, const elem_t* _
             rowsum += pe;
 #ifdef CUFLASH_MASKS
             // dropout: P~ V uses the kept P~ / (1 - p); rowsum (-> l_i, lse) the undropped
-            if (drop.on && pe != acc_t(0)) {
-                const bool keep = cuflash_dropout_keep(drop.k0, drop.k1, drop.threshold, drop_b,
-                                                       qh, qpos, k0 + t + 4 * c);
-                Ps[row * kPStride + t + 4 * c] = keep ? pe * drop.scale : acc_t(0);
+            if (drop.on) {
+                Ps[row * kPStride + t + 4 * c] = (dropped >> c) & 1u ? acc_t(0) : pe * drop.scale;
                 continue;
             }
 #endif
