@@ -415,26 +415,29 @@ def carry_by_ptx(group, jobs, record=None, workers=None, sample=8):
     the recorded results of those of ``jobs`` whose PTX is unchanged -- ptxas, given the same
     PTX, options and version, gives the same registers and spills -- and the jobs left to
     compile.  A header edit leaves most families' PTX as it was; their check is then the PTX
-    pass alone, about half a compile.  A sample of up to ``sample`` jobs goes first: when none
-    of it kept its PTX (the edit changed this family's code) the rest go straight to the full
-    compile, without the PTX pass.
+    pass alone, about half a compile.  A sample of up to ``sample`` jobs is compiled first, in
+    full (its compiles give their PTX too): when none of it kept its PTX (the edit changed this
+    family's code) the rest go straight to the full compile, so an edit that changes every
+    compile costs no PTX pass at all; else the rest have theirs.
 
-    Returns ({digest: (recorded row, PTX digest)}, [jobs left], CPU seconds of the PTX pass)."""
+    Returns ({digest: (recorded row, PTX digest)}, [jobs left], [compile_job results of the
+    sample], CPU seconds of the PTX pass)."""
     rec = (record or load_record())["groups"].get(group)
     if rec is None or rec["nvrtc"] != nvrtc_version() or rec["source_hash"] == group_hash(group):
-        return {}, list(jobs), 0.0
+        return {}, list(jobs), [], 0.0
     old = recorded_ptx(rec)
     known = [j for j in jobs if j.digest in old and j.digest in rec["rows"]]
     step = max(1, len(known) // sample)
     first = known[::step][:sample]
-    done = {key: (ptx, cpu) for key, ptx, cpu in compile_all(first, workers, False, ptx_job)}
-    if any(ptx == old[j.digest] for j in first for ptx in [done[j.key][0]]):
-        rest = [j for j in known if j.key not in done]
-        done.update({key: (ptx, cpu) for key, ptx, cpu in compile_all(rest, workers, False, ptx_job)})
+    sampled = compile_all(first, workers, False)
+    done = {}
+    if any(ptx == old[digest] for _, digest, _, _, ptx in sampled):
+        rest = [j for j in known if j not in first]
+        done = {key: (ptx, cpu) for key, ptx, cpu in compile_all(rest, workers, False, ptx_job)}
     carried = {j.digest: (rec["rows"][j.digest], old[j.digest]) for j in known
                if j.key in done and done[j.key][0] == old[j.digest]}
-    left = [j for j in jobs if j.digest not in carried]
-    return carried, left, sum(cpu for _, cpu in done.values())
+    left = [j for j in jobs if j.digest not in carried and j not in first]
+    return carried, left, sampled, sum(cpu for _, cpu in done.values())
 
 
 def export_kernels(rev, dest):
@@ -563,20 +566,20 @@ def main(argv=None):
           f"{'max regs':>8s}  failing", flush=True)
     for g, js in todo.items():   # group by group, each recorded as soon as it is compiled
         tg = time.perf_counter()
-        cpu = 0.0
+        cpu, sampled = 0.0, []
         if args.stale:   # the compiles whose PTX the edit left as it was keep their record
-            carried[g], js, cpu = carry_by_ptx(g, js, record, args.jobs)
-        results = compile_all(js, args.jobs)
+            carried[g], js, sampled, cpu = carry_by_ptx(g, js, record, args.jobs)
+        results = sampled + compile_all(js, args.jobs)
         cpu += sum(r[3] for r in results)
         values = [bad(info) or max(f["registers"] for f in info.values()) for _, _, info, _, _ in results]
         values += [row for row, _ in carried[g].values()]
         fails = [(key, bad(info)) for key, _, info, _, _ in results if bad(info)]
         keys = {j.digest: j.key for j in group_jobs(g)}
         fails += [(keys[digest], row) for digest, (row, _) in carried[g].items() if not isinstance(row, int)]
-        failing, n, cpu_all = failing + len(fails), n + len(js), cpu_all + cpu
+        failing, n, cpu_all = failing + len(fails), n + len(results), cpu_all + cpu
         n_carried += len(carried[g])
         regs = [v for v in values if isinstance(v, int)]
-        print(f"{g:26s} {len(js):8d} {len(carried[g]):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
+        print(f"{g:26s} {len(results):8d} {len(carried[g]):8d} {time.perf_counter() - tg:7.0f} {cpu:7.0f} "
               f"{max(regs, default=0):8d}  {len(fails)}", flush=True)
         for key, why in fails:
             print(f"    {key}: {why}", flush=True)

@@ -690,8 +690,9 @@ def test_sweep_workers_do_not_fork_a_threaded_process(tmp_path):
 def test_stale_check_carries_compiles_whose_ptx_is_unchanged(tmp_path, monkeypatch, capsys):
     """plan_sweep --stale after a kernel edit: a compile whose PTX the edit left as it was keeps
     its recorded result (ptxas, given the same PTX, options and version, reports the same), so
-    a header edit costs the PTX pass alone; an edit of the code compiles again, straight away
-    when the sample finds every PTX changed.  The PTX pass reads what ptxas reads."""
+    a header edit costs the sample's compiles and the others' PTX pass; an edit of the code
+    compiles everything once, the sample included, with no PTX pass when the sample finds
+    every PTX changed.  The PTX pass reads what ptxas reads."""
     import shutil
     shutil.copytree(ROOT / "kernels_cu", tmp_path / "kernels_cu")
     monkeypatch.setattr(SWEEP, "ROOT", tmp_path)
@@ -718,13 +719,22 @@ def test_stale_check_carries_compiles_whose_ptx_is_unchanged(tmp_path, monkeypat
     assert run("--stale")[:2] == (0, 0)             # nothing stale
     header = tmp_path / "kernels_cu" / "dtype.cuh"
     header.write_text(header.read_text() + "\n__device__ __forceinline__ int unused_helper(int x) { return x + 1; }\n")
+    calls = []
+    monkeypatch.setattr(SWEEP, "compile_all",
+                        lambda jobs, workers=None, progress=True, fn=SWEEP.compile_job:
+                        calls.append((fn, len(jobs))) or [fn(j) for j in jobs])
     compiled, carried, rec1 = run("--stale")        # a header edit: the same PTX everywhere
-    assert (compiled, carried) == (0, len(jobs)) and rec1["source_hash"] != rec0["source_hash"]
+    sample = min(8, len(jobs))                      # carry_by_ptx's sample, compiled in full
+    assert (compiled, carried) == (sample, len(jobs) - sample)
+    assert rec1["source_hash"] != rec0["source_hash"]
     assert rec1["rows"] == rec0["rows"] and rec1["ptx"] == rec0["ptx"]
     src = tmp_path / "kernels_cu" / "online_softmax.cu"
     text = src.read_text()
     assert text.count("off = 16; off > 0; off >>= 1) x += ") == 1   # the row sum's shuffles
     src.write_text(text.replace("off = 16; off > 0; off >>= 1) x += ", "off = 8; off > 0; off >>= 1) x += "))
+    calls.clear()
     compiled, carried, rec2 = run("--stale")        # a code edit: every PTX differs
     assert (compiled, carried) == (len(jobs), 0) and rec2["ptx"] != rec0["ptx"]
+    assert all(fn is SWEEP.compile_job for fn, _ in calls)    # no PTX pass: each job compiled once
+    assert sum(n for _, n in calls) == len(jobs)
     assert all(isinstance(v, int) for v in rec2["rows"].values())
