@@ -149,18 +149,22 @@ template <int M, int N>
 __device__ __forceinline__ bool element_of(int t, int& m, int& j) {
     static_assert(NUM_THREADS % N == 0 || N % NUM_THREADS == 0 || NUM_THREADS % M == 0,
                   "a tile's rows divide the threads where its columns do not");
+    // the steps, each 1 where its branch is not taken (no division by a zero constant)
+    constexpr int kRowStep = NUM_THREADS % N == 0 ? NUM_THREADS / N : 1;
+    constexpr int kPerRow = N % NUM_THREADS == 0 ? N / NUM_THREADS : 1;
+    constexpr int kColStep = NUM_THREADS % M == 0 ? NUM_THREADS / M : 1;
     const int tid = threadIdx.x;
     if (NUM_THREADS % N == 0) {             // the thread's column fixed
-        m = tid / N + t * (NUM_THREADS / N);
+        m = tid / N + t * kRowStep;
         j = tid % N;
         return M * N % NUM_THREADS == 0 || m < M;
     } else if (N % NUM_THREADS == 0) {      // N / NUM_THREADS elements per row
-        m = t / (N / NUM_THREADS);
-        j = tid + (t % (N / NUM_THREADS)) * NUM_THREADS;
+        m = t / kPerRow;
+        j = tid + (t % kPerRow) * NUM_THREADS;
         return true;
     } else {
         m = tid % M;                        // the thread's row fixed
-        j = tid / M + t * (NUM_THREADS / M);
+        j = tid / M + t * kColStep;
         return M * N % NUM_THREADS == 0 || j < N;
     }
 }
