@@ -172,8 +172,8 @@ __device__ __forceinline__ bool element_of(int t, int& m, int& j) {
 // acc[t] += sum over k < n of A[k * a_k + m * a_m] * B[k * b_k + j] for the thread's elements
 // (m, j) of an (M, N) result (element_of), adding each product to the running sum.  The
 // summed index k runs outside and a thread's elements inside, so the runtime k loop exists
-// once (not once per element, which made the kernels' code, and NVRTC's time, several times
-// larger), and a thread's elements that share a row (column) share its load of A (B) per k:
+// once (a loop per element makes the kernels' code, and NVRTC's time, several times larger),
+// and a thread's elements that share a row (column) share its load of A (B) per k:
 // about one shared-memory load per FMA instead of two.  Shared-memory banks: row-major
 // threads read B on consecutive words and A broadcast or on consecutive words; column-major
 // threads read A[m * a_m] with m consecutive, which conflicts where a_m is a tile width
