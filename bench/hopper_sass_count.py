@@ -16,7 +16,8 @@ issues 1688 per 1,000 (../shared/docs/sass-baseline.md), rescaling on every tile
 flash_bwd_wgmma (kernels_cu/flash_bwd_wgmma.cu) likewise with ``-DCUFLASH_BWD_INTERIOR_ONLY``
 (a (head, query tile) step off the causal diagonal): its consumers' loop, one trip per warp --
 S^T, dP^T, dV, dK and the dQ chunks with their reds.  FlashAttention-3's backward at d=128
-issues 1290 per 1,000.
+issues 1290 per 1,000 in its non-causal kernel (80 queries per step); its causal kernel, with
+this kernel's 64 x 128 tile, 1528-1534 (``bench/fa3_sass_count.py``).
 
     python bench/hopper_sass_count.py             # print the table, write bench/results/
     python bench/hopper_sass_count.py --no-write
@@ -60,12 +61,17 @@ def count(d, bc, rescale, backward=False):
     b = fc.base(instrs)
     span = max(_sass._loops(b), key=lambda s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA"))
     ops, _, _, _ = fc.steady_ops(instrs, span)
+    return ops, hmma_equivalents(ops), info
+
+
+def hmma_equivalents(ops):
+    """HMMA.16816-equivalents of a Counter of full opcodes: an HGMMA.64xNx16 is N / 8."""
     eq = 0.0
     for full, k in ops.items():
         m = re.match(r"HGMMA\.64x(\d+)x16", full)
         if m:
             eq += k * int(m.group(1)) / 8
-    return ops, eq, info
+    return eq
 
 
 def _row(d, bc, path, ops, eq, info):
@@ -102,7 +108,9 @@ def main(argv=None):
     text = (f"# The Hopper kernels, steady trip per warp (sm_90a, NVRTC {'.'.join(map(str, _nvrtc.version()))}, "
             f"float16, at {rev or '?'}, {datetime.date.today()})\n\n"
             f"Command: `python bench/hopper_sass_count.py`. FlashAttention-3 d=128: forward {FA3_D128} per 1,000 "
-            f"(rescale on every tile), backward {FA3_BWD_D128}.\n\n" + body + "\n")
+            f"(rescale on every tile), backward {FA3_BWD_D128} (its non-causal kernel, 80 queries per step; "
+            "its causal kernel, with flash_bwd_wgmma's 64 x 128 tile, 1528-1534: `python bench/fa3_sass_count.py`, "
+            "bench/results/fa3_sass_count.md).\n\n" + body + "\n")
     print(text)
     if not args.no_write:
         RESULT.write_text(text)
