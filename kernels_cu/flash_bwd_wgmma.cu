@@ -75,6 +75,20 @@ constexpr int kBarOff = kRowOff + kStages * 2 * kBr * 4;
 // the alignment (cuflash.tiling's flash_bwd_wgmma formula).
 #define CUFLASH_LOG2E 1.4426950408889634f
 
+// A 32-bit store at shared-window address `a` inside the buffer that starts at pointer `base`,
+// address `base_a`: on the GPU st.shared by the 32-bit address (the address arithmetic stays
+// 32-bit and the store an STS with its constant part folded in), on the emulator through the
+// pointer.
+__device__ __forceinline__ void sts_b32(unsigned char* base, uint32_t base_a, uint32_t a, uint32_t v) {
+#ifdef CUFLASH_EMULATOR
+    *reinterpret_cast<uint32_t*>(base + (a - base_a)) = v;
+#else
+    (void)base;
+    (void)base_a;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
                 const void* __restrict__ tmap_do, const elem_t* __restrict__ Q, const elem_t* __restrict__ K,
@@ -178,6 +192,13 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         }
         wgmma_commit();
     };
+    // dS^T's stores: row r = wr + 8 h2 of the warpgroup's buffer, 16-byte chunk j ^ (r & 7) (the
+    // 128-byte swizzle), bytes 4t.  r & 7 = g for both rows, and the buffer (1024-aligned), the
+    // row and 4t leave address bits 4-6 clear, so every store's address is ds_lane ^ (j << 4)
+    // plus the stage's and the row half's constant offsets: one LOP3 per chunk.
+    unsigned char* const ds_buf = smem + kDSOff + w * kDSBytes;
+    const uint32_t ds_buf_a = (uint32_t)__cvta_generic_to_shared(ds_buf);
+    const uint32_t ds_lane = ds_buf_a + wr * 128 + 4 * t + (g << 4);
     float dk[kD / 2], dv[kD / 2];
 #pragma unroll
     for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
@@ -227,18 +248,17 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_commit();
         wgmma_wait<1>();  // dP^T (the dV product may still run)
         wgmma_fence_operand(dpt);
-        // dS^T = P^T (dP^T - D), into registers and this warpgroup's buffer (swizzled rows)
-        unsigned char* ds_w = smem + kDSOff + (2 * s + w) * kDSBytes;
+        // dS^T = P^T (dP^T - D), into registers and this warpgroup's buffer of stage s
 #pragma unroll
         for (int j = 0; j < kBr / 8; ++j) {
             const float2 dd = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t);
+            const uint32_t row_a = (ds_lane ^ (uint32_t)(j << 4)) + 2 * s * kDSBytes;  // row wr
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const int e = 4 * j + 2 * h2, r = wr + 8 * h2;
+                const int e = 4 * j + 2 * h2;
                 dpt[e] = st[e] * (dpt[e] - dd.x);
                 dpt[e + 1] = st[e + 1] * (dpt[e + 1] - dd.y);
-                *reinterpret_cast<uint32_t*>(ds_w + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t) =
-                    pack2<elem_t>(dpt[e], dpt[e + 1]);
+                sts_b32(ds_buf, ds_buf_a, row_a + 1024 * h2, pack2<elem_t>(dpt[e], dpt[e + 1]));
             }
         }
         uint32_t df[kBr / 16][4];
@@ -290,7 +310,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         }
     };
     static_assert(kStages == 2, "the steps alternate between two stages");
-    if constexpr (kD == 64) {  // two steps per trip: 2775 -> 2469 instructions per 1,000 HMMA-eq
+    if constexpr (kD == 64) {  // two steps per trip share the loop's overhead (bench/hopper_sass_count.py)
         for (int tt = 0; tt < T; tt += 2) {
             step(tt, 0);
             if (tt + 1 < T) step(tt + 1, 1);
