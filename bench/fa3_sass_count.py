@@ -134,11 +134,7 @@ def main(argv=None):
              "have rows of their own.", ""]
     for d in args.d:
         parts += [f"## d = {d}", "", table(variants(backward_sass(wheel, args.wheel_dir, d))), ""]
-    text = "\n".join(parts)
-    print(text)
-    if not args.no_write:
-        RESULT.write_text(text)
-    return 0
+    return hc.emit("\n".join(parts), None if args.no_write else RESULT)
 
 
 if __name__ == "__main__":

@@ -111,9 +111,14 @@ def main(argv=None):
             f"(rescale on every tile), backward {FA3_BWD_D128} (its non-causal kernel, 80 queries per step; "
             "its causal kernel, with flash_bwd_wgmma's 64 x 128 tile, 1528-1534: `python bench/fa3_sass_count.py`, "
             "bench/results/fa3_sass_count.md).\n\n" + body + "\n")
+    return emit(text, None if args.no_write else RESULT)
+
+
+def emit(text, path):
+    """Print ``text`` and write it to ``path`` (None: print only); the exit status 0."""
     print(text)
-    if not args.no_write:
-        RESULT.write_text(text)
+    if path is not None:
+        path.write_text(text)
     return 0
 
 
