@@ -129,6 +129,10 @@ def _worker(rank, world, init_file, out_dir):
     except Exception:
         errors["__crash__"] = ("crash", traceback.format_exc())
     torch.save({"results": results, "errors": errors}, os.path.join(out_dir, f"{rank}.pt"))
+    # every rank past its last collective before any tears the group down: a rank whose peer
+    # closes the connections it still uses can abort inside gloo (SIGABRT, "terminate called
+    # without an active exception", seen once on the 2-core CI machine under load)
+    dist.barrier()
     dist.destroy_process_group()
 
 
