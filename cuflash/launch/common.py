@@ -209,9 +209,10 @@ def flatten_lead(runtime, x, lead):
     kernels cannot take negative strides, so such inputs are copied for it (pass the result
     through :func:`pointer_arg` when launching).  ``x``'s leading dims broadcast to ``lead``
     (the output's), or -- k/v of a grouped-query call -- end with the kv heads Hk, which the
-    kernels index as ``h // group``: both are addressed the same way.  Returns ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is
-    strided) and the element strides of batch (one flat index over ``lead[:-1]``), head and
-    row, 0 along broadcast axes.  The batch stride exists only when ``x``'s strides over
+    kernels index as ``h // group``: both are addressed the same way.  Returns
+    ``(arr, (sb, sh, sr))``: ``x`` itself (or a copy when its last dim is strided) and the
+    element strides of batch (one flat index over ``lead[:-1]``), head and row, 0 along
+    broadcast axes.  The batch stride exists only when ``x``'s strides over
     ``lead[:-1]`` nest; otherwise (broadcast along one batch axis but not another) ``x`` is
     materialised by a broadcast copy of shape ``lead[:-1] + (heads,) + x.shape[-2:]``.  The
     decision depends only on shapes and strides, so a repeated call makes the same one.
@@ -241,7 +242,7 @@ def flatten_lead(runtime, x, lead):
     # broadcast axes read index 0 (stride 0); the others must match lead's size
     sb = collapse_strides(lead[:-1], batch_strides)
     if sb is None:
-        # no single batch stride exists: materialise the broadcast (see Notes)
+        # no single batch stride exists: materialise the broadcast (see the docstring)
         full = tuple(lead[:-1]) + (head_size,) + tuple(x.shape[-2:])
         x = xp.ascontiguousarray(xp.broadcast_to(x.reshape((1,) * pad + x.shape), full))
         record_copy("broadcast copy", x)
