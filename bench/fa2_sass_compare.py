@@ -324,16 +324,16 @@ def _run(cmd, cwd=None):
 
 
 # ----------------------------------------------------------------- FA2's side
-def fetch_wheel(wheel_dir):
-    """The flash-attn-jax wheel in ``wheel_dir``, downloaded there (pip, no dependencies) if
-    absent."""
+def fetch_wheel(wheel_dir, wheel=WHEEL, version=WHEEL_VERSION):
+    """The ``wheel`` (default flash-attn-jax) of ``version`` in ``wheel_dir``, downloaded there
+    (pip, no dependencies) if absent."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    pattern = f"{WHEEL.replace('-', '_')}-{WHEEL_VERSION}-*.whl"
+    pattern = f"{wheel.replace('-', '_')}-{version}-*.whl"
     have = sorted(wheel_dir.glob(pattern))
     if not have:
-        print(f"pip download {WHEEL}=={WHEEL_VERSION} -> {wheel_dir}", file=sys.stderr)
+        print(f"pip download {wheel}=={version} -> {wheel_dir}", file=sys.stderr)
         _run([sys.executable, "-m", "pip", "download", "--no-deps", *WHEEL_PLATFORM,
-              "-d", str(wheel_dir), f"{WHEEL}=={WHEEL_VERSION}"])
+              "-d", str(wheel_dir), f"{wheel}=={version}"])
         have = sorted(wheel_dir.glob(pattern))
         if not have:
             raise RuntimeError(f"pip download left no {pattern} in {wheel_dir}")

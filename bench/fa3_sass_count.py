@@ -45,21 +45,6 @@ _MAINLOOP = re.compile(r"CollectiveMainloopBwdSm90<\d+, \d+, \d+, cute::tuple<(?
                        r"[^,]+, (\w+), (\w+), (\w+), (\w+), (\w+),")
 
 
-def fetch_wheel(wheel_dir):
-    """The flash-attn3-jax wheel in ``wheel_dir``, downloaded there if absent."""
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    pattern = f"{WHEEL.replace('-', '_')}-{WHEEL_VERSION}-*.whl"
-    have = sorted(wheel_dir.glob(pattern))
-    if not have:
-        print(f"pip download {WHEEL}=={WHEEL_VERSION} -> {wheel_dir}", file=sys.stderr)
-        fc._run([sys.executable, "-m", "pip", "download", "--no-deps", *fc.WHEEL_PLATFORM,
-                 "-d", str(wheel_dir), f"{WHEEL}=={WHEEL_VERSION}"])
-        have = sorted(wheel_dir.glob(pattern))
-        if not have:
-            raise RuntimeError(f"pip download left no {pattern} in {wheel_dir}")
-    return have[-1]
-
-
 def backward_sass(wheel, cache, d):
     """cuobjdump's SASS of the wheel's float16 backward cubin for head dim ``d``."""
     cuobjdump = _sass.find_cuobjdump()
@@ -125,7 +110,7 @@ def main(argv=None):
                     help="head dims (the wheel's float16 backward is compiled for 128 only)")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
-    wheel = fetch_wheel(args.wheel_dir)
+    wheel = fc.fetch_wheel(args.wheel_dir, WHEEL, WHEEL_VERSION)
     parts = [f"# FlashAttention-3's backward loops, every variant (float16, sm_90a, {datetime.date.today()})",
              "", f"Command: `python bench/fa3_sass_count.py`. {wheel.name} (unpacked, not installed); "
              "one steady trip per warp of each kernel's loop with the most HGMMA, counted as "
