@@ -138,8 +138,10 @@ def run_ss(mods, n, a_major, b_major, swizzle_a, swizzle_b, steps, init=False, m
     pa = np.array([0, la, sa, swizzle_a, ka], np.int32)
     pb = np.array([b_off, lb, sb, swizzle_b, kb], np.int32)
     out = np.full((3 if mode == 5 else 1) * 128 * (n // 2), -7.0, np.float32)
-    mod.get_function("wg_ss")(1, 128, (img.view(np.uint32).reshape(-1, 4).copy(), np.int32(size // 16), pa, pb,
-                                        np.int32(steps), np.int32(init), np.int32(mode), out), shared_mem=size + 1024)
+    fn = mod.get_function("wg_ss")
+    fn.max_dynamic_shared_size_bytes = size + 1024  # past 48 KB at N = 256 with spread-out layouts
+    fn(1, 128, (img.view(np.uint32).reshape(-1, 4).copy(), np.int32(size // 16), pa, pb, np.int32(steps),
+                np.int32(init), np.int32(mode), out), shared_mem=size + 1024)
     D = A @ B.T
     row, col = fragment_coords(n)
     expect = D[row, col] + (0.5 * (np.arange(n // 2) + 1) if init else 0.0)
@@ -149,14 +151,21 @@ def run_ss(mods, n, a_major, b_major, swizzle_a, swizzle_b, steps, init=False, m
 LAYOUTS = [("K", 0), ("K", 32), ("K", 64), ("K", 128), ("MN", 0), ("MN", 32), ("MN", 64), ("MN", 128)]
 
 
-@pytest.mark.parametrize("a_layout,b_layout", [(LAYOUTS[i], LAYOUTS[(i + 3) % 8]) for i in range(8)]
-                         + [(LAYOUTS[i], LAYOUTS[i]) for i in range(8)])
+# each layout as A with another as B, and with itself
+SS_PAIRS = [(LAYOUTS[i], LAYOUTS[(i + 3) % 8]) for i in range(8)] + [(LAYOUTS[i], LAYOUTS[i]) for i in range(8)]
+
+
+def _steps(am, bm, asw, bsw):
+    """k16 steps of a case: one where a 32-byte K-major row holds all of k (K = 16)."""
+    return 1 if "K" in (am, bm) and 32 in (asw, bsw) else 2
+
+
+@pytest.mark.parametrize("a_layout,b_layout", SS_PAIRS)
 def test_ss_layouts(mods, a_layout, b_layout):
     """Every swizzle mode, K-major and M/N-major, for A and for B: D = A B exactly."""
     (am, asw), (bm, bsw) = a_layout, b_layout
-    steps = 1 if "K" in (am, bm) and 32 in (asw, bsw) else 2
     for alt in (False, True):
-        out, expect, _ = run_ss(mods, 64, am, bm, asw, bsw, steps, alt=alt,
+        out, expect, _ = run_ss(mods, 64, am, bm, asw, bsw, _steps(am, bm, asw, bsw), alt=alt,
                                 seed=hash((a_layout, b_layout, alt)) % 1000)
         np.testing.assert_array_equal(out.reshape(expect.shape), expect)
 
@@ -378,23 +387,24 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
     assert "USETMAXREG.TRY_ALLOC.CTAPOOL" in ops  # setmaxnreg.inc, honoured
 
 
-@pytest.mark.cuda
-def test_gpu_matches_the_emulator(mods):
-    """On a GPU (sm_90): the hardware reads the layouts this file places as the emulator does."""
+def _mismatches(got, want):
+    """How many of the thread-major registers differ (NaN equal to NaN), and the first few."""
+    got = got.reshape(want.shape)
+    bad = np.argwhere(~((got == want) | (np.isnan(got) & np.isnan(want))))
+    return len(bad), "; ".join(f"thread {t} register {i}: {got[t, i]} (want {want[t, i]})" for t, i in bad[:4])
+
+
+@pytest.fixture(scope="module")
+def gpu_mods():
+    """The test kernels compiled by CuPy for sm_90a, called as the emulator's are (a GPU with
+    sm_90 only)."""
     cp = pytest.importorskip("cupy")
-    if cp.cuda.Device().compute_capability < "90":
+    try:
+        cc = cp.cuda.Device().compute_capability
+    except cp.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    if int(cc) < 90:
         pytest.skip("needs sm_90")
-    for (am, asw), (bm, bsw), n in ((("K", 128), ("MN", 64), 64), (("MN", 32), ("K", 0), 64),
-                                    (("K", 64), ("K", 128), 256), (("MN", 0), ("MN", 128), 8)):
-        steps = 1 if "K" in (am, bm) and 32 in (asw, bsw) else 2
-        emu, expect, _ = run_ss(mods, n, am, bm, asw, bsw, steps, init=True, seed=n)
-        gpu = run_ss(_gpu_mods(), n, am, bm, asw, bsw, steps, init=True, seed=n)[0]
-        np.testing.assert_array_equal(gpu, emu, err_msg=f"A {am}/{asw}, B {bm}/{bsw}, N {n}")
-
-
-def _gpu_mods():
-    """The test kernels compiled by CuPy for sm_90a, called as the emulator's are."""
-    import cupy as cp
     cache = {}
 
     class Kernel:
@@ -424,3 +434,42 @@ def _gpu_mods():
                 f"-DWG_TA={int(ta)}", f"-DWG_TB={int(tb)}")))
         return cache[key]
     return get
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("a_layout,b_layout", SS_PAIRS)
+def test_gpu_ss_layouts(gpu_mods, a_layout, b_layout):
+    """On a GPU (sm_90): the hardware computes D = A B from the layouts test_ss_layouts holds the
+    emulator to -- the layouts themselves checked, one pair per case, both orders of LBO/SBO."""
+    (am, asw), (bm, bsw) = a_layout, b_layout
+    for alt in (False, True):
+        out, expect, _ = run_ss(gpu_mods, 64, am, bm, asw, bsw, _steps(am, bm, asw, bsw), alt=alt, seed=7)
+        n_bad, first = _mismatches(out, expect)
+        assert n_bad == 0, f"alt={alt}: {n_bad} of {expect.size} registers differ from A B: {first}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,bf16", [(8, False), (256, False), (8, True), (256, True)])
+def test_gpu_extreme_n(gpu_mods, n, bf16):
+    """On a GPU (sm_90): N = 8 and 256 (the register fragments' extremes), float16 and bfloat16."""
+    if bf16 and ml_dtypes is None:
+        pytest.skip("needs ml_dtypes")
+    out, expect, _ = run_ss(gpu_mods, n, "K", "MN", 128, 64, 2, init=True, seed=n, bf16=bf16)
+    n_bad, first = _mismatches(out, expect)
+    assert n_bad == 0, f"{n_bad} of {expect.size} registers differ from A B + D0: {first}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("a_layout,b_layout,n", [(("K", 128), ("MN", 64), 64), (("MN", 32), ("K", 0), 64),
+                                                 (("K", 64), ("K", 128), 256), (("MN", 0), ("MN", 128), 8)])
+def test_gpu_matches_the_emulator(mods, gpu_mods, a_layout, b_layout, n):
+    """On a GPU (sm_90): the hardware and the emulator agree register for register, each with
+    the NumPy product first, so a failure says which side is off."""
+    (am, asw), (bm, bsw) = a_layout, b_layout
+    args = (n, am, bm, asw, bsw, _steps(am, bm, asw, bsw))
+    gpu, expect, _ = run_ss(gpu_mods, *args, init=True, seed=n)
+    emu = run_ss(mods, *args, init=True, seed=n)[0]
+    for side, out in (("the GPU", gpu), ("the emulator", emu)):
+        n_bad, first = _mismatches(out, expect)
+        assert n_bad == 0, f"{side}: {n_bad} of {expect.size} registers differ from A B + D0: {first}"
+    np.testing.assert_array_equal(gpu, emu)
