@@ -32,11 +32,11 @@ _RUNTIMES = {}
 def runtime(race_check=False):
     """The emulator :class:`cuflash.kernels.Runtime` (race_check: under ThreadSanitizer) of
     the architecture ``$CUFLASH_EMULATOR_ARCH`` names (unset: sm_80, compiled without -arch),
-    with the Hopper kernels where ``$CUFLASH_WGMMA=1`` and that is sm_90."""
+    with the Hopper kernels as an sm_90 chooses them (``$CUFLASH_WGMMA``) where that is sm_90."""
     arch = None
     if os.environ.get(tiling.EMULATOR_ARCH_ENV):
         arch = tiling.emulator_arch()  # ValueError for a name it does not know
-    key = (bool(race_check), arch, kernels.wgmma_chosen())
+    key = (bool(race_check), arch, kernels.wgmma_choice())
     if key not in _RUNTIMES:
         _RUNTIMES[key] = kernels.get_runtime("emulator", race_check=key[0], arch=arch)
     return _RUNTIMES[key]

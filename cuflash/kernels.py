@@ -37,7 +37,7 @@ __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
     "get_function", "get_functions", "compile_variants", "plan_defines", "fwd_helper_defines",
     "KERNEL_SOURCES", "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV",
-    "wgmma_chosen",
+    "WGMMA_DEFAULT_DIMS", "wgmma_choice",
 ]
 
 @functools.lru_cache(maxsize=None)
@@ -135,18 +135,31 @@ KERNEL_SOURCES = {
 # of flash_fwd_wgmma.cu traps), after any -arch the backend adds.
 KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a", "flash_bwd_wgmma": "sm_90a"}
 # Whether an sm_90 runs the Hopper kernels (flash_fwd_wgmma, flash_bwd_wgmma) for the calls
-# they take: "1" to choose them, read when a backend's runtime is made.  Off until the GPU check
-# (bench/device_check.py) has passed its tests on an H100: the kernel and the emulator's
-# wgmma/TMA are written from the PTX ISA and have run only on the emulator.
+# they take, read when a backend's runtime is made: "auto" (unset) at the head dims of
+# WGMMA_DEFAULT_DIMS, "1" at every head dim they take, "0" never.
 WGMMA_ENV = "CUFLASH_WGMMA"
+# Where the Hopper kernels are sm_90's default (d == dv): the head dims at which they passed the
+# oracle on an H100 and ran faster than the mma.sync kernels there, forward and forward +
+# backward (bench/results/gpu/h100_2026-11-28_device_check.md: d = 128, float16, 1.4-1.6x).
+# Their other head dims (forward 64, 192, 256; backward 64) are correct on that GPU's tests
+# but unmeasured for speed: "1" runs them.
+WGMMA_DEFAULT_DIMS = (128,)
 
 
-def wgmma_chosen():
-    """Whether ``$CUFLASH_WGMMA`` asks for the Hopper kernels on sm_90 ("1"; "0" or unset: no)."""
-    val = os.environ.get(WGMMA_ENV, "0")
-    if val not in ("0", "1"):
-        raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper kernels on sm_90) or 0")
-    return val == "1"
+def wgmma_choice():
+    """``$CUFLASH_WGMMA``: "auto" (unset: the Hopper kernels on sm_90 at the head dims of
+    :data:`WGMMA_DEFAULT_DIMS`), "1" (at every head dim they take) or "0" (never)."""
+    val = os.environ.get(WGMMA_ENV, "auto")
+    if val not in ("0", "1", "auto"):
+        raise ValueError(f"{WGMMA_ENV}={val!r}: use 1 (the Hopper kernels on sm_90 wherever they fit), "
+                         f"0 (never) or auto (unset: at d = dv in {WGMMA_DEFAULT_DIMS})")
+    return val
+
+
+def _wgmma_setting(is_sm90):
+    """(wgmma, wgmma_dims) of a Runtime on a device that is (or stands in for) an sm_90 or not."""
+    choice = wgmma_choice()
+    return is_sm90 and choice != "0", (None if choice == "1" else WGMMA_DEFAULT_DIMS)
 
 
 def fwd_helper_defines(dtype):
@@ -231,15 +244,18 @@ class Runtime:
         sm_80 portable.cuh emulates the mma with 32 shuffles, which is correct but
         slower than the SIMT kernel, so only an explicit ``kernel=`` runs them there.
     wgmma : bool
-        Whether the planners take the Hopper kernels (flash_fwd_wgmma, flash_bwd_wgmma) for
-        the calls they support: an sm_90 (on the emulator: standing in for one) with
-        ``$CUFLASH_WGMMA=1``.
+        Whether the planners may take the Hopper kernels (flash_fwd_wgmma, flash_bwd_wgmma):
+        an sm_90 (on the emulator: standing in for one) unless ``$CUFLASH_WGMMA=0``.
+    wgmma_dims : tuple of int or None
+        The head dims (d == dv) at which they are taken (None: every one they support;
+        ``$CUFLASH_WGMMA=1``); :meth:`wgmma_for` asks for one call.
     """
 
     def __init__(self, name, xp, module_factory, smem_limit, smem_source, race_check=False,
-                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108, wgmma=False):
+                 device_key=None, tensor_cores=True, synchronize=None, num_sms=108, wgmma=False, wgmma_dims=None):
         self.name = name
         self.wgmma = wgmma
+        self.wgmma_dims = wgmma_dims
         self.num_sms = num_sms
         self.calls = CallCache()
         self._synchronize = synchronize
@@ -263,7 +279,12 @@ class Runtime:
             kernel = "flash_fwd_masked" if masked else "flash_fwd"
         return tiling.plan_flash_fwd(d, dv, dtype, block_q, block_kv, limit=self.smem_limit,
                                      limit_source=self.smem_source, kernel=kernel, masked=masked,
-                                     wgmma=self.wgmma)
+                                     wgmma=self.wgmma_for(d, dv))
+
+    def wgmma_for(self, d, dv):
+        """Whether the planners take the Hopper kernels for a call of head dims d, dv (where
+        the call's other arguments let them)."""
+        return self.wgmma and (self.wgmma_dims is None or (d == dv and d in self.wgmma_dims))
 
     def synchronize(self):
         """Wait for the device (GPU: the current stream); nothing on the emulator."""
@@ -310,15 +331,15 @@ def get_runtime(backend, *, race_check=False, arch=None):
         if race_check:
             raise ValueError("race_check is an emulator feature (ThreadSanitizer on the CPU)")
         dev = cupy.cuda.Device()
-        wgmma = dev.compute_capability == "90" and wgmma_chosen()
+        wgmma, dims = _wgmma_setting(dev.compute_capability == "90")
         return Runtime("cuda", cupy, _cupy_factory, limit, source, device_key=("cuda", dev.id),
-                       tensor_cores=int(dev.compute_capability) >= 80, wgmma=wgmma,
+                       tensor_cores=int(dev.compute_capability) >= 80, wgmma=wgmma, wgmma_dims=dims,
                        synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
                        num_sms=tiling.device_sm_count("cuda")[0])
-    wgmma = tiling.emulator_arch(arch) == "sm_90" and wgmma_chosen()
+    wgmma, dims = _wgmma_setting(tiling.emulator_arch(arch) == "sm_90")
     return Runtime("emulator", np, _emulator_factory(race_check, arch), limit, source,
                    race_check=race_check, device_key=("emulator", bool(race_check), arch),
-                   wgmma=wgmma,
+                   wgmma=wgmma, wgmma_dims=dims,
                    tensor_cores=arch is None or int(arch.split("_")[1]) >= 80,
                    num_sms=tiling.device_sm_count("emulator", arch)[0])
 

@@ -33,7 +33,7 @@ def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=Non
     return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                  limit_source=runtime.smem_source, kernel=kernel,
                                  tensor_cores=runtime.tensor_cores, masked=masked,
-                                 wgmma=runtime.wgmma and not deterministic)
+                                 wgmma=runtime.wgmma_for(d, dv) and not deterministic)
 
 
 def _build(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):

@@ -1,8 +1,8 @@
 """The Hopper forward through the public API: on an sm_90 with ``CUFLASH_WGMMA=1`` (the emulator
 standing in for one), ``tiled_attention`` plans, compiles (sm_90a) and launches
 ``flash_fwd_wgmma`` for the plain float16/bfloat16 calls it takes -- tensor maps made per call
-over strided, grouped and broadcast inputs -- and the mma.sync kernels for the rest; without
-the switch, or on another architecture, nothing changes.  Results against the float64 oracle,
+over strided, grouped and broadcast inputs -- and the mma.sync kernels for the rest; unset, at
+d = 128 only; switched off, or on another architecture, never.  Results against the float64 oracle,
 ``memory_analysis`` against the launch (kernel, shared memory, threads, traffic)."""
 import numpy as np
 import pytest
@@ -96,8 +96,8 @@ def test_a_launch_off_the_hopper_kernel(hopper, rng):
     oracle.check_forward(o, q, k, v, lse=lse, dtype="float16")
 
 
-@pytest.mark.parametrize("arch, switch", [("sm_90", None), ("sm_90", "0"), ("sm_80", "1")])
-def test_only_sm_90_with_the_switch(monkeypatch, arch, switch):
+@pytest.mark.parametrize("arch, switch", [("sm_90", "0"), ("sm_80", "1"), ("sm_80", None)])
+def test_only_sm_90_and_not_switched_off(monkeypatch, arch, switch):
     require_backend(EMU)
     monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, arch)
     if switch is None:
@@ -106,14 +106,43 @@ def test_only_sm_90_with_the_switch(monkeypatch, arch, switch):
         monkeypatch.setenv(kernels.WGMMA_ENV, switch)
     rt = emulator_backend.runtime()
     assert rt.wgmma is False
-    assert rt.plan_fwd(64, 64, "float16").kernel == "flash_fwd_tc"
-    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_tc"
+    for d in (64, 128):
+        assert rt.plan_fwd(d, d, "float16").kernel == "flash_fwd_tc"
+        assert launch_bwd.plan_backward(rt, d, d, "float16").kernel == "flash_bwd_tc"
+
+
+@pytest.mark.parametrize("switch", [None, "auto"])
+def test_sm_90_default_is_the_measured_head_dims(monkeypatch, switch):
+    """Unset (or "auto"), an sm_90 runs the Hopper kernels at d = dv = 128 only, where an H100
+    measured them faster; "1" at every head dim they take."""
+    require_backend(EMU)
+    monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
+    if switch is None:
+        monkeypatch.delenv(kernels.WGMMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernels.WGMMA_ENV, switch)
+    rt = emulator_backend.runtime()
+    assert rt.wgmma and kernels.WGMMA_DEFAULT_DIMS == (128,)
+    for dtype in ("float16", "bfloat16"):
+        assert rt.plan_fwd(128, 128, dtype).kernel == "flash_fwd_wgmma"
+        assert launch_bwd.plan_backward(rt, 128, 128, dtype).kernel == "flash_bwd_wgmma"
+        assert launch_bwd.plan_backward(rt, 128, 128, dtype, deterministic=True).kernel == "flash_bwd_tc"
+        for d in (64, 192, 256):
+            assert rt.plan_fwd(d, d, dtype).kernel == "flash_fwd_tc", d
+        assert launch_bwd.plan_backward(rt, 64, 64, dtype).kernel == "flash_bwd_tc"
+    assert rt.plan_fwd(128, 128, "float32").kernel == "flash_fwd_tf32"
+    monkeypatch.setenv(kernels.WGMMA_ENV, "1")
+    rt = emulator_backend.runtime()
+    assert rt.wgmma_dims is None
+    for d in (64, 128, 192, 256):
+        assert rt.plan_fwd(d, d, "float16").kernel == "flash_fwd_wgmma", d
+    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_wgmma"
 
 
 def test_a_bad_switch_is_refused(monkeypatch):
     monkeypatch.setenv(kernels.WGMMA_ENV, "yes")
     with pytest.raises(ValueError, match="CUFLASH_WGMMA='yes': use 1"):
-        kernels.wgmma_chosen()
+        kernels.wgmma_choice()
 
 
 def test_memory_analysis_is_the_launch(hopper, rng):
