@@ -120,10 +120,13 @@ def _loops(instrs):
 
 def main_loop(instrs):
     """The main loop's (start, end) addresses: the loop with the most HMMA (or HGMMA), else FFMA;
-    or None."""
+    or None.  A "loop" around an EXIT is no loop of the kernel's: ptxas places the retry of an
+    mbarrier wait after the kernel's end and branches from there back to the wait."""
     best, best_key = None, (0, 0)
     for lo, hi in _loops(instrs):
         c = collections.Counter(op for a, op, _ in instrs if lo <= a <= hi)
+        if c["EXIT"]:
+            continue
         key = (c["HMMA"] + c["HGMMA"], c["FFMA"] + c["DFMA"])
         if key > best_key:
             best, best_key = (lo, hi), key

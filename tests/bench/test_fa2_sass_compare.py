@@ -104,3 +104,32 @@ def test_fa2_names(fc):
     assert fc.normalise(name.format("true")) != fc.FA2_KERNELS[("fwd", 64)][0]   # causal
     blob = b"\x00_ZN5flash16flash_fwd_kernelI23Flash_fwd_kernel_traitsILi64EEEvNS_16Flash_fwd_paramsE\x00.text"
     assert fc.mangled_names(blob) == [blob[1:-6].decode()]
+
+
+# An mbarrier wait at 0x10 whose retry ptxas placed after the kernel's EXIT (0x80..0x90, back
+# to the wait): a backward branch that is no loop of the kernel's, around the main loop
+# (0x10..0x50, two HGMMA) and the HGMMA after it.
+RETRY = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2"),
+    (0x20, "@!P0 BRA 0x80"),
+    (0x30, "HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ, !UPT"),
+    (0x40, "HGMMA.64x128x16.F32 R24, gdesc[UR8], R24"),
+    (0x50, "@P1 BRA 0x10"),
+    (0x60, "HGMMA.64x128x16.F32 R24, gdesc[UR12], R24"),
+    (0x70, "EXIT"),
+    (0x80, "NOP"),
+    (0x90, "BRA 0x10"),
+]
+
+
+def test_main_loop_skips_the_wait_retry_after_exit(fc):
+    """_sass.main_loop and bench/hopper_sass_count.py's main_loop take the loop of the kernel,
+    not the wider "loop" of an mbarrier retry that branches back from after the EXIT."""
+    spec = importlib.util.spec_from_file_location("hopper_sass_count", ROOT / "bench" / "hopper_sass_count.py")
+    hsc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hsc)
+    b = fc.base(fc.parse_sass(_sass(RETRY))["k"])
+    assert sorted(fc._sass._loops(b)) == [(0x10, 0x50), (0x10, 0x90)]
+    assert fc._sass.main_loop(b) == (0x10, 0x50)
+    assert hsc.main_loop(b) == (0x10, 0x50)
