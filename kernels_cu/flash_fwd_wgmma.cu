@@ -16,9 +16,11 @@
 //                    shuffles per row statistic, as the mma.sync kernels)
 //                    O (64 x d) += P V_j         wgmma RS: P's accumulators become the A
 //                                                fragments in registers, V by descriptor
-//     then one thread per consumer arrives on the stage's "empty" barrier (the wait_group
-//     before it is warpgroup-wide).  The two consumers are independent, so one's softmax
-//     overlaps the other's matrix products on the tensor cores.
+//     software-pipelined by one tile: a trip issues S_j and then P_{j-1} V_{j-1}, and runs the
+//     softmax of S_j while the tensor cores still work on P V; once P V is waited for, one
+//     thread per consumer arrives on stage j-1's "empty" barrier (the wait_group before it is
+//     warpgroup-wide).  The two consumers are independent, so one's softmax also overlaps
+//     the other's matrix products.
 //
 // Shared memory (dynamic, from its first 1024-byte aligned shared address; every tile is
 // rows of 64 elements = 128 bytes, written by TMA with the 128-byte swizzle, which the
@@ -38,8 +40,8 @@
 // Arguments: the tensor maps of Q, K, V (global, 64-byte aligned), the arrays Q, K, V (not
 // read through their pointers: the maps address them), O, LSE and the FwdParams block (o_*,
 // lse_*, scale, Nq, Nk, H, group, causal, causal_offset, n_tiles of its dense fields).
-// Launched by cuflash.launch.fwd on an sm_90 where $CUFLASH_WGMMA=1 (cuflash.kernels.WGMMA_ENV)
-// for the plain float16/bfloat16 calls it takes (cuflash.tiling.wgmma_takes).
+// Launched by cuflash.launch.fwd on an sm_90 for the plain float16/bfloat16 calls it takes
+// (cuflash.tiling.wgmma_takes) at the head dims $CUFLASH_WGMMA chooses (cuflash.kernels).
 #if !defined(CUFLASH_DTYPE_F16) && !defined(CUFLASH_DTYPE_BF16)
 #error "flash_fwd_wgmma.cu supports CUFLASH_DTYPE_F16 and CUFLASH_DTYPE_BF16"
 #endif
@@ -143,14 +145,9 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
     float mc[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    mbarrier_wait_parity(q_full, 0);
-    for (int j = 0; j < n_kv; ++j) {
-        const int s = j % kStages;
-        const uint32_t stage = (uint32_t)(s * kTileBytes) >> 4;
-        mbarrier_wait_parity(&full[s], (j / kStages) & 1);
-        // S = Q_w K_j^T: per 64-column chunk, four k16 steps of 32 bytes along the rows
-        float sacc[kBc / 2];
-        wgmma_fence();
+    // S = Q_w K_j^T into sacc (issued and committed, not waited for): per 64-column chunk,
+    // four k16 steps of 32 bytes along the rows
+    auto issue_s = [&](float (&sacc)[kBc / 2], uint32_t stage) {
         wgmma_ss_zero<kBc, kBF16, false, false>(sacc, desc(dq), desc(dk + stage));
 #pragma unroll
         for (int st = 1; st < 4 * kChunks; ++st) {
@@ -159,8 +156,22 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
                                                desc(dk + stage + ((ch * kBc * 128 + 32 * kk) >> 4)), true);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operand(sacc);
+    };
+    // O += P V_j (issued and committed): k16 steps of 16 key rows (2048 bytes), V N-major
+    auto issue_pv = [&](const uint32_t (&pf)[kBc / 16][4], uint32_t stage) {
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk)
+            wgmma_rs<kD, kBF16, true>(o, pf[kk], desc(dv + stage + ((2048 * kk) >> 4)), true);
+        wgmma_commit();
+    };
+    auto stage_of = [](int j) { return (uint32_t)((j % kStages) * kTileBytes) >> 4; };
+
+    // The softmax of tile j's scores, in place: the masks, then the online softmax with the
+    // reference max m lazy (as flash_fwd_tc): m moves, and O and l are rescaled, only when a
+    // row's tile max would make p exceed 2^8 (a warp-uniform test), so most tiles skip the
+    // multiplies of O's rescale.  P = 2^(S c - m c) <= 2^8.  Returns whether m moved, with
+    // the factor alpha by which O must then be scaled (l is already).
+    auto softmax = [&](float (&sacc)[kBc / 2], int j, float (&alpha)[2]) {
 #ifndef CUFLASH_FWD_INTERIOR_ONLY  // instruction counting (bench/hopper_sass_count.py): steady tiles only
         // masks: keys past Nk, and past the causal diagonal, on the tiles that reach them
         const int k0 = j * kBc;
@@ -173,9 +184,6 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
             }
         }
 #endif
-        // online softmax, the reference max m lazy (as flash_fwd_tc): it moves, and O and l are
-        // rescaled, only when a row's tile max would make p exceed 2^8 (a warp-uniform test),
-        // so most tiles skip the 64 multiplies of O's rescale.  P = 2^(S c - m c) <= 2^8.
         float mx[2];
         bool move = false;
 #pragma unroll
@@ -191,41 +199,79 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         }
         const bool any_move = __any_sync(0xffffffffu, move);
 #if defined(CUFLASH_FWD_INTERIOR_ONLY) && !defined(CUFLASH_FWD_COUNT_RESCALE)
-        if (any_move) __trap();  // counting the lazy path: keep the test, drop the rescale
+        // counting the lazy path: the test and the row maxima kept, the rescale dropped; a store
+        // sinks them (a __trap() makes ptxas serialise the wgmmas and spill in this build, and
+        // an empty asm lets it drop the maxima)
+        if (any_move) LSE[0] = mx[0] + mx[1];
+        alpha[0] = alpha[1] = 1.0f;
+        constexpr bool kRescale = false;  // (O's as well)
 #else
+        constexpr bool kRescale = true;
         if (any_move) {
             // a row that has seen no key yet keeps m = -inf; its alpha is 0 (O and l are 0)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float mnew = fmaxf(mc[r], mx[r]);
-                const float alpha = exp2f(mc[r] - (mnew == -INFINITY ? 0.0f : mnew));
+                alpha[r] = exp2f(mc[r] - (mnew == -INFINITY ? 0.0f : mnew));
                 mc[r] = mnew;
-                l[r] *= alpha;
-#pragma unroll
-                for (int i = 0; i < kD / 2; ++i)
-                    if (((i >> 1) & 1) == r) o[i] *= alpha;
+                l[r] *= alpha[r];
             }
         }
 #endif
         // the exponentials subtract 0 for a row without keys: 2^-inf = 0, never NaN
         const float msub[2] = {mc[0] == -INFINITY ? 0.0f : mc[0], mc[1] == -INFINITY ? 0.0f : mc[1]};
-        uint32_t pf[kBc / 16][4];
 #pragma unroll
         for (int i = 0; i < kBc / 2; ++i) {
             const int r = (i >> 1) & 1;
             sacc[i] = exp2f(fmaf(sacc[i], c, -msub[r]));
             l[r] += sacc[i];
         }
-        wgmma_acc_to_a<elem_t>(sacc, pf);  // P as the A operand of P V
-        // O += P V_j: k16 steps of 16 key rows (2048 bytes), V N-major
+        return kRescale && any_move;
+    };
+
+    // The loop overlaps each tile's softmax with the previous tile's P V on the tensor cores:
+    // trip j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j alone, runs the
+    // softmax of S_j while P V runs, then waits for P V before O is rescaled and P_j packed
+    // (P V reads P's registers and adds into O's until its wait).  K_{j-1}'s and V_{j-1}'s
+    // stage is released after that wait.  Tile 0 (no P V before it) and the last P V are
+    // outside the loop.
+    uint32_t pf[kBc / 16][4];
+    float alpha[2];
+    mbarrier_wait_parity(q_full, 0);
+    if (n_kv > 0) {
+        mbarrier_wait_parity(&full[0], 0);
+        float sacc[kBc / 2];
         wgmma_fence();
+        issue_s(sacc, stage_of(0));
+        wgmma_wait<0>();
+        wgmma_fence_operand(sacc);
+        softmax(sacc, 0, alpha);  // O is 0: nothing to rescale
+        wgmma_acc_to_a<elem_t>(sacc, pf);
+    }
+    for (int j = 1; j < n_kv; ++j) {
+        mbarrier_wait_parity(&full[j % kStages], (j / kStages) & 1);
+        float sacc[kBc / 2];
+        wgmma_fence();
+        issue_s(sacc, stage_of(j));
+        issue_pv(pf, stage_of(j - 1));
+        wgmma_wait<1>();  // S_j; P V may still run
+        wgmma_fence_operand(sacc);
+        const bool moved = softmax(sacc, j, alpha);
+        wgmma_wait<0>();  // P_{j-1} V_{j-1}: O's and P's registers are free again
+        wgmma_fence_operand(o);
+        if ((tid & 127) == 0) mbarrier_arrive(&empty[(j - 1) % kStages]);  // this consumer is done with it
+        if (moved) {
 #pragma unroll
-        for (int kk = 0; kk < kBc / 16; ++kk)
-            wgmma_rs<kD, kBF16, true>(o, pf[kk], desc(dv + stage + ((2048 * kk) >> 4)), true);
-        wgmma_commit();
+            for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
+        wgmma_acc_to_a<elem_t>(sacc, pf);  // P_j, the A operand of the next trip's P V
+    }
+    if (n_kv > 0) {  // the last tile's P V
+        wgmma_fence();
+        issue_pv(pf, stage_of(n_kv - 1));
         wgmma_wait<0>();
         wgmma_fence_operand(o);
-        if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
+        if ((tid & 127) == 0) mbarrier_arrive(&empty[(n_kv - 1) % kStages]);
     }
 
     // O / l and lse = ln 2 * (m c + log2 l); rows that saw no key: 0 and -inf
