@@ -7,7 +7,7 @@ Run from the repository root of a checkout on the GPU machine (it installs nothi
     python bench/device_check.py --status OUT/device_check.json --readme README.md
 
 Stages, each a subprocess with its own time limit inside one overall budget (``--budget-s``,
-default 540 s), its output kept in ``OUT/<stage>.log``:
+default 540 s), its output kept in ``<stage>.log``:
 
 * ``env``: the GPU (nvidia-smi), CuPy, NVRTC, PyTorch versions, the commit;
 * ``tests``: ``pytest -m cuda`` -- every CUDA test with pytest-xdist (-n 8), else the
@@ -24,11 +24,19 @@ default 540 s), its output kept in ``OUT/<stage>.log``:
 * optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its
   tile sweep (every block_q x block_kv the kernels accept, against the default).
 
-Everything lands in ``OUT/device_check.json`` and a table in ``OUT/device_check.md``;
-``--status`` rewrites the README's status box (between ``<!-- status:begin -->`` and
-``<!-- status:end -->``) from such a JSON.  With ``--backend emulator`` every stage runs on
-the CPU with tiny shapes (tests: a few emulator tests; racecheck and ncu: the profiled
-programs run on the emulator without the tools) -- the rehearsal CI runs.
+Everything lands in three files, rewritten after every stage (the device tool brings back at
+most 8 files from ``$OUT``, so a run killed mid-way still returns what it finished):
+``OUT/device_check.json``; a report, ``OUT/device_check.md``, which quotes the message and the
+end of the traceback of each failed test (the first 20), and the end of the logs of every stage
+that did not pass;
+and ``OUT/logs.tar.gz``, every stage's log, helper script and JSON (``tests.log``,
+``racecheck.log``, ``ncu_d64.log``, ``bench.json``, ...; each cut to its last 4 MiB).  Those
+files are moved into the archive after each stage; files in OUT from before the run that it
+does not rewrite are left alone.  ``--status`` rewrites the README's status box (between
+``<!-- status:begin -->`` and ``<!-- status:end -->``) from such a JSON.  With
+``--backend emulator`` every stage runs on the CPU with tiny shapes (tests: a few emulator
+tests; racecheck and ncu: the profiled programs run on the emulator without the tools) -- the
+rehearsal CI runs.
 """
 import argparse
 import csv
@@ -40,6 +48,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,6 +110,13 @@ if backend == "cuda":
     xp.cuda.Device().synchronize()
 print("ncu call ok")
 """
+
+# what the run leaves in OUT; every other file a stage writes goes into the archive
+FINAL = ("device_check.json", "device_check.md", "logs.tar.gz")
+LOG_CAP = 4 << 20        # bytes kept of one file in the archive (its end)
+ARCHIVE_CAP = 15 << 20   # the device tool returns files of up to 16 MiB
+# per failed test: at most this many lines and characters of its traceback's end
+FAILURES_KEPT, TB_LINES, TB_CHARS = 20, 60, 4000
 
 # the Nsight Compute metrics the summary keeps (section "details" page, CSV)
 NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Registers Per Thread",
@@ -168,9 +185,73 @@ def parse_pytest(text):
     return counts, failed
 
 
+_HEADER = re.compile(r"^_{3,} (.+?) _{3,}$")
+_SECTION = re.compile(r"^={3,} (.+?) ={3,}$")
+_CAPTURED = re.compile(r"^-{3,} Captured .+ -{3,}$")
+
+
+def _tail(text, lines, chars):
+    kept = text.rstrip("\n").splitlines()[-lines:]
+    out = "\n".join(kept)
+    return out[-chars:] if len(out) > chars else out
+
+
+def parse_failures(text, limit=FAILURES_KEPT):
+    """{id: {"message", "traceback"}} of the first `limit` FAILED/ERROR lines of the short summary
+    (``-rfE``), the traceback being the end of the test's ``____ name ____`` block.
+
+    The blocks are named by the test's name without its file (``test_x[a]``, ``TestK.test_y``,
+    ``ERROR at setup of test_z``) and come in any order under pytest-xdist, whose workers also
+    prefix a ``[gw3] linux -- Python ...`` line; a name shared by tests of two files goes to the id
+    whose file the block's traceback names first."""
+    summary = []
+    for ln in text.splitlines():
+        parts = ln.split(None, 2)
+        if parts[:1] in (["FAILED"], ["ERROR"]) and len(parts) > 1:
+            rest = parts[2] if len(parts) > 2 else ""
+            summary.append((parts[1], rest[2:] if rest.startswith("- ") else rest))
+    blocks, title, body, in_reports = [], None, [], False
+    for ln in text.splitlines() + ["=== end ==="]:
+        sec, head = _SECTION.match(ln), _HEADER.match(ln)
+        if (sec or head) and title is not None:
+            blocks.append((title, body))
+            title, body = None, []
+        if sec:
+            in_reports = sec.group(1) in ("FAILURES", "ERRORS")
+        elif head and in_reports:
+            title = head.group(1)
+        elif title is not None and not re.match(r"^\[gw\d+\] ", ln):
+            body.append(ln)
+    tracebacks = {}
+    for title, body in blocks:
+        name = re.sub(r"^ERROR (at (setup|teardown) of|collecting) ", "", title)
+        ids = [t for t, _ in summary if name in (t, t.split("::", 1)[-1].replace("::", "."))]
+        if not ids:
+            continue
+        text_of = "\n".join(body)
+        free = [t for t in ids if t not in tracebacks] or ids
+        # the test's own file is the first the block names (a helper's file may follow)
+        where = {t: text_of.find(t.split("::")[0]) for t in free}
+        tid = min(free, key=lambda t: (where[t] if where[t] >= 0 else len(text_of), free.index(t)))
+        cut = next((i for i, ln in enumerate(body) if _CAPTURED.match(ln)), len(body))
+        tb = _tail("\n".join(body[:cut]), TB_LINES, TB_CHARS)
+        if cut < len(body):
+            tb += (f"\n[{len(body) - cut} lines of captured output follow in tests.log; their end:]\n"
+                   + _tail("\n".join(body[cut:]), 10, 1000))
+        tracebacks[tid] = (tracebacks[tid] + "\n\n" + tb) if tid in tracebacks else tb
+    out = {}
+    for tid, message in summary:
+        if tid in out:  # a test that failed and errored (at teardown): both messages
+            out[tid]["message"] += "; " + message
+        elif len(out) < limit:
+            out[tid] = {"message": message, "traceback": tracebacks.get(tid, "")}
+    return out
+
+
 def stage_tests(ctx, timeout):
     log = ctx.out / "tests.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+    # short tracebacks keep each failure's block small enough to quote whole
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
     if ctx.backend == "emulator":
         cmd += REHEARSAL_TESTS
         how = "rehearsal: " + " ".join(REHEARSAL_TESTS)
@@ -180,10 +261,12 @@ def stage_tests(ctx, timeout):
     else:
         cmd += ["-m", "cuda", "-k", " or ".join(SUBSET)]
         how = "the representative subset (no pytest-xdist here)"
-    rc, secs = _run(cmd, log, timeout, _env())
-    counts, failed = parse_pytest(log.read_text(errors="replace"))
+    # pytest cuts the summary lines' messages to the terminal's width: 80 columns in a file
+    rc, secs = _run(cmd, log, timeout, dict(_env(), COLUMNS="200"))
+    text = log.read_text(errors="replace")
+    counts, failed = parse_pytest(text)
     return {"status": _status(rc) if rc != 1 else "tests failed", "seconds": secs, "selection": how,
-            "counts": counts, "failed": failed[:50]}
+            "counts": counts, "failed": failed[:50], "failures": parse_failures(text)}
 
 
 def _importable(name):
@@ -353,7 +436,8 @@ def stage_hopper(ctx, timeout):
 
 
 def _bench_section(ctx, timeout, name, extra):
-    """An optional benchmark section, run as the harness runs it (its table in OUT/<name>.md)."""
+    """An optional benchmark section, run as the harness runs it (its table in <name>.md of the
+    archive)."""
     jp = ctx.out / f"{name}.json"
     cmd = [sys.executable, "-m", "cuflash", "bench", "--gpu", "--plot", "", "--json", str(jp)] + extra
     if ctx.backend == "emulator":
@@ -393,6 +477,11 @@ def render_markdown(res):
     if t:
         lines += ["", f"**Tests** ({t.get('selection', '')}): {_counts(t.get('counts', {}))}"]
         lines += [f"- FAILED {f}" for f in t.get("failed", [])]
+        for tid, f in t.get("failures", {}).items():
+            lines += ["", f"`{tid}`: {f['message']}"] + _fenced(f["traceback"])
+        more = len(set(t.get("failed", []))) - len(t.get("failures", {}))
+        if t.get("failures") and more > 0:
+            lines += ["", f"({more} more failures: tests.log in logs.tar.gz)"]
     r = res["stages"].get("racecheck")
     if r:
         lines += ["", "**Racecheck**: " + (f"{r['hazards']} hazards, {r['errors']} errors"
@@ -413,7 +502,18 @@ def render_markdown(res):
                 lines.append(f"| {k} | " + " | ".join(v.get(m, "") for m in metrics) + " |")
         elif n and title == "Nsight Compute":
             lines += ["", "**Nsight Compute**: " + n.get("note", n.get("status", ""))]
+    for name, st in res["stages"].items():
+        for log, tail in st.get("log_tails", {}).items():
+            lines += ["", f"**{name}: the end of {log}** ({st.get('status')})"] + _fenced(tail)
+    logs = res.get("logs")
+    if logs:
+        lines += ["", f"Logs: {logs['archive']} ({', '.join(logs['files'])})"]
     return "\n".join(lines) + "\n"
+
+
+def _fenced(text):
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    return ["", fence, text or "(no traceback in the log)", fence]
 
 
 def _bench_table(title, b):
@@ -483,23 +583,88 @@ def rewrite_status(readme_text, res):
     return readme_text[:i + len(BEGIN)] + "\n" + status_box(res) + "\n" + readme_text[j:]
 
 
+def _stat(p):
+    st = p.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+def collect(out, kept, before):
+    """Move the files of OUT that the run wrote (new, or changed since `before`) into the folder
+    `kept`; their names."""
+    moved = []
+    for p in sorted(out.iterdir()):
+        if (not p.is_file() or p.name in FINAL or p.name.startswith(".")
+                or before.get(p.name) == _stat(p)):
+            continue
+        shutil.move(str(p), str(kept / p.name))
+        moved.append(p.name)
+    return moved
+
+
+def _end_of(path, n):
+    """The last n bytes of a file, after a line saying how many came before them."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - n))
+        data = f.read()
+    if size <= n:
+        return data
+    return f"[the first {size - n} bytes cut; the last {n} kept]\n".encode() + data
+
+
+def write_archive(kept, path):
+    """Every file of `kept` into the gzipped tar `path` (flat, in the order written), each cut to
+    its last LOG_CAP bytes, and cut further while the archive is past ARCHIVE_CAP;
+    {"archive", "files": {name: bytes}, "cut": {name: bytes kept}}."""
+    files = sorted(kept.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    cap = LOG_CAP
+    while True:
+        part = path.with_name("." + path.name + ".part")
+        cut = {}
+        with tarfile.open(part, "w:gz") as tar:
+            for p in files:
+                data = _end_of(p, cap)
+                info = tarfile.TarInfo(p.name)
+                info.size, info.mtime = len(data), int(p.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+                if p.stat().st_size > cap:
+                    cut[p.name] = cap
+        os.replace(part, path)
+        if path.stat().st_size <= ARCHIVE_CAP or cap <= 4096:
+            break
+        cap //= 4
+    out = {"archive": path.name, "files": {p.name: p.stat().st_size for p in files}}
+    return dict(out, cut=cut) if cut else out
+
+
 def run_check(backend, out, budget_s, stages):
     out.mkdir(parents=True, exist_ok=True)
+    before = {p.name: _stat(p) for p in out.iterdir() if p.is_file()}
     ctx = argparse.Namespace(backend=backend, out=out)
     deadline = time.time() + budget_s
     res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "backend": backend,
            "budget_s": budget_s, "stages": {}}
-    for i, name in enumerate(stages):
-        later = sum(min(20, STAGE_CAPS[s]) for s in stages[i + 1:])
-        timeout = min(STAGE_CAPS[name], max(5, deadline - time.time() - later))
-        print(f"== {name} (limit {timeout:.0f} s)", flush=True)
-        try:
-            res["stages"][name] = STAGES[name](ctx, timeout)
-        except Exception as e:  # a broken stage must not lose the others' results
-            res["stages"][name] = {"status": f"error: {type(e).__name__}: {e}"}
-        print(f"   {res['stages'][name].get('status')}", flush=True)
-        (out / "device_check.json").write_text(json.dumps(res, indent=1))
-    (out / "device_check.md").write_text(render_markdown(res))
+    kept = Path(tempfile.mkdtemp(prefix="device_check_"))
+    try:
+        for i, name in enumerate(stages):
+            later = sum(min(20, STAGE_CAPS[s]) for s in stages[i + 1:])
+            timeout = min(STAGE_CAPS[name], max(5, deadline - time.time() - later))
+            print(f"== {name} (limit {timeout:.0f} s)", flush=True)
+            try:
+                st = STAGES[name](ctx, timeout)
+            except Exception as e:  # a broken stage must not lose the others' results
+                st = {"status": f"error: {type(e).__name__}: {e}"}
+            res["stages"][name] = st
+            print(f"   {st.get('status')}", flush=True)
+            moved = collect(out, kept, before)
+            if st.get("status") not in ("ok", "tests failed"):
+                st["log_tails"] = {m: _tail(_end_of(kept / m, 8192).decode(errors="replace"), 40, 3000)
+                                   for m in moved if m.endswith((".log", ".md"))}
+            res["logs"] = write_archive(kept, out / "logs.tar.gz")
+            (out / "device_check.json").write_text(json.dumps(res, indent=1))
+            (out / "device_check.md").write_text(render_markdown(res))
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
     return res
 
 
