@@ -13,14 +13,17 @@ default 540 s), its output kept in ``<stage>.log``:
 * ``tests``: ``pytest -m cuda`` -- every CUDA test with pytest-xdist (-n 8), else the
   representative subset :data:`SUBSET` (one test of every kernel family);
 * ``racecheck``: compute-sanitizer's racecheck on a float16 and a float32 forward + backward;
-* ``bench``: ``python -m cuflash bench --gpu`` -- FlashAttention-2's grid against SDPA's flash,
-  cuDNN and efficient kernels (forward and forward + backward, d = 64 and 128, float16,
-  bfloat16, float32), a decode shape and the host time per call;
-* ``ncu``: Nsight Compute on flash_fwd_tc and flash_bwd_tc (float16, d = 64 and 128);
-* ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 128,
+* ``bench``: ``python -m cuflash bench --gpu`` with ``CUFLASH_WGMMA=0`` (the mma.sync kernels,
+  also on an sm_90) -- FlashAttention-2's grid against SDPA's flash, cuDNN and efficient
+  kernels (forward and forward + backward, d = 64 and 128, float16, bfloat16, float32), a
+  decode shape and the host time per call;
+* ``ncu``: Nsight Compute on flash_fwd_tc and flash_bwd_tc (float16, d = 64 and 128;
+  ``CUFLASH_WGMMA=0``);
+* ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 64 and 128,
   float16, with ``CUFLASH_WGMMA=1`` -- flash_fwd_wgmma and flash_bwd_wgmma against SDPA's
-  kernels, beside the ``bench`` stage's mma.sync rows -- and Nsight Compute on the two kernels;
-  its results decide whether the Hopper kernels become sm_90's default;
+  kernels, beside the ``bench`` stage's mma.sync rows -- and Nsight Compute on the two kernels
+  (d = 128); its results decide the head dims where the Hopper kernels are sm_90's default
+  (``cuflash.kernels.WGMMA_DEFAULT_DIMS``);
 * optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its
   tile sweep (every block_q x block_kv the kernels accept, against the default).
 
@@ -137,10 +140,16 @@ def _run(cmd, log, timeout, env=None):
     return rc, round(time.time() - t0, 1)
 
 
-def _env():
+def _env(**extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
     return env
+
+
+# The bench and ncu stages time the mma.sync kernels (flash_fwd_tc, flash_bwd_tc): on an sm_90
+# the Hopper kernels are the default at some head dims, and the hopper stage times those.
+MMA_SYNC_ENV = {"CUFLASH_WGMMA": "0"}
 
 
 def _status(rc):
@@ -336,7 +345,7 @@ def summarize_bench(res):
 
 def stage_bench(ctx, timeout):
     jp = ctx.out / "bench.json"
-    rc, secs = _run(bench_command(ctx, jp), ctx.out / "bench.log", timeout, _env())
+    rc, secs = _run(bench_command(ctx, jp), ctx.out / "bench.log", timeout, _env(**MMA_SYNC_ENV))
     out = {"status": _status(rc), "seconds": secs}
     if jp.exists():
         out.update(summarize_bench(json.loads(jp.read_text())))
@@ -374,7 +383,7 @@ def stage_ncu(ctx, timeout):
                    "ComputeWorkloadAnalysis", sys.executable, str(script), "cuda", str(d), "4096"]
         else:
             cmd = [sys.executable, str(script), ctx.backend, str(d), "32" if ctx.backend == "emulator" else "4096"]
-        rc, _ = _run(cmd, log, max(5, left), _env())
+        rc, _ = _run(cmd, log, max(5, left), _env(**MMA_SYNC_ENV))
         out[f"d{d}"] = _status(rc)
         for k, v in parse_ncu_csv(log.read_text(errors="replace")).items():
             out["kernels"][f"{k} d={d}"] = v
@@ -397,8 +406,10 @@ def _compute_capability(ctx):
 
 
 def stage_hopper(ctx, timeout):
-    """The Hopper kernels (CUFLASH_WGMMA=1) on an sm_90: the benchmark's grid at d = 128 and
-    Nsight Compute on flash_fwd_wgmma and flash_bwd_wgmma; skipped on other GPUs."""
+    """The Hopper kernels (CUFLASH_WGMMA=1) on an sm_90: the benchmark's grid at d = 64 and 128
+    (beside the bench stage's mma.sync rows: what decides where they are sm_90's default,
+    cuflash.kernels.WGMMA_DEFAULT_DIMS) and Nsight Compute on flash_fwd_wgmma and
+    flash_bwd_wgmma; skipped on other GPUs."""
     cc = _compute_capability(ctx)
     if cc != "90":
         return {"status": "ok", "note": f"skipped: the device is sm_{cc}, the Hopper kernels are sm_90a's"}
@@ -412,7 +423,7 @@ def stage_hopper(ctx, timeout):
     cmd += (["--backend", "emulator", "--dims", "64", "--seqlens", "64", "--causal", "no", "--hidden", "64",
              "--tokens", "64"]
             if ctx.backend == "emulator" else
-            ["--dims", "128", "--seqlens", "4096,16384", "--causal", "both", "--target-ms", "20"])
+            ["--dims", "64,128", "--seqlens", "4096,16384", "--causal", "both", "--target-ms", "20"])
     rc, _ = _run(cmd, ctx.out / "hopper.log", max(5, timeout * 0.7), env)
     out = {"status": _status(rc)}
     if jp.exists():
@@ -490,7 +501,7 @@ def render_markdown(res):
     if h and h.get("note"):
         lines += ["", "**Hopper kernels**: " + h["note"]]
     for title, b in (("Benchmark, the Hopper kernels (CUFLASH_WGMMA=1)", h),
-                     ("Benchmark", res["stages"].get("bench"))):
+                     ("Benchmark, the mma.sync kernels (CUFLASH_WGMMA=0)", res["stages"].get("bench"))):
         lines += _bench_table(title, b)
     n = res["stages"].get("ncu")
     for title, n in (("Nsight Compute", n), ("Nsight Compute, the Hopper kernels", h)):

@@ -229,3 +229,23 @@ def test_unknown_stage_is_an_option_error():
     r = subprocess.run([sys.executable, str(SCRIPT), "--stages", "env,gridd"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "unknown stage(s) ['gridd']" in r.stderr
+
+
+def test_bench_and_ncu_stages_time_the_mma_sync_kernels(dc, monkeypatch, tmp_path):
+    """On an sm_90 the Hopper kernels are a default: the bench and ncu stages switch them off
+    (their rows are the mma.sync kernels'), the hopper stage on."""
+    import argparse
+    envs = {}
+
+    def fake_run(cmd, log, timeout, env):
+        envs.setdefault(log.name, env.get("CUFLASH_WGMMA"))
+        log.write_text("")
+        return 0, 0.0
+    monkeypatch.setattr(dc, "_run", fake_run)
+    monkeypatch.setattr(dc, "_compute_capability", lambda ctx: "90")
+    monkeypatch.delenv("CUFLASH_WGMMA", raising=False)
+    ctx = argparse.Namespace(backend="cuda", out=tmp_path)
+    for stage in ("bench", "ncu", "hopper"):
+        dc.STAGES[stage](ctx, 60)
+    assert envs.pop("hopper.log") == envs.pop("hopper_ncu.log") == "1"
+    assert envs == {"bench.log": "0", "ncu_d64.log": "0", "ncu_d128.log": "0"}
