@@ -18,6 +18,9 @@
 //   named_barrier_sync(id, count)           bar.sync id, count: `count` threads (whole warps)
 //                                           of several warpgroups meet at barrier id (4..15;
 //                                           1..3 are warpgroup_barrier's)
+//   named_barrier_arrive(id, count)         bar.arrive id, count: counts toward barrier id's
+//                                           `count` threads without waiting; the bar.sync
+//                                           threads there return once all have come
 //   tma_load<R>(dst, tmap, coords, bar)    cp.async.bulk.tensor.Rd (R = 1..5): the box of
 //                                           the tensor map `tmap` (global memory, 64-byte
 //                                           aligned; cuflash.launch.tma.tensor_map) at
@@ -123,6 +126,9 @@ __device__ __forceinline__ void warpgroup_barrier() { ::cuflash_emu::warpgroup_b
 __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned count CUFLASH_SITE) {
     ::cuflash_emu::named_barrier(id, count, CUFLASH_SITE_ARGS);
 }
+__device__ __forceinline__ void named_barrier_arrive(unsigned id, unsigned count CUFLASH_SITE) {
+    ::cuflash_emu::named_barrier_arrive(id, count, CUFLASH_SITE_ARGS);
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait(CUFLASH_SITE_ONLY) { ::cuflash_emu::wgmma_wait_group(N, CUFLASH_SITE_ARGS); }
 template <int N, bool kBF16, bool kTransA, bool kTransB>
@@ -193,6 +199,9 @@ __device__ __forceinline__ void warpgroup_barrier() {
 __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+__device__ __forceinline__ void named_barrier_arrive(unsigned id, unsigned count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 template <int R>
 __device__ __forceinline__ void tma_load(void* dst, const void* tmap, const int (&c)[R], uint64_t* bar) {
@@ -262,6 +271,7 @@ __device__ __forceinline__ void bulk_copy_g2s(void*, const void*, unsigned, uint
 __device__ __forceinline__ void fence_proxy_async() {}
 __device__ __forceinline__ void warpgroup_barrier() { __trap(); }
 __device__ __forceinline__ void named_barrier_sync(unsigned, unsigned) { __trap(); }
+__device__ __forceinline__ void named_barrier_arrive(unsigned, unsigned) { __trap(); }
 template <int R>
 __device__ __forceinline__ void tma_load(void*, const void*, const int (&)[R], uint64_t*) { __trap(); }
 

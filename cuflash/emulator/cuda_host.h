@@ -271,6 +271,7 @@ struct ThreadCtx {
     unsigned bar_phase = 0;  // parity of this thread's __syncthreads count
     unsigned wg_phase = 0;   // parity of this thread's warpgroup barrier count
     unsigned named_phase = 0;  // bit i: parity of this thread's count at named barrier i
+    unsigned named_gen[16] = {};  // 1 + the generation of named barrier i this thread last came to
     Block* blk = nullptr;
     unsigned char* dyn_smem = nullptr;
     unsigned long long bytes_read = 0, bytes_written = 0;
@@ -934,6 +935,9 @@ void warpgroup_barrier();
 // bar.sync id, count: the first `count` threads (whole warps) to arrive at named barrier `id`
 // (1..15) pass together; every arrival of one phase must name the same count
 void named_barrier(unsigned id, unsigned count, const char* file = "?", int line = 0);
+// bar.arrive id, count: counts toward the barrier's `count` threads without waiting (the
+// producer's side: its earlier accesses happen before the return of the bar.sync waiters).
+void named_barrier_arrive(unsigned id, unsigned count, const char* file = "?", int line = 0);
 void wgmma_wait_group(int n, const char* file = "?", int line = 0);
 void wgmma_mma(float* d, int n, bool bf16, const uint32_t* a_regs, uint64_t desc_a, uint64_t desc_b, bool trans_a,
                bool trans_b, bool accumulate, const char* file = "?", int line = 0);

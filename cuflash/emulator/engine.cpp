@@ -618,30 +618,63 @@ void warpgroup_barrier() {
     warpgroup_sync();
 }
 
-void named_barrier(unsigned id, unsigned count, const char* file, int line) {
+// The named barrier `id` of this thread's block, checked: a whole warp, id 1..15, a count of
+// whole warps within the block that agrees with the threads already there.  Flips the
+// thread's phase bit of it and returns the parity it arrives at.
+static Barrier& named_barrier_of(const char* what, unsigned id, unsigned count, const char* file, int line,
+                                 unsigned& parity) {
     ThreadCtx& c = *tctx;
     Block& blk = *c.blk;
     const std::string at = std::string(" at ") + file + ":" + std::to_string(line);
-    require_full_warp("bar.sync");
+    const std::string name = std::string(what) + " " + std::to_string(id);
+    require_full_warp(what);
     if (id == 0 || id > 15)
-        device_error("bar.sync " + std::to_string(id) + at + ": named barriers are 1..15 (0 is __syncthreads')");
+        device_error(name + at + ": named barriers are 1..15 (0 is __syncthreads')");
     if (count == 0 || count % 32 || count > blk.nthreads)
-        device_error("bar.sync " + std::to_string(id) + ", " + std::to_string(count) + at +
+        device_error(name + ", " + std::to_string(count) + at +
                      ": the count must be a multiple of 32 up to the block's " + std::to_string(blk.nthreads) + " threads");
     Barrier& b = blk.named[id];
     unsigned had = 0;
+    bool again = false;
     {
         TsanQuiet quiet;
         std::lock_guard<BlockMutex> lk(blk.mu);
         if (b.arrived == 0) b.expected = count;
         else had = b.expected;
+        const unsigned gen = b.gen.load(std::memory_order_relaxed);
+        again = c.named_gen[id] == gen + 1;
+        c.named_gen[id] = gen + 1;
     }
+    // a bar.arrive lets its thread come again before the phase completed; on the GPU that
+    // arrival counts toward the same phase, completing it without the threads it waits for
+    if (again)
+        device_error(name + at + ": this thread comes to the barrier a second time before the phase it "
+                     "arrived at completed (an earlier bar.arrive of it still counts there)");
     if (had != 0 && had != count)
-        device_error("bar.sync " + std::to_string(id) + at + ": this thread's count " + std::to_string(count) +
-                     " differs from the " + std::to_string(had) + " of the threads already waiting there");
-    const unsigned bit = 1u << id, phase = (c.named_phase & bit) ? 1u : 0u;
+        device_error(name + at + ": this thread's count " + std::to_string(count) +
+                     " differs from the " + std::to_string(had) + " of the threads already at the barrier");
+    const unsigned bit = 1u << id;
+    parity = (c.named_phase & bit) ? 1u : 0u;
     c.named_phase ^= bit;
-    blk.arrive_and_wait(b, phase);
+    return b;
+}
+
+void named_barrier(unsigned id, unsigned count, const char* file, int line) {
+    unsigned parity;
+    Barrier& b = named_barrier_of("bar.sync", id, count, file, line, parity);
+    tctx->blk->arrive_and_wait(b, parity);
+}
+
+void named_barrier_arrive(unsigned id, unsigned count, const char* file, int line) {
+    unsigned parity;
+    Barrier& b = named_barrier_of("bar.arrive", id, count, file, line, parity);
+    Block& blk = *tctx->blk;
+    ++tctx->epoch;
+    tsan_release(&b.sync[parity]);  // what this thread did before it happens before the waiters' return
+    TsanQuiet quiet;
+    std::lock_guard<BlockMutex> lk(blk.mu);
+    if (blk.aborted) throw KernelAbort{};
+    if (++b.arrived == b.expected) blk.release(b);
 }
 
 void wgmma_wait_group(int n, const char* file, int line) {
@@ -894,6 +927,7 @@ int launch(const char* name, void (*entry)(void**), void** args, const unsigned*
         c.blockIdx = uint3{unsigned(b % grid[0]), unsigned((b / grid[0]) % grid[1]),
                            unsigned(b / (1ull * grid[0] * grid[1]))};
         c.xphase = 0; c.bar_phase = 0; c.wg_phase = 0; c.named_phase = 0; c.proxy_gen = 0;
+        std::fill(std::begin(c.named_gen), std::end(c.named_gen), 0u);
         c.cp_open.clear(); c.cp_groups.clear();
         c.wg_open.clear(); c.wg_groups.clear(); c.wg_fenced = false;
         try {

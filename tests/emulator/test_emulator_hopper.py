@@ -4,8 +4,9 @@ mbarrier phases (arrival count, transaction bytes, parity) and cp.async.bulk glo
 shared, through a producer/consumer pipeline (tests/emulator/kernels/hopper.cu) checked
 against NumPy; a read of a copy's destination before its mbarrier wait (reported by
 memcheck; NaN without it), a wait no arrival or copy can complete (a deadlock, not a hang),
-a bulk copy from outside the arrays (memcheck), the sm_90 requirement, and the machine code
-NVRTC makes of it for sm_90a.
+a bulk copy from outside the arrays (memcheck), the sm_90 requirement, named barriers
+(bar.sync, and bar.arrive with the ping-pong of two warpgroups it makes possible), and the
+machine code NVRTC makes of it for sm_90a.
 """
 import re
 from pathlib import Path
@@ -155,6 +156,7 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops   # mbarrier.try_wait.parity
     assert "UBLKCP.S.G" in ops                       # cp.async.bulk global -> shared
     assert "FENCE.VIEW.ASYNC.S" in ops               # fence.proxy.async.shared::cta
+    assert "BAR.ARV" in ops                          # bar.arrive (named_barrier_arrive)
 
 
 def run_named(mod, threads, mode):
@@ -185,7 +187,56 @@ def test_named_barrier_race_check(mods):
 
 def test_named_barrier_misuse_is_reported(mods):
     with pytest.raises(em.LaunchError, match=r"bar.sync 4 at .*hopper.cu:\d+: this thread's count 128 differs "
-                                             r"from the 96 of the threads already waiting there"):
+                                             r"from the 96 of the threads already at the barrier"):
         run_named(mods(), 160, 2)
     with pytest.raises(em.LaunchError, match=r"deadlock in block \(0,0,0\)"):
         run_named(mods(), 160, 3)
+
+
+def run_arrive(mod, threads, mode):
+    out = np.full((2, threads), -1, np.int32)
+    mod.get_function("named_arrive")(1, threads, (out, np.int32(mode)))
+    return out
+
+
+@pytest.mark.parametrize("threads", [96, 288])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_named_arrive_releases_the_syncing_threads(mods, threads, mode):
+    """bar.arrive 5, n by the producer half and bar.sync 5, n by the consumer half complete the
+    barrier together, at both parities; the consumers read the producers' stores.  mode 1: the
+    producers go on to a barrier the consumers pass first (bar.arrive does not wait)."""
+    out = run_arrive(mods(), threads, mode)
+    half = (threads - 32) // 2
+    for r in range(2):
+        np.testing.assert_array_equal(out[r, 32:], [1000 * r + 32 + (t - 32) % half for t in range(32, threads)])
+
+
+def test_named_arrive_race_check(mods):
+    """Under ThreadSanitizer the arrival orders the producers' stores before the consumers'
+    reads; without the barrier, a race at the read."""
+    mod = em.RawModule(path=SRC, options=("-arch=sm_90a",), race_check=True)
+    out = run_arrive(mod, 160, 0)
+    assert out[1, 96] == 1000 + 32
+    with pytest.raises(em.RaceError, match=f"hopper.cu:{line_of('(int)slot[r][tid - half]')}"):
+        run_arrive(mod, 160, 2)
+
+
+@pytest.mark.parametrize("race_check", [False, True])
+def test_named_arrive_ping_pong(mods, race_check):
+    """Two halves alternate turns through two barriers, each syncing at its own and arriving at
+    the other's: the log of turns is 0 1 0 1 ..., its writes ordered by the barriers alone."""
+    mod = em.RawModule(path=SRC, options=("-arch=sm_90a",), race_check=True) if race_check else mods()
+    out = run_arrive(mod, 288, 3)
+    np.testing.assert_array_equal(out[0, :8], [0, 1] * 4)
+
+
+def test_named_arrive_misuse_is_reported(mods):
+    """bar.arrive takes bar.sync's checks (here a count past the block's threads), and a thread
+    that arrives again before the phase it arrived at completed is reported: on the GPU its
+    second arrival would complete the phase without the threads the barrier waits for."""
+    with pytest.raises(em.LaunchError, match=r"bar.arrive 5, 192 at .*hopper.cu:\d+: the count must be a multiple "
+                                             r"of 32 up to the block's 160 threads"):
+        run_arrive(mods(), 160, 4)
+    with pytest.raises(em.LaunchError, match=r"bar.arrive 5 at .*hopper.cu:\d+: this thread comes to the barrier a "
+                                             r"second time before the phase it arrived at completed"):
+        run_arrive(mods(), 160, 5)

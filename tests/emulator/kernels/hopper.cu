@@ -95,3 +95,54 @@ extern "C" __global__ void named_barrier(int* out, int mode) {
         gstore(out + r * blockDim.x + tid, (int)slot[r][32 + (tid - 32 + 32) % n]);
     }
 }
+
+// bar.arrive (named_barrier_arrive): warp 0 returns; of the other n = blockDim.x - 32 threads
+// (n a multiple of 64) the first half produce and the second half consume.
+// modes 0-2, two rounds r (both phase parities): a producer stores 1000 r + tid to its slot and
+// arrives at barrier 5; a consumer syncs there and reads the slot of the producer half a block
+// below it (out[r][tid]; a producer writes its own); between the rounds the consumers arrive at
+// barrier 10 and the producers sync there (else a producer's second arrival at 5 could come
+// before the consumers' first sync, completing the phase without them).  mode 1: the producers then sync at
+// barrier 6, which the consumers pass before barrier 5 -- a deadlock were bar.arrive to wait;
+// mode 2: no barrier 5 (a race); mode 4: the producers name a count past the block's threads;
+// mode 5: no barrier 10 (a producer arrives at 5 a second time before the phase completed).
+// mode 3, ping-pong: the halves take 4 turns each, alternately, the producers first: each half
+// syncs at its own barrier (7 producers, 8 consumers) before its turn and arrives at the
+// other's after it (the consumers pre-arrive at 7 once and skip their last arrival, so every
+// arrival meets a sync).  A turn appends the half's number to a shared log; out[0][0..7].
+extern "C" __global__ void named_arrive(int* out, int mode) {
+    __shared__ long long slot[2][512];
+    __shared__ int turns[8];
+    __shared__ int nturns;
+    const int tid = threadIdx.x, n = (int)blockDim.x - 32, half = n / 2;
+    if (tid < 32) return;
+    const bool producer = tid - 32 < half;
+    if (mode == 3) {
+        if (tid == 32) nturns = 0;
+        named_barrier_sync(9, n);  // nturns is 0 before any turn
+        if (!producer) named_barrier_arrive(7, n);
+        for (int t = 0; t < 4; ++t) {
+            named_barrier_sync(producer ? 7 : 8, n);
+            if (tid == 32 || tid == 32 + half) turns[nturns++] = producer ? 0 : 1;
+            if (producer || t < 3) named_barrier_arrive(producer ? 8 : 7, n);
+        }
+        named_barrier_sync(9, n);  // every turn taken
+        if (tid == 32)
+            for (int i = 0; i < 8; ++i) gstore(out + i, turns[i]);
+        return;
+    }
+    for (int r = 0; r < 2; ++r) {
+        if (producer) {
+            if (r > 0 && mode != 5) named_barrier_sync(10, n);  // the consumers are past round r - 1
+            slot[r][tid] = 1000 * r + tid;
+            if (mode != 2) named_barrier_arrive(5, mode == 4 ? blockDim.x + 32 : n);
+            if (mode == 1) named_barrier_sync(6, n);
+            gstore(out + r * blockDim.x + tid, 1000 * r + tid);
+        } else {
+            if (mode == 1) named_barrier_sync(6, n);
+            if (mode != 2) named_barrier_sync(5, n);
+            gstore(out + r * blockDim.x + tid, (int)slot[r][tid - half]);
+            if (r == 0 && mode != 5) named_barrier_arrive(10, n);
+        }
+    }
+}
