@@ -19,8 +19,9 @@
 //     software-pipelined by one tile: a trip issues S_j and then P_{j-1} V_{j-1}, and runs the
 //     softmax of S_j while the tensor cores still work on P V; once P V is waited for, one
 //     thread per consumer arrives on stage j-1's "empty" barrier (the wait_group before it is
-//     warpgroup-wide).  The two consumers are independent, so one's softmax also overlaps
-//     the other's matrix products.
+//     warpgroup-wide).  The two consumers take turns at issuing their products (ping-pong:
+//     named barriers 4 and 5, a bar.sync before a consumer's products and a bar.arrive for the
+//     other after them), so that one's softmax runs under the other's products.
 //
 // Shared memory (dynamic, from its first 1024-byte aligned shared address; every tile is
 // rows of 64 elements = 128 bytes, written by TMA with the 128-byte swizzle, which the
@@ -57,6 +58,7 @@ constexpr int kBc = CUFLASH_BLOCK_KV;
 constexpr int kStages = CUFLASH_STAGES;
 constexpr int kBr = 128;                 // query rows per block: 64 per consumer warpgroup
 constexpr int kChunks = kD / 64;         // 64-column chunks of d (one TMA box and 128-byte row each)
+constexpr unsigned kTurnBar = 4;         // named barriers 4, 5: the consumers' turns (ping-pong)
 #ifdef CUFLASH_DTYPE_BF16
 constexpr bool kBF16 = true;
 #else
@@ -235,14 +237,25 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     // (P V reads P's registers and adds into O's until its wait).  K_{j-1}'s and V_{j-1}'s
     // stage is released after that wait.  Tile 0 (no P V before it) and the last P V are
     // outside the loop.
+    // Ping-pong: the two consumers take turns at issuing their matrix products (named barriers
+    // kTurnBar + w, both consumers' 256 threads), so that one's products run while the other
+    // does its softmax instead of both issuing at once and then both waiting.  Consumer 0 goes
+    // first; consumer 1 skips its last hand-over, which nobody would take.
+    const auto my_turn = [&] { named_barrier_sync(kTurnBar + w, 256); };
+    const auto pass_turn = [&](bool last) {
+        if (!(last && w == 1)) named_barrier_arrive(kTurnBar + 1 - w, 256);
+    };
     uint32_t pf[kBc / 16][4];
     float alpha[2];
     mbarrier_wait_parity(q_full, 0);
     if (n_kv > 0) {
+        if (w == 1) pass_turn(false);
         mbarrier_wait_parity(&full[0], 0);
         float sacc[kBc / 2];
+        my_turn();
         wgmma_fence();
         issue_s(sacc, stage_of(0));
+        pass_turn(false);
         wgmma_wait<0>();
         wgmma_fence_operand(sacc);
         softmax(sacc, 0, alpha);  // O is 0: nothing to rescale
@@ -251,9 +264,11 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     for (int j = 1; j < n_kv; ++j) {
         mbarrier_wait_parity(&full[j % kStages], (j / kStages) & 1);
         float sacc[kBc / 2];
+        my_turn();
         wgmma_fence();
         issue_s(sacc, stage_of(j));
         issue_pv(pf, stage_of(j - 1));
+        pass_turn(false);
         wgmma_wait<1>();  // S_j; P V may still run
         wgmma_fence_operand(sacc);
         const bool moved = softmax(sacc, j, alpha);
@@ -267,8 +282,10 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_acc_to_a<elem_t>(sacc, pf);  // P_j, the A operand of the next trip's P V
     }
     if (n_kv > 0) {  // the last tile's P V
+        my_turn();
         wgmma_fence();
         issue_pv(pf, stage_of(n_kv - 1));
+        pass_turn(true);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
         if ((tid & 127) == 0) mbarrier_arrive(&empty[(n_kv - 1) % kStages]);

@@ -164,3 +164,23 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
         assert any(o.startswith(f"HGMMA.64x{d}x16.F32") for o in ops)
         assert any(o.startswith("UTMALDG.4D") for o in ops)
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL" in ops and "USETMAXREG.DEALLOC.CTAPOOL" in ops
+
+
+@pytest.mark.parametrize("d, bc", [(128, 128), (64, 128)])
+def test_main_loop_order_in_machine_code(sm90_nvrtc, d, bc):
+    """The consumers' main loop in sm_90a SASS, in order: the turn (BAR.SYNC), one
+    WARPGROUP.ARRIVE, S_j's and P V's HGMMA back to back, the hand-over (BAR.ARV), the wait
+    for S_j alone, then the wait for P V -- the ping-pong and the pipelining as ptxas kept them
+    (an HGMMA serialised by ptxas would bring a wait of its own)."""
+    _nvrtc, _sass = sm90_nvrtc
+    r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(*options("float16", d, bc), f"-I{SRC.parent}",
+                                                           "-std=c++17", "-ftz=true"))
+    sass = _sass.disassemble(r.cubin)
+    lo, hi = _sass.main_loop(_sass.instructions(sass)["flash_fwd_wgmma"])
+    full = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)",
+                                                     sass.split("Function : flash_fwd_wgmma")[1])]
+    seq = [op.split(".")[0] if op.startswith("HGMMA") else op for a, op in full
+           if lo <= a <= hi and op.split(".")[0] in ("BAR", "HGMMA", "WARPGROUP")]
+    steps = (d // 16) + bc // 16  # S: d/16 k16 steps; P V: Bc/16
+    assert seq == (["BAR.SYNC.DEFER_BLOCKING", "WARPGROUP.ARRIVE"] + ["HGMMA"] * steps
+                   + ["BAR.ARV", "WARPGROUP.DEPBAR.LE", "WARPGROUP.DEPBAR.LE"]), seq
