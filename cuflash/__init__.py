@@ -98,10 +98,11 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     (``flash_bwd_dkdv_masked``), then dQ by ``flash_bwd_dq_convert`` (from float32
     atomics, summed over per-slot slices with ``deterministic=True``) or, for float64 and
     ``deterministic=True`` off ``flash_bwd_tf32``, by the separate pass ``flash_bwd_dq``
-    (``flash_bwd_dq_masked``).  On an sm_90, plain float16/bfloat16 calls with d == dv == 128 (64
-    too with ``CUFLASH_WGMMA=1``; none with ``=0``) that are not ``deterministic`` run ``flash_bwd_wgmma`` (wgmma, TMA, a producer warpgroup; sm_90a) between
-    the same preprocess and dQ conversion.  ``memory_analysis(...)["backward_kernels"]``
-    lists them with their shared memory."""
+    (``flash_bwd_dq_masked``).  On an sm_90, plain float16/bfloat16 calls with d == dv == 128
+    (64 too with ``CUFLASH_WGMMA=1``; none with ``=0``) that are not ``deterministic`` run
+    ``flash_bwd_wgmma`` (wgmma, TMA, a producer warpgroup; sm_90a) between the same preprocess
+    and dQ conversion.  ``memory_analysis(...)["backward_kernels"]`` lists them with their
+    shared memory."""
 
 _SERVING_KERNELS_NOTE = """Kernel on "cuda" and "emulator": ``flash_fwd_serving`` on the CUDA cores, every dtype
     (``flash_fwd_serving_masked`` with logit features){extra}."""
