@@ -258,14 +258,16 @@ CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
 # The Hopper forward (flash_fwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv in 64..256 by 64;
 # block_q is 128 (two consumer warpgroups of 64 rows).
 #   sm_90
-# 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1605 instructions per
-# 1,000 HMMA-equivalents at d = 128 against 1922 at 64 keys, bench/results/hopper_sass_count.md),
-# 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  NVRTC 13.0 spills
-# none of these; bfloat16 at d = 64 with 256 keys does.
+# 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1641 instructions per
+# 1,000 HMMA-equivalents at d = 128 against 2031 at 64 keys, bench/results/hopper_sass_count.md),
+# 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  At d = 128, 192 keys
+# (FlashAttention-3 takes 176) count 1490 and fit the 227 KB with two stages: an alternative
+# until a GPU times it against 128.  NVRTC 13.0 spills none of these; bfloat16 at d = 64 with
+# 256 keys does.
 # --------------------------------------------------------------------------
 CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
  64 | 128x128 128x64 128x192
-128 | 128x128 128x64
+128 | 128x128 128x64 128x192
 192 | 128x96 128x64
 256 | 128x64
 """)

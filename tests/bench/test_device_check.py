@@ -53,9 +53,9 @@ def test_rehearsal_runs_every_stage(rehearsal):
                                                      "logs.tar.gz"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         members = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()}
-    assert set(members) == {"tests.log", "hopper.log", "hopper.json", "hopper_ncu.log", "race_call.py",
-                            "racecheck.log", "bench.json", "bench.log", "ncu_call.py", "ncu_d64.log",
-                            "ncu_d128.log"}
+    assert set(members) == {"tests.log", "hopper.log", "hopper.json", "hopper_ncu.log", "hopper_tiles.md",
+                            "hopper_tiles.json", "race_call.py", "racecheck.log", "bench.json", "bench.log",
+                            "ncu_call.py", "ncu_d64.log", "ncu_d128.log"}
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in members)
     assert res["logs"]["files"] == {n: len(t.encode()) for n, t in members.items()}
     assert "passed" in members["tests.log"] and "race call ok" in members["racecheck.log"]
@@ -65,6 +65,11 @@ def test_rehearsal_runs_every_stage(rehearsal):
     hop = [w for w in res["stages"]["hopper"]["rows"] if w["section"] == "grid"]
     assert {w["mode"] for w in hop} == {"fwd", "fwdbwd"} and all(w["cuflash_ms"] > 0 for w in hop)
     assert "ncu call ok" in members["hopper_ncu.log"]
+    # and the forward's 192-key tile against its default, both run by flash_fwd_wgmma
+    tiles = [c for c in json.loads(members["hopper_tiles.json"])["cases"] if c["section"] == "tiles"]
+    assert res["stages"]["hopper"]["tiles"]["status"] == "ok"
+    assert sorted((c["block_kv"], c["kernel"]) for c in tiles
+                  if c["methods"]["cuflash tiled"]["ms"] > 0) == [(128, "flash_fwd_wgmma"), (192, "flash_fwd_wgmma")]
     assert tests["failures"] == {} and not any("log_tails" in s for s in res["stages"].values())
     md = (out / "device_check.md").read_text()
     assert "| grid | float16 | 16 | no | fwd |" in md and "**Host time per call**" in md
@@ -247,5 +252,5 @@ def test_bench_and_ncu_stages_time_the_mma_sync_kernels(dc, monkeypatch, tmp_pat
     ctx = argparse.Namespace(backend="cuda", out=tmp_path)
     for stage in ("bench", "ncu", "hopper"):
         dc.STAGES[stage](ctx, 60)
-    assert envs.pop("hopper.log") == envs.pop("hopper_ncu.log") == "1"
+    assert envs.pop("hopper.log") == envs.pop("hopper_ncu.log") == envs.pop("hopper_tiles.md") == "1"
     assert envs == {"bench.log": "0", "ncu_d64.log": "0", "ncu_d128.log": "0"}

@@ -101,6 +101,7 @@ CASES = [
     ("float16", 128, 128, 1, 1, 1, 129, 100, True),    # causal, fewer keys: rows that see none
     ("bfloat16", 192, 96, 1, 1, 1, 100, 200, False),
     ("float16", 256, 64, 1, 1, 1, 140, 140, True),
+    ("bfloat16", 128, 192, 1, 1, 1, 130, 500, True),   # 192 keys per tile: 227 KB of shared memory
 ]
 
 
