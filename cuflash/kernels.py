@@ -138,11 +138,11 @@ KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a", "flash_bwd_wgmma": "sm_90a"}
 # they take, read when a backend's runtime is made: "auto" (unset) at the head dims of
 # WGMMA_DEFAULT_DIMS, "1" at every head dim they take, "0" never.
 WGMMA_ENV = "CUFLASH_WGMMA"
-# Where the Hopper kernels are sm_90's default (d == dv): the head dims at which they passed the
-# oracle on an H100 and ran faster than the mma.sync kernels there, forward and forward +
-# backward (bench/results/gpu/h100_2026-11-28_device_check.md: d = 128, float16, 1.4-1.6x).
-# Their other head dims (forward 64, 192, 256; backward 64) are correct on that GPU's tests
-# but unmeasured for speed: "1" runs them.
+# Where the Hopper kernels are sm_90's default (d == dv): the head dims at which an H100 ran
+# them correct (its cuda tests and the benchmark's float64 checks) and faster than the mma.sync
+# kernels, forward and forward + backward (bench/results/gpu/h100_2026-11-28_device_check.md:
+# d = 128, float16, 1.4-1.6x).  Their other head dims (forward 64, 192, 256; backward 64) are
+# unmeasured for speed: "1" runs them.
 WGMMA_DEFAULT_DIMS = (128,)
 
 
