@@ -139,6 +139,26 @@ def test_sm_90_default_is_the_measured_head_dims(monkeypatch, switch):
     assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_wgmma"
 
 
+def test_the_default_at_d_128_end_to_end(monkeypatch, rng):
+    """Unset, an sm_90 runs a bfloat16 d = 128 call's forward and backward on the Hopper
+    kernels through the public functions, against the float64 oracle; d = 64 stays on the
+    mma.sync kernels."""
+    require_backend(EMU)
+    monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
+    monkeypatch.delenv(kernels.WGMMA_ENV, raising=False)
+    for d, fwd_kernel, bwd_kernel in ((128, "flash_fwd_wgmma", "flash_bwd_wgmma"),
+                                      (64, "flash_fwd_tc", "flash_bwd_tc")):
+        q, k, v = oracle.qkv(rng, (1, 2, 90, d), (1, 2, 150, d), dtype="bfloat16")
+        o, lse, ran = _run(q, k, v, causal=True)
+        assert ran == [fwd_kernel]
+        oracle.check_forward(o, q, k, v, causal=True, lse=lse, dtype="bfloat16")
+        do = oracle.randn(rng, o.shape, "bfloat16")
+        with launch_common.observe_launches() as seen:
+            grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=True, backend=EMU)
+        assert bwd_kernel in [e["kernel"] for e in seen]
+        oracle.check_backward(grads, do, q, k, v, None, True)
+
+
 def test_a_bad_switch_is_refused(monkeypatch):
     monkeypatch.setenv(kernels.WGMMA_ENV, "yes")
     with pytest.raises(ValueError, match="CUFLASH_WGMMA='yes': use 1"):
