@@ -178,8 +178,8 @@ def test_main_loop_order_in_machine_code(sm90_nvrtc, d, bc):
                                                            "-std=c++17", "-ftz=true"))
     sass = _sass.disassemble(r.cubin)
     lo, hi = _sass.main_loop(_sass.instructions(sass)["flash_fwd_wgmma"])
-    full = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)",
-                                                     sass.split("Function : flash_fwd_wgmma")[1])]
+    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)"
+    full = [(int(a, 16), op) for a, op in re.findall(line, sass.split("Function : flash_fwd_wgmma")[1])]
     seq = [op.split(".")[0] if op.startswith("HGMMA") else op for a, op in full
            if lo <= a <= hi and op.split(".")[0] in ("BAR", "HGMMA", "WARPGROUP")]
     steps = (d // 16) + bc // 16  # S: d/16 k16 steps; P V: Bc/16
