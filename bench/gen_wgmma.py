@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "kernels_cu" / "wgmma_sm90.cuh"
-NS = (8, 16, 32, 64, 96, 128, 192, 256)
+NS = (8, 16, 32, 64, 96, 128, 176, 192, 256)
 DTYPES = (("false", "f16"), ("true", "bf16"))
 
 HEADER = """\

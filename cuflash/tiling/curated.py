@@ -260,14 +260,14 @@ CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
 #   sm_90
 # 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1641 instructions per
 # 1,000 HMMA-equivalents at d = 128 against 2031 at 64 keys, bench/results/hopper_sass_count.md),
-# 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  At d = 128, 192 keys
-# (FlashAttention-3 takes 176) count 1490 and fit the 227 KB with two stages: an alternative
-# until a GPU times it against 128.  NVRTC 13.0 spills none of these; bfloat16 at d = 64 with
-# 256 keys does.
+# 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  At d = 128, 176 keys
+# (FlashAttention-3's tile) count 1514 and 192 keys 1490, both with two stages in the 227 KB:
+# alternatives until a GPU times them against 128.  NVRTC 13.0 spills none of these; bfloat16
+# at d = 64 with 256 keys does.
 # --------------------------------------------------------------------------
 CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
  64 | 128x128 128x64 128x192
-128 | 128x128 128x64 128x192
+128 | 128x128 128x64 128x176 128x192
 192 | 128x96 128x64
 256 | 128x64
 """)

@@ -271,7 +271,7 @@ def _wgmma_check(bq, bkv, d, dv):
 register(KernelTiling(
     name=WGMMA_KERNEL,
     block_q_choices=(128,),
-    block_kv_choices=(64, 96, 128, 192, 256),
+    block_kv_choices=(64, 96, 128, 176, 192, 256),
     shared_bytes=_wgmma_shared,
     threads=lambda bq, bkv, d, dv: 384,
     layout=_wgmma_layout,

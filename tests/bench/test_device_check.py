@@ -68,10 +68,11 @@ def test_rehearsal_runs_every_stage(rehearsal):
     # and the forward's 192-key tile against its default, both run by flash_fwd_wgmma
     tiles = [c for c in json.loads(members["hopper_tiles.json"])["cases"] if c["section"] == "tiles"]
     assert res["stages"]["hopper"]["tiles"]["status"] == "ok"
-    assert ("**Hopper forward tiles** (d = 128, 128 x 192 against the default): ok"
+    assert ("**Hopper forward tiles** (d = 128, 128 x 176 and 128 x 192 against the default): ok"
             in (out / "device_check.md").read_text())
     assert sorted((c["block_kv"], c["kernel"]) for c in tiles
-                  if c["methods"]["cuflash tiled"]["ms"] > 0) == [(128, "flash_fwd_wgmma"), (192, "flash_fwd_wgmma")]
+                  if c["methods"]["cuflash tiled"]["ms"] > 0) == [(128, "flash_fwd_wgmma"), (176, "flash_fwd_wgmma"),
+                                                                    (192, "flash_fwd_wgmma")]
     assert tests["failures"] == {} and not any("log_tails" in s for s in res["stages"].values())
     md = (out / "device_check.md").read_text()
     assert "| grid | float16 | 16 | no | fwd |" in md and "**Host time per call**" in md

@@ -102,6 +102,7 @@ CASES = [
     ("bfloat16", 192, 96, 1, 1, 1, 100, 200, False),
     ("float16", 256, 64, 1, 1, 1, 140, 140, True),
     ("bfloat16", 128, 192, 1, 1, 1, 130, 500, True),   # 192 keys per tile: 227 KB of shared memory
+    ("float16", 128, 176, 1, 1, 1, 200, 400, False),   # 176 keys (FlashAttention-3's tile)
 ]
 
 
