@@ -273,7 +273,7 @@ def stage_tests(ctx, timeout):
         cmd += ["-m", "cuda", "-k", " or ".join(SUBSET)]
         how = "the representative subset (no pytest-xdist here)"
     # pytest cuts the summary lines' messages to the terminal's width: 80 columns in a file
-    rc, secs = _run(cmd, log, timeout, dict(_env(), COLUMNS="200"))
+    rc, secs = _run(cmd, log, timeout, _env(COLUMNS="200"))
     text = log.read_text(errors="replace")
     counts, failed = parse_pytest(text)
     return {"status": _status(rc) if rc != 1 else "tests failed", "seconds": secs, "selection": how,
@@ -415,7 +415,7 @@ def stage_hopper(ctx, timeout):
     cc = _compute_capability(ctx)
     if cc != "90":
         return {"status": "ok", "note": f"skipped: the device is sm_{cc}, the Hopper kernels are sm_90a's"}
-    env = dict(_env(), CUFLASH_WGMMA="1")
+    env = _env(CUFLASH_WGMMA="1")
     if ctx.backend == "emulator":
         env["CUFLASH_EMULATOR_ARCH"] = "sm_90"
     t0 = time.time()

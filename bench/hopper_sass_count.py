@@ -2,7 +2,7 @@
 
 No GPU is needed: NVRTC compiles kernels_cu/flash_fwd_wgmma.cu for sm_90a with
 ``-DCUFLASH_FWD_INTERIOR_ONLY`` (only the path of a steady-state K/V tile: no mask), and
-the consumer warpgroups' loop (:func:`main_loop`) is counted per warp for one
+the consumer warpgroups' loop (``cuflash._sass.main_loop``) is counted per warp for one
 trip with bench/fa2_sass_compare.py's method (``steady_ops``), in two rows per head dim:
 
 * ``lazy``: the rescale of O and l compiled out, the row maxima and their warp vote kept (a
@@ -61,17 +61,9 @@ def count(d, bc, rescale, backward=False):
     info = _nvrtc.parse_ptxas_info(r.log)[name]
     instrs = fc.parse_sass(_sass.disassemble(r.cubin))[name]
     b = fc.base(instrs)
-    span = main_loop(b)
+    span = _sass.main_loop(b)
     ops, _, _, _ = fc.steady_ops(instrs, span)
     return ops, hmma_equivalents(ops), info
-
-
-def main_loop(b):
-    """The consumers' loop: the shortest loop holding HGMMA.  The retry branches of the
-    mbarrier waits, placed after the kernel's end, jump back to their waits and so make
-    longer loops around the main loop and the code before and after it."""
-    with_mma = [s for s in _sass._loops(b) if any(s[0] <= a <= s[1] and op == "HGMMA" for a, op, _ in b)]
-    return min(with_mma, key=lambda s: sum(1 for a, _, _ in b if s[0] <= a <= s[1]))
 
 
 def hmma_equivalents(ops):

@@ -140,9 +140,9 @@ KERNEL_ARCH = {"flash_fwd_wgmma": "sm_90a", "flash_bwd_wgmma": "sm_90a"}
 WGMMA_ENV = "CUFLASH_WGMMA"
 # Where the Hopper kernels are sm_90's default (d == dv): the head dims at which an H100 ran
 # them correct (its cuda tests and the benchmark's float64 checks) and faster than the mma.sync
-# kernels, forward and forward + backward (bench/results/gpu/h100_2026-11-28_device_check.md:
-# d = 128, float16, 1.4-1.6x).  Their other head dims (forward 64, 192, 256; backward 64) are
-# unmeasured for speed: "1" runs them.
+# kernels, forward and forward + backward (the H100 device check in bench/results/gpu/: d = 128,
+# float16, 1.4-1.6x).  Their other head dims (forward 64, 192, 256; backward 64) are unmeasured
+# for speed: "1" runs them.
 WGMMA_DEFAULT_DIMS = (128,)
 
 
