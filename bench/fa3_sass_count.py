@@ -1,5 +1,5 @@
-"""FlashAttention-3's backward main loops in machine code, every compiled variant, counted as
-``bench/hopper_sass_count.py`` counts cuflash's flash_bwd_wgmma.
+"""FlashAttention-3's main loops in machine code, every compiled variant, counted as
+``bench/hopper_sass_count.py`` counts cuflash's flash_fwd_wgmma and flash_bwd_wgmma.
 
 Usage (no GPU; downloads one wheel, about 23 MB, into a cache folder)::
 
@@ -15,6 +15,12 @@ HGMMA.64xNx16 is N / 8 of them).  Each row names the variant by the template arg
 mainloop: the tile (queries per step x keys per block x head dim) and the flags Is_causal,
 Is_local, Has_softcap, Varlen, Deterministic.  The wheel compiles a different tile for
 different flags, which is what the table shows: one figure per head dim hides it.
+
+The forward (float16, d = 128) likewise, but its loop is the innermost one with the most HGMMA
+(the shortest of those: the causal and local kernels' steady loop, not their masking one): one trip of it is one K/V tile's S = Q K^T and O += P V with its softmax, O rescaled on every
+tile.  Its rows name the variant by CollectiveMainloopFwdSm90's tile (queries x keys x d), its
+cluster and its flags (Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA, AppendKV,
+HasQv, PackGQA, Split, V_colmajor).
 """
 import argparse
 import collections
@@ -45,13 +51,14 @@ _MAINLOOP = re.compile(r"CollectiveMainloopBwdSm90<\d+, \d+, \d+, cute::tuple<(?
                        r"[^,]+, (\w+), (\w+), (\w+), (\w+), (\w+),")
 
 
-def backward_sass(wheel, cache, d):
-    """cuobjdump's SASS of the wheel's float16 backward cubin for head dim ``d``."""
+def backward_sass(wheel, cache, d, kind="bwd"):
+    """cuobjdump's SASS of the wheel's float16 backward (``kind`` "fwd": forward) cubin for head
+    dim ``d``."""
     cuobjdump = _sass.find_cuobjdump()
     if cuobjdump is None:
         raise RuntimeError(_sass.is_available()[1])
     out = Path(cache) / wheel.name[:-len(".whl")]
-    cubin = out / f"flash_bwd_hdim{d}_fp16_sm90.sm_90a.cubin"
+    cubin = out / f"flash_{kind}_hdim{d}_fp16_sm90.sm_90a.cubin"
     if not cubin.exists():
         with zipfile.ZipFile(wheel) as z:
             (lib,) = [n for n in z.namelist() if n.endswith(".so") and "flash_api" in n]
@@ -60,8 +67,8 @@ def backward_sass(wheel, cache, d):
                 z.extract(lib, out)
         listed = fc._run([cuobjdump, "-lelf", str(so)])
         if cubin.name not in listed:
-            have = sorted(set(re.findall(r"flash_bwd_hdim\d+_fp16_sm90", listed)))
-            raise RuntimeError(f"{wheel.name} has no {cubin.name} (float16 backward: {have})")
+            have = sorted(set(re.findall(rf"flash_{kind}_hdim\d+_fp16_sm90", listed)))
+            raise RuntimeError(f"{wheel.name} has no {cubin.name} (float16 {kind}: {have})")
         fc._run([cuobjdump, "-xelf", cubin.name, str(so)], cwd=out)
     return fc._run([cuobjdump, "-sass", str(cubin)])
 
@@ -89,6 +96,46 @@ def variants(sass):
     return out
 
 
+# CollectiveMainloopFwdSm90<Stages, ClusterShape, TileShape_MNK, kHeadDimV, Element, ElementAccum,
+#   ArchTag, Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA, AppendKV, HasQv,
+#   MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor>
+FWD_FLAGS = ("causal", "local", "softcap", "varlen", "paged", "append_kv", "qv", None, None, "pack_gqa", "split",
+             "v_colmajor")
+_FWD_MAINLOOP = re.compile(r"CollectiveMainloopFwdSm90<\d+, cute::tuple<cute::C<(\d+)>, cute::C<\d+>, cute::C<\d+> >, "
+                           r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> >, \d+, [^,]+, [^,]+, [^,]+, "
+                           + ", ".join([r"(\w+)"] * len(FWD_FLAGS)) + ">")
+
+
+def forward_variants(sass):
+    """[(tile, flags, ops, HMMA-equivalents)] of each forward kernel: one trip of its innermost
+    loop with the most HGMMA, the shortest of those (the cluster size, when 2, among the flags)."""
+    kernels = fc.parse_sass(sass)
+    names = list(kernels)
+    demangled = subprocess.run(["c++filt"], input="\n".join(names), text=True,
+                               capture_output=True, check=True).stdout.splitlines()
+    out = []
+    for name, dm in zip(names, demangled):
+        m = _FWD_MAINLOOP.search(dm)
+        b = fc.base(kernels[name])
+        loops = _sass._loops(b)
+        if m is None or not loops:
+            continue
+        innermost = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
+        hg = {s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA") for s in innermost}
+        # the most HGMMA; among those (causal and local kernels have a masking loop besides the
+        # steady one) the shortest
+        span = max(innermost, key=lambda s: (hg[s], -sum(1 for a, _, _ in b if s[0] <= a <= s[1])))
+        if not hg[span]:
+            continue
+        ops, _, _, _ = fc.steady_ops(kernels[name], span)
+        tile = "x".join(m.group(i) for i in (2, 3, 4))
+        flags = [f for f, v in zip(FWD_FLAGS, m.groups()[4:]) if f and v == "true"]
+        if m.group(1) != "1":
+            flags.append(f"cluster {m.group(1)}")
+        out.append((tile, flags, ops, hc.hmma_equivalents(ops)))
+    return out
+
+
 def table(rows):
     head = ("| tile (q x k x d) | flags | HGMMA | instructions | per 1,000 HMMA-eq | "
             + " | ".join(fc.CLASS_NAMES) + " |")
@@ -111,14 +158,17 @@ def main(argv=None):
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
     wheel = fc.fetch_wheel(args.wheel_dir, WHEEL, WHEEL_VERSION)
-    parts = [f"# FlashAttention-3's backward loops, every variant (float16, sm_90a, {datetime.date.today()})",
+    parts = [f"# FlashAttention-3's main loops, every variant (float16, sm_90a, {datetime.date.today()})",
              "", f"Command: `python bench/fa3_sass_count.py`. {wheel.name} (unpacked, not installed); "
-             "one steady trip per warp of each kernel's loop with the most HGMMA, counted as "
-             "`bench/hopper_sass_count.py` counts flash_bwd_wgmma (bench/results/hopper_sass_count.md). "
-             "Kernels that differ only outside the mainloop (the dQ/dK/dV epilogue, the scheduler) "
+             "one steady trip per warp of each backward kernel's loop with the most HGMMA, and of each "
+             "forward kernel's innermost loop with the most HGMMA (one K/V tile), counted as "
+             "`bench/hopper_sass_count.py` counts flash_bwd_wgmma and flash_fwd_wgmma "
+             "(bench/results/hopper_sass_count.md). "
+             "Kernels that differ only outside the mainloop (the epilogue, the scheduler) "
              "have rows of their own.", ""]
     for d in args.d:
-        parts += [f"## d = {d}", "", table(variants(backward_sass(wheel, args.wheel_dir, d))), ""]
+        parts += [f"## Backward, d = {d}", "", table(variants(backward_sass(wheel, args.wheel_dir, d))), ""]
+    parts += ["## Forward, d = 128", "", table(forward_variants(backward_sass(wheel, args.wheel_dir, 128, "fwd"))), ""]
     return hc.emit("\n".join(parts), None if args.no_write else RESULT)
 
 

@@ -171,52 +171,73 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     //   M-major: dS^T as A of dQ (queries contiguous)
     const uint32_t a_k = (uint32_t)wgmma_desc(smem + kKOff + w * 64 * 128, 16, 1024, 128);
     const uint32_t a_v = (uint32_t)wgmma_desc(smem + kVOff + w * 64 * 128, 16, 1024, 128);
-    const uint32_t b_q = (uint32_t)wgmma_desc(smem + kQOff, 16, 1024, 128);
-    const uint32_t b_do = (uint32_t)wgmma_desc(smem + kDOOff, 16, 1024, 128);
-    const uint32_t n_q = (uint32_t)wgmma_desc(smem + kQOff, kBr * 128, 1024, 128);
-    const uint32_t n_do = (uint32_t)wgmma_desc(smem + kDOOff, kBr * 128, 1024, 128);
+    uint32_t b_q = (uint32_t)wgmma_desc(smem + kQOff, 16, 1024, 128);
+    uint32_t b_do = (uint32_t)wgmma_desc(smem + kDOOff, 16, 1024, 128);
+    uint32_t n_q = (uint32_t)wgmma_desc(smem + kQOff, kBr * 128, 1024, 128);
+    uint32_t n_do = (uint32_t)wgmma_desc(smem + kDOOff, kBr * 128, 1024, 128);
     const uint32_t n_k = (uint32_t)wgmma_desc(smem + kKOff + w * 64 * 128, kBc * 128, 1024, 128);
-    const uint32_t a_ds = (uint32_t)wgmma_desc(smem + kDSOff + w * kDSBytes, kDSBytes, 1024, 128);
-    const uint32_t a_ds_all = (uint32_t)wgmma_desc(smem + kDSOff, kDSBytes, 1024, 128);  // both consumers' rows
+    uint32_t a_ds = (uint32_t)wgmma_desc(smem + kDSOff + w * kDSBytes, kDSBytes, 1024, 128);
+    uint32_t a_ds_all = (uint32_t)wgmma_desc(smem + kDSOff, kDSBytes, 1024, 128);  // both consumers' rows
     const uint32_t n_k_all = (uint32_t)wgmma_desc(smem + kKOff, kBc * 128, 1024, 128);
     constexpr uint64_t kHi = (uint64_t)((1024 >> 4) | (1u << 30)) << 32;
     auto desc = [](uint32_t lo) { return kHi | lo; };
+    // the stage-dependent ones are added to in the loop; pinned, they are not rebuilt there
+    pin(b_q), pin(b_do), pin(n_q), pin(n_do), pin(a_ds), pin(a_ds_all);
 
-    auto kmajor_product = [&](float (&acc)[kBr / 2], uint32_t a, uint32_t b) {
-        wgmma_ss_zero<kBr, kBF16, false, false>(acc, desc(a), desc(b));
+    uint64_t kd[4 * kChunks], vd[4 * kChunks];
+#pragma unroll
+    for (int step = 0; step < 4 * kChunks; ++step) {
+        const uint32_t ka = (uint32_t)((step / 4) * kBc * 128 + 32 * (step % 4)) >> 4;
+        kd[step] = desc(a_k + ka);
+        vd[step] = desc(a_v + ka);
+        pin(kd[step]); pin(vd[step]);
+    }
+    auto kmajor_product = [&](float (&acc)[kBr / 2], const uint64_t (&a)[4 * kChunks], uint32_t b) {
+        wgmma_ss_zero<kBr, kBF16, false, false>(acc, a[0], desc(b));
 #pragma unroll
         for (int step = 1; step < 4 * kChunks; ++step) {
-            const uint32_t ka = (uint32_t)((step / 4) * kBc * 128 + 32 * (step % 4)) >> 4;
             const uint32_t kb = (uint32_t)((step / 4) * kBr * 128 + 32 * (step % 4)) >> 4;
-            wgmma_ss<kBr, kBF16, false, false>(acc, desc(a + ka), desc(b + kb), true);
+            wgmma_ss<kBr, kBF16, false, false>(acc, a[step], desc(b + kb), true);
         }
         wgmma_commit();
     };
     // dS^T's stores: row r = wr + 8 h2 of the warpgroup's buffer, 16-byte chunk j ^ (r & 7) (the
     // 128-byte swizzle), bytes 4t.  r & 7 = g for both rows, and the buffer (1024-aligned), the
     // row and 4t leave address bits 4-6 clear, so every store's address is ds_lane ^ (j << 4)
-    // plus the stage's and the row half's constant offsets: one LOP3 per chunk.
+    // plus the stage's and the row half's offsets (bits 10 and up, which the XOR leaves alone):
+    // one LOP3 per chunk, from the stage's ds_lane + offset.
     unsigned char* const ds_buf = smem + kDSOff + w * kDSBytes;
     const uint32_t ds_buf_a = (uint32_t)__cvta_generic_to_shared(ds_buf);
     const uint32_t ds_lane = ds_buf_a + wr * 128 + 4 * t + (g << 4);
+    // dQ's reds: this lane's offset in a tile of the accumulator (row wr, the warpgroup's 64
+    // columns at d = 128, pair 2t); the tile's first row, kBr rows on from one query tile to the
+    // next, and wrap_step elements on to the next head's tile it0
+    const int dq_lane = wr * kD + (kChunks == 1 ? 0 : 64 * w) + 2 * t;
+    float* dq_tile = ws + p.dq_accum_offset + (((size_t)b * p.H + hk * group) * Nq + (size_t)it0 * kBr) * kD;
+    long long wrap_step = ((long long)Nq - (long long)(n_q_tiles - 1 - it0) * kBr) * kD;
+    pin(wrap_step);
     float dk[kD / 2], dv[kD / 2];
 #pragma unroll
     for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+    int t2 = 2 * t;  // this lane's first query of each 8 in lse2 and D; pinned, not rebuilt per step
+    pin(t2);
     mbarrier_wait_parity(kv_full, 0);
-    int gg = 0, i = it0;
-    // One (head, query tile) step on stage s = tt % 2, which is also its dS^T buffer: called
-    // with s a constant, so that every shared-memory address of the step is one once inlined.
-    auto step = [&](int tt, int s) {
-        const int h = hk * group + gg, q0 = i * kBr;
+    int i = it0;
+    // One (head, query tile) step tt on stage s = tt % 2, which is also its dS^T buffer, waiting
+    // for the stage's phase parity = (tt / 2) % 2.  At d = 64 s is a constant once inlined, so
+    // that every shared-memory address of the step is one; at d = 128 s and parity are carried
+    // by the loop.
+    auto step = [&](unsigned parity, int s) {
+        const int q0 = i * kBr;
         const uint32_t qo = (uint32_t)(s * kQBytes) >> 4;
-        mbarrier_wait_parity(&full[s], (tt / kStages) & 1);
+        mbarrier_wait_parity(&full[s], parity);
         // S^T = K_w Q_i^T and dP^T = V_w dO_i^T (one commit group each): d/16 k16 steps, 32 bytes
         // apart inside a 64-column chunk
         float st[kBr / 2], dpt[kBr / 2];
         wgmma_fence();
-        kmajor_product(st, a_k, b_q + qo);
-        kmajor_product(dpt, a_v, b_do + qo);
-        const float* lse_s = reinterpret_cast<const float*>(smem + kRowOff + s * 2 * kBr * 4);
+        kmajor_product(st, kd, b_q + qo);
+        kmajor_product(dpt, vd, b_do + qo);
+        const float* lse_s = reinterpret_cast<const float*>(smem + kRowOff + s * 2 * kBr * 4) + t2;
         const float* d_s = lse_s + kBr;
         wgmma_wait<1>();
         wgmma_fence_operand(st);
@@ -231,7 +252,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 #endif
 #pragma unroll
         for (int j = 0; j < kBr / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j);
 #pragma unroll
             for (int e4 = 0; e4 < 4; ++e4) {
                 const int e = 4 * j + e4;
@@ -249,10 +270,11 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_wait<1>();  // dP^T (the dV product may still run)
         wgmma_fence_operand(dpt);
         // dS^T = P^T (dP^T - D), into registers and this warpgroup's buffer of stage s
+        const uint32_t ds_stage = ds_lane + 2 * s * kDSBytes;
 #pragma unroll
         for (int j = 0; j < kBr / 8; ++j) {
-            const float2 dd = *reinterpret_cast<const float2*>(d_s + 8 * j + 2 * t);
-            const uint32_t row_a = (ds_lane ^ (uint32_t)(j << 4)) + 2 * s * kDSBytes;  // row wr
+            const float2 dd = *reinterpret_cast<const float2*>(d_s + 8 * j);
+            const uint32_t row_a = ds_stage ^ (uint32_t)(j << 4);  // row wr
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const int e = 4 * j + 2 * h2;
@@ -276,7 +298,6 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         // 128 keys' share of its 64-column chunk, reading both warpgroups' dS^T (after the two
         // meet): half the reds of the first way, for the same products.
         const uint32_t dso = (uint32_t)(2 * s * kDSBytes) >> 4;
-        float* dq_rows = ws + p.dq_accum_offset + (((size_t)b * p.H + h) * Nq + q0) * kD;
         constexpr int kDqSteps = kChunks == 1 ? 4 : 8;      // keys / 16
         uint32_t a_dq = a_ds + dso, b_dq = n_k;             // this warpgroup's keys, chunk 0
         if constexpr (kChunks == 1) {
@@ -295,28 +316,39 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(dq);
+        // rows wr and wr + 8: one address, the second row 8 kD floats on; rows past Nq (only in
+        // the last query tile) are not added
+        float* const dq_row = dq_tile + dq_lane;
+        const auto red_row = [&](int h2) {
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-            const int r = wr + 8 * h2;
-            if (q0 + r >= Nq) continue;
-            float* row = dq_rows + (size_t)r * kD + (kChunks == 1 ? 0 : 64 * w) + 2 * t;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) gred_add_v2(row + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
+            for (int j = 0; j < 8; ++j)
+                gred_add_v2(dq_row + 8 * h2 * kD + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
+        };
+        if (q0 + kBr <= Nq) {
+            red_row(0);
+            red_row(1);
+        } else {
+            if (q0 + wr < Nq) red_row(0);
+            if (q0 + wr + 8 < Nq) red_row(1);
         }
         if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
-        if (++i == n_q_tiles) {
-            i = it0;
-            ++gg;
-        }
+        const bool wrap = ++i == n_q_tiles;
+        dq_tile += wrap ? wrap_step : (long long)kBr * kD;
+        if (wrap) i = it0;
     };
     static_assert(kStages == 2, "the steps alternate between two stages");
     if constexpr (kD == 64) {  // two steps per trip share the loop's overhead (bench/hopper_sass_count.py)
         for (int tt = 0; tt < T; tt += 2) {
-            step(tt, 0);
-            if (tt + 1 < T) step(tt + 1, 1);
+            step((tt >> 1) & 1, 0);
+            if (tt + 1 < T) step((tt >> 1) & 1, 1);
         }
-    } else {  // at d = 128 two inlined steps spill (292 bytes, NVRTC 13.0): one per trip
-        for (int tt = 0; tt < T; ++tt) step(tt, tt & 1);
+    } else {  // at d = 128 two inlined steps spill (372 bytes, NVRTC 13.0): one per trip
+        unsigned s = 0, parity = 0;
+        for (int tt = 0; tt < T; ++tt) {
+            step(parity, s);
+            parity ^= s;
+            s ^= 1;
+        }
     }
 
     // dK (scaled) and dV of the warpgroup's keys; keys past Nk are not stored

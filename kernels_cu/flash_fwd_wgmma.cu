@@ -147,14 +147,26 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
     float mc[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    // what the exponentials subtract: mc, or 0 while a row has seen no key (2^-inf = 0, never
+    // NaN); it changes only where mc does, so the lazy trip does not recompute it
+    float msub[2] = {0.0f, 0.0f};
+    // Q's descriptors, one per k16 step, built once and pinned: they stay in uniform registers
+    // across the loop instead of being rebuilt before every wgmma of S
+    uint64_t qd[4 * kChunks];
+#pragma unroll
+    for (int st = 0; st < 4 * kChunks; ++st) {
+        const int ch = st / 4, kk = st % 4;
+        qd[st] = desc(dq + ((ch * kBr * 128 + 32 * kk) >> 4));
+        pin(qd[st]);
+    }
     // S = Q_w K_j^T into sacc (issued and committed, not waited for): per 64-column chunk,
     // four k16 steps of 32 bytes along the rows
     auto issue_s = [&](float (&sacc)[kBc / 2], uint32_t stage) {
-        wgmma_ss_zero<kBc, kBF16, false, false>(sacc, desc(dq), desc(dk + stage));
+        wgmma_ss_zero<kBc, kBF16, false, false>(sacc, qd[0], desc(dk + stage));
 #pragma unroll
         for (int st = 1; st < 4 * kChunks; ++st) {
             const int ch = st / 4, kk = st % 4;
-            wgmma_ss<kBc, kBF16, false, false>(sacc, desc(dq + ((ch * kBr * 128 + 32 * kk) >> 4)),
+            wgmma_ss<kBc, kBF16, false, false>(sacc, qd[st],
                                                desc(dk + stage + ((ch * kBc * 128 + 32 * kk) >> 4)), true);
         }
         wgmma_commit();
@@ -214,14 +226,13 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float mnew = fmaxf(mc[r], mx[r]);
-                alpha[r] = exp2f(mc[r] - (mnew == -INFINITY ? 0.0f : mnew));
+                msub[r] = mnew == -INFINITY ? 0.0f : mnew;
+                alpha[r] = exp2f(mc[r] - msub[r]);
                 mc[r] = mnew;
                 l[r] *= alpha[r];
             }
         }
 #endif
-        // the exponentials subtract 0 for a row without keys: 2^-inf = 0, never NaN
-        const float msub[2] = {mc[0] == -INFINITY ? 0.0f : mc[0], mc[1] == -INFINITY ? 0.0f : mc[1]};
 #pragma unroll
         for (int i = 0; i < kBc / 2; ++i) {
             const int r = (i >> 1) & 1;
@@ -261,25 +272,32 @@ flash_fwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         softmax(sacc, 0, alpha);  // O is 0: nothing to rescale
         wgmma_acc_to_a<elem_t>(sacc, pf);
     }
-    for (int j = 1; j < n_kv; ++j) {
-        mbarrier_wait_parity(&full[j % kStages], (j / kStages) & 1);
+    // one trip: tile j on stage s = j % 2, called with s a constant so that the stages'
+    // descriptor and barrier offsets are constants once inlined
+    const auto trip = [&](int j, int s) {
+        mbarrier_wait_parity(&full[s], (j / kStages) & 1);
         float sacc[kBc / 2];
         my_turn();
         wgmma_fence();
-        issue_s(sacc, stage_of(j));
-        issue_pv(pf, stage_of(j - 1));
+        issue_s(sacc, stage_of(s));
+        issue_pv(pf, stage_of(1 - s));
         pass_turn(false);
         wgmma_wait<1>();  // S_j; P V may still run
         wgmma_fence_operand(sacc);
         const bool moved = softmax(sacc, j, alpha);
         wgmma_wait<0>();  // P_{j-1} V_{j-1}: O's and P's registers are free again
         wgmma_fence_operand(o);
-        if ((tid & 127) == 0) mbarrier_arrive(&empty[(j - 1) % kStages]);  // this consumer is done with it
+        if ((tid & 127) == 0) mbarrier_arrive(&empty[1 - s]);  // this consumer is done with it
         if (moved) {
 #pragma unroll
             for (int i = 0; i < kD / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
         }
         wgmma_acc_to_a<elem_t>(sacc, pf);  // P_j, the A operand of the next trip's P V
+    };
+    static_assert(kStages == 2, "the trips alternate between two stages");
+    for (int j = 1; j < n_kv; j += 2) {
+        trip(j, 1);
+        if (j + 1 < n_kv) trip(j + 1, 0);
     }
     if (n_kv > 0) {  // the last tile's P V
         my_turn();

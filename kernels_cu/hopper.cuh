@@ -32,6 +32,9 @@
 //   wgmma_desc(smem, lbo, sbo, swizzle)     a matrix descriptor: the operand at `smem`
 //                                           (dynamic shared memory), leading and stride byte
 //                                           offsets, swizzle 0 / 32 / 64 / 128 (bytes)
+//   pin(x)                                  keeps a value (a descriptor) computed before a loop
+//                                           in its register (a compiler barrier; nothing on the
+//                                           emulator)
 //   wgmma_fence()                           wgmma.fence: before the first wgmma after the
 //                                           registers it uses were touched
 //   wgmma_ss<N, kBF16, kTransA, kTransB>(d, a_desc, b_desc, acc)
@@ -77,6 +80,22 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* smem, unsigned lbo, u
     const uint64_t mode = swizzle == 128 ? 1 : swizzle == 64 ? 2 : swizzle == 32 ? 3 : 0;
     return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
            ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (mode << 62);
+}
+
+// Pins `x` where it is computed: the compiler may no longer rebuild it from its inputs where it
+// is used.  A descriptor computed before a loop and pinned stays in a uniform register across
+// the loop, where ptxas would otherwise rebuild it (an add and a move) before every wgmma.
+template <class T>
+__device__ __forceinline__ void pin(T& x) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "pin: a 32- or 64-bit value");
+#ifdef CUFLASH_EMULATOR
+    (void)x;
+#else
+    if constexpr (sizeof(T) == 8)
+        asm volatile("" : "+l"(x));
+    else
+        asm volatile("" : "+r"(x));
+#endif
 }
 
 #if defined(CUFLASH_EMULATOR)

@@ -170,10 +170,10 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
 
 @pytest.mark.parametrize("d, bc", [(128, 128), (64, 128)])
 def test_main_loop_order_in_machine_code(sm90_nvrtc, d, bc):
-    """The consumers' main loop in sm_90a SASS, in order: the turn (BAR.SYNC), one
-    WARPGROUP.ARRIVE, S_j's and P V's HGMMA back to back, the hand-over (BAR.ARV), the wait
-    for S_j alone, then the wait for P V -- the ping-pong and the pipelining as ptxas kept them
-    (an HGMMA serialised by ptxas would bring a wait of its own)."""
+    """The consumers' main loop in sm_90a SASS (two trips, one per stage), each trip in order:
+    the turn (BAR.SYNC), one WARPGROUP.ARRIVE, S_j's and P V's HGMMA back to back, the
+    hand-over (BAR.ARV), the wait for S_j alone, then the wait for P V -- the ping-pong and the
+    pipelining as ptxas kept them (an HGMMA serialised by ptxas would bring a wait of its own)."""
     _nvrtc, _sass = sm90_nvrtc
     r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(*options("float16", d, bc), f"-I{SRC.parent}",
                                                            "-std=c++17", "-ftz=true"))
@@ -184,5 +184,6 @@ def test_main_loop_order_in_machine_code(sm90_nvrtc, d, bc):
     seq = [op.split(".")[0] if op.startswith("HGMMA") else op for a, op in full
            if lo <= a <= hi and op.split(".")[0] in ("BAR", "HGMMA", "WARPGROUP")]
     steps = (d // 16) + bc // 16  # S: d/16 k16 steps; P V: Bc/16
-    assert seq == (["BAR.SYNC.DEFER_BLOCKING", "WARPGROUP.ARRIVE"] + ["HGMMA"] * steps
-                   + ["BAR.ARV", "WARPGROUP.DEPBAR.LE", "WARPGROUP.DEPBAR.LE"]), seq
+    trip = (["BAR.SYNC.DEFER_BLOCKING", "WARPGROUP.ARRIVE"] + ["HGMMA"] * steps
+            + ["BAR.ARV", "WARPGROUP.DEPBAR.LE", "WARPGROUP.DEPBAR.LE"])
+    assert seq == trip * 2, seq
