@@ -106,6 +106,18 @@ _FWD_MAINLOOP = re.compile(r"CollectiveMainloopFwdSm90<\d+, cute::tuple<cute::C<
                            + ", ".join([r"(\w+)"] * len(FWD_FLAGS)) + ">")
 
 
+def forward_loop(b, loops):
+    """The (start, end) of the forward's steady loop among ``loops`` of the instructions ``b``
+    ((address, opcode, ...) rows): of the innermost loops, the one with the most HGMMA, and of
+    those (causal and local kernels have a masking loop besides the steady one) the shortest;
+    None when no innermost loop has an HGMMA."""
+    innermost = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
+    hg = {s: sum(1 for a, op, *_ in b if s[0] <= a <= s[1] and op == "HGMMA") for s in innermost}
+    size = {s: sum(1 for a, *_ in b if s[0] <= a <= s[1]) for s in innermost}
+    span = max(innermost, key=lambda s: (hg[s], -size[s]), default=None)
+    return span if span is not None and hg[span] else None
+
+
 def forward_variants(sass):
     """[(tile, flags, ops, HMMA-equivalents)] of each forward kernel: one trip of its innermost
     loop with the most HGMMA, the shortest of those (the cluster size, when 2, among the flags)."""
@@ -120,12 +132,8 @@ def forward_variants(sass):
         loops = _sass._loops(b)
         if m is None or not loops:
             continue
-        innermost = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
-        hg = {s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA") for s in innermost}
-        # the most HGMMA; among those (causal and local kernels have a masking loop besides the
-        # steady one) the shortest
-        span = max(innermost, key=lambda s: (hg[s], -sum(1 for a, _, _ in b if s[0] <= a <= s[1])))
-        if not hg[span]:
+        span = forward_loop(b, loops)
+        if span is None:
             continue
         ops, _, _, _ = fc.steady_ops(kernels[name], span)
         tile = "x".join(m.group(i) for i in (2, 3, 4))

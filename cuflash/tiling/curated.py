@@ -258,10 +258,10 @@ CURATED["flash_fwd_tf32"] = _table(_TC, float32="""
 # The Hopper forward (flash_fwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv in 64..256 by 64;
 # block_q is 128 (two consumer warpgroups of 64 rows).
 #   sm_90
-# 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1641 instructions per
-# 1,000 HMMA-equivalents at d = 128 against 2031 at 64 keys, bench/results/hopper_sass_count.md),
+# 128 keys per tile where the accumulators fit (S's wgmma at N = 128: 1471 instructions per
+# 1,000 HMMA-equivalents at d = 128 against 1707 at 64 keys, bench/results/hopper_sass_count.md),
 # 96 at d = 192, 64 at d = 256 (O's 128 registers leave room for 32 of S).  At d = 128, 176 keys
-# (FlashAttention-3's tile) count 1514 and 192 keys 1490, both with two stages in the 227 KB:
+# (FlashAttention-3's tile) count 1428 and 192 keys 1402, both with two stages in the 227 KB:
 # alternatives until a GPU times them against 128.  NVRTC 13.0 spills none of these; bfloat16
 # at d = 64 with 256 keys does.
 # --------------------------------------------------------------------------

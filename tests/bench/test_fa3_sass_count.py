@@ -49,3 +49,31 @@ def test_table_row(fa3):
     text = fa3.table([("64x128x128", ["causal"], ops, 64.0)])
     row = text.splitlines()[-1]
     assert row.startswith("| 64x128x128 | causal | 8 64x64x16 | 64 | **1000** |")
+
+
+# a demangled FA3 forward kernel name: CollectiveMainloopFwdSm90's tile, cluster and flags
+FWD_NAME = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+            "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<{cluster}>, cute::C<1>, cute::C<1> >, "
+            "cute::tuple<cute::C<128>, cute::C<{n}>, cute::C<128> >, 128, cutlass::half_t, float, "
+            "cutlass::arch::Sm90, {flags}>, flash::CollectiveEpilogueFwd<...")
+
+
+@pytest.mark.parametrize("n,cluster,bits,want", [
+    (176, 1, (0,) * 7 + (1, 1) + (0,) * 3, []),
+    (128, 1, (1, 0, 0, 1) + (0,) * 3 + (1, 1) + (0,) * 3, ["causal", "varlen"]),
+    (176, 2, (0,) * 7 + (1, 1, 1, 0, 0), ["pack_gqa"]),
+])
+def test_forward_mainloop_arguments(fa3, n, cluster, bits, want):
+    flags = ", ".join("true" if b else "false" for b in bits)
+    g = fa3._FWD_MAINLOOP.search(FWD_NAME.format(n=n, cluster=cluster, flags=flags))
+    assert g is not None and g.group(1, 2, 3, 4) == (str(cluster), "128", str(n), "128")
+    assert [f for f, v in zip(fa3.FWD_FLAGS, g.groups()[4:]) if f and v == "true"] == want
+
+
+def test_forward_loop_is_the_shortest_innermost_with_the_most_hgmma(fa3):
+    def rows(missing):  # one instruction per address, HGMMA at five of them
+        return [(a, "HGMMA" if a in (12, 13, 22, 23, 32) else "FFMA") for a in range(50) if a not in missing]
+    loops = [(0, 49), (10, 19), (20, 29), (30, 35)]  # an outer loop, two with 2 HGMMA, one with 1
+    assert fa3.forward_loop(rows((24, 25)), loops) == (20, 29)  # the shorter of the two
+    assert fa3.forward_loop(rows((14, 15)), loops) == (10, 19)
+    assert fa3.forward_loop([(a, "FFMA") for a in range(50)], loops) is None
