@@ -22,7 +22,8 @@ default 540 s), its output kept in ``<stage>.log``:
 * ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 64 and 128,
   float16, with ``CUFLASH_WGMMA=1`` -- flash_fwd_wgmma and flash_bwd_wgmma against SDPA's
   kernels, beside the ``bench`` stage's mma.sync rows -- and Nsight Compute on the two kernels
-  (d = 128); its results decide the head dims where the Hopper kernels are sm_90's default
+  (d = 128; :data:`HOPPER_NCU_SECTIONS`: with the memory workload, the schedulers' and the warp
+  states' sections, whose stall rules' texts stay in hopper_ncu.log); its results decide the head dims where the Hopper kernels are sm_90's default
   (``cuflash.kernels.WGMMA_DEFAULT_DIMS``); then, in the time left, the forward's tiles of 176
   and 192 keys at d = 128 against the default 128 (the benchmark's tiles section,
   hopper_tiles.md);
@@ -126,7 +127,14 @@ FAILURES_KEPT, TB_LINES, TB_CHARS = 20, 60, 4000
 # the Nsight Compute metrics the summary keeps (section "details" page, CSV)
 NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Registers Per Thread",
                "Achieved Occupancy", "Theoretical Occupancy", "Dynamic Shared Memory Per Block",
-               "Executed Ipc Active", "Issue Slots Busy")
+               "Executed Ipc Active", "Issue Slots Busy",
+               # the Hopper kernels' extra sections (stage_hopper): where the memory time goes and
+               # why warps do not issue
+               "L1/TEX Cache Throughput", "L2 Cache Throughput", "Mem Busy", "Max Bandwidth",
+               "Warp Cycles Per Issued Instruction", "No Eligible", "Eligible Warps Per Scheduler")
+# ... and the sections that give them, with the stall and memory rules' texts in the log
+HOPPER_NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
+                       "MemoryWorkloadAnalysis", "SchedulerStats", "WarpStateStats")
 
 
 def _run(cmd, log, timeout, env=None):
@@ -437,8 +445,8 @@ def stage_hopper(ctx, timeout):
     n = "4096" if ctx.backend == "cuda" else "64"
     call = [sys.executable, str(script), ctx.backend, "128" if ctx.backend == "cuda" else "64", n]
     cmd = ([tool, "--csv", "--page", "details", "--kernel-name", "regex:flash_(fwd|bwd)_wgmma$",
-            "--launch-skip", "2", "--launch-count", "2", "--section", "SpeedOfLight", "--section",
-            "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis"] + call
+            "--launch-skip", "2", "--launch-count", "2"]
+           + [a for sec in HOPPER_NCU_SECTIONS for a in ("--section", sec)] + call
            if tool else call)
     rc2, _ = _run(cmd, log, max(5, timeout - (time.time() - t0)), env)
     out["kernels"] = {f"{k} d=128": v for k, v in parse_ncu_csv(log.read_text(errors="replace")).items()}

@@ -257,3 +257,30 @@ def test_bench_and_ncu_stages_time_the_mma_sync_kernels(dc, monkeypatch, tmp_pat
         dc.STAGES[stage](ctx, 60)
     assert envs.pop("hopper.log") == envs.pop("hopper_ncu.log") == envs.pop("hopper_tiles.md") == "1"
     assert envs == {"bench.log": "0", "ncu_d64.log": "0", "ncu_d128.log": "0"}
+
+
+def test_hopper_ncu_call_asks_for_the_stall_and_memory_sections(dc, monkeypatch, tmp_path):
+    """The Hopper kernels' Nsight Compute call: every section of HOPPER_NCU_SECTIONS (where the
+    memory time goes, why warps do not issue), and the summary keeps their metrics."""
+    import argparse
+    cmds = {}
+
+    def fake_run(cmd, log, timeout, env):
+        cmds[log.name] = cmd
+        log.write_text("")
+        return 0, 0.0
+    monkeypatch.setattr(dc, "_run", fake_run)
+    monkeypatch.setattr(dc.shutil, "which", lambda name: "/opt/ncu" if name == "ncu" else None)
+    monkeypatch.setattr(dc, "_compute_capability", lambda ctx: "90")
+    dc.STAGES["hopper"](argparse.Namespace(backend="cuda", out=tmp_path), 60)
+    cmd = cmds["hopper_ncu.log"]
+    assert cmd[0] == "/opt/ncu"
+    asked = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"]
+    assert asked == list(dc.HOPPER_NCU_SECTIONS)
+    assert {"MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats"} <= set(asked)
+    row = ('"0","1","p","h","flash_bwd_wgmma","1","7","(384, 1, 1)","(1024, 1, 1)","0","9.0",'
+           '"WarpStateStats","Warp Cycles Per Issued Instruction","cycle","17.30"')
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    got = dc.parse_ncu_csv(head + "\n" + row + "\n")
+    assert got == {"flash_bwd_wgmma": {"Warp Cycles Per Issued Instruction": "17.30 cycle"}}
