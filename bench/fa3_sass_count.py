@@ -73,21 +73,28 @@ def backward_sass(wheel, cache, d, kind="bwd"):
     return fc._run([cuobjdump, "-sass", str(cubin)])
 
 
-def variants(sass):
-    """[(tile, flags, ops, HMMA-equivalents)] of each kernel with HGMMA in a loop."""
+def _kernels(sass):
+    """(instructions, base rows, loops, demangled name) of each kernel of ``sass`` with a loop."""
     kernels = fc.parse_sass(sass)
     names = list(kernels)
     demangled = subprocess.run(["c++filt"], input="\n".join(names), text=True,
                                capture_output=True, check=True).stdout.splitlines()
-    out = []
     for name, dm in zip(names, demangled):
-        m = _MAINLOOP.search(dm)
         b = fc.base(kernels[name])
         loops = _sass._loops(b)
-        if m is None or not loops:
+        if loops:
+            yield kernels[name], b, loops, dm
+
+
+def variants(sass):
+    """[(tile, flags, ops, HMMA-equivalents)] of each backward kernel with HGMMA in a loop."""
+    out = []
+    for instrs, b, loops, dm in _kernels(sass):
+        m = _MAINLOOP.search(dm)
+        if m is None:
             continue
         span = max(loops, key=lambda s: sum(1 for a, op, _ in b if s[0] <= a <= s[1] and op == "HGMMA"))
-        ops, _, _, _ = fc.steady_ops(kernels[name], span)
+        ops, _, _, _ = fc.steady_ops(instrs, span)
         eq = hc.hmma_equivalents(ops)
         if eq:
             tile = "x".join(m.group(i) for i in (1, 2, 3))
@@ -121,21 +128,13 @@ def forward_loop(b, loops):
 def forward_variants(sass):
     """[(tile, flags, ops, HMMA-equivalents)] of each forward kernel: one trip of its innermost
     loop with the most HGMMA, the shortest of those (the cluster size, when 2, among the flags)."""
-    kernels = fc.parse_sass(sass)
-    names = list(kernels)
-    demangled = subprocess.run(["c++filt"], input="\n".join(names), text=True,
-                               capture_output=True, check=True).stdout.splitlines()
     out = []
-    for name, dm in zip(names, demangled):
+    for instrs, b, loops, dm in _kernels(sass):
         m = _FWD_MAINLOOP.search(dm)
-        b = fc.base(kernels[name])
-        loops = _sass._loops(b)
-        if m is None or not loops:
-            continue
-        span = forward_loop(b, loops)
+        span = forward_loop(b, loops) if m else None
         if span is None:
             continue
-        ops, _, _, _ = fc.steady_ops(kernels[name], span)
+        ops, _, _, _ = fc.steady_ops(instrs, span)
         tile = "x".join(m.group(i) for i in (2, 3, 4))
         flags = [f for f, v in zip(FWD_FLAGS, m.groups()[4:]) if f and v == "true"]
         if m.group(1) != "1":
