@@ -46,6 +46,10 @@ CASES = [  # dtype, d, q shape, k shape, causal
     ("float16", 128, (1, 1, 70, 128), (1, 1, 200, 128), "bottom_right"),
     ("bfloat16", 128, (1, 4, 65, 128), (1, 2, 40, 128), True),      # queries that see no key
     ("float16", 64, (1, 1, 70, 64), (1, 1, 300, 64), True),         # key tiles no query sees
+    # causal GQA where a block's first query tile is not 0: its steps wrap from the last query
+    # tile of one head to tile it0 of the next (the dQ rows' pointer steps there)
+    ("float16", 128, (1, 4, 200, 128), (1, 2, 200, 128), True),
+    ("bfloat16", 64, (2, 2, 200, 64), (2, 1, 200, 64), True),
 ]
 
 
