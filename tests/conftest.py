@@ -245,3 +245,17 @@ def rng(request):
     path, sep, rest = request.node.nodeid.partition("::")
     key = "tests/" + path.rsplit("/", 1)[-1] + sep + rest
     return np.random.default_rng(zlib.crc32(key.encode()))
+
+
+def load_bench(name):
+    """The module of the script bench/<name>.py (bench/ is not a package; the scripts import
+    one another, so bench/ goes on sys.path first)."""
+    import importlib.util
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,6 +1,5 @@
 """bench/device_check.py, the GPU check of one device call: rehearsed end to end on the emulator
 (every default stage, tiny shapes), and its parsers and README status box on made-up inputs."""
-import importlib.util
 import json
 import re
 import subprocess
@@ -9,6 +8,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "device_check.py"
@@ -16,10 +16,7 @@ SCRIPT = ROOT / "bench" / "device_check.py"
 
 @pytest.fixture(scope="module")
 def dc():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("device_check")
 
 
 @pytest.fixture(scope="module")

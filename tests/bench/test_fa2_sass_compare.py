@@ -1,19 +1,13 @@
 """bench/fa2_sass_compare.py's counting on hand-written SASS (no network, no NVRTC)."""
 import collections
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def fc():
-    spec = importlib.util.spec_from_file_location("fa2_sass_compare", ROOT / "bench" / "fa2_sass_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("fa2_sass_compare")
 
 
 def _sass(lines):

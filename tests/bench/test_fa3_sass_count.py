@@ -1,22 +1,14 @@
 """bench/fa3_sass_count.py's reading of FlashAttention-3's kernel names and its HMMA-equivalents
 (no network, no NVRTC, no wheel)."""
 import collections
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def fa3():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("fa3_sass_count", ROOT / "bench" / "fa3_sass_count.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("fa3_sass_count")
 
 
 # the start of a demangled FA3 backward kernel name (c++filt's spelling), flags in the

@@ -1,16 +1,12 @@
 """bench/feature_counts.py's pipe model (issue, MUFU, tensor pipe per SM sub-partition): the
 arithmetic that turns a kernel's counted main loop into clocks per 32 logits, on made-up
 counts (the SASS counts themselves need NVRTC and cuobjdump: ``python bench/feature_counts.py``)."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("feature_counts", ROOT / "bench" / "feature_counts.py")
-FC = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(FC)
+FC = load_bench("feature_counts")
 
 
 def _counted(plain, variants, logits=64, passes=1, plogits=64, ppasses=1, d=64):

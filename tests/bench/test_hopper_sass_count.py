@@ -4,23 +4,15 @@ loops (forward 1699 at 128 x 176, rescaling every tile; backward 1298 at its low
 that makes ptxas rebuild what the loops now keep (pinned descriptors, stepped addresses) fails
 here rather than only in the next count.  Static counts of NVRTC's machine code (pinned
 NVRTC 13.0): no GPU, no timing."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 FA3_FWD_D128, FA3_BWD_D128 = 1699, 1298
 
 
 @pytest.fixture(scope="module")
 def hc():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("hopper_sass_count", ROOT / "bench" / "hopper_sass_count.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("hopper_sass_count")
 
 
 def _per_1000(hc, *args, **kw):
