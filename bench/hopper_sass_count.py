@@ -19,7 +19,8 @@ issues 1699 per 1,000 counted this way (``bench/fa3_sass_count.py``; 1688 in
 
 flash_bwd_wgmma (kernels_cu/flash_bwd_wgmma.cu) likewise with ``-DCUFLASH_BWD_INTERIOR_ONLY``
 (a (head, query tile) step off the causal diagonal): its consumers' loop, one trip per warp --
-S^T, dP^T, dV, dK and the dQ chunks with their reds.  FlashAttention-3's backward at d=128
+S^T, dP^T, dV, dK and the dQ chunks with their reds (at d = 192, 256 a trip of consumer 0, whose
+dQ chunks are 0 and 2: at d = 192 one more than consumer 1's).  FlashAttention-3's backward at d=128
 issues 1298-1308 per 1,000 in its non-causal kernel (80 queries per step; 1290 in
 sass-baseline.md); its causal kernel, with this kernel's 64 x 128 tile, 1528-1534
 (``bench/fa3_sass_count.py``).
@@ -47,7 +48,7 @@ SRC = ROOT / "kernels_cu" / "flash_fwd_wgmma.cu"
 BWD_SRC = ROOT / "kernels_cu" / "flash_bwd_wgmma.cu"
 RESULT = HERE / "results" / "hopper_sass_count.md"
 CONFIGS = ((64, 128), (128, 128), (128, 176), (128, 192), (128, 64), (256, 64))  # (d, block_kv)
-BWD_DIMS = (64, 128)
+BWD_CONFIGS = ((64, 128), (128, 128), (192, 64), (256, 64))  # (d, block_kv)
 
 
 def count(d, bc, rescale, backward=False):
@@ -92,9 +93,11 @@ def table():
     for d, bc in CONFIGS:
         for rescale in (False, True):
             lines.append(_row(d, bc, "rescale" if rescale else "lazy", *count(d, bc, rescale)))
-    lines += ["", "## flash_bwd_wgmma (block_kv 128: 64 keys per consumer warpgroup; 64 queries per step)", ""] + head
-    for d in BWD_DIMS:
-        lines.append(_row(d, 128, "steady", *count(d, 128, False, backward=True)))
+    lines += ["", "## flash_bwd_wgmma (64 queries per step; d <= 128: block_kv 128, 64 keys per consumer "
+              "warpgroup; d = 192, 256: block_kv 64, a consumer's 32 queries of the scores and one of dK, dV)",
+              ""] + head
+    for d, bc in BWD_CONFIGS:
+        lines.append(_row(d, bc, "steady", *count(d, bc, False, backward=True)))
     return "\n".join(lines)
 
 

@@ -141,8 +141,8 @@ WGMMA_ENV = "CUFLASH_WGMMA"
 # Where the Hopper kernels are sm_90's default (d == dv): the head dims at which an H100 ran
 # them correct (its cuda tests and the benchmark's float64 checks) and faster than the mma.sync
 # kernels, forward and forward + backward (the H100 device check in bench/results/gpu/: d = 128,
-# float16, 1.4-1.6x).  Their other head dims (forward 64, 192, 256; backward 64) are unmeasured
-# for speed: "1" runs them.
+# float16, 1.4-1.6x).  Their other head dims (forward 64, 192, 256; backward 64, 192, 256) are
+# unmeasured for speed: "1" runs them.
 WGMMA_DEFAULT_DIMS = (128,)
 
 
@@ -592,8 +592,10 @@ def compile_variants():
                                                 "CUFLASH_BLOCK_KV": 128}),
                                  build_options({"CUFLASH_DTYPE_BF16": None, "CUFLASH_HEAD_DIM": 64,
                                                 "CUFLASH_BLOCK_KV": 64})]
-    # flash_bwd_wgmma.cu (Hopper, sm_90a): its one tile shape at both head dims
+    # flash_bwd_wgmma.cu (Hopper, sm_90a): its tile shape at d = 128 and 64, and the other
+    # kernel of the file (flash_bwd_wgmma_wide.cuh) at 256
     sm90 = tiling.EMULATOR_ARCHES["sm_90"]
     add("flash_bwd_wgmma", "float16", 128, limit=sm90)
     add("flash_bwd_wgmma", "bfloat16", 64, limit=sm90)
+    add("flash_bwd_wgmma", "float16", 256, limit=sm90)
     return out

@@ -1,6 +1,7 @@
 // flash_bwd_wgmma.cu: the attention backward for Hopper (sm_90a), float16 / bfloat16, d = dv = 64
-// or 128: TMA loads, warpgroup MMA (wgmma) and a producer warpgroup that streams the query tiles
-// while two consumer warpgroups compute (the FlashAttention-3 structure, Shah et al. 2024).
+// or 128 (192 and 256: flash_bwd_wgmma_wide.cuh, included below): TMA loads, warpgroup MMA
+// (wgmma) and a producer warpgroup that streams the query tiles while two consumer warpgroups
+// compute (the FlashAttention-3 structure, Shah et al. 2024).
 // Result contract as flash_bwd_tc's main kernel, with which it shares the helpers
 // (flash_bwd_tc.cu, -DCUFLASH_BWD_TC_HELPERS): flash_bwd_tc_preprocess writes lse2 = lse log2(e)
 // (+inf on padding rows and rows that see no key) and D = rowsum(dO * O) into the float32
@@ -48,6 +49,10 @@
 #include "params.cuh"
 #include "hopper.cuh"
 
+#if CUFLASH_HEAD_DIM > 128
+#include "flash_bwd_wgmma_wide.cuh"  // d = 192, 256: 64 keys per block, the consumers split otherwise
+#else
+
 constexpr int kD = CUFLASH_HEAD_DIM;
 constexpr int kBc = 128;                  // keys per block: 64 per consumer warpgroup
 constexpr int kBr = 64;                   // queries per tile
@@ -74,20 +79,6 @@ constexpr int kBarOff = kRowOff + kStages * 2 * kBr * 4;
 // The launch's dynamic shared memory: kBarOff + 8 (1 + 2 kStages) bytes and 1024 bytes for
 // the alignment (cuflash.tiling's flash_bwd_wgmma formula).
 #define CUFLASH_LOG2E 1.4426950408889634f
-
-// A 32-bit store at shared-window address `a` inside the buffer that starts at pointer `base`,
-// address `base_a`: on the GPU st.shared by the 32-bit address (the address arithmetic stays
-// 32-bit and the store an STS with its constant part folded in), on the emulator through the
-// pointer.
-__device__ __forceinline__ void sts_b32(unsigned char* base, uint32_t base_a, uint32_t a, uint32_t v) {
-#ifdef CUFLASH_EMULATOR
-    *reinterpret_cast<uint32_t*>(base + (a - base_a)) = v;
-#else
-    (void)base;
-    (void)base_a;
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
@@ -367,3 +358,4 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         }
     }
 }
+#endif  // CUFLASH_HEAD_DIM

@@ -338,6 +338,20 @@ __device__ __forceinline__ void pipeline_init(uint64_t* bars, int stages, unsign
     fence_proxy_async();  // the inits before the copy engine's complete_tx
 }
 
+// A 32-bit store at shared-window address `a` inside the buffer that starts at pointer `base`,
+// address `base_a`: on the GPU st.shared by the 32-bit address (the address arithmetic stays
+// 32-bit and the store an STS with its constant part folded in), on the emulator through the
+// pointer.
+__device__ __forceinline__ void sts_b32(unsigned char* base, uint32_t base_a, uint32_t a, uint32_t v) {
+#ifdef CUFLASH_EMULATOR
+    *reinterpret_cast<uint32_t*>(base + (a - base_a)) = v;
+#else
+    (void)base;
+    (void)base_a;
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+#endif
+}
+
 // A wgmma accumulator (m64nN, float[N / 2] per thread) as the register A operands of the
 // next product: the fragments of n8 tiles 2kk, 2kk + 1 are the A fragment of k16 step kk.
 template <typename T, int N>

@@ -176,38 +176,55 @@ for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
 
 
 # flash_bwd_wgmma (kernels_cu/flash_bwd_wgmma.cu): the Hopper backward, sm_90a only,
-# float16/bfloat16, d == dv in (64, 128), no logit features, dQ by float32 reds (not the
-# deterministic path).  A block is 3 warpgroups (a TMA producer, two consumers of 64 keys), so
-# block_kv is 128; query tiles of 64 rows.  Shared memory: K and V (128 rows each), Q and dO in
-# two stages (64 rows), dS^T in two buffers per consumer (64 x 64), lse2 and D per stage, the
-# mbarriers and 1 KB to align the tiles for the 128-byte swizzle.  Registers: a consumer
-# thread keeps dK and dV (d/2 floats each), S^T and dP^T (32 each) and a dQ chunk (32).
+# float16/bfloat16, d == dv in (64, 128, 192, 256), no logit features, dQ by float32 reds (not
+# the deterministic path).  A block is 3 warpgroups (a TMA producer, two consumers); query
+# tiles of 64 rows.
+#   d = 64, 128: 128 keys per block, 64 per consumer.  Shared memory: K and V (128 rows each),
+#     Q and dO in two stages (64 rows), dS^T in two buffers per consumer (64 x 64), lse2 and D
+#     per stage, the mbarriers and 1 KB to align the tiles for the 128-byte swizzle.
+#     Registers: a consumer thread keeps dK and dV (d/2 floats each), S^T and dP^T (32 each)
+#     and a dQ chunk (32).
+#   d = 192, 256 (flash_bwd_wgmma_wide.cuh): 64 keys per block; a consumer takes 32 queries of
+#     the scores and one gradient (dV or dK: d/2 floats per thread).  Shared memory: K and V (64
+#     rows), Q and dO in two stages, P^T and dS^T in two buffers each (64 x 64), lse2, D, the
+#     mbarriers, 1 KB alignment.
 BWD_WGMMA_KERNEL = "flash_bwd_wgmma"
-BWD_WGMMA_HEAD_DIMS = (64, 128)
+BWD_WGMMA_HEAD_DIMS = (64, 128, 192, 256)
+
+
+def _bwd_wgmma_kv(d):
+    """Keys per block of flash_bwd_wgmma at head dim d."""
+    return 128 if d <= 128 else 64
 
 
 def _bwd_wgmma_shared(bq, bkv, d, dv, acc):
     rows = (d // 64) * 128  # bytes of one 64-column chunk's row
-    return (2 * bkv * rows + 2 * 2 * bq * rows + 4 * 64 * 128 + 2 * 2 * bq * 4
-            + 8 * (1 + 2 * 2) + 1024)
+    scores = 4 * 64 * 128   # dS^T (d <= 128: two consumers' buffers) or P^T and dS^T, two each
+    return 2 * bkv * rows + 2 * 2 * bq * rows + scores + 2 * 2 * bq * 4 + 8 * (1 + 2 * 2) + 1024
 
 
 def _bwd_wgmma_check(bq, bkv, d, dv):
     if d != dv or d not in BWD_WGMMA_HEAD_DIMS:
         return f"{BWD_WGMMA_KERNEL} needs d == dv in {BWD_WGMMA_HEAD_DIMS}, got d={d}, dv={dv}"
+    if bkv != _bwd_wgmma_kv(d):
+        return f"{BWD_WGMMA_KERNEL} runs {_bwd_wgmma_kv(d)} keys per block at d={d}, got block_kv={bkv}"
     return None
+
+
+def _bwd_wgmma_layout(bq, bkv, d, dv, acc):
+    scores = (f"dS^T[2][2][64][{bq}]" if d <= 128 else f"P^T[2][64][{bq}] + dS^T[2][64][{bq}]")
+    return (f"16-bit K[{bkv}][{d}] + V[{bkv}][{d}] + Q[2][{bq}][{d}] + dO[2][{bq}][{d}] + "
+            f"{scores} (128-byte swizzled rows) + float lse2, D [2][{bq}] + mbarriers "
+            "+ 1 KB alignment")
 
 
 register(KernelTiling(
     name=BWD_WGMMA_KERNEL,
     block_q_choices=(64,),
-    block_kv_choices=(128,),
+    block_kv_choices=(64, 128),
     shared_bytes=_bwd_wgmma_shared,
     threads=lambda bq, bkv, d, dv: 384,
-    layout=lambda bq, bkv, d, dv, acc: (
-        f"16-bit K[{bkv}][{d}] + V[{bkv}][{d}] + Q[2][{bq}][{d}] + dO[2][{bq}][{d}] + "
-        f"dS^T[2][2][64][{bq}] (128-byte swizzled rows) + float lse2, D [2][{bq}] + mbarriers "
-        "+ 1 KB alignment"),
+    layout=_bwd_wgmma_layout,
     check=_bwd_wgmma_check,
 ))
 
@@ -215,8 +232,9 @@ register(KernelTiling(
 def bwd_wgmma_takes(d, dv, dtype, block_q=None, block_kv=None):
     """Whether a plain, non-deterministic backward call of these head dims, dtype and explicit
     tiles is one flash_bwd_wgmma takes (on an sm_90 with the Hopper kernels chosen)."""
-    return (_dtype_name(dtype) in TC_DTYPES and block_q in (None, 64) and block_kv in (None, 128)
-            and _bwd_wgmma_check(64, 128, d, dv) is None)
+    if _dtype_name(dtype) not in TC_DTYPES or block_q not in (None, 64):
+        return False
+    return _bwd_wgmma_check(64, block_kv or _bwd_wgmma_kv(d), d, dv) is None
 
 
 def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,

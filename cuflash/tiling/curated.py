@@ -311,13 +311,17 @@ CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
-# The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64 or 128;
-# one tile shape (128 keys: two consumer warpgroups of 64; 64 queries per tile).
+# The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64, 128,
+# 192 or 256; one tile shape per head dim: 128 keys up to d = 128 (two consumer warpgroups of
+# 64), 64 keys above (dK and dV of 128 keys do not fit the consumers' registers); 64 queries
+# per tile.
 #   sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
  64 | 64x128
 128 | 64x128
+192 | 64x64
+256 | 64x64
 """)
 
 # --------------------------------------------------------------------------

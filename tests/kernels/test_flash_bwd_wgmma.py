@@ -50,6 +50,12 @@ CASES = [  # dtype, d, q shape, k shape, causal
     # tile of one head to tile it0 of the next (the dQ rows' pointer steps there)
     ("float16", 128, (1, 4, 200, 128), (1, 2, 200, 128), True),
     ("bfloat16", 64, (2, 2, 200, 64), (2, 1, 200, 64), True),
+    # d = 192, 256 (flash_bwd_wgmma_wide.cuh: 64 keys per block, a consumer's 32 queries and
+    # one gradient): ragged, both causal alignments, the wrap in causal GQA
+    ("float16", 256, (1, 1, 70, 256), (1, 1, 100, 256), False),
+    ("bfloat16", 192, (1, 2, 130, 192), (1, 1, 90, 192), True),
+    ("float16", 256, (1, 4, 200, 256), (1, 2, 200, 256), True),
+    ("bfloat16", 192, (1, 1, 70, 192), (1, 1, 200, 192), "bottom_right"),
 ]
 
 
@@ -101,13 +107,13 @@ def _launch(rt, rng, causal, dtype="float16", qs=(1, 2, 90, 64), ks=(1, 1, 150, 
     return seen
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_checked_launch(hopper, rng, d):
     """Under memcheck and the inter-block check (every access inside the launch's arrays and
     shared memory; blocks store disjoint dK, dV rows, dQ only by reds), and the traffic: each
     block reads its K, V rows once and, per query head of its group and query tile, Q, dO and
     64 lse2 and D values; it stores its dK, dV rows and reduces the tile's 64 x d dQ values
-    once per consumer warpgroup at d = 64 (each its own keys), once at d = 128 (each its
+    once per consumer warpgroup at d = 64 (each its own keys), once above (each its
     columns, both warpgroups' keys); rows past Nq not."""
     rt = kernels.get_runtime(EMU, arch="sm_90")
     assert rt.wgmma
@@ -115,7 +121,7 @@ def test_checked_launch(hopper, rng, d):
     with em.memcheck(), em.interblock_check():
         seen = _launch(rt, rng, False, qs=(B, H, nq, d), ks=(B, Hk, nk, d))
     main = next(e for e in seen if e["kernel"] == "flash_bwd_wgmma")
-    n_kv, n_q = -(-nk // 128), -(-nq // 64)
+    n_kv, n_q = -(-nk // (128 if d <= 128 else 64)), -(-nq // 64)
     # TMA reads the rows inside the tensors only (past Nq / Nk: zeros, not read)
     kv_rows = nk * 2 * Hk * B
     q_rows = n_kv * H * B * nq * 2                      # Q and dO, for every key tile
@@ -125,11 +131,12 @@ def test_checked_launch(hopper, rng, d):
     assert main["global_bytes_written"] == 2 * d * nk * 2 * Hk * B + dq          # written
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192])
 def test_race_check(hopper, rng, d):
     """The stages' mbarriers, the warpgroup waits and the barrier before the dQ product (the
-    warpgroup's at d = 64, both consumers' at d = 128) order every shared access under
-    ThreadSanitizer (384 threads as real threads)."""
+    warpgroup's at d = 64, both consumers' above; at d = 192 also before the products that read
+    the other consumer's P^T and dS^T) order every shared access under ThreadSanitizer (384
+    threads as real threads)."""
     rt = kernels.get_runtime(EMU, race_check=True, arch="sm_90")
     seen = _launch(rt, rng, True, qs=(1, 1, 70, d), ks=(1, 1, 130, d))
     assert "flash_bwd_wgmma" in [e["kernel"] for e in seen]
@@ -137,7 +144,7 @@ def test_race_check(hopper, rng, d):
 
 def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
     _nvrtc, _sass = sm90_nvrtc
-    for dtype, d in (("float16", 64), ("bfloat16", 128)):
+    for dtype, d in (("float16", 64), ("bfloat16", 128), ("float16", 192), ("bfloat16", 256)):
         plan = tiling.plan("flash_bwd_wgmma", d, d, dtype)
         r = _nvrtc.compile(SRC.read_text(), SRC.name, options=(
             "-arch=sm_90a", *kernels.build_options(kernels.plan_defines(plan)), "--ptxas-options=-v"))
@@ -147,7 +154,8 @@ def test_nvrtc_sm90a_machine_code(sm90_nvrtc):
         assert info["spill_stores"] == info["spill_loads"] == info["stack_frame"] == 0, info
         ops = set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Za-z0-9_.]*)",
                              _sass.disassemble(r.cubin)))
-        for shape in ("64x64x16", f"64x{d}x16"):   # S^T, dP^T, dQ chunks; dV, dK
+        # S^T, dP^T (64 queries; 32 above d = 128), dQ chunks; dV, dK
+        for shape in ("64x64x16", f"64x{d}x16") + (("64x32x16",) if d > 128 else ()):
             assert any(o.startswith(f"HGMMA.{shape}.F32") for o in ops), (shape, sorted(ops))
         assert any(o.startswith("UTMALDG.4D") for o in ops)
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL" in ops and "USETMAXREG.DEALLOC.CTAPOOL" in ops
