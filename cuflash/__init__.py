@@ -99,7 +99,7 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     atomics, summed over per-slot slices with ``deterministic=True``) or, for float64 and
     ``deterministic=True`` off ``flash_bwd_tf32``, by the separate pass ``flash_bwd_dq``
     (``flash_bwd_dq_masked``).  On an sm_90, plain float16/bfloat16 calls with d == dv == 128
-    (64 too with ``CUFLASH_WGMMA=1``; none with ``=0``) that are not ``deterministic`` run
+    (64, 192 and 256 too with ``CUFLASH_WGMMA=1``; none with ``=0``) that are not ``deterministic`` run
     ``flash_bwd_wgmma`` (wgmma, TMA, a producer warpgroup; sm_90a) between the same preprocess
     and dQ conversion.  ``memory_analysis(...)["backward_kernels"]`` lists them with their
     shared memory."""
