@@ -9,13 +9,14 @@
 // and adds dS K into the accumulator by float32 reds; flash_bwd_tc_dq_convert makes
 // dQ = scale * accumulator.  P = exp2(S scale log2(e) - lse2), dS = P * (dP - D).
 //
-// Block: 384 threads = 3 warpgroups, one (key/value tile of 128 rows, kv head, batch) per block
-// (folded grid, params.cuh; BwdParams.n_kv_blocks = n_kv_tiles).  The block visits every
+// Block: 384 threads = 3 warpgroups, one (key/value tile of kBc rows, kv head, batch) per block
+// (kBc = 128 up to d = 128, 64 above; folded grid, params.cuh; BwdParams.n_kv_blocks = n_kv_tiles).  The block visits every
 // (query head of the kv head's group, query tile of 64 rows) pair that sees its keys.
 //   warpgroup 0, the producer (setmaxnreg 24): its thread 0 loads K_j, V_j once, then Q_i, dO_i
 //     (TMA) and lse2_i, D_i (bulk copies) into kStages stages, each guarded by a "full" and an
 //     "empty" mbarrier.
-//   warpgroups 1 and 2, the consumers (setmaxnreg 240): keys 64(w-1) .. 64(w-1)+63 of the tile.
+//   warpgroups 1 and 2, the consumers (setmaxnreg 240), at d = 64 and 128 (bwd_consumers below;
+//     at 192 and 256 flash_bwd_wgmma_wide.cuh's): keys 64(w-1) .. 64(w-1)+63 of the tile.
 //     Per (head, query tile), in the transposed form (keys as the M rows, so that P^T and dS^T
 //     are accumulators that feed the next products as register A operands):
 //       S^T  (64 x 64) = K_w Q_i^T          wgmma SS
@@ -35,9 +36,10 @@
 //
 // Shared memory (dynamic, from its first 1024-byte aligned address; tiles are rows of 64
 // elements = 128 bytes, swizzled by 128 bytes, in d/64 column chunks):
-//   K (128 rows) | V (128 rows) | Q: kStages x 64 rows | dO: kStages x 64 rows |
-//   dS^T: 2 buffers x 2 consumers x 64 rows | lse2, D: kStages x 64 floats each | mbarriers
-// Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16, CUFLASH_HEAD_DIM (64 or 128).
+//   K (kBc rows) | V (kBc rows) | Q: kStages x 64 rows | dO: kStages x 64 rows |
+//   4 score tiles of 64 x 64 (d <= 128: dS^T, 2 buffers x 2 consumers; above: P^T and dS^T,
+//   2 buffers each) | lse2, D: kStages x 64 floats each | mbarriers
+// Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16, CUFLASH_HEAD_DIM (64, 128, 192 or 256).
 // Arguments: the tensor maps of Q, K, V, dO (cuflash.launch.hopper: 4-d, boxes of 64 x 64),
 // the arrays Q, K, V, dO (read through the maps), the workspace, dK, dV (contiguous (B, Hk,
 // Nk, d)) and BwdParams (scale, Nq, Nk, H, Hk, group, causal, causal_offset, n_kv_blocks,
@@ -49,12 +51,8 @@
 #include "params.cuh"
 #include "hopper.cuh"
 
-#if CUFLASH_HEAD_DIM > 128
-#include "flash_bwd_wgmma_wide.cuh"  // d = 192, 256: 64 keys per block, the consumers split otherwise
-#else
-
 constexpr int kD = CUFLASH_HEAD_DIM;
-constexpr int kBc = 128;                  // keys per block: 64 per consumer warpgroup
+constexpr int kBc = kD <= 128 ? 128 : 64;  // keys per block (64 per consumer up to d = 128)
 constexpr int kBr = 64;                   // queries per tile
 constexpr int kStages = 2;
 constexpr int kChunks = kD / 64;
@@ -64,90 +62,99 @@ constexpr bool kBF16 = true;
 #else
 constexpr bool kBF16 = false;
 #endif
-static_assert(kD == 64 || kD == 128, "head dim: 64 or 128");
+static_assert(kD == 64 || kD == 128 || kD == 192 || kD == 256, "head dim: 64, 128, 192 or 256");
 
-constexpr int kKVBytes = kChunks * kBc * 128;  // K or V: [chunk][128 rows][128 bytes]
+constexpr int kKVBytes = kChunks * kBc * 128;  // K or V: [chunk][kBc rows][128 bytes]
 constexpr int kQBytes = kChunks * kBr * 128;   // Q_i or dO_i: [chunk][64 rows][128 bytes]
-constexpr int kDSBytes = 64 * 128;             // one consumer's dS^T: [64 keys][64 queries]
+constexpr int kDSBytes = 64 * 128;             // a 64 x 64 score tile (dS^T or P^T): [64 keys][64 queries]
 constexpr int kKOff = 0;
 constexpr int kVOff = kKVBytes;
 constexpr int kQOff = 2 * kKVBytes;
 constexpr int kDOOff = kQOff + kStages * kQBytes;
-constexpr int kDSOff = kDOOff + kStages * kQBytes;
+constexpr int kDSOff = kDOOff + kStages * kQBytes;  // 4 score tiles (how the consumers use them: below)
 constexpr int kRowOff = kDSOff + 4 * kDSBytes;      // lse2_i, D_i per stage (64 floats each)
 constexpr int kBarOff = kRowOff + kStages * 2 * kBr * 4;
 // The launch's dynamic shared memory: kBarOff + 8 (1 + 2 kStages) bytes and 1024 bytes for
 // the alignment (cuflash.tiling's flash_bwd_wgmma formula).
 #define CUFLASH_LOG2E 1.4426950408889634f
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
-                const void* __restrict__ tmap_do, const elem_t* __restrict__ Q, const elem_t* __restrict__ K,
-                const elem_t* __restrict__ V, const elem_t* __restrict__ dO, float* __restrict__ ws,
-                elem_t* __restrict__ dK, elem_t* __restrict__ dV, const BwdParams* __restrict__ P) {
-    const BwdParams& p = *P;
-    const int tid = threadIdx.x, wg = tid / 128;
-    const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
-    const int hk = fi.h, b = fi.b, group = p.group, Nq = p.Nq, Nk = p.Nk;
-    const int kv0 = fi.tile * kBc;
-    const int n_q_tiles = (Nq + kBr - 1) / kBr;
-    int it0 = 0;  // causal: query tiles before the one holding row kv0 - off see no key here
-    if (p.causal) {
-        const long long i_min = (long long)kv0 - p.causal_offset;
-        it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
-    }
-    const int T = group * (n_q_tiles - it0);  // (head, query tile) pairs of this block
-    const size_t bhk = (size_t)b * p.Hk + hk;
-    elem_t* dKt = dK + (bhk * Nk + kv0) * kD;
-    elem_t* dVt = dV + (bhk * Nk + kv0) * kD;
-    if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
-        const int n = min(kBc, Nk - kv0) * kD;
-        for (int e = tid; e < n; e += 384) {
-            gstore(dKt + e, elem_t(0.0f));
-            gstore(dVt + e, elem_t(0.0f));
-        }
-        return;
-    }
-    unsigned char* smem = shared_aligned_1024();
-    uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + kBarOff);
-    uint64_t* full = kv_full + 1;
-    uint64_t* empty = full + kStages;
-    if (tid == 0) pipeline_init(kv_full, kStages, 2);
-    __syncthreads();
+// A block's keys and the (head, query tile) steps that see them, its output rows and its
+// pipeline (shared memory and mbarriers), as the producer and the consumers both read them.
+struct BwdBlock {
+    int hk, b, kv0, n_q_tiles, it0, T;  // kv head, batch, first key, query tiles, first seen, steps
+    elem_t* dKt;                        // dK, dV rows of the block's first key
+    elem_t* dVt;
+    unsigned char* smem;                // from its first 1024-byte aligned address
+    uint64_t* kv_full;                  // K and V landed
+    uint64_t* full;                     // [kStages]: stage s filled
+    uint64_t* empty;                    // [kStages]: stage s consumed by both consumers
+};
 
-    if (wg == 0) {  // ---------------------------------------------------------- producer
-        setmaxnreg_dec<24>();
-        if (tid != 0) return;
-        mbarrier_arrive_expect_tx(kv_full, 2 * kKVBytes);
-        for (int c = 0; c < kChunks; ++c)
-            for (int half = 0; half < 2; ++half) {
-                const int at[4] = {64 * c, kv0 + 64 * half, hk, b};
-                tma_load<4>(smem + kKOff + c * kBc * 128 + half * 64 * 128, tmap_k, at, kv_full);
-                tma_load<4>(smem + kVOff + c * kBc * 128 + half * 64 * 128, tmap_v, at, kv_full);
-            }
-        int gg = 0, i = it0;
-        for (int tt = 0; tt < T; ++tt) {
-            const int s = tt % kStages, h = hk * group + gg, q0 = i * kBr;
-            if (tt >= kStages) mbarrier_wait_parity(&empty[s], (tt / kStages - 1) & 1);  // its last use is done
-            mbarrier_arrive_expect_tx(&full[s], 2 * kQBytes + 2 * kBr * 4);
-            for (int c = 0; c < kChunks; ++c) {
-                const int at[4] = {64 * c, q0, h, b};
-                tma_load<4>(smem + kQOff + s * kQBytes + c * kBr * 128, tmap_q, at, &full[s]);
-                tma_load<4>(smem + kDOOff + s * kQBytes + c * kBr * 128, tmap_do, at, &full[s]);
-            }
-            const size_t row = ((size_t)b * p.H + h) * p.nq_pad + q0;  // lse2 / D of the tile
-            bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4, ws + row, kBr * 4, &full[s]);
-            bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4 + kBr * 4, ws + p.d_offset + row, kBr * 4, &full[s]);
-            if (++i == n_q_tiles) {
-                i = it0;
-                ++gg;
-            }
+// The producer (thread 0 of warpgroup 0): K and V once, then Q_i, dO_i (TMA) and lse2_i, D_i
+// (bulk copies) of every step into stage tt % kStages once both consumers released it.
+__device__ __forceinline__ void bwd_producer(const BwdParams& p, const BwdBlock& k, const void* tmap_q,
+                                             const void* tmap_k, const void* tmap_v, const void* tmap_do,
+                                             const float* ws) {
+    unsigned char* const smem = k.smem;
+    mbarrier_arrive_expect_tx(k.kv_full, 2 * kKVBytes);
+    for (int c = 0; c < kChunks; ++c)
+        for (int r = 0; r < kBc; r += 64) {  // boxes of 64 rows
+            const int at[4] = {64 * c, k.kv0 + r, k.hk, k.b};
+            tma_load<4>(smem + kKOff + c * kBc * 128 + r * 128, tmap_k, at, k.kv_full);
+            tma_load<4>(smem + kVOff + c * kBc * 128 + r * 128, tmap_v, at, k.kv_full);
         }
-        return;
+    int gg = 0, i = k.it0;
+    for (int tt = 0; tt < k.T; ++tt) {
+        const int s = tt % kStages, h = k.hk * p.group + gg, q0 = i * kBr;
+        if (tt >= kStages) mbarrier_wait_parity(&k.empty[s], (tt / kStages - 1) & 1);  // its last use is done
+        mbarrier_arrive_expect_tx(&k.full[s], 2 * kQBytes + 2 * kBr * 4);
+        for (int c = 0; c < kChunks; ++c) {
+            const int at[4] = {64 * c, q0, h, k.b};
+            tma_load<4>(smem + kQOff + s * kQBytes + c * kBr * 128, tmap_q, at, &k.full[s]);
+            tma_load<4>(smem + kDOOff + s * kQBytes + c * kBr * 128, tmap_do, at, &k.full[s]);
+        }
+        const size_t row = ((size_t)k.b * p.H + h) * p.nq_pad + q0;  // lse2 / D of the tile
+        bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4, ws + row, kBr * 4, &k.full[s]);
+        bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4 + kBr * 4, ws + p.d_offset + row, kBr * 4, &k.full[s]);
+        if (++i == k.n_q_tiles) {
+            i = k.it0;
+            ++gg;
+        }
     }
+}
 
-    // ------------------------------------------------------------------------- consumers
-    setmaxnreg_inc<240>();
+// dQ's reds of one 64 x 64 chunk of a query tile's accumulator, from this lane's address `at`
+// (row wr; row wr + 8 is 8 kD floats on): a red.v2 per pair; rows past Nq (only in the last
+// query tile, q0 + kBr > Nq) are not added.
+__device__ __forceinline__ void dq_chunk_reds(float* at, const float (&dq)[32], int q0, int wr, int Nq) {
+    const auto red_row = [&](int h2) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            gred_add_v2(at + 8 * h2 * kD + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
+    };
+    if (q0 + kBr <= Nq) {
+        red_row(0);
+        red_row(1);
+    } else {
+        if (q0 + wr < Nq) red_row(0);
+        if (q0 + wr + 8 < Nq) red_row(1);
+    }
+}
+
+#if CUFLASH_HEAD_DIM > 128
+#include "flash_bwd_wgmma_wide.cuh"  // d = 192, 256: the consumers split the work otherwise
+#else
+// The consumers (warpgroups 1 and 2, after setmaxnreg) at d = 64, 128: the score tiles are
+// dS^T per (stage s, consumer w) at kDSOff + (2s + w) kDSBytes.
+__device__ __forceinline__ void bwd_consumers(const BwdParams& p, const BwdBlock& blk, float* ws, int tid) {
+    const int wg = tid / 128;
+    const int hk = blk.hk, b = blk.b, group = p.group, Nq = p.Nq, Nk = p.Nk, kv0 = blk.kv0;
+    const int n_q_tiles = blk.n_q_tiles, it0 = blk.it0, T = blk.T;
+    unsigned char* const smem = blk.smem;
+    uint64_t* const full = blk.full;
+    uint64_t* const empty = blk.empty;
+    elem_t* const dKt = blk.dKt;
+    elem_t* const dVt = blk.dVt;
     // w from a shuffle: warp-uniform as far as the compiler knows (descriptors in uniform registers)
     const int w = __shfl_sync(0xffffffffu, wg, 0) - 1, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wr = 16 * ((tid / 32) & 3) + g;      // this lane's rows wr, wr + 8 of the warpgroup's 64
@@ -203,7 +210,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     // dQ's reds: this lane's offset in a tile of the accumulator (row wr, the warpgroup's 64
     // columns at d = 128, pair 2t); the tile's first row, kBr rows on from one query tile to the
     // next, and wrap_step elements on to the next head's tile it0
-    const int dq_lane = wr * kD + (kChunks == 1 ? 0 : 64 * w) + 2 * t;
+    int dq_lane = wr * kD + (kChunks == 1 ? 0 : 64 * w) + 2 * t;
     float* dq_tile = ws + p.dq_accum_offset + (((size_t)b * p.H + hk * group) * Nq + (size_t)it0 * kBr) * kD;
     long long wrap_step = ((long long)Nq - (long long)(n_q_tiles - 1 - it0) * kBr) * kD;
     pin(wrap_step);
@@ -212,7 +219,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
     int t2 = 2 * t;  // this lane's first query of each 8 in lse2 and D; pinned, not rebuilt per step
     pin(t2);
-    mbarrier_wait_parity(kv_full, 0);
+    mbarrier_wait_parity(blk.kv_full, 0);
     int i = it0;
     // One (head, query tile) step tt on stage s = tt % 2, which is also its dS^T buffer, waiting
     // for the stage's phase parity = (tt / 2) % 2.  At d = 64 s is a constant once inlined, so
@@ -307,21 +314,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(dq);
-        // rows wr and wr + 8: one address, the second row 8 kD floats on; rows past Nq (only in
-        // the last query tile) are not added
-        float* const dq_row = dq_tile + dq_lane;
-        const auto red_row = [&](int h2) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                gred_add_v2(dq_row + 8 * h2 * kD + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
-        };
-        if (q0 + kBr <= Nq) {
-            red_row(0);
-            red_row(1);
-        } else {
-            if (q0 + wr < Nq) red_row(0);
-            if (q0 + wr + 8 < Nq) red_row(1);
-        }
+        dq_chunk_reds(dq_tile + dq_lane, dq, q0, wr, Nq);
         if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
         const bool wrap = ++i == n_q_tiles;
         dq_tile += wrap ? wrap_step : (long long)kBr * kD;
@@ -359,3 +352,51 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     }
 }
 #endif  // CUFLASH_HEAD_DIM
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
+                const void* __restrict__ tmap_do, const elem_t* __restrict__ Q, const elem_t* __restrict__ K,
+                const elem_t* __restrict__ V, const elem_t* __restrict__ dO, float* __restrict__ ws,
+                elem_t* __restrict__ dK, elem_t* __restrict__ dV, const BwdParams* __restrict__ P) {
+    const BwdParams& p = *P;
+    const int tid = threadIdx.x;
+    const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
+    BwdBlock blk;
+    blk.hk = fi.h;
+    blk.b = fi.b;
+    blk.kv0 = fi.tile * kBc;
+    blk.n_q_tiles = (p.Nq + kBr - 1) / kBr;
+    blk.it0 = 0;  // causal: query tiles before the one holding row kv0 - off see no key here
+    if (p.causal) {
+        const long long i_min = (long long)blk.kv0 - p.causal_offset;
+        blk.it0 = i_min <= 0 ? 0 : (i_min >= p.Nq ? blk.n_q_tiles : (int)(i_min / kBr));
+    }
+    blk.T = p.group * (blk.n_q_tiles - blk.it0);  // (head, query tile) pairs of this block
+    const size_t bhk = (size_t)blk.b * p.Hk + blk.hk;
+    blk.dKt = dK + (bhk * p.Nk + blk.kv0) * kD;
+    blk.dVt = dV + (bhk * p.Nk + blk.kv0) * kD;
+    if (blk.T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
+        const int n = min(kBc, p.Nk - blk.kv0) * kD;
+        for (int e = tid; e < n; e += 384) {
+            gstore(blk.dKt + e, elem_t(0.0f));
+            gstore(blk.dVt + e, elem_t(0.0f));
+        }
+        return;
+    }
+    blk.smem = shared_aligned_1024();
+    blk.kv_full = reinterpret_cast<uint64_t*>(blk.smem + kBarOff);
+    blk.full = blk.kv_full + 1;
+    blk.empty = blk.full + kStages;
+    if (tid == 0) pipeline_init(blk.kv_full, kStages, 2);
+    __syncthreads();
+    // the producer warpgroup (one thread issues every copy); tested as tid / 128, the consumers'
+    // warpgroup index: `tid < 128` costs the d = 128 loop 7 instructions and bfloat16 a spill
+    // (NVRTC 13.0)
+    if (tid / 128 == 0) {
+        setmaxnreg_dec<24>();
+        if (tid == 0) bwd_producer(p, blk, tmap_q, tmap_k, tmap_v, tmap_do, ws);
+        return;
+    }
+    setmaxnreg_inc<240>();
+    bwd_consumers(p, blk, ws, tid);
+}

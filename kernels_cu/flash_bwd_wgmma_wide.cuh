@@ -1,127 +1,38 @@
-// flash_bwd_wgmma_wide.cuh: flash_bwd_wgmma at d = dv = 192 or 256 (included by
-// flash_bwd_wgmma.cu in place of its d = 64 / 128 kernel; same arguments, same result contract,
-// same producer).  The two consumer warpgroups split the work another way, because one thread
-// cannot hold dK and dV of 64 keys at these head dims (d floats of each):
-//
-// Block: 384 threads = 3 warpgroups, one (key/value tile of 64 rows, kv head, batch) per block.
-//   warpgroup 0, the producer (setmaxnreg 24): K_j, V_j once; Q_i, dO_i, lse2_i, D_i per step
-//     into kStages stages, as the d <= 128 kernel.
-//   warpgroups 1 and 2, the consumers (setmaxnreg 240): consumer w takes queries 32w .. 32w+31
-//     of each query tile for the score products, and one of the two gradients of the keys:
-//       S^T  (64 x 32) = K Q_w^T            wgmma SS (N = 32)
-//       dP^T (64 x 32) = V dO_w^T           wgmma SS
-//       P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - D): both stored to shared memory
-//       (128-byte swizzle), then the two consumers meet (named barrier), and
-//       w = 0:  dV (64 x d) += P^T dO_i     wgmma SS, A = P^T (all 64 queries), dO N-major
-//       w = 1:  dK (64 x d) += dS^T Q_i     wgmma SS, A = dS^T, Q N-major
-//       dQ_i[:, chunks c = w, w + 2] += dS K[:, c]   wgmma SS (dS^T read M-major), each 64-column
-//                                           chunk reduced into the float32 accumulator
-//     So a thread keeps d/2 floats of one gradient (128 at d = 256), 16 of S^T, 16 of dP^T and
-//     a dQ chunk (32).  At d = 192 the chunks split 2 : 1, the one imbalance of the split.
+// flash_bwd_wgmma_wide.cuh: flash_bwd_wgmma's consumers at d = dv = 192 or 256, included by
+// flash_bwd_wgmma.cu in place of its d = 64 / 128 ones: the same kernel, arguments, result
+// contract, producer and shared-memory layout, with 64 keys per block (kBc).  The two consumer
+// warpgroups split the work another way, because one thread cannot hold dK and dV of 64 keys
+// at these head dims (d floats of each).  Consumer w takes queries 32w .. 32w+31 of each
+// query tile for the score products, and one of the two gradients of the block's keys:
+//   S^T  (64 x 32) = K Q_w^T                wgmma SS (N = 32)
+//   dP^T (64 x 32) = V dO_w^T               wgmma SS
+//   P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - D): both stored to shared memory (128-byte
+//   swizzle), then the two consumers meet (named barrier), and
+//   w = 0:  dV (64 x d) += P^T dO_i         wgmma SS, A = P^T (all 64 queries), dO N-major
+//   w = 1:  dK (64 x d) += dS^T Q_i         wgmma SS, A = dS^T, Q N-major
+//   dQ_i[:, c] += dS K[:, c], c = w, w + 2  wgmma SS (dS^T read M-major), each 64-column chunk
+//                                           reduced into the float32 accumulator
+// So a thread keeps d/2 floats of one gradient (128 at d = 256), 16 of S^T, 16 of dP^T and a
+// dQ chunk (32).  At d = 192 the chunks split 2 : 1, the one imbalance of the split.
 // P^T and dS^T live in two buffers each (by step parity); a consumer writes buffer s of step
 // tt + 2 only after both met at step tt + 1, by which time both finished step tt's reads.
-// Keys past Nk, query rows past Nq, causal skipping, the dQ pointer: as the d <= 128 kernel.
-//
-// Shared memory (dynamic, from its first 1024-byte aligned address; rows of 64 elements =
-// 128 bytes, swizzled by 128 bytes, in d/64 column chunks):
-//   K (64 rows) | V (64 rows) | Q: kStages x 64 rows | dO: kStages x 64 rows |
-//   P^T: 2 x 64 rows | dS^T: 2 x 64 rows | lse2, D: kStages x 64 floats each | mbarriers
-// (d = 256: 230,440 bytes and the 1,024 for the alignment, inside an H100's 232,448).
+// Keys past Nk, query rows past Nq, causal skipping, the dQ pointer: as at d <= 128.  At
+// d = 256 the shared memory is 230,440 bytes and the 1,024 for the alignment, inside an
+// H100's 232,448.
 
-constexpr int kD = CUFLASH_HEAD_DIM;
-constexpr int kBc = 64;                   // keys per block
-constexpr int kBr = 64;                   // queries per tile, 32 per consumer
-constexpr int kStages = 2;
-constexpr int kChunks = kD / 64;
-constexpr unsigned kConsumersBarrier = 4;  // named barrier of the two consumer warpgroups
-#ifdef CUFLASH_DTYPE_BF16
-constexpr bool kBF16 = true;
-#else
-constexpr bool kBF16 = false;
-#endif
-static_assert(kD == 192 || kD == 256, "flash_bwd_wgmma_wide.cuh: head dim 192 or 256");
+// The consumers (warpgroups 1 and 2, after setmaxnreg) at d = 192, 256: the score tiles are P^T
+// of stage s at kDSOff + s kDSBytes and dS^T at kDSOff + (2 + s) kDSBytes.
+static_assert(kBc == 64, "flash_bwd_wgmma_wide.cuh: 64 keys per block");
+constexpr int kPOff = kDSOff;                      // P^T [2]
+constexpr int kDSTOff = kDSOff + 2 * kDSBytes;     // dS^T [2]
 
-constexpr int kTileBytes = kChunks * 64 * 128;  // K, V, Q_i or dO_i: [chunk][64 rows][128 bytes]
-constexpr int kPBytes = 64 * 128;               // P^T or dS^T: [64 keys][64 queries]
-constexpr int kKOff = 0;
-constexpr int kVOff = kTileBytes;
-constexpr int kQOff = 2 * kTileBytes;
-constexpr int kDOOff = kQOff + kStages * kTileBytes;
-constexpr int kPOff = kDOOff + kStages * kTileBytes;
-constexpr int kDSOff = kPOff + 2 * kPBytes;
-constexpr int kRowOff = kDSOff + 2 * kPBytes;       // lse2_i, D_i per stage (64 floats each)
-constexpr int kBarOff = kRowOff + kStages * 2 * kBr * 4;
-// The launch's dynamic shared memory: kBarOff + 8 (1 + 2 kStages) bytes and 1024 bytes for
-// the alignment (cuflash.tiling's flash_bwd_wgmma formula).
-#define CUFLASH_LOG2E 1.4426950408889634f
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k, const void* __restrict__ tmap_v,
-                const void* __restrict__ tmap_do, const elem_t* __restrict__ Q, const elem_t* __restrict__ K,
-                const elem_t* __restrict__ V, const elem_t* __restrict__ dO, float* __restrict__ ws,
-                elem_t* __restrict__ dK, elem_t* __restrict__ dV, const BwdParams* __restrict__ P) {
-    const BwdParams& p = *P;
-    const int tid = threadIdx.x, wg = tid / 128;
-    const FoldedIndex fi = cuflash_fold_decode(p.n_kv_blocks, p.Hk);
-    const int hk = fi.h, b = fi.b, group = p.group, Nq = p.Nq, Nk = p.Nk;
-    const int kv0 = fi.tile * kBc;
-    const int n_q_tiles = (Nq + kBr - 1) / kBr;
-    int it0 = 0;  // causal: query tiles before the one holding row kv0 - off see no key here
-    if (p.causal) {
-        const long long i_min = (long long)kv0 - p.causal_offset;
-        it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
-    }
-    const int T = group * (n_q_tiles - it0);  // (head, query tile) pairs of this block
-    const size_t bhk = (size_t)b * p.Hk + hk;
-    elem_t* dKt = dK + (bhk * Nk + kv0) * kD;
-    elem_t* dVt = dV + (bhk * Nk + kv0) * kD;
-    if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
-        const int n = min(kBc, Nk - kv0) * kD;
-        for (int e = tid; e < n; e += 384) {
-            gstore(dKt + e, elem_t(0.0f));
-            gstore(dVt + e, elem_t(0.0f));
-        }
-        return;
-    }
-    unsigned char* smem = shared_aligned_1024();
-    uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + kBarOff);
-    uint64_t* full = kv_full + 1;
-    uint64_t* empty = full + kStages;
-    if (tid == 0) pipeline_init(kv_full, kStages, 2);
-    __syncthreads();
-
-    if (wg == 0) {  // ---------------------------------------------------------- producer
-        setmaxnreg_dec<24>();
-        if (tid != 0) return;
-        mbarrier_arrive_expect_tx(kv_full, 2 * kTileBytes);
-        for (int c = 0; c < kChunks; ++c) {
-            const int at[4] = {64 * c, kv0, hk, b};
-            tma_load<4>(smem + kKOff + c * 64 * 128, tmap_k, at, kv_full);
-            tma_load<4>(smem + kVOff + c * 64 * 128, tmap_v, at, kv_full);
-        }
-        int gg = 0, i = it0;
-        for (int tt = 0; tt < T; ++tt) {
-            const int s = tt % kStages, h = hk * group + gg, q0 = i * kBr;
-            if (tt >= kStages) mbarrier_wait_parity(&empty[s], (tt / kStages - 1) & 1);  // its last use is done
-            mbarrier_arrive_expect_tx(&full[s], 2 * kTileBytes + 2 * kBr * 4);
-            for (int c = 0; c < kChunks; ++c) {
-                const int at[4] = {64 * c, q0, h, b};
-                tma_load<4>(smem + kQOff + s * kTileBytes + c * 64 * 128, tmap_q, at, &full[s]);
-                tma_load<4>(smem + kDOOff + s * kTileBytes + c * 64 * 128, tmap_do, at, &full[s]);
-            }
-            const size_t row = ((size_t)b * p.H + h) * p.nq_pad + q0;  // lse2 / D of the tile
-            bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4, ws + row, kBr * 4, &full[s]);
-            bulk_copy_g2s(smem + kRowOff + s * 2 * kBr * 4 + kBr * 4, ws + p.d_offset + row, kBr * 4, &full[s]);
-            if (++i == n_q_tiles) {
-                i = it0;
-                ++gg;
-            }
-        }
-        return;
-    }
-
-    // ------------------------------------------------------------------------- consumers
-    setmaxnreg_inc<240>();
+__device__ __forceinline__ void bwd_consumers(const BwdParams& p, const BwdBlock& blk, float* ws, int tid) {
+    const int wg = tid / 128;
+    const int hk = blk.hk, b = blk.b, group = p.group, Nq = p.Nq, Nk = p.Nk, kv0 = blk.kv0;
+    const int n_q_tiles = blk.n_q_tiles, it0 = blk.it0, T = blk.T;
+    unsigned char* const smem = blk.smem;
+    uint64_t* const full = blk.full;
+    uint64_t* const empty = blk.empty;
     // w from a shuffle: warp-uniform as far as the compiler knows (descriptors in uniform registers)
     const int w = __shfl_sync(0xffffffffu, wg, 0) - 1, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int wr = 16 * ((tid / 32) & 3) + g;      // this lane's keys wr, wr + 8 of the tile's 64
@@ -139,9 +50,9 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     uint32_t b_q = (uint32_t)wgmma_desc(smem + kQOff + wq * 128, 16, 1024, 128);
     uint32_t b_do = (uint32_t)wgmma_desc(smem + kDOOff + wq * 128, 16, 1024, 128);
     // the gradient this consumer accumulates: dV = P^T dO (w = 0) or dK = dS^T Q (w = 1)
-    uint32_t a_g = (uint32_t)wgmma_desc(smem + (w == 0 ? kPOff : kDSOff), 16, 1024, 128);
+    uint32_t a_g = (uint32_t)wgmma_desc(smem + (w == 0 ? kPOff : kDSTOff), 16, 1024, 128);
     uint32_t n_g = (uint32_t)wgmma_desc(smem + (w == 0 ? kDOOff : kQOff), 64 * 128, 1024, 128);
-    uint32_t a_ds = (uint32_t)wgmma_desc(smem + kDSOff, kPBytes, 1024, 128);
+    uint32_t a_ds = (uint32_t)wgmma_desc(smem + kDSTOff, kDSBytes, 1024, 128);
     const uint32_t n_k = (uint32_t)wgmma_desc(smem + kKOff, 64 * 128, 1024, 128);
     constexpr uint64_t kHi = (uint64_t)((1024 >> 4) | (1u << 30)) << 32;
     auto desc = [](uint32_t lo) { return kHi | lo; };
@@ -165,7 +76,8 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     const uint32_t p_lane = p_buf_a + wr * 128 + 4 * t + (g << 4);
     // dQ's reds: this lane's offset in a tile of the accumulator (row wr, pair 2t), and the
     // tile's first row: kBr rows on per query tile, wrap_step elements on to the next head's it0
-    const int dq_lane = wr * kD + 2 * t;
+    int dq_lane = wr * kD + 2 * t;
+    pin(dq_lane);  // not rebuilt from the thread index in the loop
     float* dq_tile = ws + p.dq_accum_offset + (((size_t)b * p.H + hk * group) * Nq + (size_t)it0 * kBr) * kD;
     long long wrap_step = ((long long)Nq - (long long)(n_q_tiles - 1 - it0) * kBr) * kD;
     pin(wrap_step);
@@ -174,12 +86,12 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
     for (int e = 0; e < kD / 2; ++e) gr[e] = 0.0f;
     int t2 = wq + 2 * t;  // this lane's first query of each 8 in lse2 and D
     pin(t2);
-    mbarrier_wait_parity(kv_full, 0);
+    mbarrier_wait_parity(blk.kv_full, 0);
     int i = it0;
     unsigned s = 0, parity = 0;
     for (int tt = 0; tt < T; ++tt) {
         const int q0 = i * kBr;
-        const uint32_t qo = (s * kTileBytes) >> 4, po = (s * kPBytes) >> 4;
+        const uint32_t qo = (s * kQBytes) >> 4, po = (s * kDSBytes) >> 4;
         mbarrier_wait_parity(&full[s], parity);
         float st[16], dpt[16];
         wgmma_fence();
@@ -198,7 +110,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
                 if (kv0 + wr + 8 * ((e >> 1) & 1) > q0 + wq + 8 * (e >> 2) + 2 * t + (e & 1) + off) st[e] = -INFINITY;
         }
 #endif
-        const uint32_t p_stage = p_lane + s * kPBytes;
+        const uint32_t p_stage = p_lane + s * kDSBytes;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j);
@@ -217,7 +129,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float2 dd = *reinterpret_cast<const float2*>(d_s + 8 * j);
-            const uint32_t row_a = (p_stage + 2 * kPBytes) ^ (uint32_t)((4 * w + j) << 4);
+            const uint32_t row_a = (p_stage + 2 * kDSBytes) ^ (uint32_t)((4 * w + j) << 4);
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const int e = 4 * j + 2 * h2;
@@ -239,22 +151,6 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
                 wgmma_ss<64, kBF16, true, true>(dq, desc(a_ds + po + ((2048 * kk) >> 4)), desc(nb + ((2048 * kk) >> 4)), true);
             wgmma_commit();
         };
-        // rows wr and wr + 8 of chunk ch; rows past Nq (only in the last query tile) not added
-        auto dq_reds = [&](int ch, const float (&dq)[32]) {
-            float* const at = dq_row + 64 * ch;
-            const auto red_row = [&](int h2) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    gred_add_v2(at + 8 * h2 * kD + 8 * j, dq[4 * j + 2 * h2], dq[4 * j + 2 * h2 + 1]);
-            };
-            if (q0 + kBr <= Nq) {
-                red_row(0);
-                red_row(1);
-            } else {
-                if (q0 + wr < Nq) red_row(0);
-                if (q0 + wr + 8 < Nq) red_row(1);
-            }
-        };
         float dq[32];
         wgmma_fence();
         dq_chunk(w, dq);
@@ -265,13 +161,13 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
         wgmma_commit();
         wgmma_wait<1>();
         wgmma_fence_operand(dq);
-        dq_reds(w, dq);
+        dq_chunk_reds(dq_row + 64 * w, dq, q0, wr, Nq);
         if (w + 2 < kChunks) {  // d = 256 both consumers, d = 192 consumer 0
             wgmma_fence();
             dq_chunk(w + 2, dq);
             wgmma_wait<0>();
             wgmma_fence_operand(dq);
-            dq_reds(w + 2, dq);
+            dq_chunk_reds(dq_row + 64 * (w + 2), dq, q0, wr, Nq);
         }
         wgmma_wait<0>();
         if ((tid & 127) == 0) mbarrier_arrive(&empty[s]);  // this consumer is done with stage s
@@ -285,7 +181,7 @@ flash_bwd_wgmma(const void* __restrict__ tmap_q, const void* __restrict__ tmap_k
 
     // dV (w = 0) or dK (scaled; w = 1) of the tile's keys; keys past Nk are not stored
     const float scale = w == 0 ? 1.0f : (float)p.scale;
-    elem_t* const out = w == 0 ? dVt : dKt;
+    elem_t* const out = w == 0 ? blk.dVt : blk.dKt;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
         const int r = wr + 8 * h2;
