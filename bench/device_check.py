@@ -19,12 +19,13 @@ default 540 s), its output kept in ``<stage>.log``:
   decode shape and the host time per call;
 * ``ncu``: Nsight Compute on flash_fwd_tc and flash_bwd_tc (float16, d = 64 and 128;
   ``CUFLASH_WGMMA=0``);
-* ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 64 and 128,
-  float16, with ``CUFLASH_WGMMA=1`` -- flash_fwd_wgmma and flash_bwd_wgmma against SDPA's
-  kernels, beside the ``bench`` stage's mma.sync rows -- and Nsight Compute on the two kernels
-  (d = 128; :data:`HOPPER_NCU_SECTIONS`: with the memory workload, the schedulers' and the warp
-  states' sections, whose stall rules' texts stay in hopper_ncu.log); its results decide the head dims where the Hopper kernels are sm_90's default
-  (``cuflash.kernels.WGMMA_DEFAULT_DIMS``); then, in the time left, the forward's tiles of 176
+* ``hopper`` (an sm_90 only; run right after the tests): the benchmark's grid at d = 64, 128,
+  192 and 256, float16, with ``CUFLASH_WGMMA=1`` -- flash_fwd_wgmma and flash_bwd_wgmma against
+  SDPA's kernels, beside the ``bench`` stage's mma.sync rows (d = 64 and 128; at 192 and 256
+  SDPA's alone) -- and Nsight Compute on the two kernels (d = 128; :data:`HOPPER_NCU_SECTIONS`:
+  with the memory workload, the schedulers' and the warp states' sections, whose stall rules'
+  texts stay in hopper_ncu.log); its results decide the head dims where the Hopper kernels are
+  sm_90's default (``cuflash.kernels.WGMMA_DEFAULT_DIMS``); then, in the time left, the forward's tiles of 176
   and 192 keys at d = 128 against the default 128 (the benchmark's tiles section,
   hopper_tiles.md);
 * optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its
@@ -416,8 +417,8 @@ def _compute_capability(ctx):
 
 
 def stage_hopper(ctx, timeout):
-    """The Hopper kernels (CUFLASH_WGMMA=1) on an sm_90: the benchmark's grid at d = 64 and 128
-    (beside the bench stage's mma.sync rows: what decides where they are sm_90's default,
+    """The Hopper kernels (CUFLASH_WGMMA=1) on an sm_90: the benchmark's grid at d = 64, 128, 192
+    and 256 (beside the bench stage's mma.sync rows: what decides where they are sm_90's default,
     cuflash.kernels.WGMMA_DEFAULT_DIMS) and Nsight Compute on flash_fwd_wgmma and
     flash_bwd_wgmma; skipped on other GPUs."""
     cc = _compute_capability(ctx)
@@ -433,7 +434,7 @@ def stage_hopper(ctx, timeout):
     cmd += (["--backend", "emulator", "--dims", "64", "--seqlens", "64", "--causal", "no", "--hidden", "64",
              "--tokens", "64"]
             if ctx.backend == "emulator" else
-            ["--dims", "64,128", "--seqlens", "4096,16384", "--causal", "both", "--target-ms", "20"])
+            ["--dims", "64,128,192,256", "--seqlens", "4096,16384", "--causal", "both", "--target-ms", "20"])
     rc, _ = _run(cmd, ctx.out / "hopper.log", max(5, timeout * 0.7), env)
     out = {"status": _status(rc)}
     if jp.exists():
