@@ -214,6 +214,15 @@ static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 // rows past `rows` zero-filled), with this kernel's element type and threads.
 template <int kRows, int kCols, int kSt>
 using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
+// The Q / dO prefetch keeps each thread's own source pointers across the tile loop (4 registers)
+// where the copies are unrolled (their row steps then are all it adds) and the build has no
+// logit features; the others, nearer 255 registers, step the tiles' block-uniform first rows
+// and rebuild the thread's offsets per tile
+#ifdef CUFLASH_MASKS
+constexpr bool kOwnCopyPtrs = false;
+#else
+constexpr bool kOwnCopyPtrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && TileCopy<kBr, kDv, kVS>::kUnrolled;
+#endif
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 // (a compile-time trip count, as TileCopy: no remainder loop)
@@ -446,14 +455,27 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             // a select per chunk) rather than a full-tile copy beside it: one copy of the code,
             // and ptxas then kept flash_bwd_tc_masked's d = 256 plans for sm_90 (16 x 32, 16 x
             // 64, both dtypes) free of the 4-8 B spills it had with both paths
-            auto issue_tile = [&](int gg, int i, int buf) {
-                const int h = hk * group + gg;
-                const int q0 = i * kBr;
+            // The sources of tile (gg, i)'s Q and dO, stepped from one tile to the next (kBr rows,
+            // or on to the next head's tile it0) rather than rebuilt from (gg, i) by 64-bit
+            // products: with kOwnCopyPtrs this thread's own first chunks (the copy then adds only
+            // its row steps), else the tile's first rows (block-uniform: no thread registers)
+            const TileCopy<kBr, kD, kKS> q_copy(tid, p.q_sr, d_cols);
+            const TileCopy<kBr, kDv, kVS> do_copy(tid, p.do_sr, dv_cols);
+            const long long q_step = kBr * p.q_sr, do_step = kBr * p.do_sr;
+            const long long q_wrap = p.q_sh - (n_i - 1) * q_step, do_wrap = p.do_sh - (n_i - 1) * do_step;
+            const elem_t* q_src = Q + b * p.q_sb + (long long)(hk * group) * p.q_sh + it0 * q_step
+                                  + (kOwnCopyPtrs ? q_copy.goff : 0);
+            const elem_t* do_src = dO + b * p.do_sb + (long long)(hk * group) * p.do_sh + it0 * do_step
+                                   + (kOwnCopyPtrs ? do_copy.goff : 0);
+            auto issue_tile = [&](int h, int q0, int buf) {
                 const int rows = min(kBr, Nq - q0);
-                TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS,
-                                                          Q + b * p.q_sb + h * p.q_sh + q0 * p.q_sr, rows);
-                TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs + buf * kBr * kVS,
-                                                            dO + b * p.do_sb + h * p.do_sh + q0 * p.do_sr, rows);
+                if constexpr (kOwnCopyPtrs) {
+                    q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
+                    do_copy.template issue_own<false>(dOs + buf * kBr * kVS, do_src, dO, rows);
+                } else {
+                    TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS, q_src, rows);
+                    TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs + buf * kBr * kVS, do_src, rows);
+                }
                 const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
@@ -462,7 +484,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 TileCopy<kBc, kD, kKS>(tid, p.k_sr, d_cols).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
                 TileCopy<kBc, kDv, kVS>(tid, p.v_sr, dv_cols).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
-            issue_tile(0, it0, 0);
+            issue_tile(hk * group, it0 * kBr, 0);
             cp_async_commit();
 
             float dk[kMT][2 * kKC][4], dv[kMT][2 * kVC][4];
@@ -489,7 +511,9 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const bool next_head = i + 1 == it1;
                 const int gg1 = next_head ? gg + 1 : gg, i1 = next_head ? it0 : i + 1;
                 if (tt + 1 < T) {
-                    issue_tile(gg1, i1, buf ^ 1);
+                    q_src += next_head ? q_wrap : q_step;
+                    do_src += next_head ? do_wrap : do_step;
+                    issue_tile(hk * group + gg1, i1 * kBr, buf ^ 1);
                     cp_async_commit();
                 }
                 const int qbuf = buf * kBr * kKS * kElem, dobuf = buf * kBr * kVS * kElem;  // bytes

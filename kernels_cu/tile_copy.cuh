@@ -75,6 +75,25 @@ struct TileCopyT {
         if (kAlwaysFull || rows >= kRows) issue<true>(s, g, rows);
         else issue<false>(s, g, rows);
     }
+    // The same copy from `src`, this thread's own first chunk (the tile's base + goff), which a
+    // caller streaming tiles steps by a tile's rows itself: no per-tile offset products.  `safe`
+    // is any readable address, the source of zero-filled chunks.
+    template <bool kFull>
+    __device__ __forceinline__ void issue_own(T* s, const T* src, const T* safe, int rows) const {
+        if (kUnrolled) {
+            const long long step = kRowStep * gs;
+#pragma unroll
+            for (int i = 0; i < kIters; ++i) {
+                if (kExact || row + i * kRowStep < kRows) {
+                    const bool valid = (kFull || row + i * kRowStep < rows) && (!kPadCols || col_ok);
+                    cp_async_16_zfill(s + soff + i * kRowStep * kSS, valid ? src : safe, valid);
+                }
+                src += step;
+            }
+        } else {
+            issue<kFull>(s, src - goff, rows);
+        }
+    }
 };
 
 #endif  // CUFLASH_TILE_COPY_CUH
