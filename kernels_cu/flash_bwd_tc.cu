@@ -214,14 +214,22 @@ static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 // rows past `rows` zero-filled), with this kernel's element type and threads.
 template <int kRows, int kCols, int kSt>
 using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
-// The Q / dO prefetch keeps each thread's own source pointers across the tile loop (4 registers)
-// where the copies are unrolled (their row steps then are all it adds) and the build has no
-// logit features; the others, nearer 255 registers, step the tiles' block-uniform first rows
-// and rebuild the thread's offsets per tile
+// Builds with registers to spare -- unrolled copies and products (head dims up to 128, not
+// padded; the copies' row steps compile-time), no logit features -- keep addresses across the
+// tile loop: the Q / dO prefetch each thread's own source pointers (4 registers; the copy then
+// adds only its row steps), the dQ reds one lane address per dQ tile with constant offsets and
+// no row tests but in the last query tile.  The others, nearer 255 registers (where these
+// spill: d = 240 / 256, the features' padded builds), step the tiles' block-uniform first rows
+// and rebuild the thread's offsets per tile, and test every dQ row.
 #ifdef CUFLASH_MASKS
-constexpr bool kOwnCopyPtrs = false;
+constexpr bool kHoistAddrs = false;
 #else
-constexpr bool kOwnCopyPtrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && TileCopy<kBr, kDv, kVS>::kUnrolled;
+constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && TileCopy<kBr, kDv, kVS>::kUnrolled;
+// (no logit features:) dS^T = P^T (dP^T - D) from P^T's float32 registers, kept live across
+// the dP^T products, rather than unpacked from its 16-bit pairs (one HADD2 per pair, and P
+// rounded to 16 bits first), where the plan sweep finds they fit: the kHoistAddrs builds but
+// d = 64 on sm_90 (its 32 x 128 default spills 4 B there, NVRTC 13.0)
+constexpr bool kFloatP = kHoistAddrs && (kD >= 128 || CUFLASH_ARCH < 900);
 #endif
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
@@ -457,19 +465,19 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             // 64, both dtypes) free of the 4-8 B spills it had with both paths
             // The sources of tile (gg, i)'s Q and dO, stepped from one tile to the next (kBr rows,
             // or on to the next head's tile it0) rather than rebuilt from (gg, i) by 64-bit
-            // products: with kOwnCopyPtrs this thread's own first chunks (the copy then adds only
-            // its row steps), else the tile's first rows (block-uniform: no thread registers)
+            // products: with kHoistAddrs this thread's own first chunks, else the tile's first
+            // rows (block-uniform: no thread registers)
             const TileCopy<kBr, kD, kKS> q_copy(tid, p.q_sr, d_cols);
             const TileCopy<kBr, kDv, kVS> do_copy(tid, p.do_sr, dv_cols);
             const long long q_step = kBr * p.q_sr, do_step = kBr * p.do_sr;
             const long long q_wrap = p.q_sh - (n_i - 1) * q_step, do_wrap = p.do_sh - (n_i - 1) * do_step;
             const elem_t* q_src = Q + b * p.q_sb + (long long)(hk * group) * p.q_sh + it0 * q_step
-                                  + (kOwnCopyPtrs ? q_copy.goff : 0);
+                                  + (kHoistAddrs ? q_copy.goff : 0);
             const elem_t* do_src = dO + b * p.do_sb + (long long)(hk * group) * p.do_sh + it0 * do_step
-                                   + (kOwnCopyPtrs ? do_copy.goff : 0);
+                                   + (kHoistAddrs ? do_copy.goff : 0);
             auto issue_tile = [&](int h, int q0, int buf) {
                 const int rows = min(kBr, Nq - q0);
-                if constexpr (kOwnCopyPtrs) {
+                if constexpr (kHoistAddrs) {
                     q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
                     do_copy.template issue_own<false>(dOs + buf * kBr * kVS, do_src, dO, rows);
                 } else {
@@ -810,7 +818,13 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                         for (int hh = 0; hh < 2; ++hh) {
                             float p0, p1;
-                            unpack2<elem_t>(pp[mt][n][hh], p0, p1);
+#ifndef CUFLASH_MASKS
+                            if constexpr (kFloatP) {  // P^T still in float32
+                                p0 = s[mt][n][2 * hh];
+                                p1 = s[mt][n][2 * hh + 1];
+                            } else
+#endif
+                                unpack2<elem_t>(pp[mt][n][hh], p0, p1);
 #ifdef CUFLASH_MASKS
                             const float dp0 = dp[mt][n][2 * hh], dp1 = dp[mt][n][2 * hh + 1];
                             if (drop.on) {  // dP of the dropped product: keep / (1 - p), in one FFMA
@@ -951,19 +965,40 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 }
                             }
                         }
+                        if constexpr (kHoistAddrs) {
+                            // this lane's first pair of the tile (row rq + g, column cq + 2t): one
+                            // address, the other rows and columns at constant offsets from it; the
+                            // row test only in the last query tile, where rows may pass Nq
+                            float* const dq_lane = dq_rows + (size_t)(rq + g) * kD + cq + 2 * t;
+                            const auto reds = [&](bool tail) {
 #pragma unroll
-                        for (int m = 0; m < kDqM / 16; ++m)
+                                for (int m = 0; m < kDqM / 16; ++m)
 #pragma unroll
-                            for (int hh = 0; hh < 2; ++hh) {
-                                const int r = rq + m * 16 + g + 8 * hh;
-                                if (q0 + r < Nq) {
+                                    for (int hh = 0; hh < 2; ++hh)
+                                        if (!tail || q0 + rq + m * 16 + g + 8 * hh < Nq) {
 #pragma unroll
-                                    for (int n = 0; n < kDqN / 8; ++n)
-                                        if (!kPadded || cq + n * 8 < d_cols)
-                                            gred_add_v2(dq_rows + r * d_cols + cq + n * 8 + 2 * t,
-                                                        acc[m][n][2 * hh], acc[m][n][2 * hh + 1]);
+                                            for (int n = 0; n < kDqN / 8; ++n)
+                                                gred_add_v2(dq_lane + (m * 16 + 8 * hh) * kD + n * 8,
+                                                            acc[m][n][2 * hh], acc[m][n][2 * hh + 1]);
+                                        }
+                            };
+                            if (q0 + kBr <= Nq) reds(false);
+                            else reds(true);
+                        } else {
+#pragma unroll
+                            for (int m = 0; m < kDqM / 16; ++m)
+#pragma unroll
+                                for (int hh = 0; hh < 2; ++hh) {
+                                    const int r = rq + m * 16 + g + 8 * hh;
+                                    if (q0 + r < Nq) {
+#pragma unroll
+                                        for (int n = 0; n < kDqN / 8; ++n)
+                                            if (!kPadded || cq + n * 8 < d_cols)
+                                                gred_add_v2(dq_rows + r * d_cols + cq + n * 8 + 2 * t,
+                                                            acc[m][n][2 * hh], acc[m][n][2 * hh + 1]);
+                                    }
                                 }
-                            }
+                        }
                     }
                 }
                 gg = gg1;
