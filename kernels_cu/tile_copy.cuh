@@ -52,16 +52,7 @@ struct TileCopyT {
     template <bool kFull>
     __device__ __forceinline__ void issue(T* s, const T* g, int rows) const {
         if (kUnrolled) {
-            const T* src = g + goff;
-            const long long step = kRowStep * gs;
-#pragma unroll
-            for (int i = 0; i < kIters; ++i) {
-                if (kExact || row + i * kRowStep < kRows) {
-                    const bool valid = (kFull || row + i * kRowStep < rows) && (!kPadCols || col_ok);
-                    cp_async_16_zfill(s + soff + i * kRowStep * kSS, valid ? src : g, valid);
-                }
-                src += step;
-            }
+            issue_own<kFull>(s, g + goff, g, rows);
         } else {
 #pragma unroll 1
             for (int idx = tid; idx < kTotal; idx += kThreads) {
