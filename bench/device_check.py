@@ -24,8 +24,8 @@ default 540 s), its output kept in ``<stage>.log``:
   SDPA's kernels, beside the ``bench`` stage's mma.sync rows (d = 64 and 128; at 192 and 256
   SDPA's alone) -- and Nsight Compute on the two kernels (d = 128; :data:`HOPPER_NCU_SECTIONS`:
   with the memory workload, the schedulers' and the warp states' sections, whose stall rules'
-  texts stay in hopper_ncu.log); its results decide the head dims where the Hopper kernels are
-  sm_90's default (``cuflash.kernels.WGMMA_DEFAULT_DIMS``); then, in the time left, the forward's tiles of 176
+  texts stay in hopper_ncu.log); a head dim where they are slower than the mma.sync
+  kernels leaves sm_90's default (``cuflash.kernels.WGMMA_DEFAULT_DIMS``, every head dim they take); then, in the time left, the forward's tiles of 176
   and 192 keys at d = 128 against the default 128 (the benchmark's tiles section,
   hopper_tiles.md);
 * optional (``--stages ...,features,tiles``): the benchmark's logit-feature section and its

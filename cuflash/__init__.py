@@ -83,7 +83,7 @@ _FWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator" (which models an sm_80 b
     bias, window, alibi_slopes, softcap or dropout_p runs the same choice compiled with
     the features -- ``flash_fwd_tc_masked``, ``flash_fwd_tf32_masked``,
     ``flash_fwd_masked`` -- and never splits the keys.  On an sm_90, plain float16/bfloat16 calls
-    with d == dv == 128 (in 64, 128, 192, 256 with ``CUFLASH_WGMMA=1``; none with ``=0``) and
+    with d == dv in 64, 128, 192, 256 (none with ``CUFLASH_WGMMA=0``) and
     block_q None or 128 run ``flash_fwd_wgmma`` (wgmma, TMA, a producer
     warpgroup; sm_90a).  A split-KV call runs
     ``flash_fwd_serving`` and then ``flash_fwd_combine``.  :func:`memory_analysis`
@@ -98,8 +98,8 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     (``flash_bwd_dkdv_masked``), then dQ by ``flash_bwd_dq_convert`` (from float32
     atomics, summed over per-slot slices with ``deterministic=True``) or, for float64 and
     ``deterministic=True`` off ``flash_bwd_tf32``, by the separate pass ``flash_bwd_dq``
-    (``flash_bwd_dq_masked``).  On an sm_90, plain float16/bfloat16 calls with d == dv == 128
-    (64, 192 and 256 too with ``CUFLASH_WGMMA=1``; none with ``=0``) that are not ``deterministic`` run
+    (``flash_bwd_dq_masked``).  On an sm_90, plain float16/bfloat16 calls with d == dv in
+    64, 128, 192, 256 (none with ``CUFLASH_WGMMA=0``) that are not ``deterministic`` run
     ``flash_bwd_wgmma`` (wgmma, TMA, a producer warpgroup; sm_90a) between the same preprocess
     and dQ conversion.  ``memory_analysis(...)["backward_kernels"]`` lists them with their
     shared memory."""

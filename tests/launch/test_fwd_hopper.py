@@ -1,8 +1,8 @@
 """The Hopper forward through the public API: on an sm_90 with ``CUFLASH_WGMMA=1`` (the emulator
 standing in for one), ``tiled_attention`` plans, compiles (sm_90a) and launches
 ``flash_fwd_wgmma`` for the plain float16/bfloat16 calls it takes -- tensor maps made per call
-over strided, grouped and broadcast inputs -- and the mma.sync kernels for the rest; unset, at
-d = 128 only; switched off, or on another architecture, never.  Results against the float64 oracle,
+over strided, grouped and broadcast inputs -- and the mma.sync kernels for the rest; unset, the
+same; switched off, or on another architecture, never.  Results against the float64 oracle,
 ``memory_analysis`` against the launch (kernel, shared memory, threads, traffic)."""
 import numpy as np
 import pytest
@@ -111,10 +111,11 @@ def test_only_sm_90_and_not_switched_off(monkeypatch, arch, switch):
         assert launch_bwd.plan_backward(rt, d, d, "float16").kernel == "flash_bwd_tc"
 
 
-@pytest.mark.parametrize("switch", [None, "auto"])
-def test_sm_90_default_is_the_measured_head_dims(monkeypatch, switch):
-    """Unset (or "auto"), an sm_90 runs the Hopper kernels at d = dv = 128 only, where an H100
-    measured them faster; "1" at every head dim they take."""
+@pytest.mark.parametrize("switch", [None, "auto", "1"])
+def test_sm_90_default_is_wherever_they_fit(monkeypatch, switch):
+    """Unset, "auto" or "1", an sm_90 runs the Hopper kernels for every plain float16/bfloat16
+    call with d == dv they take (64, 128, 192, 256), forward and backward; the rest (other head
+    dims, d != dv, float32, deterministic backward) on the mma.sync kernels."""
     require_backend(EMU)
     monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
     if switch is None:
@@ -122,32 +123,30 @@ def test_sm_90_default_is_the_measured_head_dims(monkeypatch, switch):
     else:
         monkeypatch.setenv(kernels.WGMMA_ENV, switch)
     rt = emulator_backend.runtime()
-    assert rt.wgmma and kernels.WGMMA_DEFAULT_DIMS == (128,)
+    assert rt.wgmma
+    # the default is every head dim the planners take, not a subset
+    assert kernels.WGMMA_DEFAULT_DIMS == tiling.fwd.WGMMA_HEAD_DIMS == tiling.bwd_tc.BWD_WGMMA_HEAD_DIMS
     for dtype in ("float16", "bfloat16"):
-        assert rt.plan_fwd(128, 128, dtype).kernel == "flash_fwd_wgmma"
-        assert launch_bwd.plan_backward(rt, 128, 128, dtype).kernel == "flash_bwd_wgmma"
-        assert launch_bwd.plan_backward(rt, 128, 128, dtype, deterministic=True).kernel == "flash_bwd_tc"
-        for d in (64, 192, 256):
-            assert rt.plan_fwd(d, d, dtype).kernel == "flash_fwd_tc", d
-        assert launch_bwd.plan_backward(rt, 64, 64, dtype).kernel == "flash_bwd_tc"
+        for d in (64, 128, 192, 256):
+            assert rt.plan_fwd(d, d, dtype).kernel == "flash_fwd_wgmma", (dtype, d)
+            assert launch_bwd.plan_backward(rt, d, d, dtype).kernel == "flash_bwd_wgmma", (dtype, d)
+            assert launch_bwd.plan_backward(rt, d, d, dtype, deterministic=True).kernel == "flash_bwd_tc"
+        for d, dv in ((96, 96), (112, 112), (128, 64)):
+            assert rt.plan_fwd(d, dv, dtype).kernel == "flash_fwd_tc", (d, dv)
+            assert launch_bwd.plan_backward(rt, d, dv, dtype).kernel == "flash_bwd_tc", (d, dv)
     assert rt.plan_fwd(128, 128, "float32").kernel == "flash_fwd_tf32"
-    monkeypatch.setenv(kernels.WGMMA_ENV, "1")
-    rt = emulator_backend.runtime()
-    assert rt.wgmma_dims is None
-    for d in (64, 128, 192, 256):
-        assert rt.plan_fwd(d, d, "float16").kernel == "flash_fwd_wgmma", d
-    assert launch_bwd.plan_backward(rt, 64, 64, "float16").kernel == "flash_bwd_wgmma"
 
 
-def test_the_default_at_d_128_end_to_end(monkeypatch, rng):
-    """Unset, an sm_90 runs a bfloat16 d = 128 call's forward and backward on the Hopper
-    kernels through the public functions, against the float64 oracle; d = 64 stays on the
-    mma.sync kernels."""
+def test_the_default_end_to_end(monkeypatch, rng):
+    """Unset, an sm_90 runs a bfloat16 call's forward and backward on the Hopper kernels at
+    d = 64 and 128 through the public functions, against the float64 oracle; d = 96 stays on
+    the mma.sync kernels."""
     require_backend(EMU)
     monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
     monkeypatch.delenv(kernels.WGMMA_ENV, raising=False)
     for d, fwd_kernel, bwd_kernel in ((128, "flash_fwd_wgmma", "flash_bwd_wgmma"),
-                                      (64, "flash_fwd_tc", "flash_bwd_tc")):
+                                      (64, "flash_fwd_wgmma", "flash_bwd_wgmma"),
+                                      (96, "flash_fwd_tc", "flash_bwd_tc")):
         q, k, v = oracle.qkv(rng, (1, 2, 90, d), (1, 2, 150, d), dtype="bfloat16")
         o, lse, ran = _run(q, k, v, causal=True)
         assert ran == [fwd_kernel]
@@ -194,8 +193,15 @@ def test_the_kernel_is_refused_where_it_cannot_run():
         tiling.plan("flash_fwd_wgmma", 96, 96, "float16")
 
 
+# on a GPU also the head dims the emulator cases above leave to the direct launches
+GPU_CASES = CASES + [
+    ("float16", 192, (1, 2, 200, 192), (1, 1, 130, 192), True, None),      # GQA, ragged, causal
+    ("bfloat16", 256, (1, 1, 130, 256), (1, 1, 300, 256), "bottom_right", None),
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-d{c[1]}" for c in GPU_CASES])
 def test_on_an_h100(sm90_gpu, rng, case):
     """On an sm_90 GPU with CUFLASH_WGMMA=1: the same calls run flash_fwd_wgmma (sm_90a, the
     driver's tensor maps) and meet the oracle -- the check that decides its default."""
