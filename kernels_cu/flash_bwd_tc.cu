@@ -231,6 +231,11 @@ constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && T
 // d = 64 on sm_90 (its 32 x 128 default spills 4 B there, NVRTC 13.0)
 constexpr bool kFloatP = kHoistAddrs && (kD >= 128 || CUFLASH_ARCH < 900);
 #endif
+// The dQ accumulator's rows of a query tile stepped from tile to tile, as the Q / dO sources,
+// rather than rebuilt from (head, tile) by 64-bit products: in the kHoistAddrs builds at
+// d = 128 (at d = 64 the pointer's two registers cost more than the products: 24 B spilled
+// on sm_90, NVRTC 13.0)
+constexpr bool kStepDq = kHoistAddrs && kD >= 128;
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 // (a compile-time trip count, as TileCopy: no remainder loop)
@@ -462,7 +467,9 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             // here, K, V below) takes the row-tested copy alone (issue<false>: a predicate and
             // a select per chunk) rather than a full-tile copy beside it: one copy of the code,
             // and ptxas then kept flash_bwd_tc_masked's d = 256 plans for sm_90 (16 x 32, 16 x
-            // 64, both dtypes) free of the 4-8 B spills it had with both paths
+            // 64, both dtypes) free of the 4-8 B spills it had with both paths.  The
+            // kHoistAddrs builds, with registers to spare, copy full Q / dO tiles without the
+            // tests
             // The sources of tile (gg, i)'s Q and dO, stepped from one tile to the next (kBr rows,
             // or on to the next head's tile it0) rather than rebuilt from (gg, i) by 64-bit
             // products: with kHoistAddrs this thread's own first chunks, else the tile's first
@@ -475,16 +482,29 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                   + (kHoistAddrs ? q_copy.goff : 0);
             const elem_t* do_src = dO + b * p.do_sb + (long long)(hk * group) * p.do_sh + it0 * do_step
                                    + (kHoistAddrs ? do_copy.goff : 0);
+            // the dQ accumulator rows of tile (gg, i), stepped likewise (kStepDq)
+            float* dq_src = dq_acc + (((size_t)b * p.H + hk * group) * Nq + it0 * kBr) * d_cols;
+            const long long dq_wrap = ((long long)Nq - (long long)(n_i - 1) * kBr) * d_cols;
             auto issue_tile = [&](int h, int q0, int buf) {
                 const int rows = min(kBr, Nq - q0);
                 if constexpr (kHoistAddrs) {
-                    q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
-                    do_copy.template issue_own<false>(dOs + buf * kBr * kVS, do_src, dO, rows);
+                    // full tiles without the row tests (a predicate and a select per chunk)
+                    if (rows >= kBr) {
+                        q_copy.template issue_own<true>(Qs + buf * kBr * kKS, q_src, Q, rows);
+                        do_copy.template issue_own<true>(dOs + buf * kBr * kVS, do_src, dO, rows);
+                    } else {
+                        q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
+                        do_copy.template issue_own<false>(dOs + buf * kBr * kVS, do_src, dO, rows);
+                    }
                 } else {
                     TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS, q_src, rows);
                     TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs + buf * kBr * kVS, do_src, rows);
                 }
-                const size_t row0 = ((size_t)b * p.H + h) * nq_pad + q0;
+                // the tile's first workspace row; in 32-bit arithmetic in the kStepDq builds (the
+                // launcher holds B * H * nq_pad below 2^31), where the 64-bit products cost ~15
+                // instructions per tile (at d = 64 the 32-bit form spilled 16 B on sm_90)
+                const size_t row0 = kStepDq ? (size_t)(((unsigned)b * (unsigned)p.H + (unsigned)h) * (unsigned)nq_pad + (unsigned)q0)
+                                            : ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
             };
@@ -938,7 +958,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 
                 // -- dQ_i += dS K_j (pass 0): kDqM x kDqN tiles, float32 reds
                 if (pass == 0) {
-                    float* dq_rows = dq_acc + (((size_t)b * p.H + h) * Nq + q0) * d_cols;
+                    float* dq_rows = kStepDq ? dq_src : dq_acc + (((size_t)b * p.H + h) * Nq + q0) * d_cols;
                     for (int tq = warp; tq < kDqTiles; tq += kWarps) {
                         const int rq = (tq / (kD / kDqN)) * kDqM;
                         const int cq = (tq - (tq / (kD / kDqN)) * (kD / kDqN)) * kDqN;
@@ -1001,6 +1021,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         }
                     }
                 }
+                if constexpr (kStepDq) dq_src += next_head ? dq_wrap : (long long)kBr * kD;
                 gg = gg1;
                 i = i1;
             }

@@ -63,6 +63,18 @@ def _concurrent_blocks(runtime, plan):
     return runtime.num_sms * per_sm
 
 
+# flash_bwd_tc indexes the workspace's lse2 / D rows (B * H * nq_pad of them) in 32-bit
+# arithmetic.  A call past that would need a workspace of over 2^31 * (2 + d) floats (> 150 GB).
+MAX_WORKSPACE_ROWS = 2 ** 31 - 1
+
+
+def check_workspace_rows(rows, what):
+    """Refuse a backward whose workspace has more lse2 / D rows than the kernels index."""
+    if rows > MAX_WORKSPACE_ROWS:
+        raise ValueError(f"{what}: batch * heads * padded Nq = {rows} workspace rows; the "
+                         f"tensor-core backward indexes at most {MAX_WORKSPACE_ROWS} (split the batch)")
+
+
 def dq_splits(runtime, plan, n_kv_tiles, problems, deterministic):
     """dQ accumulator slices of a tensor-core backward call (1 on the atomic path)."""
     if not deterministic:
@@ -120,6 +132,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
         n_kv_blocks=n_kv_blocks))
     what = f"the backward (Nq={Nq}, Nk={Nk})"
+    check_workspace_rows(rows_pad, what)
     pre_grid = fold_grid(n_pre, H, B, what)
     main_grid = fold_grid(n_kv_blocks, Hk, B, what)
     conv_blocks = max(1, min(-(-n_rows * d // (4 * tiling.BWD_TC_CONVERT_THREADS)),

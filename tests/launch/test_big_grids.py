@@ -83,3 +83,13 @@ def test_kvcache_decode_with_65537_sequences():
         L = seqlens[b]
         want, _, _ = oracle.attention(q[b:b + 1], kc[b:b + 1, :, :L], vc[b:b + 1, :, :L], None, False)
         np.testing.assert_allclose(o[b:b + 1], want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_backward_refuses_workspaces_past_32_bit_rows():
+    """flash_bwd_tc indexes the lse2 / D workspace rows (batch * heads * padded Nq) in 32 bits:
+    the launcher refuses a call with more (a clear error rather than wrapped addresses); the
+    largest count it indexes passes."""
+    from cuflash.launch import bwd_tc
+    bwd_tc.check_workspace_rows(2 ** 31 - 1, "the backward")
+    with pytest.raises(ValueError, match="2147483648 workspace rows; the tensor-core backward indexes at most"):
+        bwd_tc.check_workspace_rows(2 ** 31, "the backward")
