@@ -230,6 +230,11 @@ constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && T
 // rounded to 16 bits first), where the plan sweep finds they fit: the kHoistAddrs builds but
 // d = 64 on sm_90 (its 32 x 128 default spills 4 B there, NVRTC 13.0)
 constexpr bool kFloatP = kHoistAddrs && (kD >= 128 || CUFLASH_ARCH < 900);
+// Whether a tile pair needs the mask is one unsigned compare of the query tile's index against
+// the K/V tile's range of plain query tiles (computed once per K/V tile) rather than the
+// bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (d = 64 spilled
+// 24 B on sm_90, and 20 B in 2 warps of 32 x 64 on sm_80, whose threads copy twice the chunks)
+constexpr bool kPlainRange = kFloatP && kWarps >= 4;
 #endif
 // The dQ accumulator's rows of a query tile stepped from tile to tile, as the Q / dO sources,
 // rather than rebuilt from (head, tile) by 64-bit products: in the kHoistAddrs builds at
@@ -452,6 +457,19 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #endif
         const int n_i = it1 - it0;
         const int T = group * n_i;            // (head, Q tile) pairs this block visits
+#ifndef CUFLASH_MASKS
+        // the query tiles i_plain .. i_plain + n_plain - 1 need no mask with this K/V tile: all
+        // their rows see all its keys (causal: i kBr + off >= kv0 + kBc - 1) and they end at or
+        // before Nq (i < Nq / kBr); none where the tile holds keys past Nk
+        int i_plain = 0, n_plain = 0;
+        if (kPlainRange && kv_rows == kBc) {
+            if (causal) {
+                const long long x = (long long)kv0 + kBc - 1 - off;  // i kBr >= x
+                i_plain = x <= 0 ? 0 : (int)min((x + kBr - 1) / kBr, (long long)n_q_tiles);
+            }
+            n_plain = max(0, Nq / kBr - i_plain);
+        }
+#endif
         elem_t* dKt = dK + (bhk * Nk + kv0) * d_cols;
         elem_t* dVt = dV + (bhk * Nk + kv0) * dv_cols;
         if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
@@ -596,7 +614,9 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // Nq: their lse2 = +inf makes P = 0 unless s is NaN (0 * an infinite key), so
                 // the masked path zeroes P wherever lse2 = +inf (there P is 0 by definition),
                 // a test of a value the element has in a register already
-                const bool need_mask = kv_rows < kBc || q0 + kBr > Nq || (causal && kv0 + kBc - 1 > q0 + off);
+                // (kPlainRange: from the K/V tile's plain range of query tiles, one compare)
+                const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain
+                                                   : kv_rows < kBc || q0 + kBr > Nq || (causal && kv0 + kBc - 1 > q0 + off);
 #endif
                 const int slice = pass * kQS + qh;  // this warp's dK / dV column slice
 

@@ -478,6 +478,11 @@ TC_CASES = [
     # small explicit tiles: 2 warps of 16 keys, several KV tiles per split
     ("float16", (2, 2, 45, 32), (2, 2, 100, 32), None, "bottom_right", (16, 32), "c", True),
     ("float16", (1, 2, 100, 32), (1, 2, 45, 32), None, "top_left", (16, 32), "c", False),
+    # Nk > Nq bottom-right over several K/V and query tiles: in one K/V tile the query tiles
+    # before the diagonal, the plain ones after it and the last (ragged) one, and a last K/V
+    # tile with keys past Nk (the mask's per-K/V-tile range of plain query tiles)
+    ("float16", (1, 1, 200, 64), (1, 1, 300, 64), None, "bottom_right", None, "c", False),
+    ("bfloat16", (1, 2, 150, 128), (1, 1, 260, 128), None, "bottom_right", None, "c", False),
     # strided rows (stride d + 3): not 16-byte aligned, so the launcher copies them
     ("float16", (2, 2, 21, 64), (2, 2, 30, 64), None, False, None, "strided", False),
 ]
