@@ -228,12 +228,12 @@ constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && T
 // (no logit features:) dS^T = P^T (dP^T - D) from P^T's float32 registers, kept live across
 // the dP^T products, rather than unpacked from its 16-bit pairs (one HADD2 per pair, and P
 // rounded to 16 bits first), where the plan sweep finds they fit: the kHoistAddrs builds but
-// d = 64 on sm_90 (its 32 x 128 default spills 4 B there, NVRTC 13.0)
-constexpr bool kFloatP = kHoistAddrs && (kD >= 128 || CUFLASH_ARCH < 900);
+// d < 64 on sm_90 (d = 32 at 64 x 128 spills 24 B there, NVRTC 13.0)
+constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
 // Whether a tile pair needs the mask is one unsigned compare of the query tile's index against
 // the K/V tile's range of plain query tiles (computed once per K/V tile) rather than the
-// bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (d = 64 spilled
-// 24 B on sm_90, and 20 B in 2 warps of 32 x 64 on sm_80, whose threads copy twice the chunks)
+// bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (at d = 64, 2
+// warps of 32 x 64 spilled 20 B on sm_80: their threads copy twice the chunks)
 constexpr bool kPlainRange = kFloatP && kWarps >= 4;
 #endif
 // The dQ accumulator's rows of a query tile stepped from tile to tile, as the Q / dO sources,

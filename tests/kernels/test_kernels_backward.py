@@ -609,6 +609,30 @@ def test_tc_on_emulated_sm75(rng):
     oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
 
 
+@pytest.mark.parametrize("dtype,qs,ks,causal", [
+    ("float16", (1, 2, 200, 64), (1, 1, 300, 64), "bottom_right"),
+    ("bfloat16", (2, 2, 77, 64), (2, 2, 130, 64), "top_left"),
+    ("float16", (1, 2, 150, 128), (1, 1, 260, 128), "bottom_right"),
+])
+def test_tc_on_emulated_sm90(monkeypatch, rng, dtype, qs, ks, causal):
+    """sm_90 with the Hopper kernels off: flash_bwd_tc at its sm_90 default tiles (the builds
+    compiled for CUFLASH_ARCH 900: float32 P for dS, the per-K/V-tile range of plain query
+    tiles, at d = 128 the stepped dQ rows) against the oracle, GQA, ragged, both causal
+    alignments."""
+    require_backend("emulator")
+    monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
+    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
+    from cuflash import emulator_backend
+    plan = launch_bwd.plan_backward(emulator_backend.runtime(), qs[-1], qs[-1], dtype)
+    assert plan.kernel == "flash_bwd_tc" and plan.limit == tiling.EMULATOR_ARCHES["sm_90"]
+    do, q, k, v, o, lse = _tc_inputs(rng, dtype, qs, ks, None, causal)
+    with launch_common.observe_launches() as seen:
+        grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, causal=causal, backend="emulator")
+    main = [e for e in seen if e["kernel"] == "flash_bwd_tc"]
+    assert main and main[0]["shared_mem"] == plan.shared_bytes and main[0]["block"][0] == plan.threads
+    oracle.check_backward(grads, do, q, k, v, None, causal)
+
+
 def test_simt_kernels_still_take_16_bit(rng):
     """kernel="flash_bwd_dkdv" keeps the SIMT backward for float16 (what sm_75 runs)."""
     require_backend("emulator")
