@@ -506,7 +506,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             auto issue_tile = [&](int h, int q0, int buf) {
                 const int rows = min(kBr, Nq - q0);
                 if constexpr (kHoistAddrs) {
-                    // full tiles without the row tests (a predicate and a select per chunk)
+                    // full tiles without the row tests (a predicate and a select per chunk); one
+                    // branch around both copies (TileCopyT::issue's choice per copy, two branches,
+                    // counted 4006 / 4069 / 2978 / 2700 against 3825 / 3875 / 2972 / 2694 per
+                    // 1,000 HMMA: d = 64 sm_80, d = 64 sm_90, d = 128 sm_80, d = 128 sm_90)
                     if (rows >= kBr) {
                         q_copy.template issue_own<true>(Qs + buf * kBr * kKS, q_src, Q, rows);
                         do_copy.template issue_own<true>(dOs + buf * kBr * kVS, do_src, dO, rows);
