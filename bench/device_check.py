@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SUBSET = [
     "test_forward_against_oracle",               # flash_fwd_tc, flash_fwd_tf32, flash_fwd (SIMT)
     "test_tc_backward_against_oracle",           # flash_bwd_tc
+    "test_tc_one_do_buffer_on_gpu",              # flash_bwd_tc as an A100 plans it (one dO buffer)
     "test_backward_against_oracle",              # flash_bwd_dkdv / dq (SIMT), flash_bwd_tf32
     "test_tensor_core_forward_with_features",    # flash_fwd_tc_masked, flash_fwd_tf32_masked
     "test_tensor_core_backward_with_features",   # flash_bwd_tc_masked

@@ -114,6 +114,9 @@ def launch_size(kernel, options, ptx):
         if hd:
             try:
                 p = tiling.plan(kernel, hd, hdv, dtype, bq, bkv)
+                lean = t.smaller and t.smaller(p.block_q, p.block_kv, p.kd, p.kdv, p.acc_bytes)
+                if lean and all(d.get(k, "") == str(v) for k, v in lean[1].items()):
+                    return p.threads, lean[0], "tiling"   # the plan's leaner layout (its defines)
                 return p.threads, p.shared_bytes, "tiling"
             except ValueError:  # tiles this kernel's planner would not pick: use its formulas directly
                 pass

@@ -184,6 +184,7 @@ def plan_defines(plan):
            "CUFLASH_BLOCK_KV": plan.block_kv, "CUFLASH_THREADS": plan.threads}
     # kernel-specific defines of the plan (KernelTiling.defines, e.g. flash_bwd_tc's passes)
     out.update(t.defines(plan.block_q, plan.block_kv, plan.kd, plan.kdv))
+    out.update(plan.layout_defines)   # KernelTiling.smaller's layout, where the plan takes it
     if t.pad_define is not None and (plan.d, plan.dv) != (plan.kd, plan.kdv):
         out[t.pad_define] = None
     return out

@@ -53,7 +53,8 @@
 //
 // Shared memory (16-bit unless noted; rows padded by 8 elements = 16 bytes, see below):
 //   Ks (Bc, d+8), Vs (Bc, dv+8)            resident
-//   Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8)   double-buffered
+//   Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8)   double-buffered (dOs single with
+//                                          CUFLASH_BWD_DO_STAGES=1, below)
 //   dSs (Bc, Br+8)                          dS^T of the current tile (dQ; dK with kQS = 2)
 //   Ps (Bc, Br+8)                           P^T of the current tile (kQS = 2 only)
 //   float lse2_s 2 x Br, D_s 2 x Br
@@ -104,7 +105,8 @@
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
-// CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), all from cuflash.tiling
+// CUFLASH_BWD_PASSES (1 or 2), CUFLASH_BWD_QSPLIT (1 or 2), CUFLASH_BWD_DO_STAGES (2, or 1
+// where a plan's shared memory needs it), all from cuflash.tiling
 // ("flash_bwd_tc", which also holds the register arrays to what compiles without spills).
 // Head dims: the main kernel is compiled for d and dv, or -- with -DCUFLASH_HEAD_DIMS_PADDED,
 // the build of a call whose d != dv (cuflash.tiling compiles it for max(d, dv)) -- for larger
@@ -208,6 +210,16 @@ static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 
 static_assert((kQS == 1 || kQS == 2) && kWarps % kQS == 0 && kBrw % 16 == 0 && kBr <= 128,
               "block_q: a multiple of 16 (32 with the query split) up to 128");
 static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
+// dO_i's shared buffers: two (the next tile's copy in flight while this one computes, as Q's),
+// or one where two would not fit the shared memory of the tiles that cuflash.tiling gives
+// it (CUFLASH_BWD_DO_STAGES=1, with the query split only): the next tile's dO is then copied
+// once every warp has read this tile's (a barrier after dV += P^T dO), in flight while dK and
+// dQ compute
+#ifndef CUFLASH_BWD_DO_STAGES
+#define CUFLASH_BWD_DO_STAGES 2
+#endif
+constexpr int kDoStages = CUFLASH_BWD_DO_STAGES;
+static_assert(kDoStages == 2 || (kDoStages == 1 && kQS == 2), "one dO buffer with the query split only");
 
 // ------------------------------------------------------------------------------------------
 // The tiles' copies (tile_copy.cuh: per-thread offsets computed once, compile-time steps;
@@ -221,6 +233,8 @@ using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
 // no row tests but in the last query tile.  The others, nearer 255 registers (where these
 // spill: d = 240 / 256, the features' padded builds), step the tiles' block-uniform first rows
 // and rebuild the thread's offsets per tile, and test every dQ row.
+// the query split's largest tiles (128 x 128: 8 warps, 64 queries each), near 255 registers
+constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 #ifdef CUFLASH_MASKS
 constexpr bool kHoistAddrs = false;
 #else
@@ -233,14 +247,21 @@ constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
 // Whether a tile pair needs the mask is one unsigned compare of the query tile's index against
 // the K/V tile's range of plain query tiles (computed once per K/V tile) rather than the
 // bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (at d = 64, 2
-// warps of 32 x 64 spilled 20 B on sm_80: their threads copy twice the chunks)
-constexpr bool kPlainRange = kFloatP && kWarps >= 4;
+// warps of 32 x 64 spilled 20 B on sm_80: their threads copy twice the chunks) but the query
+// split's 128 x 128 tiles on sm_80 (at d = 64 the range's two registers spilled 24 B there, in
+// the prologue; on sm_90 none, with the workspace row in 32 bits below)
+constexpr bool kPlainRange = kFloatP && kWarps >= 4 && !(kBigSplit && CUFLASH_ARCH < 900);
 #endif
 // The dQ accumulator's rows of a query tile stepped from tile to tile, as the Q / dO sources,
 // rather than rebuilt from (head, tile) by 64-bit products: in the kHoistAddrs builds at
 // d = 128 (at d = 64 the pointer's two registers cost more than the products: 24 B spilled
 // on sm_90, NVRTC 13.0)
 constexpr bool kStepDq = kHoistAddrs && kD >= 128;
+// A tile's first lse2 / D workspace row in 32-bit arithmetic (the launcher holds B * H * nq_pad
+// below 2^31), where the 64-bit products cost ~15 instructions per tile: with kStepDq, and in
+// the query split's 128 x 128 tiles (at d = 64 on sm_90 it freed the register whose spill
+// kept the plain range out: 4 B; at d = 64 in 32 x 128 tiles the 32-bit form spilled 16 B)
+constexpr bool kRow32 = kStepDq || (kHoistAddrs && kBigSplit);
 
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 // (a compile-time trip count, as TileCopy: no remainder loop)
@@ -386,8 +407,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     elem_t* Ks = smem;                        // (Bc, d+8)        K_j, resident
     elem_t* Vs = Ks + kBc * kKS;              // (Bc, dv+8)       V_j, resident
     elem_t* Qs = Vs + kBc * kVS;              // 2 x (Br, d+8)    Q_i, double buffered
-    elem_t* dOs = Qs + 2 * kBr * kKS;         // 2 x (Br, dv+8)   dO_i, double buffered
-    elem_t* dSs = dOs + 2 * kBr * kVS;        // (Bc, Br+8)       dS^T of the current tile
+    elem_t* dOs = Qs + 2 * kBr * kKS;         // kDoStages x (Br, dv+8)   dO_i
+    elem_t* dSs = dOs + kDoStages * kBr * kVS;  // (Bc, Br+8)     dS^T of the current tile
     elem_t* Ps = dSs + kBc * kSS;             // (Bc, Br+8)       P^T (query split only)
     float* lse_s = reinterpret_cast<float*>(Ps + (kQS == 2 ? kBc * kSS : 0));  // 2 x Br   lse2_i
     float* D_s = lse_s + 2 * kBr;                               // 2 x Br   D_i
@@ -503,9 +524,26 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             // the dQ accumulator rows of tile (gg, i), stepped likewise (kStepDq)
             float* dq_src = dq_acc + (((size_t)b * p.H + hk * group) * Nq + it0 * kBr) * d_cols;
             const long long dq_wrap = ((long long)Nq - (long long)(n_i - 1) * kBr) * d_cols;
-            auto issue_tile = [&](int h, int q0, int buf) {
+            // dO alone (kDoStages = 1: its one buffer, later in the trip than Q's copy)
+            auto issue_do = [&](int q0) {
                 const int rows = min(kBr, Nq - q0);
                 if constexpr (kHoistAddrs) {
+                    if (rows >= kBr) do_copy.template issue_own<true>(dOs, do_src, dO, rows);
+                    else do_copy.template issue_own<false>(dOs, do_src, dO, rows);
+                } else {
+                    TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs, do_src, rows);
+                }
+            };
+            auto issue_tile = [&](int h, int q0, int buf, bool with_do) {
+                const int rows = min(kBr, Nq - q0);
+                if (!with_do) {
+                    if constexpr (kHoistAddrs) {
+                        if (rows >= kBr) q_copy.template issue_own<true>(Qs + buf * kBr * kKS, q_src, Q, rows);
+                        else q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
+                    } else {
+                        TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS, q_src, rows);
+                    }
+                } else if constexpr (kHoistAddrs) {
                     // full tiles without the row tests (a predicate and a select per chunk); one
                     // branch around both copies (TileCopyT::issue's choice per copy, two branches,
                     // counted 4006 / 4069 / 2978 / 2700 against 3825 / 3875 / 2972 / 2694 per
@@ -521,10 +559,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS, q_src, rows);
                     TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs + buf * kBr * kVS, do_src, rows);
                 }
-                // the tile's first workspace row; in 32-bit arithmetic in the kStepDq builds (the
-                // launcher holds B * H * nq_pad below 2^31), where the 64-bit products cost ~15
-                // instructions per tile (at d = 64 the 32-bit form spilled 16 B on sm_90)
-                const size_t row0 = kStepDq ? (size_t)(((unsigned)b * (unsigned)p.H + (unsigned)h) * (unsigned)nq_pad + (unsigned)q0)
+                // the tile's first workspace row (kRow32: in 32-bit arithmetic)
+                const size_t row0 = kRow32 ? (size_t)(((unsigned)b * (unsigned)p.H + (unsigned)h) * (unsigned)nq_pad + (unsigned)q0)
                                             : ((size_t)b * p.H + h) * nq_pad + q0;
                 load_floats_async(lse_s + buf * kBr, lse2 + row0, tid);
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
@@ -533,7 +569,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 TileCopy<kBc, kD, kKS>(tid, p.k_sr, d_cols).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
                 TileCopy<kBc, kDv, kVS>(tid, p.v_sr, dv_cols).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
-            issue_tile(hk * group, it0 * kBr, 0);
+            issue_tile(hk * group, it0 * kBr, 0, true);
             cp_async_commit();
 
             float dk[kMT][2 * kKC][4], dv[kMT][2 * kVC][4];
@@ -561,11 +597,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const int gg1 = next_head ? gg + 1 : gg, i1 = next_head ? it0 : i + 1;
                 if (tt + 1 < T) {
                     q_src += next_head ? q_wrap : q_step;
-                    do_src += next_head ? do_wrap : do_step;
-                    issue_tile(hk * group + gg1, i1 * kBr, buf ^ 1);
+                    if (kDoStages == 2) do_src += next_head ? do_wrap : do_step;
+                    issue_tile(hk * group + gg1, i1 * kBr, buf ^ 1, kDoStages == 2);
                     cp_async_commit();
                 }
-                const int qbuf = buf * kBr * kKS * kElem, dobuf = buf * kBr * kVS * kElem;  // bytes
+                const int qbuf = buf * kBr * kKS * kElem;  // bytes
+                const int dobuf = kDoStages == 2 ? buf * kBr * kVS * kElem : 0;
                 const float* lse_t = lse_s + buf * kBr;
                 const float* D_t = D_s + buf * kBr;
 #ifdef CUFLASH_MASKS
@@ -964,18 +1001,41 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 __syncthreads();
 
                 if (kQS == 2) {
-                    // -- dV_w += P^T dO_i, dK_w += dS^T Q_i over all queries, A from Ps / dSs
-#pragma unroll
-                    for (int kc = 0; kc < kBr / 16; ++kc) {
+                    // -- dV_w += P^T dO_i, dK_w += dS^T Q_i over all queries, A from Ps / dSs:
+                    // one 16-query step of each
+                    auto dv_step = [&](int kc) {
                         uint32_t a[kMT][4];
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt)
                             ldsm_x4(a[mt], ld_ps + (mt * 16 * kSS + kc * 16) * kElem);
                         mma_rows_times_tile<kVC, kVS, kDv>(dv, a, ld_dot + dobuf, kc, slice);
+                    };
+                    auto dk_step = [&](int kc) {
+                        uint32_t a[kMT][4];
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt)
                             ldsm_x4(a[mt], ld_ds + (mt * 16 * kSS + kc * 16) * kElem);
                         mma_rows_times_tile<kKC, kKS, kD>(dk, a, ld_qt + qbuf, kc, slice);
+                    };
+                    if (kDoStages == 1) {
+                        // dV first; then (C) every warp is done with dO_i, and the next tile's
+                        // goes into its buffer while dK and dQ compute
+#pragma unroll
+                        for (int kc = 0; kc < kBr / 16; ++kc) dv_step(kc);
+                        __syncthreads();
+                        if (tt + 1 < T) {
+                            do_src += next_head ? do_wrap : do_step;
+                            issue_do(i1 * kBr);
+                            cp_async_commit();
+                        }
+#pragma unroll
+                        for (int kc = 0; kc < kBr / 16; ++kc) dk_step(kc);
+                    } else {
+#pragma unroll
+                        for (int kc = 0; kc < kBr / 16; ++kc) {
+                            dv_step(kc);
+                            dk_step(kc);
+                        }
                     }
                 }
 

@@ -49,7 +49,7 @@ from .bwd_tc import *  # noqa: F401,F403
 from .masks import *  # noqa: F401,F403
 
 __all__ = [
-    "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes",
+    "KernelTiling", "TilePlan", "register", "plan", "kernel_tiling", "accumulator_bytes", "shared_layout",
     "device_smem_limit", "EMULATOR_ARCHES", "emulator_arch", "EMULATOR_ARCH_ENV", "STATIC_SMEM_LIMIT",
     "MAX_HEAD_DIM",
     "flash_fwd_traffic", "plan_flash_fwd", "TC_DTYPES", "TF32_DTYPES",

@@ -16,6 +16,12 @@ from .fwd import TC_DTYPES, TC_PAD_DEFINE, _refuse_off_tensor_cores
 # elements; float32 at the end):
 #   Ks (Bc, d+8), Vs (Bc, dv+8), Qs 2 x (Br, d+8), dOs 2 x (Br, dv+8), dSs (Bc, Br+8),
 #   [Ps (Bc, Br+8) when qs = 2], lse2_s 2 x Br, D_s 2 x Br
+# With the query split a plan whose layout passes the limit takes one dOs buffer instead
+# (KernelTiling.smaller, -DCUFLASH_BWD_DO_STAGES=1): the next tile's dO is then copied after
+# a barrier behind dV += P^T dO, in flight under dK and dQ only.  That fits FlashAttention-2's
+# tiles into an A100's 163 KB: 64 x 128 at d = 128 (173 KB -> 156 KB) and 128 x 128 at d = 64
+# (178 KB -> 160 KB); an H100's 227 KB keeps both buffers (the barrier and the second copy
+# branch cost 13-16 instructions per warp-trip, bench/results/tc_kernels_counts.md).
 # Registers: ptxas needs ~65-80 registers beside these arrays (fragments, addresses, loop
 # state; sm_80/sm_90, NVRTC 13.0): 252-254 registers and no spill at 176 (d = dv = 128,
 # block_q = 64: 128 + 48; d = dv = 64, 32 keys per warp, block_q = 32: 128 + 48), while
@@ -127,11 +133,18 @@ def _bwd_tc_fns(masked):
         return 2 * (bkv * (d + 8) + bkv * (dv + 8) + 2 * bq * (d + 8) + 2 * bq * (dv + 8)
                     + bkv * (bq + 8) + ps) + 16 * bq
 
+    def smaller(bq, bkv, d, dv, acc):
+        if _bwd_tc_qsplit(bq, bkv, d, dv, masked) != 2:
+            return None
+        return shared(bq, bkv, d, dv, acc) - 2 * bq * (dv + 8), {"CUFLASH_BWD_DO_STAGES": 1}
+
     def layout_text(bq, bkv, d, dv, acc):
         ps = f" + Ps[{bkv}][{bq + 8}]" if _bwd_tc_qsplit(bq, bkv, d, dv, masked) == 2 else ""
+        one = (f" (or one dOs buffer: {smaller(bq, bkv, d, dv, acc)[0]} B)"
+               if _bwd_tc_qsplit(bq, bkv, d, dv, masked) == 2 else "")
         return (f"16-bit Ks[{bkv}][{d + 8}] + Vs[{bkv}][{dv + 8}] + Qs[2][{bq}][{d + 8}] + "
                 f"dOs[2][{bq}][{dv + 8}] + dSs[{bkv}][{bq + 8}]{ps}, float lse2_s[2][{bq}] + "
-                f"D_s[2][{bq}]")
+                f"D_s[2][{bq}]{one}")
 
     def check(bq, bkv, d, dv):
         lay = bwd_tc_layout(bq, bkv, d, dv, masked)
@@ -146,7 +159,7 @@ def _bwd_tc_fns(masked):
         return ({"CUFLASH_BWD_PASSES": lay[2], "CUFLASH_BWD_QSPLIT": lay[3]}
                 if not isinstance(lay, str) else {})
     return dict(shared_bytes=shared, layout=layout_text, check=check, threads=threads,
-                defines=defines)
+                defines=defines, smaller=smaller)
 
 
 # With d != dv both compile for max(d, dv), the padding columns of K, Q (or V, dO) zero and

@@ -94,6 +94,10 @@ class KernelTiling:
         The define a build compiled for head dims larger than the call's needs (the
         tensor-core kernels: ``CUFLASH_HEAD_DIMS_PADDED``); None where the kernel always
         reads the call's head dims (the SIMT kernels) or is never padded.
+    smaller : callable(block_q, block_kv, d, dv, acc_bytes) -> (int, dict) or None, or None
+        A leaner shared-memory layout of the same tiles (its bytes and the defines that build
+        it), or None where the tiles have none: a plan takes it only where ``shared_bytes``
+        exceeds the limit (flash_bwd_tc: one dO buffer instead of two).  None by default.
 
     The default tiles come from the curated table of the kernel's family
     (:data:`.curated.CURATED`; of a ``_masked`` kernel, the cells' features build); a kernel
@@ -111,6 +115,7 @@ class KernelTiling:
     defines: Callable = field(default=lambda bq, bkv, d, dv: {})
     head_dims: Callable = None
     pad_define: str = None
+    smaller: Callable = None
 
     def compiled_dims(self, d, dv):
         """(d, dv) as this kernel compiles them: their head-dim class, or themselves."""
@@ -171,6 +176,9 @@ class TilePlan:
     chosen: str  # "explicit", "default" or "mixed"
     kd: int      # head dims the kernel is compiled for (its head-dim class, or d and dv:
     kdv: int     # KernelTiling.head_dims); shared memory and threads are sized for them
+    # the defines of KernelTiling.smaller's layout, as (name, value) pairs, where the plan
+    # takes it (its shared memory is then shared_bytes)
+    layout_defines: tuple = ()
 
     @property
     def needs_opt_in(self):
@@ -348,9 +356,24 @@ def _why_not(t, bq, bkv, d, dv, acc, limit=None):
     return t.check(bq, bkv, d, dv) or t.check_acc(bq, bkv, d, dv, acc)
 
 
+def shared_layout(t, bq, bkv, d, dv, acc, limit=None):
+    """``(shared bytes, defines)`` of ``t``'s tiles under a shared-memory ``limit`` (None: no
+    limit): its own layout, or ``t.smaller``'s where the own one exceeds the limit and the
+    smaller one exists (it may exceed the limit too)."""
+    own = t.shared_bytes(bq, bkv, d, dv, acc)
+    if limit is None or limit < 0 or own <= limit or t.smaller is None:
+        return own, {}
+    lean = t.smaller(bq, bkv, d, dv, acc)
+    return (own, {}) if lean is None else lean
+
+
+def _shared(t, bq, bkv, d, dv, acc, limit):
+    return shared_layout(t, bq, bkv, d, dv, acc, limit)[0]
+
+
 def _fits(t, bq, bkv, d, dv, acc, limit):
     return (_why_not(t, bq, bkv, d, dv, acc, limit) is None
-            and t.shared_bytes(bq, bkv, d, dv, acc) <= limit)
+            and _shared(t, bq, bkv, d, dv, acc, limit) <= limit)
 
 
 # Occupancy floor.  An SM of sm_80/sm_90 has four warp schedulers; a plan whose shared memory
@@ -381,7 +404,7 @@ def resident_warps(threads, shared_bytes, limit):
 
 
 def _occupancy_ok(t, bq, bkv, d, dv, acc, limit):
-    w = resident_warps(t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc), limit)
+    w = resident_warps(t.threads(bq, bkv, d, dv), _shared(t, bq, bkv, d, dv, acc, limit), limit)
     return w is None or w >= MIN_RESIDENT_WARPS
 
 
@@ -469,11 +492,13 @@ def plan(kernel, d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
         _refuse_low_occupancy(t, kernel, fitting[0], d, dv, acc, dtname, limit, lim_text)
     if fitting:
         bq, bkv = fitting[0]
+        shared, lean = shared_layout(t, bq, bkv, d, dv, acc, limit)
         return TilePlan(kernel=kernel, block_q=bq, block_kv=bkv, d=real[0], dv=real[1],
                         dtype=dtname, acc_bytes=acc, threads=t.threads(bq, bkv, d, dv),
-                        shared_bytes=t.shared_bytes(bq, bkv, d, dv, acc),
+                        shared_bytes=shared,
                         limit=int(limit) if limit is not None else -1,
-                        limit_source=limit_source, chosen=chosen, kd=d, kdv=dv)
+                        limit_source=limit_source, chosen=chosen, kd=d, kdv=dv,
+                        layout_defines=tuple(sorted(lean.items())))
     # nothing fits: say why, with the budget and what would fit
     bq, bkv = pairs[0]
     why = _why_not(t, bq, bkv, d, dv, acc, lim)
@@ -515,7 +540,7 @@ def _refuse_low_occupancy(t, kernel, pair, d, dv, acc, dtname, limit, lim_text):
     if not good:
         return  # every plan of this head dim is below the floor: allowed
     bq, bkv = pair
-    threads, shared = t.threads(bq, bkv, d, dv), t.shared_bytes(bq, bkv, d, dv, acc)
+    threads, shared = t.threads(bq, bkv, d, dv), _shared(t, bq, bkv, d, dv, acc, limit)
     w = resident_warps(threads, shared, limit)
     raise ValueError(
         f"{kernel} with block_q={bq}, block_kv={bkv}, d={d}, dv={dv}, {dtname}: {threads} threads "

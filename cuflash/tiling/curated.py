@@ -280,7 +280,13 @@ CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
 # most work): 32 x 128 with 32 keys per warp up to d = 64; 64 x 128 with the query split
 # (32 keys per warp pair, 32 queries per warp) up to 128 (kernel-report model at d = 128:
 # 259 B of shared memory per HMMA at 64 x 128, 272 at 64 x 64, 336 at 32 x 128; FA2 256);
-# 32 x 128 in two passes above.  The masked kernel's register budget is lower: where 32 x 128
+# 32 x 128 in two passes above.  At d = 64 on sm_80 / sm_90 FlashAttention-2's 128 x 128 (8
+# warps, the query split, 64 queries per warp) and at d = 128 on sm_80 its 64 x 128: per
+# 1,000 HMMA of the steady trip 3491 / 3394 and 2759 against 3825 / 3875 and 2972 for 32 x
+# 128 and 64 x 64 (FA2 3538 / 3412 / 2788; bench/fa2_sass_compare.py).  On an A100 both
+# take one dO buffer (160 and 156 KB, one block of 8 warps per SM, as FA2; 64 x 64 ran one
+# block of 4 warps, 32 x 128 two of 4); on an H100 d = 64 goes from three blocks of 4 warps
+# to one of 8 (178 KB, both buffers).  No GPU has timed them.  The masked kernel's register budget is lower: where 32 x 128
 # would take the query split (d <= 64), 64 x 128 gives each warp 32 queries again (40.5
 # instructions per logit against 66.4 at d = 64, sm_80); where 64 x 128 would need two passes
 # (d in 80..128), 128 x 64 in one pass on sm_90 (51.2 per logit against 91.6 at d = 128) and
@@ -295,11 +301,11 @@ CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
      16 | 32x128 64x128 32x64 | = | = ; 32x128 64x128 16x64
      32 | 32x128 64x128 32x64 | = | = ; 16x64 16x32 16x16
      48 | 32x128 64x128 32x64 ; 64x128 64x64 32x128 | = | = ; 32x128 32x64 16x64
-     64 | 32x128 32x64 16x64 ; 64x64 32x128 32x64 | 32x128 64x128 32x64 ; 64x128 64x64 32x128 | =
+     64 | 32x128 32x64 16x64 ; 64x64 32x128 32x64 | 128x128 32x128 64x128 32x64 ; 64x128 64x64 32x128 | =
      80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
      96 | 64x64 32x128 32x64 ; 32x128 64x64 32x64 | 64x128 64x64 32x128 ; 32x128 64x64 64x128 | = ; 128x64 32x128 64x64
     112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 ; 32x128 64x64 64x128 | = ; 128x64 32x128 64x64
-    128 | 32x64 16x32 ; 32x64 16x64 16x32 | 64x64 32x128 32x64 ; 64x64 64x128 32x128 | 64x128 64x64 32x128 ; 128x64 64x64 64x128
+    128 | 32x64 16x32 ; 32x64 16x64 16x32 | 64x128 64x64 32x128 32x64 ; 64x64 64x128 32x128 | 64x128 64x64 32x128 ; 128x64 64x64 64x128
     144 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
     160 | 32x64 16x64 16x32 | 32x128 64x64 32x64 | =
     176 | 32x64 16x64 16x32 | 32x128 32x64 16x64 ; 32x128 64x64 32x64 | =

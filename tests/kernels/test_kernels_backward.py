@@ -547,6 +547,8 @@ def _launch_bwd_cache_clear(backend):
     ((2, 4, 45, 32), (2, 2, 70, 32), "bottom_right", (16, 32), True),
     ((1, 3, 70, 32), (1, 3, 33, 32), "top_left", (16, 32), False),   # keys 33.. : zero dK/dV
     ((1, 2, 100, 32), (1, 1, 45, 32), None, None, True),
+    # the default at d = 64 on the emulator's sm_80: 128 x 128 with one dO buffer
+    ((1, 2, 300, 64), (1, 1, 200, 64), "bottom_right", None, False),
 ])
 def test_tc_traffic_equals_model(qs, ks, causal, tiles, det, rng):
     """Bytes the emulated tensor-core kernels move == cuflash.tiling.flash_bwd_tc_traffic."""
@@ -559,12 +561,15 @@ def test_tc_traffic_equals_model(qs, ks, causal, tiles, det, rng):
     assert total["launches"] == ["flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"]
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal or False)
     rt = kernels.get_runtime("emulator")
-    plan = launch_bwd.plan_backward(rt, 32, 32, "float16", bq, bkv)
+    d = qs[-1]
+    plan = launch_bwd.plan_backward(rt, d, d, "float16", bq, bkv)
+    if d == 64:
+        assert (plan.block_q, plan.block_kv, plan.layout_defines) == (128, 128, (("CUFLASH_BWD_DO_STAGES", 1),))
     B, H = launch_common.problem_dims(spec.lead)
     Hk, _ = launch_common.kv_heads_for_kernel(spec)
     n_kv = -(-spec.Nk // plan.block_kv)
     splits = launch_bwd_tc.dq_splits(rt, plan, n_kv, B * Hk, det)
-    want = tiling.flash_bwd_tc_traffic(B, H, Hk, spec.Nq, spec.Nk, 32, 32, plan.block_q,
+    want = tiling.flash_bwd_tc_traffic(B, H, Hk, spec.Nq, spec.Nk, d, d, plan.block_q,
                                        plan.block_kv, spec.causal, splits)
     assert (total["global_bytes_read"], total["global_bytes_written"]) == want
 
@@ -592,6 +597,58 @@ def test_tc_race_check(dtype, qs, ks, tiles, rng):
             grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
             oracle.check_backward(grads, do, q, k, v, None, True)
     assert set(total["launches"]) == {"flash_bwd_tc_preprocess", "flash_bwd_tc", "flash_bwd_tc_dq_convert"}
+
+
+def test_tc_one_do_buffer(monkeypatch, rng):
+    """The query split with one dO buffer (the plan's layout where two pass the limit: FA2's
+    tiles on an A100), at small tiles with the limit set between the two layouts: under
+    ThreadSanitizer, atomic and deterministic, against the oracle -- two query heads on one
+    kv head (dO's source wraps to the next head), ragged last query and key tiles (dO's
+    row-tested copy), causal."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    t = tiling.kernel_tiling("flash_bwd_tc")
+    one, lean = t.smaller(32, 32, 32, 32, 4)
+    monkeypatch.setattr(rt, "smem_limit", t.shared_bytes(32, 32, 32, 32, 4) - 1)
+    rt.calls.clear()
+    try:
+        plan = rt.plan("flash_bwd_tc", 32, 32, "float16", 32, 32)
+        assert (plan.shared_bytes, dict(plan.layout_defines)) == (one, {"CUFLASH_BWD_DO_STAGES": 1})
+        do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 70, 32), (1, 1, 45, 32), None, True)
+        spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=32, block_kv=32)
+        with launch_common.observe_launches() as seen:
+            for det in (False, True):
+                grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, deterministic=det)
+                oracle.check_backward(grads, do, q, k, v, None, True)
+        main = [e for e in seen if e["kernel"] == "flash_bwd_tc"]
+        assert len(main) == 2 and all(e["shared_mem"] == one for e in main), main
+    finally:
+        rt.calls.clear()
+
+
+def test_tc_one_do_buffer_on_gpu(kernel_backend, monkeypatch, rng):
+    """What an A100 runs -- FA2's tiles with one dO buffer (d = 64: 128 x 128, d = 128: 64 x
+    128) -- on whatever GPU is at hand, its limit capped at an A100's, the Hopper kernels off:
+    against the oracle (GQA, ragged, causal).  On the emulator these are the default plans of
+    its sm_80, which the oracle cases run."""
+    if not kernel_backend.is_cuda:
+        pytest.skip("a GPU test: the emulator's sm_80 runs these plans by default")
+    from cuflash import cuda_backend
+    rt = cuda_backend.runtime()
+    monkeypatch.setattr(rt, "smem_limit", tiling.EMULATOR_ARCHES["sm_80"])
+    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
+    rt.calls.clear()
+    try:
+        for d, tiles in ((64, (128, 128)), (128, (64, 128))):
+            plan = launch_bwd.plan_backward(rt, d, d, "float16")
+            assert ((plan.block_q, plan.block_kv), dict(plan.layout_defines)) == (tiles, {"CUFLASH_BWD_DO_STAGES": 1})
+            do, q, k, v, o, lse = _tc_inputs(rng, "float16", (2, 4, 333, d), (2, 2, 290, d), None, "bottom_right")
+            with launch_common.observe_launches() as seen:
+                grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, causal="bottom_right")
+            assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_bwd_tc"] == [plan.shared_bytes]
+            oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
+    finally:
+        rt.calls.clear()
 
 
 def test_tc_on_emulated_sm75(rng):
@@ -664,10 +721,15 @@ def test_tc_default_tiles_fit_every_arch(arch):
                 lay = tiling.bwd_tc_layout(p.block_q, p.block_kv, p.kd, p.kdv)
                 assert not isinstance(lay, str), lay
                 assert p.threads == 32 * lay[0] and p.block_kv == 16 * lay[0] * lay[1] // lay[3]
-    # the planner's choices at the shapes of the targets (H100 / A100 budgets)
-    for d, want in ((64, (32, 128, 128, (4, 2, 1, 1))), (128, (64, 128, 256, (8, 2, 1, 2)))):
-        p = tiling.plan_flash_bwd(d, d, "float16", limit=tiling.EMULATOR_ARCHES["sm_90"])
-        assert (p.block_q, p.block_kv, p.threads, tiling.bwd_tc_layout(p.block_q, p.block_kv, d, d)) == want
+    # the planner's choices at the shapes of the targets (FlashAttention-2's tiles, 8 warps
+    # of the query split), and their shared memory: both dO buffers on an H100 (227 KB), one
+    # on an A100 (163 KB)
+    for d, tiles, two, one in ((64, (128, 128), 182272, 163840), (128, (64, 128), 177152, 159744)):
+        for a, shared, lean in (("sm_90", two, ()), ("sm_80", one, (("CUFLASH_BWD_DO_STAGES", 1),))):
+            p = tiling.plan_flash_bwd(d, d, "float16", limit=tiling.EMULATOR_ARCHES[a])
+            assert ((p.block_q, p.block_kv), p.threads, tiling.bwd_tc_layout(*tiles, d, d)) == (tiles, 256, (8, 2, 1, 2))
+            assert (p.shared_bytes, p.layout_defines) == (shared, lean), (d, a, p)
+            assert kernels.plan_defines(p).get("CUFLASH_BWD_DO_STAGES") == (1 if lean else None)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

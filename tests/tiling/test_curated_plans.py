@@ -79,8 +79,24 @@ MOVED = {
     # forced onto sm_75's 64 KB, the tensor-core backward takes 16 x 32
     ("flash_bwd_tc float16 128", "sm_75"): [16, 32, 64, 36608, 128, 128],
     ("flash_bwd_tc bfloat16 128", "sm_75"): [16, 32, 64, 36608, 128, 128],
+    # FlashAttention-2's tiles at d = 64 (sm_80, sm_90) and 128 (sm_80): on sm_80 with one dO
+    # buffer (KernelTiling.smaller), as on sm_75's 64 KB the query split's plans that fit only so
 }
+for _dt in ("float16", "bfloat16"):
+    MOVED.update({
+        (f"flash_bwd_tc {_dt} 64", "sm_80"): [128, 128, 256, 163840, 64, 64],
+        (f"flash_bwd_tc {_dt} 64", "sm_90"): [128, 128, 256, 182272, 64, 64],
+        (f"flash_bwd_tc {_dt} 128", "sm_80"): [64, 128, 256, 159744, 128, 128],
+        (f"flash_bwd_tc {_dt} 112", "sm_75"): [32, 64, 128, 64512, 112, 112],
+        (f"flash_bwd_tc_masked {_dt} 64", "sm_75"): [64, 64, 128, 65536, 64, 64],
+    })
 MOVED_DISPATCH = {("fwd_masked float32 256", "sm_90"): ["flash_fwd_tf32_masked", 64, 32, 256, 256]}
+for _dt in ("float16", "bfloat16"):
+    MOVED_DISPATCH.update({
+        (f"bwd {_dt} 64", "sm_80"): ["flash_bwd_tc", 128, 128, 64, 64],
+        (f"bwd {_dt} 64", "sm_90"): ["flash_bwd_tc", 128, 128, 64, 64],
+        (f"bwd {_dt} 128", "sm_80"): ["flash_bwd_tc", 64, 128, 128, 128],
+    })
 
 
 def test_old_kernel_choices_and_serving_tiles_are_kept():
