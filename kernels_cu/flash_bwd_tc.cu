@@ -221,6 +221,9 @@ static_assert(kPasses == 1 || kPasses == 2, "one or two passes");
 constexpr int kDoStages = CUFLASH_BWD_DO_STAGES;
 static_assert(kDoStages == 2 || (kDoStages == 1 && kQS == 2), "one dO buffer with the query split only");
 
+// the query split's largest tiles (128 x 128: 8 warps, 64 queries each), near 255 registers
+constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
+
 // ------------------------------------------------------------------------------------------
 // The tiles' copies (tile_copy.cuh: per-thread offsets computed once, compile-time steps;
 // rows past `rows` zero-filled), with this kernel's element type and threads.
@@ -233,8 +236,6 @@ using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
 // no row tests but in the last query tile.  The others, nearer 255 registers (where these
 // spill: d = 240 / 256, the features' padded builds), step the tiles' block-uniform first rows
 // and rebuild the thread's offsets per tile, and test every dQ row.
-// the query split's largest tiles (128 x 128: 8 warps, 64 queries each), near 255 registers
-constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 #ifdef CUFLASH_MASKS
 constexpr bool kHoistAddrs = false;
 #else

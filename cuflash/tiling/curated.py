@@ -286,7 +286,8 @@ CURATED["flash_fwd_wgmma"] = _table(("sm_90",), float16_bfloat16="""
 # 128 and 64 x 64 (FA2 3538 / 3412 / 2788; bench/fa2_sass_compare.py).  On an A100 both
 # take one dO buffer (160 and 156 KB, one block of 8 warps per SM, as FA2; 64 x 64 ran one
 # block of 4 warps, 32 x 128 two of 4); on an H100 d = 64 goes from three blocks of 4 warps
-# to one of 8 (178 KB, both buffers).  No GPU has timed them.  The masked kernel's register budget is lower: where 32 x 128
+# to one of 8 (178 KB, both buffers).  No GPU has timed them.
+# The masked kernel's register budget is lower: where 32 x 128
 # would take the query split (d <= 64), 64 x 128 gives each warp 32 queries again (40.5
 # instructions per logit against 66.4 at d = 64, sm_80); where 64 x 128 would need two passes
 # (d in 80..128), 128 x 64 in one pass on sm_90 (51.2 per logit against 91.6 at d = 128) and
