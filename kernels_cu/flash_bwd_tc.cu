@@ -264,6 +264,20 @@ constexpr bool kStepDq = kHoistAddrs && kD >= 128;
 // kept the plain range out: 4 B; at d = 64 in 32 x 128 tiles the 32-bit form spilled 16 B)
 constexpr bool kRow32 = kStepDq || (kHoistAddrs && kBigSplit);
 
+// A tile's Q or dO copy on its own (kDoStages = 1: dO later in the trip than Q): `own` the
+// copy whose source pointer the kHoistAddrs builds hold (full tiles then skip the row tests),
+// `fresh` one built for this tile (the other builds)
+template <class Copy>
+__device__ __forceinline__ void issue_alone(const Copy& own, const Copy& fresh, elem_t* dst,
+                                            const elem_t* src, const elem_t* base, int rows) {
+    if constexpr (kHoistAddrs) {
+        if (rows >= kBr) own.template issue_own<true>(dst, src, base, rows);
+        else own.template issue_own<false>(dst, src, base, rows);
+    } else {
+        fresh.template issue<false>(dst, src, rows);
+    }
+}
+
 // kBr floats (16-byte chunks; the workspace rows are padded to whole tiles)
 // (a compile-time trip count, as TileCopy: no remainder loop)
 __device__ __forceinline__ void load_floats_async(float* s, const float* g, int tid) {
@@ -525,25 +539,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
             // the dQ accumulator rows of tile (gg, i), stepped likewise (kStepDq)
             float* dq_src = dq_acc + (((size_t)b * p.H + hk * group) * Nq + it0 * kBr) * d_cols;
             const long long dq_wrap = ((long long)Nq - (long long)(n_i - 1) * kBr) * d_cols;
-            // dO alone (kDoStages = 1: its one buffer, later in the trip than Q's copy)
-            auto issue_do = [&](int q0) {
-                const int rows = min(kBr, Nq - q0);
-                if constexpr (kHoistAddrs) {
-                    if (rows >= kBr) do_copy.template issue_own<true>(dOs, do_src, dO, rows);
-                    else do_copy.template issue_own<false>(dOs, do_src, dO, rows);
-                } else {
-                    TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols).template issue<false>(dOs, do_src, rows);
-                }
-            };
             auto issue_tile = [&](int h, int q0, int buf, bool with_do) {
                 const int rows = min(kBr, Nq - q0);
                 if (!with_do) {
-                    if constexpr (kHoistAddrs) {
-                        if (rows >= kBr) q_copy.template issue_own<true>(Qs + buf * kBr * kKS, q_src, Q, rows);
-                        else q_copy.template issue_own<false>(Qs + buf * kBr * kKS, q_src, Q, rows);
-                    } else {
-                        TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols).template issue<false>(Qs + buf * kBr * kKS, q_src, rows);
-                    }
+                    issue_alone(q_copy, TileCopy<kBr, kD, kKS>(tid, p.q_sr, d_cols), Qs + buf * kBr * kKS, q_src, Q, rows);
                 } else if constexpr (kHoistAddrs) {
                     // full tiles without the row tests (a predicate and a select per chunk); one
                     // branch around both copies (TileCopyT::issue's choice per copy, two branches,
@@ -1026,7 +1025,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         __syncthreads();
                         if (tt + 1 < T) {
                             do_src += next_head ? do_wrap : do_step;
-                            issue_do(i1 * kBr);
+                            issue_alone(do_copy, TileCopy<kBr, kDv, kVS>(tid, p.do_sr, dv_cols), dOs, do_src, dO,
+                                        min(kBr, Nq - i1 * kBr));
                             cp_async_commit();
                         }
 #pragma unroll
