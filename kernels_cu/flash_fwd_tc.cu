@@ -162,6 +162,8 @@ constexpr int kVS = kDv + 8;
 #endif
 // the reference max of a row moves only when P would exceed 2^kLazy (see the softmax step)
 constexpr float kLazy = 8.0f;
+// a row's reference (in exponent units) before it sees a key: -FLT_MAX
+constexpr float kNoRef = -3.402823466e38f;
 // float16/bfloat16: Q's A fragments stay in registers when they, S and O fit comfortably
 // (measured: at 160 accumulator and Q registers ptxas already spills)
 [[maybe_unused]] constexpr bool kQInRegs = !CUFLASH_TF32 && kMT * (kD / 16) * 4 + kMT * kNT * 4 + kMT * kOT * 4 <= 128;
@@ -649,7 +651,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #else
     const float c = (float)(p.scale * 1.4426950408889634);
 #endif
-    const float lazy = kLazy / c;  // the reference max moves when exceeded by more (c = 0: never)
 #if CUFLASH_TF32
     // 0xffffe000 from a run-time value (Nq >= 0 always), so that ptxas cannot fold it (see split)
     const uint32_t hi_mask = 0xffffe000u | (uint32_t)(Nq < 0);
@@ -712,10 +713,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     }
     cp_async_commit();
 
-    // per row: the reference max m (raw logits) and mc = m * c (0 while m = -inf), and the
-    // row sum: the lane's partial sum l_i (the quad's four are added at the end), or with
+    // per row: the reference max in exponent units, mc = m * c (kNoRef until the row's first
+    // visible key: finite, so that a masked logit's exponent s c - mc is -inf, not NaN, and
+    // below every finite m c, so that the first visible key always moves it), and the row
+    // sum: the lane's partial sum l_i (the quad's four are added at the end), or with
     // CUFLASH_SUM_BY_MMA the MMA accumulator ls (rows g: [0], [1]; g + 8: [2], [3])
-    float m_i[kMT][2], mc_i[kMT][2], l_i[kMT][2], ls[kMT][4];
+    float mc_i[kMT][2], l_i[kMT][2], ls[kMT][4];
     float o[kMT][kOT][4];
 #if CUFLASH_TF32
     float beta[kMT][2];  // the rescales of o since its last flush (O's second level)
@@ -725,8 +728,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #if CUFLASH_TF32
         beta[mt][0] = beta[mt][1] = 1.0f;
 #endif
-        m_i[mt][0] = m_i[mt][1] = -INFINITY;
-        mc_i[mt][0] = mc_i[mt][1] = 0.0f;
+        mc_i[mt][0] = mc_i[mt][1] = kNoRef;
         l_i[mt][0] = l_i[mt][1] = 0.0f;
         ls[mt][0] = ls[mt][1] = ls[mt][2] = ls[mt][3] = 0.0f;
 #pragma unroll
@@ -744,6 +746,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const saddr_t ka0 = saddr_of(Ks + k_lane_off(lane)), va0 = saddr_of(Vs + v_lane_off(lane));
 #endif
 
+    // this thread's first chunk of the next K and V tile, stepped a tile per trip
+    const elem_t* kown = Kb + kcopy.goff + (long long)(j0 + 1) * kBc * k_sr;
+    const elem_t* vown = Vb + vcopy.goff + (long long)(j0 + 1) * kBc * v_sr;
     for (int j = j0; j < n_kv; ++j) {
         const int stage = (j - j0) & 1, k0 = j * kBc;
         cp_async_wait<0>();  // this thread's copies of tile j (and, first, Q_i) have landed
@@ -751,9 +756,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
         // whose stage the prefetch below overwrites.
         __syncthreads();
         if (j + 1 < n_kv) {
-            const int k1 = k0 + kBc;
-            TileCopy<kBc, kD, kKS>(tid, k_sr, d_cols).issue(Ks + (stage ^ 1) * kBc * kKS, Kb + k1 * k_sr, min(kBc, Nk - k1));
-            TileCopy<kBc, kDv, kVS>(tid, v_sr, dv_cols).issue(Vs + (stage ^ 1) * kBc * kVS, Vb + k1 * v_sr, min(kBc, Nk - k1));
+            const int rows1 = min(kBc, Nk - k0 - kBc);
+            elem_t* const kd = Ks + (stage ^ 1) * kBc * kKS;
+            elem_t* const vd = Vs + (stage ^ 1) * kBc * kVS;
+            if (CUFLASH_FWD_INTERIOR_ONLY || rows1 >= kBc) {
+                kcopy.issue_own<true>(kd, kown, Kb, rows1);
+                vcopy.issue_own<true>(vd, vown, Vb, rows1);
+            } else {
+                kcopy.issue_own<false>(kd, kown, Kb, rows1);
+                vcopy.issue_own<false>(vd, vown, Vb, rows1);
+            }
+            kown += kBc * k_sr;
+            vown += kBc * v_sr;
         }
         cp_async_commit();  // (possibly empty) group of tile j + 1
 #if CUFLASH_TF32
@@ -800,14 +814,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 #else
         // -- masks, only on tiles that cross the causal diagonal or the end of the keys
         if (!CUFLASH_FWD_INTERIOR_ONLY && k0 + kBc > mask_from) {
+            // row i sees keys [0, min(max(i + hoff, 0), Nk)) in 32-bit arithmetic: off is
+            // Nk - Nq or 0, so i + off + 1 lies in [-Nq, Nk] (and without a mask hoff = Nk + 1)
+            const int hoff = causal ? off + 1 : Nk + 1;
+            const int i0 = q0 + row0 + g;
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     // this lane's row sees keys [0, end); as an offset into the tile
-                    const long long i = q0 + row0 + mt * 16 + g + 8 * rr;
-                    const long long e = causal ? i + off + 1 : (long long)Nk;
-                    const int end = (int)(e < 0 ? 0 : (e > Nk ? Nk : e)) - k0 - 2 * t;
+                    const int end = min(max(i0 + mt * 16 + 8 * rr + hoff, 0), Nk) - k0 - 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -836,8 +852,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                 for (int nt = 1; nt < kNT; ++nt) x = nan_max(x, nan_max(s[mt][nt][2 * rr], s[mt][nt][2 * rr + 1]));
                 x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
                 x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+                x *= c;  // (c > 0: the max of the scaled logits)
                 mx[mt][rr] = x;
-                move |= x > m_i[mt][rr] + lazy;  // NaN: no move; P and l become NaN anyway
+                move |= x > mc_i[mt][rr] + kLazy;  // NaN: no move; P and l become NaN anyway
             }
         const bool any_move = __any_sync(0xffffffffu, move);
 #ifdef CUFLASH_FWD_COUNT_RESCALE
@@ -851,13 +868,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                 float alpha[2];
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
-                    const float m_new = nan_max(m_i[mt][rr], mx[mt][rr]);
-                    // no visible key yet: reference 0, so masked logits give 2^-inf = 0, not NaN
-                    const float mc_new = m_new == -INFINITY ? 0.0f : m_new * c;
-                    // no key seen before this tile: O and l are zero, and 2^(0 - mc_new)
-                    // would be +inf for a first max below -128 / c (0 * inf = NaN)
-                    alpha[rr] = m_i[mt][rr] == -INFINITY ? 0.0f : cuflash_exp2(mc_i[mt][rr] - mc_new);
-                    m_i[mt][rr] = m_new;
+                    // a row's first visible key: alpha = 2^(kNoRef - mc) = 0 on O = l = 0 (not
+                    // 0 * inf); a row still without one keeps kNoRef (alpha = 1, on zeros)
+                    const float mc_new = nan_max(mc_i[mt][rr], mx[mt][rr]);
+                    alpha[rr] = cuflash_exp2(mc_i[mt][rr] - mc_new);
                     mc_i[mt][rr] = mc_new;
                     l_i[mt][rr] *= alpha[rr];
                     ls[mt][2 * rr] *= alpha[rr];
