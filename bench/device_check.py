@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # one CUDA test of every kernel family (by test function), for a GPU machine without xdist
 SUBSET = [
     "test_forward_against_oracle",               # flash_fwd_tc, flash_fwd_tf32, flash_fwd (SIMT)
+    "test_tc_forward_one_kv_stage_on_gpu",       # flash_fwd_tc as an A100 plans d = 128 (one K/V buffer)
     "test_tc_backward_against_oracle",           # flash_bwd_tc
     "test_tc_one_do_buffer_on_gpu",              # flash_bwd_tc as an A100 plans it (one dO buffer)
     "test_backward_against_oracle",              # flash_bwd_dkdv / dq (SIMT), flash_bwd_tf32

@@ -9,7 +9,8 @@
 // Algorithm (FlashAttention-2, Dao 2023): one thread block per (Q tile, query head, batch)
 // (folded grid, params.cuh; with a causal mask the tiles of a head run heaviest first).  Q_i
 // is loaded once; K_j/V_j stream through two shared-memory stages with cp.async, tile j + 1
-// in flight while tile j is computed, one __syncthreads per tile.  Online softmax with a
+// in flight while tile j is computed, one __syncthreads per tile (or through one K and one V
+// buffer, two per tile: kStages).  Online softmax with a
 // reference max m and sum l of each row in registers, exp2 with the softmax scale folded into
 // one FMA: p = 2^(s * c - m * c), c = scale * log2(e) (scale > 0: the launcher turns scale <= 0
 // into -Q or 0 * Q with a positive scale).  m follows the row max lazily: it moves, and O and
@@ -47,7 +48,7 @@
 // different banks); float32: Q, K rows of kD + (16 if kD % 32 == 0) floats (stride = 16 mod
 // 32: the 8 lanes of a 128-bit access cover all banks), V rows of kDv + 4 floats (stride =
 // 4 mod 16: the 16 lanes of a 64-bit access cover all banks).
-//   Qs (kBr, kQS)  |  Ks 2 x (kBc, kKS)  |  Vs 2 x (kBc, kVS)       (cuflash.tiling has the bytes)
+//   Qs (kBr, kQS)  |  Ks kStages x (kBc, kKS)  |  Vs kStages x (kBc, kVS)   (cuflash.tiling has the bytes)
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | _BF16 | _F32, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q, CUFLASH_BLOCK_KV, CUFLASH_THREADS (32 * warps).
@@ -160,6 +161,15 @@ constexpr int kQS = kD + 8;
 constexpr int kKS = kD + 8;
 constexpr int kVS = kDv + 8;
 #endif
+// K/V shared-memory stages: 2 (tile j + 1 copied while tile j is computed, one barrier per
+// tile) or 1 (-DCUFLASH_FWD_KV_STAGES=1, FlashAttention-2's schedule: one K and one V buffer,
+// V_j copied under S_j and the softmax, K_{j+1} under P V_j, two barriers per tile; the
+// planner takes it where it lets more blocks reside on an SM, KernelTiling.smaller)
+#ifndef CUFLASH_FWD_KV_STAGES
+#define CUFLASH_FWD_KV_STAGES 2
+#endif
+constexpr int kStages = CUFLASH_FWD_KV_STAGES;
+static_assert(kStages == 1 || kStages == 2, "CUFLASH_FWD_KV_STAGES: 1 or 2");
 // the reference max of a row moves only when P would exceed 2^kLazy (see the softmax step)
 constexpr float kLazy = 8.0f;
 // a row's reference (in exponent units) before it sees a key: -FLT_MAX
@@ -232,6 +242,31 @@ __device__ __forceinline__ void gstore_pair(T* p, float a, float b) {  // two 16
 // interior-only count build takes the full-tile path alone.
 template <int kRows, int kCols, int kSS>
 using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSS, CUFLASH_FWD_INTERIOR_ONLY != 0, kPadded>;
+
+// x, opaque to the compiler: what the K/V loop derives from it is computed in the trip
+// instead of hoisted out of the loop and held (or spilled) across every tile -- the one-stage
+// copies' shared addresses (then one register and immediate offsets, not one register per
+// chunk) and the mask's row ends
+__device__ __forceinline__ elem_t* opaque(elem_t* x) {
+#ifndef CUFLASH_EMULATOR
+    asm volatile("" : "+l"(x));
+#endif
+    return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+#ifndef CUFLASH_EMULATOR
+    asm volatile("" : "+r"(x));
+#endif
+    return x;
+}
+// Copy the K or V tile whose first chunk for this thread is at src into dst (rows [0, rows)
+// of kBc; the rest zero-filled from `safe`).
+template <class Copy>
+__device__ __forceinline__ void copy_tile(const Copy& cp, elem_t* dst, const elem_t* src, const elem_t* safe,
+                                          int rows) {
+    if (CUFLASH_FWD_INTERIOR_ONLY || rows >= kBc) cp.template issue_own<true>(dst, src, safe, rows);
+    else cp.template issue_own<false>(dst, src, safe, rows);
+}
 
 // ------------------------------------------------------------- S = Q_w K_j^T
 #if CUFLASH_TF32
@@ -634,8 +669,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
 {
     CUFLASH_DYNAMIC_SHARED(elem_t, smem);
     elem_t* Qs = smem;                // (kBr, kQS)       Q_i
-    elem_t* Ks = Qs + kBr * kQS;      // 2 x (kBc, kKS)   K_j, two stages
-    elem_t* Vs = Ks + 2 * kBc * kKS;  // 2 x (kBc, kVS)   V_j, two stages
+    elem_t* Ks = Qs + kBr * kQS;             // kStages x (kBc, kKS)   K_j
+    elem_t* Vs = Ks + kStages * kBc * kKS;   // kStages x (kBc, kVS)   V_j
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -703,13 +738,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const int n_kv = (kv_end + kBc - 1) / kBc;
     const int row0 = warp * kRowsW;  // the warp's first row in the tile
 
-    // -- Q_i and the first K/V tile: one cp.async group
+    // -- Q_i and the first K tile (and V tile, with two stages): one cp.async group
     const TileCopy<kBc, kD, kKS> kcopy(tid, k_sr, d_cols);
     const TileCopy<kBc, kDv, kVS> vcopy(tid, v_sr, dv_cols);
     TileCopy<kBr, kD, kQS>(tid, q_sr, d_cols).issue(Qs, Qb, rows_q);
     if (n_kv > j0) {
         kcopy.issue(Ks, Kb + (long long)j0 * kBc * k_sr, min(kBc, Nk - j0 * kBc));
-        vcopy.issue(Vs, Vb + (long long)j0 * kBc * v_sr, min(kBc, Nk - j0 * kBc));
+        if (kStages == 2) vcopy.issue(Vs, Vb + (long long)j0 * kBc * v_sr, min(kBc, Nk - j0 * kBc));
     }
     cp_async_commit();
 
@@ -746,30 +781,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
     const saddr_t ka0 = saddr_of(Ks + k_lane_off(lane)), va0 = saddr_of(Vs + v_lane_off(lane));
 #endif
 
-    // this thread's first chunk of the next K and V tile, stepped a tile per trip
+    // this thread's first chunk of the next K tile and of the next V tile to copy (two
+    // stages: j0 + 1 as K's; one: j0, copied in the trip that uses it), stepped a tile per trip
     const elem_t* kown = Kb + kcopy.goff + (long long)(j0 + 1) * kBc * k_sr;
-    const elem_t* vown = Vb + vcopy.goff + (long long)(j0 + 1) * kBc * v_sr;
+    const elem_t* vown = Vb + vcopy.goff + (long long)(j0 + kStages - 1) * kBc * v_sr;
     for (int j = j0; j < n_kv; ++j) {
-        const int stage = (j - j0) & 1, k0 = j * kBc;
-        cp_async_wait<0>();  // this thread's copies of tile j (and, first, Q_i) have landed
-        // Everyone's copies of tile j are visible, and every warp is done with tile j - 1,
-        // whose stage the prefetch below overwrites.
+        const int stage = kStages == 2 ? (j - j0) & 1 : 0, k0 = j * kBc;
+        cp_async_wait<0>();  // this thread's copies of K_j (and, first, Q_i) have landed
+        // Everyone's copies of K_j are visible, and every warp is done with tile j - 1 (two
+        // stages: whose stage the prefetch below overwrites; one: with V_{j-1}).
         __syncthreads();
-        if (j + 1 < n_kv) {
-            const int rows1 = min(kBc, Nk - k0 - kBc);
-            elem_t* const kd = Ks + (stage ^ 1) * kBc * kKS;
-            elem_t* const vd = Vs + (stage ^ 1) * kBc * kVS;
-            if (CUFLASH_FWD_INTERIOR_ONLY || rows1 >= kBc) {
-                kcopy.issue_own<true>(kd, kown, Kb, rows1);
-                vcopy.issue_own<true>(vd, vown, Vb, rows1);
-            } else {
-                kcopy.issue_own<false>(kd, kown, Kb, rows1);
-                vcopy.issue_own<false>(vd, vown, Vb, rows1);
+        if (kStages == 2) {
+            if (j + 1 < n_kv) {
+                const int rows1 = min(kBc, Nk - k0 - kBc);
+                copy_tile(kcopy, Ks + (stage ^ 1) * kBc * kKS, kown, Kb, rows1);
+                copy_tile(vcopy, Vs + (stage ^ 1) * kBc * kVS, vown, Vb, rows1);
+                kown += kBc * k_sr;
+                vown += kBc * v_sr;
             }
-            kown += kBc * k_sr;
+            cp_async_commit();  // (possibly empty) group of tile j + 1
+        } else {
+            copy_tile(vcopy, opaque(Vs), vown, Vb, min(kBc, Nk - k0));  // lands under S = Q K_j^T
             vown += kBc * v_sr;
+            cp_async_commit();
         }
-        cp_async_commit();  // (possibly empty) group of tile j + 1
 #if CUFLASH_TF32
         const float* Kt = Ks + stage * kBc * kKS;
         const float* Vt = Vs + stage * kBc * kVS;
@@ -817,7 +852,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
             // row i sees keys [0, min(max(i + hoff, 0), Nk)) in 32-bit arithmetic: off is
             // Nk - Nq or 0, so i + off + 1 lies in [-Nq, Nk] (and without a mask hoff = Nk + 1)
             const int hoff = causal ? off + 1 : Nk + 1;
-            const int i0 = q0 + row0 + g;
+            const int i0 = kStages == 1 ? opaque(q0 + row0 + g) : q0 + row0 + g;
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -832,6 +867,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_FWD_TC_KERNEL(
                 }
         }
 #endif
+
+        if (kStages == 1) {
+            cp_async_wait<0>();  // this thread's copies of V_j have landed
+            // Everyone's copies of V_j are visible, and every warp is done with K_j, which the
+            // copy below overwrites; K_{j+1} lands under the softmax and P V_j (as FlashAttention-2).
+            __syncthreads();
+            if (j + 1 < n_kv) {
+                copy_tile(kcopy, opaque(Ks), kown, Kb, min(kBc, Nk - k0 - kBc));
+                kown += kBc * k_sr;
+            }
+            cp_async_commit();
+        }
 
         // -- online softmax against a lazily moved reference max: P = 2^(S c - mc) with mc = m c
         // for the row's reference m (raw logits).  m moves up to the row max -- rescaling the

@@ -96,8 +96,10 @@ class KernelTiling:
         reads the call's head dims (the SIMT kernels) or is never padded.
     smaller : callable(block_q, block_kv, d, dv, acc_bytes) -> (int, dict) or None, or None
         A leaner shared-memory layout of the same tiles (its bytes and the defines that build
-        it), or None where the tiles have none: a plan takes it only where ``shared_bytes``
-        exceeds the limit (flash_bwd_tc: one dO buffer instead of two).  None by default.
+        it), or None where the tiles have none: a plan takes it where ``shared_bytes``
+        exceeds the limit or where it lets more blocks reside on an SM (flash_bwd_tc: one dO
+        buffer instead of two; flash_fwd_tc: one K and one V buffer instead of two stages).
+        None by default.
 
     The default tiles come from the curated table of the kernel's family
     (:data:`.curated.CURATED`; of a ``_masked`` kernel, the cells' features build); a kernel
@@ -358,13 +360,20 @@ def _why_not(t, bq, bkv, d, dv, acc, limit=None):
 
 def shared_layout(t, bq, bkv, d, dv, acc, limit=None):
     """``(shared bytes, defines)`` of ``t``'s tiles under a shared-memory ``limit`` (None: no
-    limit): its own layout, or ``t.smaller``'s where the own one exceeds the limit and the
-    smaller one exists (it may exceed the limit too)."""
+    limit): its own layout, or ``t.smaller``'s where that exists and either the own one
+    exceeds the limit (the smaller one may exceed it too) or the smaller one lets more blocks
+    reside on an SM (:func:`resident_blocks`)."""
     own = t.shared_bytes(bq, bkv, d, dv, acc)
-    if limit is None or limit < 0 or own <= limit or t.smaller is None:
+    if limit is None or limit < 0 or t.smaller is None:
         return own, {}
     lean = t.smaller(bq, bkv, d, dv, acc)
-    return (own, {}) if lean is None else lean
+    if lean is None:
+        return own, {}
+    if own > limit:
+        return lean
+    threads = t.threads(bq, bkv, d, dv)
+    more = resident_blocks(threads, lean[0], limit) > resident_blocks(threads, own, limit)
+    return lean if more else (own, {})
 
 
 def _shared(t, bq, bkv, d, dv, acc, limit):
@@ -401,6 +410,23 @@ def resident_warps(threads, shared_bytes, limit):
     blocks = min(MAX_BLOCKS_PER_SM,
                  (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK))
     return blocks * -(-threads // 32)
+
+
+# Registers per SM (every supported architecture) and the most a thread may use: the planner
+# counts a tensor-core kernel at the most (its register arrays are sized to the budget; the
+# exact count is known after compilation), which an SM allocates per warp as 8192.
+REGS_PER_SM = 65536
+REGS_PER_WARP_AT_MOST = 8192
+
+
+def resident_blocks(threads, shared_bytes, limit):
+    """Blocks of one kernel that reside on an SM, by shared memory (as :func:`resident_warps`)
+    and by registers counted at 255 per thread; 0 where one block does not fit the limit."""
+    if shared_bytes > limit:
+        return 0
+    by_shared = (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK)
+    by_regs = REGS_PER_SM // (-(-threads // 32) * REGS_PER_WARP_AT_MOST)
+    return min(MAX_BLOCKS_PER_SM, by_shared, by_regs)
 
 
 def _occupancy_ok(t, bq, bkv, d, dv, acc, limit):

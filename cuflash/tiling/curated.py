@@ -202,7 +202,10 @@ CURATED["flash_bwd_dq"] = CURATED["flash_bwd_dkdv"]
 #   sm_86 | sm_80 | sm_90
 # 4 warps of 32 rows where the accumulators fit (every K/V fragment feeds two MMAs) with the
 # longest K/V tile those rows hold (128 x 64 up to 96, 128 x 32 to 128); above 128, 4 warps of
-# 16 rows (64 x 32).  The masked kernel keeps the band, the ALiBi slope and the dropout key
+# 16 rows (64 x 32).  At d = 128 on sm_80 and sm_90, FlashAttention-2's 128 x 64 (32 rows per
+# warp, 192 accumulators): half the rescale multiplies per MMA of 128 x 32, where the row max
+# moves on every tile (bench/fa2_sass_compare.py); on an A100 in one K and one V buffer (68
+# KB, two blocks per SM: KernelTiling.smaller), on an H100 in two stages (104 KB, two blocks).  The masked kernel keeps the band, the ALiBi slope and the dropout key
 # beside S and O: at d = 64 and 80 128 x 64 spilled on sm_80, so it runs 128 x 32 there.
 # flash_fwd_tf32 keeps hi and lo fragments besides: 128 x 32 up to 80, 128 x 16 to 128, 64 x 16
 # above (64 x 32 after it where 64 x 16 spilled: one split of each Q fragment per 32 keys --
@@ -225,7 +228,7 @@ CURATED["flash_fwd_tc"] = _table(_TC, float16_bfloat16="""
      80 | 128x64 128x32 64x32 ; 128x32 64x32 16x16 | 128x64 128x32 64x64 ; 128x32 64x32 32x32 | = ; / 128x32
      96 | 128x64 128x32 64x32 ; 128x32 64x32 16x16 | 128x64 128x32 64x64 ; 128x32 64x32 32x32 | =
     112 | 128x32 64x32 128x16 | = | =
-    128 | 128x32 128x16 16x16 | 128x32 64x32 128x16 | = ; 128x32 128x16 / 128x16
+    128 | 128x32 128x16 16x16 | 128x64 128x32 64x32 128x16 ; 128x32 64x32 128x16 | 128x64 128x32 64x32 128x16 / 128x32 64x32 128x16 ; 128x32 128x16 / 128x16
     144 | 64x32 64x16 32x16 | = | =
     160 | 64x32 64x16 32x16 | = | =
     176 | 64x32 64x16 32x16 | = | =

@@ -148,8 +148,12 @@ TC_KERNELS = ("flash_fwd_tc", "flash_fwd_tf32")
 # 32 rows take at most 64 keys per tile (S of 32 x 128 spilled even at d = 16); the 3xTF32
 # kernel keeps hi and lo fragments besides, so it gets less (measured with NVRTC 13 for
 # sm_80 over every plan the budgets accepted).
+# flash_fwd_tc's 32-row budget is 192 (128 x 64 at d = 128, FlashAttention-2's tile: S and O
+# are 192 registers; ptxas fits them in 255 with the reference max in exponent units and the
+# copies' addresses stepped); its _masked kernel keeps the feature state besides and 160.
 TC_MAX_ACC_REGS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
-TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 160, "flash_fwd_tf32": 144}
+TC_MAX_ACC_REGS_32_ROWS = {"flash_fwd_tc": 192, "flash_fwd_tf32": 144,
+                           "flash_fwd_tc_masked": 160, "flash_fwd_tf32_masked": 144}
 TC_MAX_BLOCK_KV_32_ROWS = {"flash_fwd_tc": 64, "flash_fwd_tf32": 64}
 
 
@@ -160,8 +164,8 @@ def _tc_base(kernel):
 
 def tc_rows_per_warp(kernel, bq, bkv, d, dv):
     """Query rows per warp of a tensor-core forward plan: 32 when they fit, else 16."""
-    kernel = _tc_base(kernel)
-    if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[kernel]
+    base = _tc_base(kernel)
+    if (bq >= 32 and max(d, dv) <= 128 and bkv <= TC_MAX_BLOCK_KV_32_ROWS[base]
             and bkv + dv <= TC_MAX_ACC_REGS_32_ROWS[kernel]):
         return 32
     return 16
@@ -191,11 +195,31 @@ def _tc_shared(kernel):
     return shared
 
 
+# flash_fwd_tc's one-stage layout (-DCUFLASH_FWD_KV_STAGES=1, KernelTiling.smaller): one K and
+# one V buffer, FlashAttention-2's forward schedule (V_j copied under S_j, K_{j+1} under the
+# softmax and P V_j, two barriers per tile), taken where it lets more blocks reside on an SM
+# (128 x 64 at d = 128 on an A100: 68 KB, two blocks, against 104 KB and one).  The other
+# tensor-core forwards keep two stages.
+TC_ONE_STAGE_KERNELS = ("flash_fwd_tc",)
+
+
+def _tc_smaller(kernel):
+    if kernel not in TC_ONE_STAGE_KERNELS:
+        return None
+
+    def smaller(bq, bkv, d, dv, acc):
+        qs, ks, vs, esz = tc_strides(kernel, d, dv)
+        return esz * (bq * qs + bkv * ks + bkv * vs), {"CUFLASH_FWD_KV_STAGES": 1}
+    return smaller
+
+
 def _tc_layout(kernel):
     def layout(bq, bkv, d, dv, acc):
         qs, ks, vs, esz = tc_strides(kernel, d, dv)
         t = "float" if esz == 4 else "16-bit"
-        return f"{t} Qs[{bq}][{qs}] + Ks[2][{bkv}][{ks}] + Vs[2][{bkv}][{vs}]"
+        one = (f" (or one K and one V buffer: {_tc_smaller(kernel)(bq, bkv, d, dv, acc)[0]} B)"
+               if kernel in TC_ONE_STAGE_KERNELS else "")
+        return f"{t} Qs[{bq}][{qs}] + Ks[2][{bkv}][{ks}] + Vs[2][{bkv}][{vs}]{one}"
     return layout
 
 
@@ -206,7 +230,7 @@ def _tc_check(kernel):
         if max(d, dv) > 256:
             return f"{kernel} supports d, dv <= 256, got d={d}, dv={dv}"
         n = tc_acc_regs(kernel, bq, bkv, d, dv)
-        if n > TC_MAX_ACC_REGS[_tc_base(kernel)]:
+        if tc_rows_per_warp(kernel, bq, bkv, d, dv) == 16 and n > TC_MAX_ACC_REGS[_tc_base(kernel)]:
             return (f"block_kv={bkv} with dv={dv} needs {n} accumulator registers per thread in "
                     f"{kernel} even with 16 query rows per warp (limit {TC_MAX_ACC_REGS[_tc_base(kernel)]}: "
                     "more would spill to local memory)")
@@ -233,6 +257,7 @@ for _k in TC_KERNELS + TC_MASKED_KERNELS:
         check=_tc_check(_k),
         head_dims=square_head_dims(16),
         pad_define=TC_PAD_DEFINE,
+        smaller=_tc_smaller(_k),
     ))
 
 

@@ -207,6 +207,10 @@ def test_tc_rows_per_warp_follow_the_register_budget():
         return tiling.plan_flash_fwd(d, d if dv is None else dv, dtype, bq, bkv, limit=227 * 1024)
     p = plan("float16", 128, 128, 32)
     assert (p.kernel, p.threads) == ("flash_fwd_tc", 128)       # 4 warps x 32 rows
+    p = plan("float16", 128, 128, 64)                           # 192 accumulators: within
+    assert (p.kernel, p.threads) == ("flash_fwd_tc", 128)       # flash_fwd_tc's 32-row budget
+    p = tiling.plan("flash_fwd_tc_masked", 128, 128, "float16", 128, 64, limit=227 * 1024)
+    assert p.threads == 256                                     # not its masked kernel's (160)
     p = plan("float16", 128, 128, 128)                          # S + O of 32 rows would spill:
     assert (p.kernel, p.threads) == ("flash_fwd_tc", 256)       # 8 warps x 16 rows instead
     p = plan("float16", 256, 64, 32)
@@ -219,7 +223,29 @@ def test_tc_rows_per_warp_follow_the_register_budget():
             for bq in t.block_q_choices:
                 for bkv in t.block_kv_choices:
                     if t.check(bq, bkv, d, d) is None:
-                        assert tiling.tc_acc_regs(kernel, bq, bkv, d, d) <= tiling.TC_MAX_ACC_REGS[kernel]
+                        rows = tiling.tc_rows_per_warp(kernel, bq, bkv, d, d)
+                        budget = (tiling.TC_MAX_ACC_REGS_32_ROWS if rows == 32 else tiling.TC_MAX_ACC_REGS)[kernel]
+                        assert tiling.tc_acc_regs(kernel, bq, bkv, d, d) <= budget
+
+
+def test_tc_forward_one_kv_stage_where_it_adds_blocks():
+    """flash_fwd_tc takes one K and one V buffer where two stages pass the limit or where one
+    lets more blocks reside on an SM (registers counted at 255 per thread: 2 blocks of 4
+    warps at most): 128 x 64 at d = 128 on an A100 (68 KB, two blocks, against 104 KB and
+    one); an H100 holds two blocks of the two-stage layout.  Its other kernels keep two."""
+    for arch, shared, lean in (("sm_80", 69632, {"CUFLASH_FWD_KV_STAGES": 1}), ("sm_90", 104448, {})):
+        p = tiling.plan_flash_fwd(128, 128, "float16", limit=tiling.EMULATOR_ARCHES[arch])
+        assert (p.kernel, p.block_q, p.block_kv, p.threads) == ("flash_fwd_tc", 128, 64, 128)
+        assert (p.shared_bytes, dict(p.layout_defines)) == (shared, lean), arch
+        assert kernels.plan_defines(p).get("CUFLASH_FWD_KV_STAGES") == lean.get("CUFLASH_FWD_KV_STAGES")
+    lim = tiling.EMULATOR_ARCHES["sm_80"]
+    assert [tiling.resident_blocks(128, b, lim) for b in (104448, 69632, 30000, lim + 1)] == [1, 2, 2, 0]
+    assert tiling.resident_blocks(256, 69632, lim) == 1   # 8 warps at 255 registers fill an SM
+    # d = 64: 128 x 64 in two stages (55 KB) already gives two blocks: kept
+    p = tiling.plan_flash_fwd(64, 64, "float16", limit=lim)
+    assert ((p.block_q, p.block_kv), p.layout_defines) == ((128, 64), ())
+    for kernel in ("flash_fwd_tf32", "flash_fwd_tc_masked", "flash_fwd_tf32_masked"):
+        assert tiling.kernel_tiling(kernel).smaller is None
 
 
 @pytest.mark.parametrize("dtype,kernel", [("float16", "flash_fwd"), ("float16", "flash_fwd_tc"),
@@ -617,6 +643,61 @@ def test_race_check_tensor_core_forward(rng, dtype, kernel, bq):
     o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec, kernel=kernel)
     assert _emulator_stats()["threads_per_block"] == 32 * max(1, bq // 32)
     oracle.check_forward(o, q, k, v, None, "top_left", lse=lse)
+
+
+@pytest.mark.parametrize("dtype,causal", [("float16", "bottom_right"), ("bfloat16", False)])
+def test_tc_forward_one_kv_stage(monkeypatch, rng, dtype, causal):
+    """flash_fwd_tc with one K and one V buffer (the plan's layout where two stages pass the
+    limit, here set between the two, or where it lets more blocks reside on an SM): V_j
+    copied under S_j, K_{j+1} under the softmax and P V_j, two barriers per tile.  Under
+    TSan, 2 warps of 32 rows, a ragged last key tile (both copies' row-tested paths), GQA,
+    rows that see no key (causal, Nq > Nk), against the oracle."""
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    t = tiling.kernel_tiling("flash_fwd_tc")
+    one, lean = t.smaller(64, 16, 16, 16, 4)
+    monkeypatch.setattr(rt, "smem_limit", t.shared_bytes(64, 16, 16, 16, 4) - 1)
+    rt.calls.clear()
+    try:
+        plan = rt.plan("flash_fwd_tc", 16, 16, dtype, 64, 16)
+        assert (plan.shared_bytes, dict(plan.layout_defines)) == (one, lean) == (one, {"CUFLASH_FWD_KV_STAGES": 1})
+        q, k, v = oracle.qkv(rng, (1, 2, 70, 16), (1, 1, 45, 16), dtype=dtype)
+        spec = _validate.check_attention_inputs(q, k, v, causal=causal, block_q=64, block_kv=16)
+        with launch_common.observe_launches() as seen:
+            o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
+        assert [(e["kernel"], e["shared_mem"], e["block"][0]) for e in seen] == [("flash_fwd_tc", one, 64)]
+        oracle.check_forward(o, q, k, v, None, causal, lse=lse)
+    finally:
+        rt.calls.clear()
+
+
+def test_tc_forward_one_kv_stage_on_gpu(kernel_backend, monkeypatch, rng):
+    """What an A100 runs at d = 128 -- 128 x 64 with 32 rows per warp, one K and one V buffer
+    -- on whatever GPU is at hand, its limit capped at an A100's, the Hopper kernels off:
+    against the oracle (GQA, ragged, causal).  On the emulator this is the default plan of
+    its sm_80, which the oracle cases at d = 128 run."""
+    if not kernel_backend.is_cuda:
+        pytest.skip("a GPU test: the emulator's sm_80 runs this plan by default")
+    from cuflash import cuda_backend
+    rt = cuda_backend.runtime()
+    monkeypatch.setattr(rt, "smem_limit", tiling.EMULATOR_ARCHES["sm_80"])
+    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
+    rt.calls.clear()
+    try:
+        plan = rt.plan("flash_fwd_tc", 128, 128, "float16")
+        assert ((plan.block_q, plan.block_kv, plan.threads), dict(plan.layout_defines)) == \
+            ((128, 64, 128), {"CUFLASH_FWD_KV_STAGES": 1})
+        q, k, v = oracle.qkv(rng, (2, 4, 333, 128), (2, 2, 290, 128), dtype="float16")
+        q, k, v = (kernel_backend.asarray(x) for x in (q, k, v))
+        spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right")
+        with launch_common.observe_launches() as seen:
+            o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)
+        assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_fwd_tc"] == [plan.shared_bytes]
+        qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
+        oracle.check_forward(kernel_backend.to_numpy(o), qn, kn, vn, None, "bottom_right",
+                             lse=kernel_backend.to_numpy(lse))
+    finally:
+        rt.calls.clear()
 
 
 def test_race_check_float32_flushes(rng):

@@ -90,12 +90,34 @@ for _dt in ("float16", "bfloat16"):
         (f"flash_bwd_tc {_dt} 112", "sm_75"): [32, 64, 128, 64512, 112, 112],
         (f"flash_bwd_tc_masked {_dt} 64", "sm_75"): [64, 64, 128, 65536, 64, 64],
     })
+# flash_fwd_tc: FlashAttention-2's 128 x 64 at d = 128 on sm_80 and sm_90 (32 rows per warp),
+# and one K and one V buffer (KernelTiling.smaller) where that lets more blocks reside on an SM
+# (registers counted at 255 per thread) or where two stages pass the limit -- on sm_75's 64 KB
+# the latter puts the cell's longer first pairs back in reach.  (d, arch): (tiles, threads,
+# shared bytes); the compiled head dims are d's.
+_FWD_TC_MOVED = {
+    (48, "sm_75"): (128, 64, 128, 28672), (80, "sm_75"): (128, 64, 128, 45056),
+    (96, "sm_75"): (128, 64, 128, 53248), (128, "sm_75"): (128, 32, 128, 52224),
+    (176, "sm_75"): (64, 32, 128, 47104), (192, "sm_75"): (64, 32, 128, 51200),
+    (208, "sm_75"): (64, 32, 128, 55296), (224, "sm_75"): (64, 32, 128, 59392),
+    (240, "sm_75"): (64, 32, 128, 63488), (256, "sm_75"): (64, 16, 128, 50688),
+    (64, "sm_86"): (128, 64, 128, 36864), (80, "sm_86"): (128, 64, 128, 45056),
+    (112, "sm_86"): (128, 32, 128, 46080), (144, "sm_86"): (64, 32, 128, 38912),
+    (160, "sm_86"): (64, 32, 128, 43008), (176, "sm_86"): (64, 32, 128, 47104),
+    (128, "sm_80"): (128, 64, 128, 69632), (224, "sm_80"): (64, 32, 128, 59392),
+    (240, "sm_80"): (64, 32, 128, 63488), (256, "sm_80"): (64, 32, 128, 67584),
+    (128, "sm_90"): (128, 64, 128, 104448),
+}
+for _dt in ("float16", "bfloat16"):
+    MOVED.update({(f"flash_fwd_tc {_dt} {d}", arch): [*row, d, d] for (d, arch), row in _FWD_TC_MOVED.items()})
 MOVED_DISPATCH = {("fwd_masked float32 256", "sm_90"): ["flash_fwd_tf32_masked", 64, 32, 256, 256]}
 for _dt in ("float16", "bfloat16"):
     MOVED_DISPATCH.update({
         (f"bwd {_dt} 64", "sm_80"): ["flash_bwd_tc", 128, 128, 64, 64],
         (f"bwd {_dt} 64", "sm_90"): ["flash_bwd_tc", 128, 128, 64, 64],
         (f"bwd {_dt} 128", "sm_80"): ["flash_bwd_tc", 64, 128, 128, 128],
+        (f"fwd {_dt} 128", "sm_80"): ["flash_fwd_tc", 128, 64, 128, 128],
+        (f"fwd {_dt} 128", "sm_90"): ["flash_fwd_tc", 128, 64, 128, 128],
     })
 
 
@@ -275,7 +297,7 @@ def test_padded_build_has_its_own_defaults_where_the_table_says():
             ("flash_fwd_tc_masked", "float16", (128, 64), (128, 32), (128, 16)),
             ("flash_fwd_tc_masked", "bfloat16", (48, 80), (128, 64), (128, 32)),
             ("flash_fwd_tf32_masked", "float32", (96, 128), (128, 16), (128, 32)),
-            ("flash_fwd_tc", "float16", (64, 128), (128, 32), (128, 32))):
+            ("flash_fwd_tc", "float16", (64, 128), (128, 64), (128, 32))):
         c = max(d, dv)
         p, q = tiling.plan(kernel, d, dv, dtype, limit=lim), tiling.plan(kernel, c, c, dtype, limit=lim)
         assert ((q.block_q, q.block_kv), (p.block_q, p.block_kv)) == (plain, padded), kernel
