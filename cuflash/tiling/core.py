@@ -421,10 +421,12 @@ REGS_PER_WARP_AT_MOST = 8192
 
 def resident_blocks(threads, shared_bytes, limit):
     """Blocks of one kernel that reside on an SM, by shared memory (as :func:`resident_warps`)
-    and by registers counted at 255 per thread; 0 where one block does not fit the limit."""
+    and by registers counted at 255 per thread; 0 where one block does not fit the limit (an
+    infinite limit: registers alone)."""
     if shared_bytes > limit:
         return 0
-    by_shared = (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK)
+    by_shared = (MAX_BLOCKS_PER_SM if limit == float("inf") else
+                 (int(limit) + SMEM_RESERVED_PER_BLOCK) // (shared_bytes + SMEM_RESERVED_PER_BLOCK))
     by_regs = REGS_PER_SM // (-(-threads // 32) * REGS_PER_WARP_AT_MOST)
     return min(MAX_BLOCKS_PER_SM, by_shared, by_regs)
 
