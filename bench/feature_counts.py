@@ -160,7 +160,9 @@ def backward(tmp, dtype, d, arch=80):
                 "bias + dbias (atomic adds)": only(bias=True, db=2)}
     mixes = _count_variants(tmp, f"b{dtype}{d}-{arch}-", fn, plan, extra, variants, arch)
     pplan = _default("flash_bwd_tc", d, dtype, arch)
-    plain_edits = [unroll, (fn, "const bool need_mask = kv_rows < kBc || (causal && kv0 + kBc - 1 > q0 + off);",
+    plain_edits = [unroll, (fn, "const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain\n"
+                                "                                                   : kv_rows < kBc || q0 + kBr > Nq || "
+                                "(causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool need_mask = false;")]
     plain = _loop_count(_variant(tmp, f"bplain{dtype}{d}-{arch}", plain_edits), fn, pplan,
                         {"CUFLASH_BWD_TC_MAIN": None}, arch)
@@ -208,7 +210,7 @@ def backward_tf32(tmp, d):
                 "bias + dbias (stored)": only(bias=True, db=1)}
     mixes = _count_variants(tmp, "t", fn, plan, extra, variants)
     pplan = _default("flash_bwd_tf32", d, "float32", 80)
-    plain_edits = [unroll, (fn, "const bool mask = kv0 + kBc > Nk || (causal && kv0 + kBc - 1 > q0 + off);",
+    plain_edits = [unroll, (fn, "const bool mask = kv0 + kBc > Nk || q0 + kBr > Nq || (causal && kv0 + kBc - 1 > q0 + off);",
                             "const bool mask = false;")]
     plain = _loop_count(_variant(tmp, "tplain", plain_edits), fn, pplan, {})
     return Counted(plan, 16 * plan.block_q // 32, 1, mixes, pplan, 16 * pplan.block_q // 32, 1, plain)
