@@ -163,7 +163,7 @@ constexpr int kVS = kDv + 8;
 #endif
 // K/V shared-memory stages: 2 (tile j + 1 copied while tile j is computed, one barrier per
 // tile) or 1 (-DCUFLASH_FWD_KV_STAGES=1, FlashAttention-2's schedule: one K and one V buffer,
-// V_j copied under S_j and the softmax, K_{j+1} under P V_j, two barriers per tile; the
+// V_j copied under S_j, K_{j+1} under the softmax and P V_j, two barriers per tile; the
 // planner takes it where it lets more blocks reside on an SM, KernelTiling.smaller)
 #ifndef CUFLASH_FWD_KV_STAGES
 #define CUFLASH_FWD_KV_STAGES 2

@@ -219,6 +219,41 @@ def sm90_nvrtc():
     return _nvrtc, _sass
 
 
+@contextlib.contextmanager
+def lean_layout(monkeypatch, kernel, bq, bkv, d):
+    """The emulator's race-checked Runtime with its shared-memory limit one byte under
+    ``kernel``'s own layout of (bq, bkv) at head dim d, so that its plans take the smaller one
+    (``KernelTiling.smaller``): yields (runtime, the smaller layout's bytes, its defines), its
+    compiled modules dropped before and after."""
+    from cuflash import kernels, tiling
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    t = tiling.kernel_tiling(kernel)
+    lean, defines = t.smaller(bq, bkv, d, d, 4)
+    monkeypatch.setattr(rt, "smem_limit", t.shared_bytes(bq, bkv, d, d, 4) - 1)
+    rt.calls.clear()
+    try:
+        yield rt, lean, defines
+    finally:
+        rt.calls.clear()
+
+
+@pytest.fixture
+def a100_plans(kernel_backend, monkeypatch):
+    """The "cuda" Runtime planning as an A100 does (its 163 KB shared-memory limit, the Hopper
+    kernels off) on whatever GPU is at hand, its compiled modules dropped before and after;
+    off a GPU the test is skipped (the emulator's sm_80 plans so by default)."""
+    if not kernel_backend.is_cuda:
+        pytest.skip("a GPU test: the emulator's sm_80 runs these plans by default")
+    from cuflash import cuda_backend, kernels, tiling
+    rt = cuda_backend.runtime()
+    monkeypatch.setattr(rt, "smem_limit", tiling.EMULATOR_ARCHES["sm_80"])
+    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
+    rt.calls.clear()
+    yield rt
+    rt.calls.clear()
+
+
 @pytest.fixture
 def sm90_gpu(monkeypatch):
     """(cupy, the "cuda" Runtime with the Hopper kernels chosen: CUFLASH_WGMMA=1) on an sm_90

@@ -27,7 +27,7 @@ import pytest
 
 import cuflash
 import oracle
-from conftest import Backend, poisoned_outputs, require_backend
+from conftest import Backend, lean_layout, poisoned_outputs, require_backend
 from cuflash import _validate, kernels, tiling
 from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc, common as launch_common
 
@@ -605,13 +605,7 @@ def test_tc_one_do_buffer(monkeypatch, rng):
     ThreadSanitizer, atomic and deterministic, against the oracle -- two query heads on one
     kv head (dO's source wraps to the next head), ragged last query and key tiles (dO's
     row-tested copy), causal."""
-    require_backend("emulator")
-    rt = kernels.get_runtime("emulator", race_check=True)
-    t = tiling.kernel_tiling("flash_bwd_tc")
-    one, lean = t.smaller(32, 32, 32, 32, 4)
-    monkeypatch.setattr(rt, "smem_limit", t.shared_bytes(32, 32, 32, 32, 4) - 1)
-    rt.calls.clear()
-    try:
+    with lean_layout(monkeypatch, "flash_bwd_tc", 32, 32, 32) as (rt, one, lean):
         plan = rt.plan("flash_bwd_tc", 32, 32, "float16", 32, 32)
         assert (plan.shared_bytes, dict(plan.layout_defines)) == (one, {"CUFLASH_BWD_DO_STAGES": 1})
         do, q, k, v, o, lse = _tc_inputs(rng, "float16", (1, 2, 70, 32), (1, 1, 45, 32), None, True)
@@ -622,33 +616,21 @@ def test_tc_one_do_buffer(monkeypatch, rng):
                 oracle.check_backward(grads, do, q, k, v, None, True)
         main = [e for e in seen if e["kernel"] == "flash_bwd_tc"]
         assert len(main) == 2 and all(e["shared_mem"] == one for e in main), main
-    finally:
-        rt.calls.clear()
 
 
-def test_tc_one_do_buffer_on_gpu(kernel_backend, monkeypatch, rng):
+def test_tc_one_do_buffer_on_gpu(kernel_backend, a100_plans, rng):
     """What an A100 runs -- FA2's tiles with one dO buffer (d = 64: 128 x 128, d = 128: 64 x
-    128) -- on whatever GPU is at hand, its limit capped at an A100's, the Hopper kernels off:
-    against the oracle (GQA, ragged, causal).  On the emulator these are the default plans of
-    its sm_80, which the oracle cases run."""
-    if not kernel_backend.is_cuda:
-        pytest.skip("a GPU test: the emulator's sm_80 runs these plans by default")
-    from cuflash import cuda_backend
-    rt = cuda_backend.runtime()
-    monkeypatch.setattr(rt, "smem_limit", tiling.EMULATOR_ARCHES["sm_80"])
-    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
-    rt.calls.clear()
-    try:
-        for d, tiles in ((64, (128, 128)), (128, (64, 128))):
-            plan = launch_bwd.plan_backward(rt, d, d, "float16")
-            assert ((plan.block_q, plan.block_kv), dict(plan.layout_defines)) == (tiles, {"CUFLASH_BWD_DO_STAGES": 1})
-            do, q, k, v, o, lse = _tc_inputs(rng, "float16", (2, 4, 333, d), (2, 2, 290, d), None, "bottom_right")
-            with launch_common.observe_launches() as seen:
-                grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, causal="bottom_right")
-            assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_bwd_tc"] == [plan.shared_bytes]
-            oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
-    finally:
-        rt.calls.clear()
+    128) -- on whatever GPU is at hand (a100_plans): against the oracle (GQA, ragged,
+    causal).  On the emulator these are the default plans of its sm_80, which the oracle
+    cases run."""
+    for d, tiles in ((64, (128, 128)), (128, (64, 128))):
+        plan = launch_bwd.plan_backward(a100_plans, d, d, "float16")
+        assert ((plan.block_q, plan.block_kv), dict(plan.layout_defines)) == (tiles, {"CUFLASH_BWD_DO_STAGES": 1})
+        do, q, k, v, o, lse = _tc_inputs(rng, "float16", (2, 4, 333, d), (2, 2, 290, d), None, "bottom_right")
+        with launch_common.observe_launches() as seen:
+            grads = _run_bwd(kernel_backend, do, q, k, v, o, lse, causal="bottom_right")
+        assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_bwd_tc"] == [plan.shared_bytes]
+        oracle.check_backward(grads, do, q, k, v, None, "bottom_right")
 
 
 def test_tc_on_emulated_sm75(rng):

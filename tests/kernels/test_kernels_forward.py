@@ -18,7 +18,7 @@ import pytest
 
 import cuflash
 import oracle
-from conftest import poisoned_outputs, require_backend
+from conftest import lean_layout, poisoned_outputs, require_backend
 from cuflash import _validate, kernels, reference, tiling
 from cuflash.launch import common as launch_common, fwd as launch_fwd, softmax as launch_softmax
 
@@ -652,13 +652,7 @@ def test_tc_forward_one_kv_stage(monkeypatch, rng, dtype, causal):
     copied under S_j, K_{j+1} under the softmax and P V_j, two barriers per tile.  Under
     TSan, 2 warps of 32 rows, a ragged last key tile (both copies' row-tested paths), GQA,
     rows that see no key (causal, Nq > Nk), against the oracle."""
-    require_backend("emulator")
-    rt = kernels.get_runtime("emulator", race_check=True)
-    t = tiling.kernel_tiling("flash_fwd_tc")
-    one, lean = t.smaller(64, 16, 16, 16, 4)
-    monkeypatch.setattr(rt, "smem_limit", t.shared_bytes(64, 16, 16, 16, 4) - 1)
-    rt.calls.clear()
-    try:
+    with lean_layout(monkeypatch, "flash_fwd_tc", 64, 16, 16) as (rt, one, lean):
         plan = rt.plan("flash_fwd_tc", 16, 16, dtype, 64, 16)
         assert (plan.shared_bytes, dict(plan.layout_defines)) == (one, lean) == (one, {"CUFLASH_FWD_KV_STAGES": 1})
         q, k, v = oracle.qkv(rng, (1, 2, 70, 16), (1, 1, 45, 16), dtype=dtype)
@@ -667,37 +661,25 @@ def test_tc_forward_one_kv_stage(monkeypatch, rng, dtype, causal):
             o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)  # raises RaceError on a race
         assert [(e["kernel"], e["shared_mem"], e["block"][0]) for e in seen] == [("flash_fwd_tc", one, 64)]
         oracle.check_forward(o, q, k, v, None, causal, lse=lse)
-    finally:
-        rt.calls.clear()
 
 
-def test_tc_forward_one_kv_stage_on_gpu(kernel_backend, monkeypatch, rng):
+def test_tc_forward_one_kv_stage_on_gpu(kernel_backend, a100_plans, rng):
     """What an A100 runs at d = 128 -- 128 x 64 with 32 rows per warp, one K and one V buffer
-    -- on whatever GPU is at hand, its limit capped at an A100's, the Hopper kernels off:
-    against the oracle (GQA, ragged, causal).  On the emulator this is the default plan of
-    its sm_80, which the oracle cases at d = 128 run."""
-    if not kernel_backend.is_cuda:
-        pytest.skip("a GPU test: the emulator's sm_80 runs this plan by default")
-    from cuflash import cuda_backend
-    rt = cuda_backend.runtime()
-    monkeypatch.setattr(rt, "smem_limit", tiling.EMULATOR_ARCHES["sm_80"])
-    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
-    rt.calls.clear()
-    try:
-        plan = rt.plan("flash_fwd_tc", 128, 128, "float16")
-        assert ((plan.block_q, plan.block_kv, plan.threads), dict(plan.layout_defines)) == \
-            ((128, 64, 128), {"CUFLASH_FWD_KV_STAGES": 1})
-        q, k, v = oracle.qkv(rng, (2, 4, 333, 128), (2, 2, 290, 128), dtype="float16")
-        q, k, v = (kernel_backend.asarray(x) for x in (q, k, v))
-        spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right")
-        with launch_common.observe_launches() as seen:
-            o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)
-        assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_fwd_tc"] == [plan.shared_bytes]
-        qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
-        oracle.check_forward(kernel_backend.to_numpy(o), qn, kn, vn, None, "bottom_right",
-                             lse=kernel_backend.to_numpy(lse))
-    finally:
-        rt.calls.clear()
+    -- on whatever GPU is at hand (a100_plans): against the oracle (GQA, ragged, causal).  On
+    the emulator this is the default plan of its sm_80, which the oracle cases at d = 128 run."""
+    rt = a100_plans
+    plan = rt.plan("flash_fwd_tc", 128, 128, "float16")
+    assert ((plan.block_q, plan.block_kv, plan.threads), dict(plan.layout_defines)) == \
+        ((128, 64, 128), {"CUFLASH_FWD_KV_STAGES": 1})
+    q, k, v = oracle.qkv(rng, (2, 4, 333, 128), (2, 2, 290, 128), dtype="float16")
+    q, k, v = (kernel_backend.asarray(x) for x in (q, k, v))
+    spec = _validate.check_attention_inputs(q, k, v, causal="bottom_right")
+    with launch_common.observe_launches() as seen:
+        o, lse = launch_fwd.flash_fwd(rt, q, k, v, spec)
+    assert [e["shared_mem"] for e in seen if e["kernel"] == "flash_fwd_tc"] == [plan.shared_bytes]
+    qn, kn, vn = (kernel_backend.to_numpy(x) for x in (q, k, v))
+    oracle.check_forward(kernel_backend.to_numpy(o), qn, kn, vn, None, "bottom_right",
+                         lse=kernel_backend.to_numpy(lse))
 
 
 def test_race_check_float32_flushes(rng):
