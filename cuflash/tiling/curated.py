@@ -8,8 +8,9 @@ Design
   table maps (dtype class, head-dim class, architecture class) to a *cell*: a few (block_q,
   block_kv) pairs, the default first, then alternatives.  The defaults are the plans the library launched before
   the tables existed (the planner's preference lists filtered by ptxas sweeps), kept as they
-  were on sm_80 and sm_90; the alternatives are the next pairs of those lists.  A default
-  moves only when its cell is edited.
+  were on sm_80 and sm_90; the alternatives are the next pairs of those lists.  A default's
+  tiles move only when its cell is edited (its shared-memory layout follows the planner's
+  rule for ``KernelTiling.smaller``).
 * **Dtype classes**: the dtypes that share every plan -- the SIMT kernels' float16, bfloat16
   and float32 (float accumulators) against float64; float16 and bfloat16 on the tensor cores;
   float32 (3xTF32) alone.
