@@ -682,6 +682,26 @@ def test_tc_forward_one_kv_stage_on_gpu(kernel_backend, a100_plans, rng):
                          lse=kernel_backend.to_numpy(lse))
 
 
+@pytest.mark.parametrize("dtype,causal", [("float16", "bottom_right"), ("bfloat16", "top_left")])
+def test_tc_forward_on_emulated_sm90(monkeypatch, rng, dtype, causal):
+    """sm_90 with the Hopper kernels off: flash_fwd_tc at its d = 128 default, 128 x 64 with 32
+    rows per warp in two K/V stages (104 KB; an A100 takes one stage), against the oracle:
+    GQA, ragged last query and key tiles, both causal alignments (rows that see no key)."""
+    require_backend("emulator")
+    monkeypatch.setenv(tiling.EMULATOR_ARCH_ENV, "sm_90")
+    monkeypatch.setenv(kernels.WGMMA_ENV, "0")
+    from cuflash import emulator_backend
+    rt = emulator_backend.runtime()
+    plan = tiling.plan_flash_fwd(128, 128, dtype, limit=rt.smem_limit, wgmma=rt.wgmma_for(128, 128))
+    assert ((plan.kernel, plan.block_q, plan.block_kv, plan.threads, plan.shared_bytes), plan.layout_defines) == \
+        (("flash_fwd_tc", 128, 64, 128, 104448), ())
+    q, k, v = oracle.qkv(rng, (1, 4, 150, 128), (1, 2, 131, 128), dtype=dtype)
+    with launch_common.observe_launches() as seen:
+        o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="emulator")
+    assert [(e["kernel"], e["shared_mem"]) for e in seen] == [("flash_fwd_tc", 104448)]
+    oracle.check_forward(o, q, k, v, None, causal, lse=lse)
+
+
 def test_race_check_float32_flushes(rng):
     """flash_fwd_tf32 under TSan where O's second level flushes (300 keys in 16-key tiles: one
     flush after the 16th tile, then the epilogue's read), GQA, causal rows."""
