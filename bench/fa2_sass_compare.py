@@ -26,9 +26,14 @@ path of a steady-state K/V tile (no mask, full tile, no flush), where the lazy r
 stays and its rescale is compiled out -- the count of a tile where no row's max moves; and the
 ``fwd-rescale`` rows with ``-DCUFLASH_FWD_COUNT_RESCALE=1`` besides: the rescale of O and l
 taken on every tile (a row max that moves on every tile), FA2's forward beside it unchanged
-(it rescales on every tile).  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward /
-backward at other tiles (the
-planner's threads for them).
+(it rescales on every tile).  The ``bwd-masked`` and ``bwd-softcap`` rows: ``flash_bwd_tc_masked``
+(the backward with the logit features) at its default tiles, compiled from a copy of
+kernels_cu edited to one call's interior tile (``feature_counts.bwd_feature_edits``: the
+call's feature flags as constants, the band test off): no feature -- what a window or causal
+band costs on an interior tile -- beside FA2's plain backward, and softcap beside FA2's
+softcap backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).
+``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
+(the planner's threads for them).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -92,12 +97,22 @@ _FWD = ("flash::flash_fwd_kernel<Flash_fwd_kernel_traits<{}, false, false, cutla
         "false, false, false, false, true, true, false, false>")
 _BWD = ("flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<{}, "
         "false, false, cutlass::half_t>, false, false, false, false, true, true, false>")
+# the backward with FA2's softcap (Is_softcap): the logit feature both kernels have in this
+# wheel (it holds no ALiBi or dropout backward)
+_BWD_SOFTCAP = _BWD[:-len("false>")] + "true>"
 FA2_KERNELS = {
     ("fwd", 64): (_FWD.format("64, 128, 128, 4"), 128, 128, 4),
     ("fwd", 128): (_FWD.format("128, 128, 64, 4"), 128, 64, 4),
     ("bwd", 64): (_BWD.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd", 128): (_BWD.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+    ("bwd-softcap", 64): (_BWD_SOFTCAP.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd-softcap", 128): (_BWD_SOFTCAP.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
 }
+# cuflash's backward with the logit features (flash_bwd_tc_masked) for one call's interior
+# tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
+# a call with features that cost nothing per interior logit (a window, a causal band) beside
+# FA2's plain backward, "softcap" beside FA2's softcap backward
+BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-softcap": {"cap": True}}
 
 # Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
 # "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
@@ -428,20 +443,30 @@ def cuflash_count(kind, d, arch, tiles=None):
     import kernel_report as kr
     import plan_sweep as ps
     from cuflash import kernels, tiling
-    kernel = "flash_bwd_tc" if kind == "bwd" else "flash_fwd_tc"
+    features = BWD_FEATURE_KINDS.get(kind)
+    kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
+              else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
     plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
                        limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
     defines = kernels.plan_defines(plan)
-    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kind != "bwd" else {}
+    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kernel == "flash_fwd_tc" else {}
     if kind == "fwd-rescale":
         extra["CUFLASH_FWD_COUNT_RESCALE"] = 1
-    job = ps.Job(kernel, f"fa2_sass_compare {kernel} {d} sm_{arch}", dict(defines, **extra), arch)
-    res = ps.compile_result(job)
+    if features is not None:
+        extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
+    job = ps.Job(kernel, f"fa2_sass_compare {kind} {d} sm_{arch}", dict(defines, **extra), arch)
+    if features is None:
+        res = ps.compile_result(job)
+    else:
+        import feature_counts as fc
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = fc._variant(tmp, "v", fc.bwd_feature_edits(unroll=False, **features))
+            res = ps.compile_result(job, kdir=folder)
     instrs = parse_sass(_sass.disassemble(res.cubin))[kernel]
     span = _sass.main_loop(base(instrs))
     trips, note = {}, ""
-    if kind == "bwd":
+    if kernel != "flash_fwd_tc":
         trips = kr.tc_loop_trips(base(instrs), span, defines)
         if trips is None:
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
@@ -533,9 +558,9 @@ def main(argv=None):
     lib = FA2Library(wheel, args.cache or args.wheel_dir)
     ptxas = find_ptxas()
     rows = collections.OrderedDict()
-    for kind in ("fwd", "fwd-rescale", "bwd"):
+    for kind in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS):
         for d in args.d:
-            want, bq, bkv, warps = FA2_KERNELS[(kind.split("-")[0], d)]
+            want, bq, bkv, warps = FA2_KERNELS.get((kind, d)) or FA2_KERNELS[(kind.split("-")[0], d)]
             for arch in args.arch:
                 key = f"{kind} d={d} sm_{arch}"
                 print(f"{key} ...", file=sys.stderr, flush=True)
@@ -551,7 +576,8 @@ def main(argv=None):
                     ops, note = fa2_count(code)
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
                 try:
-                    ops, cbq, cbkv, cwarps, note = cuflash_count(kind, d, arch, bwd_tiles if kind == "bwd" else fwd_tiles)
+                    ops, cbq, cbkv, cwarps, note = cuflash_count(
+                        kind, d, arch, bwd_tiles if kind == "bwd" else fwd_tiles if kind.startswith("fwd") else None)
                 except ValueError as e:  # tiles that this architecture's shared memory refuses
                     m = re.search(r"needs \d+ B of shared memory", str(e))
                     r["cuflash"] = f"not planned: {m.group(0) if m else str(e)[:120]}"
@@ -598,7 +624,12 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         "counts). cuflash's forward is the interior-tile build (`-DCUFLASH_FWD_INTERIOR_ONLY=1`): "
         "no mask, the lazy rescale's vote kept and its rescale left out (a tile where no row's max "
         "moves; FA2 rescales on every tile); the fwd-rescale rows add `-DCUFLASH_FWD_COUNT_RESCALE=1`: "
-        "the rescale of O and l taken on every tile, as FA2 does. Out-of-line blocks the loop returns from are added, the "
+        "the rescale of O and l taken on every tile, as FA2 does. The bwd-masked and bwd-softcap rows: "
+        "flash_bwd_tc_masked (the backward with the logit features) at its default tiles for one "
+        "call's interior tile, its feature flags compiled as constants and the band test off "
+        "(`feature_counts.bwd_feature_edits`): no feature (what a window or causal band costs "
+        "there) beside FA2's plain backward, softcap beside FA2's softcap backward (`Is_softcap`; "
+        "the wheel has no ALiBi or dropout backward). Out-of-line blocks the loop returns from are added, the "
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"

@@ -125,35 +125,41 @@ def _fwd_logits(plan):
     return plan.block_q // (plan.threads // 32) * plan.block_kv // 32
 
 
+_BWD_FLAGS = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
+              "                const bool has_alibi = p.mask_has_alibi != 0;\n"
+              "                const int db_mode = p.mask_dbias;")
+
+
+def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unroll=True):
+    """Edits of flash_bwd_tc.cu that make a flash_bwd_tc_masked build count one call's
+    interior tile: the call's feature flags as constants (the kernel reads them once per call
+    and branches on them per tile, so each feature's code is what a call with it runs), the
+    band test off, the bias and dbias on their contiguous-key paths, the dropout bit word
+    from a parameter (``_opaque``).  ``unroll``: the rolled loops (S^T and dP^T over d / dv,
+    the dropout's Philox blocks, dQ's k-steps) unrolled, so that the main loop's static count
+    is one trip (else a counter weighs them by their trip counts)."""
+    fn = "flash_bwd_tc.cu"
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    unrolled = "#pragma unroll\n" if unroll else "#pragma unroll 1\n"
+    return ([(fn, "#pragma unroll 1\n", "#pragma unroll\n")] if unroll else []) + [
+        (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
+         "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
+        (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
+        (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
+        _opaque(fn, "unsigned long long keep = ~0ull;"),
+        (fn, _BWD_FLAGS, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
+                         f"                const bool has_alibi = {b(alibi)};\n"
+                         f"                const int db_mode = {db};"),
+        (fn, "                if (drop.on) {\n" + unrolled, f"                if ({b(drop)}) {{\n" + unrolled),
+        (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product")]
+
+
 def backward(tmp, dtype, d, arch=80):
     fn = "flash_bwd_tc.cu"
     plan = _default("flash_bwd_tc_masked", d, dtype, arch)
     extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
-    # the rolled loops (S^T and dP^T over d / dv, the dropout's Philox blocks, dQ's k-steps)
-    # unrolled, so that the loop's static count is what one trip executes; the band test off
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
-    interior = [unroll,
-                (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
-                 "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
-                (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
-                (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
-                _opaque(fn, "unsigned long long keep = ~0ull;")]
-    flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
-             "                const bool has_alibi = p.mask_has_alibi != 0;\n"
-             "                const int db_mode = p.mask_dbias;")
-
-    def only(cap=False, bias=False, alibi=False, db=0, drop=False):
-        """The call's feature flags as constants (the kernel reads them once per call and
-        branches on them per tile, so each feature's code is what a call with it runs)."""
-        b = lambda x: "true" if x else "false"  # noqa: E731
-        return interior + [(fn, flags, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
-                                       f"                const bool has_alibi = {b(alibi)};\n"
-                                       f"                const int db_mode = {db};"),
-                           (fn, "                if (drop.on) {\n#pragma unroll\n",
-                            f"                if ({b(drop)}) {{\n#pragma unroll\n"),
-                           (fn, "if (drop.on) {  // dP of the dropped product",
-                            f"if ({b(drop)}) {{  // dP of the dropped product")]
-
+    only = bwd_feature_edits
     variants = {"none": only(), "bias": only(bias=True), "alibi": only(alibi=True),
                 "softcap (and its derivative)": only(cap=True), "dropout": only(drop=True),
                 "bias + dbias (stored)": only(bias=True, db=1),

@@ -52,3 +52,19 @@ def test_pipes_table_compares_with_the_plain_calls(capsys):
     # softcap forward's MUFU 24/64 * 8 = 3 (bounds 3 .. 4.67): together 6.33 .. 10.0
     assert "together 5.0 .. 8.0" in out
     assert rows["softcap"].endswith("| 6.3 .. 10.0 | +27% .. +25% |")
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+@pytest.mark.parametrize("features", [{}, {"cap": True}, {"bias": True, "db": 2}, {"alibi": True, "drop": True}])
+def test_bwd_feature_edits_hold_on_the_kernel(tmp_path, unroll, features):
+    """Each edit that turns flash_bwd_tc_masked into one call's interior tile (the counts of
+    feature_counts.py and fa2_sass_compare.py's bwd-masked / bwd-softcap rows) finds its text
+    in today's kernels_cu -- a kernel edit that moves it fails here, not in a later count --
+    and changes the file: the flags become the call's constants."""
+    edits = FC.bwd_feature_edits(unroll=unroll, **features)
+    folder = FC._variant(str(tmp_path), "v", edits)   # asserts every edit's text is there
+    src = (folder / "flash_bwd_tc.cu").read_text()
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    assert f"const bool has_cap = {b(features.get('cap'))}, has_bias = {b(features.get('bias'))};" in src
+    assert f"const int db_mode = {features.get('db', 0)};" in src
+    assert ("#pragma unroll 1\n" in src) != unroll
