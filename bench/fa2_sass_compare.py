@@ -450,11 +450,10 @@ def cuflash_count(kind, d, arch, tiles=None):
     plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
                        limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
     defines = kernels.plan_defines(plan)
-    extra = {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kernel == "flash_fwd_tc" else {}
+    extra = ({"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None} if features is not None
+             else {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kernel == "flash_fwd_tc" else {})
     if kind == "fwd-rescale":
         extra["CUFLASH_FWD_COUNT_RESCALE"] = 1
-    if features is not None:
-        extra = {"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None}
     job = ps.Job(kernel, f"fa2_sass_compare {kind} {d} sm_{arch}", dict(defines, **extra), arch)
     if features is None:
         res = ps.compile_result(job)
