@@ -142,8 +142,10 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
     b = lambda x: "true" if x else "false"  # noqa: E731
     unrolled = "#pragma unroll\n" if unroll else "#pragma unroll 1\n"
     return ([(fn, "#pragma unroll 1\n", "#pragma unroll\n")] if unroll else []) + [
-        (fn, "const bool need_mask = kv_rows < kBc || rows_q < kBr ||",
-         "const bool need_mask = false, band_crossed = kv_rows < kBc || rows_q < kBr ||"),
+        (fn, "const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain\n"
+             "                                                   : kv_rows < kBc ||",
+         "const bool need_mask = false, band_crossed = kPlainRange ? (unsigned)(i - i_plain) >= "
+         "(unsigned)n_plain\n                                                   : kv_rows < kBc ||"),
         (fn, "if (p.mask_bias_sc == 1 && !tile_edge) {", "if (true) {"),
         (fn, "const bool fast = p.mask_dbias_sc == 1 && !tile_edge;", "const bool fast = true;"),
         _opaque(fn, "unsigned long long keep = ~0ull;"),

@@ -189,15 +189,20 @@ constexpr int kDqN = kDqM == 32 ? 32
                    : (kD % 64 == 0 && (kBr / 16) * (kD / 64) >= kWarps) ? 64
                    : (kD % 32 == 0 && (kBr / 16) * (kD / 32) >= kWarps) ? 32 : 16;
 constexpr int kDqTiles = (kBr / kDqM) * (kD / kDqN);
-// The plain kernel's k loops of S^T (d / 16 trips), dP^T (dv / 16) and dQ (block_kv / 16)
-// unrolled, and its mask test one branch per tile around the element loop: no loop counter,
-// compare, branch or address arithmetic per trip, and the first mma of each accumulator reads
-// zero registers instead of a cleared array -- 17-20% fewer instructions per HMMA in the
-// steady loop at d = 64 and 128 (bench/fa2_sass_compare.py).  Rolled where the registers are
-// already at the limit and the unrolled copies spilled (ptxas, NVRTC 13.0): head dims past
-// 128 (two passes), the padded build, and the masked kernel (the features' registers).
+// The k loops of S^T (d / 16 trips), dP^T (dv / 16) and dQ (block_kv / 16) unrolled, and
+// the mask test one branch per tile around the element loop: no loop counter, compare,
+// branch or address arithmetic per trip, and the first mma of each accumulator reads zero
+// registers instead of a cleared array -- 17-20% fewer instructions per HMMA in the steady
+// loop at d = 64 and 128 (bench/fa2_sass_compare.py).  Rolled where the registers are already
+// at the limit and the unrolled copies spilled (ptxas, NVRTC 13.0): head dims past 128 (two
+// passes), the padded build, and the masked kernel (the features' registers) but where its
+// register arrays (kArrays: dK, dV, P^T, dP^T and softcap's 1 - tanh^2, as cuflash.tiling
+// counts them) hold 128 floats or fewer in one pass over 8 warps -- its defaults at d = 64 and
+// 128; 4 warps (fewer threads per copy: more offsets per thread), 144 floats, or two passes
+// spilled 4-40 B.
 #ifdef CUFLASH_MASKS
-constexpr bool kUnrolled = false;
+constexpr int kArrays = kMT * 8 * (kKC + kVC) + kMT * kBrw;
+constexpr bool kUnrolled = kArrays <= 128 && kWarps >= 8 && kPasses == 1 && !kPadded && kD <= 128 && kDv <= 128;
 #else
 constexpr bool kUnrolled = !kPadded && kD <= 128 && kDv <= 128;
 #endif
@@ -230,17 +235,14 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 template <int kRows, int kCols, int kSt>
 using TileCopy = TileCopyT<elem_t, kThreads, kRows, kCols, kSt, false, kPadded>;
 // Builds with registers to spare -- unrolled copies and products (head dims up to 128, not
-// padded; the copies' row steps compile-time), no logit features -- keep addresses across the
+// padded; the copies' row steps compile-time) -- keep addresses across the
 // tile loop: the Q / dO prefetch each thread's own source pointers (4 registers; the copy then
 // adds only its row steps), the dQ reds one lane address per dQ tile with constant offsets and
 // no row tests but in the last query tile.  The others, nearer 255 registers (where these
 // spill: d = 240 / 256, the features' padded builds), step the tiles' block-uniform first rows
 // and rebuild the thread's offsets per tile, and test every dQ row.
-#ifdef CUFLASH_MASKS
-constexpr bool kHoistAddrs = false;
-#else
 constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && TileCopy<kBr, kDv, kVS>::kUnrolled;
-// (no logit features:) dS^T = P^T (dP^T - D) from P^T's float32 registers, kept live across
+// dS^T = P^T (dP^T - D) from P^T's float32 registers (undropped), kept live across
 // the dP^T products, rather than unpacked from its 16-bit pairs (one HADD2 per pair, and P
 // rounded to 16 bits first), where the plan sweep finds they fit: the kHoistAddrs builds but
 // d < 64 on sm_90 (d = 32 at 64 x 128 spills 24 B there, NVRTC 13.0)
@@ -252,7 +254,6 @@ constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
 // split's 128 x 128 tiles on sm_80 (at d = 64 the range's two registers spilled 24 B there, in
 // the prologue; on sm_90 none, with the workspace row in 32 bits below)
 constexpr bool kPlainRange = kFloatP && kWarps >= 4 && !(kBigSplit && CUFLASH_ARCH < 900);
-#endif
 // The dQ accumulator's rows of a query tile stepped from tile to tile, as the Q / dO sources,
 // rather than rebuilt from (head, tile) by 64-bit products: in the kHoistAddrs builds at
 // d = 128 (at d = 64 the pointer's two registers cost more than the products: 24 B spilled
@@ -493,19 +494,26 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #endif
         const int n_i = it1 - it0;
         const int T = group * n_i;            // (head, Q tile) pairs this block visits
-#ifndef CUFLASH_MASKS
         // the query tiles i_plain .. i_plain + n_plain - 1 need no mask with this K/V tile: all
-        // their rows see all its keys (causal: i kBr + off >= kv0 + kBc - 1) and they end at or
-        // before Nq (i < Nq / kBr); none where the tile holds keys past Nk
+        // their rows see all its keys and they end at or before Nq (i < Nq / kBr); none where
+        // the tile holds keys past Nk
         int i_plain = 0, n_plain = 0;
         if (kPlainRange && kv_rows == kBc) {
-            if (causal) {
+#ifdef CUFLASH_MASKS
+            // the band: kv0 + kBc - 1 - i kBr < hi_off and kv0 - (i kBr + kBr - 1) >= lo_off
+            const long long x = (long long)kv0 + kBc - band.hi_off;    // i kBr >= x
+            const long long y = (long long)kv0 - kBr + 1 - band.lo_off;  // i kBr <= y
+            i_plain = x <= 0 ? 0 : (int)min((x + kBr - 1) / kBr, (long long)n_q_tiles);
+            const int i_end = y < 0 ? 0 : (int)min(y / kBr + 1, (long long)(Nq / kBr));
+            n_plain = max(0, i_end - i_plain);
+#else
+            if (causal) {  // i kBr + off >= kv0 + kBc - 1
                 const long long x = (long long)kv0 + kBc - 1 - off;  // i kBr >= x
                 i_plain = x <= 0 ? 0 : (int)min((x + kBr - 1) / kBr, (long long)n_q_tiles);
             }
             n_plain = max(0, Nq / kBr - i_plain);
-        }
 #endif
+        }
         elem_t* dKt = dK + (bhk * Nk + kv0) * d_cols;
         elem_t* dVt = dV + (bhk * Nk + kv0) * dv_cols;
         if (T == 0) {  // no query sees these keys: dK = dV = 0, nothing loaded
@@ -610,8 +618,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // past Nq (whose bias must not be read)
                 const int rows_q = min(kBr, Nq - q0);
                 const bool tile_edge = kv_rows < kBc || rows_q < kBr;  // rows / keys past the ends
-                const bool need_mask = kv_rows < kBc || rows_q < kBr ||
-                                       kv0 - (q0 + rows_q - 1) < band.lo_off || kv0 + kBc - 1 - q0 >= band.hi_off;
+                // (kPlainRange: from the K/V tile's plain range of query tiles, one compare)
+                const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain
+                                                   : kv_rows < kBc || rows_q < kBr ||
+                                                         kv0 - (q0 + rows_q - 1) < band.lo_off ||
+                                                         kv0 + kBc - 1 - q0 >= band.hi_off;
                 const int qa = q0 + qw0 + 2 * t;      // this lane's queries: qa + 8 n + eq
                 const int ka = kv0 + kw0 + g;         // and keys: ka + 16 mt + 8 hh
                 // The call's features, read from the parameter block on every tile (cached
@@ -765,7 +776,6 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 s[mt][n][e] += ns * fabsf(base + (float)(n * 8 + (e & 1) - mt * 16 - 8 * (e >> 1)));
                 }
 #endif
-#ifndef CUFLASH_MASKS
                 // kUnrolled: one branch per tile on need_mask around the whole element loop (a
                 // test per 8-query tile inside it costs four branch and convergence instructions
                 // each), the lambda inlined at each call with a constant argument.  The other
@@ -781,11 +791,20 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                                 for (int e = 0; e < 4; ++e) {
                                     const float l = (e & 1) ? l2.y : l2.x;
+#ifdef CUFLASH_MASKS
+                                    float x = s[mt][n][e] * c_exp - l;
+                                    const int key = ka + mt * 16 + 8 * (e >> 1);
+                                    const int qry = qa + n * 8 + (e & 1);
+                                    const int dd = key - qry;
+                                    if (masked && (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off))
+                                        x = -INFINITY;
+#else
                                     float x = s[mt][n][e] * scale_log2 - l;
                                     const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
                                     const int qry = q0 + qw0 + n * 8 + 2 * t + (e & 1);
                                     if (masked && (key >= Nk || (causal && key > qry + off) || l == INFINITY))
                                         x = -INFINITY;
+#endif
                                     s[mt][n][e] = cuflash_exp2(x);
                                 }
                                 pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
@@ -796,7 +815,6 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     if (need_mask) exp_tile(true);
                     else exp_tile(false);
                 } else
-#endif
                 {
 #pragma unroll
                     for (int n = 0; n < kNQ; ++n) {
@@ -899,11 +917,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         for (int hh = 0; hh < 2; ++hh) {
                             float p0, p1;
 #ifndef CUFLASH_MASKS
+#endif
                             if constexpr (kFloatP) {  // P^T still in float32
                                 p0 = s[mt][n][2 * hh];
                                 p1 = s[mt][n][2 * hh + 1];
                             } else
-#endif
                                 unpack2<elem_t>(pp[mt][n][hh], p0, p1);
 #ifdef CUFLASH_MASKS
                             const float dp0 = dp[mt][n][2 * hh], dp1 = dp[mt][n][2 * hh + 1];

@@ -57,6 +57,9 @@ def _bwd_tc_budget(passes):
 # 64 x 64 query split: 237 registers; d = 128 at 16 x 64: 248; two passes at d = 256, 16 x 64:
 # 255), 160 spilled 16-28 B (d = 128 at 32 x 64; d = 96 at 64 x 64), 192 spilled 24-104 B (the
 # plain defaults at d = 64 and 128).  Its dropout keeps one bit per element of P^T in 64 bits.
+# Plans whose arrays (this count) hold 128 floats or fewer in one pass over 8 warps -- its
+# defaults at d = 64 and 128 -- also run the plain kernel's lean loop (flash_bwd_tc.cu's
+# kUnrolled), which takes the registers left: 241-255, no spill (bench/plan_sweep.py).
 BWD_TC_MASKED_ARRAY_BUDGET = 144
 BWD_TC_MASKED_MAX_BITS = 64
 def _bwd_tc_masked_arrays(bq, d, dv, mt, passes, qs=1):

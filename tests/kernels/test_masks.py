@@ -291,6 +291,13 @@ TC_BWD_CASES = [
     # split with one m16 tile per warp), dbias stored
     ("bfloat16", (1, 2, 70, 96), (1, 2, 90, 96), "bottom_right",
      dict(softcap=2.0, bias=(1, 2, 70, 90), dropout_p=0.2, window=(None, 30)), 64, 32, True),
+    # 4 warps and more at d <= 128 (the lean loop: addresses kept across tiles, P^T in float32
+    # for dS, the K/V tile's range of query tiles inside the band): bands wide enough that
+    # tile pairs lie wholly inside them, beside pairs that cross either edge, Nq and Nk ragged
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
+     dict(window=(200, None), softcap=3.0), 64, 128, False),
+    ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False,
+     dict(window=(100, 90), bias=(1, 2, 190, 250), dropout_p=0.15), 64, 64, True),
 ]
 
 
@@ -705,6 +712,32 @@ def test_race_check_tc_backward_pair_layout(rng):
                                          kernel="flash_bwd_tc_masked")
         assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
         oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+
+
+def test_race_check_tc_backward_lean_layout(rng):
+    """flash_bwd_tc_masked under TSan in its d = 64 default layout (64 x 128, 8 warps, 32 keys
+    per warp pair), the build that keeps the Q / dO sources and dQ addresses across tiles, P^T
+    in float32 for dS^T and each K/V tile's range of query tiles inside the band: a window wide
+    enough for tile pairs wholly inside it, Nq and Nk ragged, atomic and deterministic dQ,
+    every feature."""
+    from conftest import require_backend
+    from cuflash import _validate, _validate_masks, kernels, tiling
+    from cuflash.launch import bwd as launch_bwd, common as launch_common
+    require_backend("emulator")
+    rt = kernels.get_runtime("emulator", race_check=True)
+    q, k, v = oracle.qkv(rng, (1, 2, 150, 64), (1, 1, 140, 64), dtype="bfloat16")
+    feat = dict(_all_features(rng, 2, 150, 140), window=(120, 100))
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, "bfloat16")
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=64, block_kv=128)
+    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
+    assert tiling.bwd_tc_layout(64, 128, 64, 64, True) == (8, 2, 1, 2)
+    for det in (False, True):
+        with launch_common.observe_launches() as seen:
+            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, det,
+                                         kernel="flash_bwd_tc_masked")
+        assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
+        oracle.check_backward(grads, do, q, k, v, None, False, **feat)
 
 
 def test_tc_backward_sm90_default_d128(rng):
