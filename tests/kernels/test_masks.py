@@ -690,28 +690,34 @@ def test_race_check_masked_kernels(rng):
         oracle.check_backward(grads16, do16, q16, k16, v16, None, True, **feat)
 
 
-def test_race_check_tc_backward_pair_layout(rng):
-    """flash_bwd_tc_masked under TSan in its layout of 16 keys per warp pair (kMT = 1 with the
-    query split: P^T and dS^T of both warps through shared memory), atomic and deterministic
-    dQ, every feature (the other race checks run 16 keys per warp without the split)."""
+def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv, layout):
+    """flash_bwd_tc_masked under TSan at block_q x block_kv (whose layout bwd_tc_layout must
+    give as ``layout``), atomic and deterministic dQ, against the oracle."""
     from conftest import require_backend
     from cuflash import _validate, _validate_masks, kernels, tiling
     from cuflash.launch import bwd as launch_bwd, common as launch_common
     require_backend("emulator")
     rt = kernels.get_runtime("emulator", race_check=True)
-    q, k, v = oracle.qkv(rng, (1, 2, 40, 96), (1, 1, 37, 96), dtype="float16")
-    feat = _all_features(rng, 2, 40, 37)
-    o, lse = cuflash.tiled_attention(q, k, v, causal=True, return_lse=True, backend="emulator", **feat)
-    do = oracle.randn(rng, o.shape, "float16")
-    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=True, block_q=64, block_kv=16)
+    q, k, v = oracle.qkv(rng, q_shape, k_shape, dtype=dtype)
+    o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="emulator", **feat)
+    do = oracle.randn(rng, o.shape, dtype)
+    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal, block_q=bq, block_kv=bkv)
     ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
-    assert tiling.bwd_tc_layout(64, 16, 96, 96, True) == (2, 1, 1, 2)
+    assert tiling.bwd_tc_layout(bq, bkv, q_shape[-1], q_shape[-1], True) == layout
     for det in (False, True):
         with launch_common.observe_launches() as seen:
             grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, det,
                                          kernel="flash_bwd_tc_masked")
         assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
-        oracle.check_backward(grads, do, q, k, v, None, True, **feat)
+        oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
+
+
+def test_race_check_tc_backward_pair_layout(rng):
+    """flash_bwd_tc_masked under TSan in its layout of 16 keys per warp pair (kMT = 1 with the
+    query split: P^T and dS^T of both warps through shared memory), atomic and deterministic
+    dQ, every feature (the other race checks run 16 keys per warp without the split)."""
+    _race_check_tc_backward(rng, (1, 2, 40, 96), (1, 1, 37, 96), "float16", True,
+                            _all_features(rng, 2, 40, 37), 64, 16, (2, 1, 1, 2))
 
 
 def test_race_check_tc_backward_lean_layout(rng):
@@ -720,24 +726,9 @@ def test_race_check_tc_backward_lean_layout(rng):
     in float32 for dS^T and each K/V tile's range of query tiles inside the band: a window wide
     enough for tile pairs wholly inside it, Nq and Nk ragged, atomic and deterministic dQ,
     every feature."""
-    from conftest import require_backend
-    from cuflash import _validate, _validate_masks, kernels, tiling
-    from cuflash.launch import bwd as launch_bwd, common as launch_common
-    require_backend("emulator")
-    rt = kernels.get_runtime("emulator", race_check=True)
-    q, k, v = oracle.qkv(rng, (1, 2, 150, 64), (1, 1, 140, 64), dtype="bfloat16")
-    feat = dict(_all_features(rng, 2, 150, 140), window=(120, 100))
-    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **feat)
-    do = oracle.randn(rng, o.shape, "bfloat16")
-    spec = _validate.check_backward_inputs(do, q, k, v, o, lse, block_q=64, block_kv=128)
-    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
-    assert tiling.bwd_tc_layout(64, 128, 64, 64, True) == (8, 2, 1, 2)
-    for det in (False, True):
-        with launch_common.observe_launches() as seen:
-            grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, det,
-                                         kernel="flash_bwd_tc_masked")
-        assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
-        oracle.check_backward(grads, do, q, k, v, None, False, **feat)
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 140, 64), "bfloat16", False,
+                            dict(_all_features(rng, 2, 150, 140), window=(120, 100)), 64, 128,
+                            (8, 2, 1, 2))
 
 
 def test_tc_backward_sm90_default_d128(rng):
