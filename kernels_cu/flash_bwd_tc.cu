@@ -916,8 +916,6 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                         for (int hh = 0; hh < 2; ++hh) {
                             float p0, p1;
-#ifndef CUFLASH_MASKS
-#endif
                             if constexpr (kFloatP) {  // P^T still in float32
                                 p0 = s[mt][n][2 * hh];
                                 p1 = s[mt][n][2 * hh + 1];
