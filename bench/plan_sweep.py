@@ -82,6 +82,8 @@ GROUPS = {
     "flash_fwd_tc_masked": ("flash_fwd_tc.cu", MASKS, ("flash_fwd_tc_masked", "flash_fwd_tf32_masked")),
     "flash_bwd_tc": ("flash_bwd_tc.cu", MAIN, ("flash_bwd_tc",)),
     "flash_bwd_tc_masked": ("flash_bwd_tc.cu", {**MAIN, **MASKS}, ("flash_bwd_tc_masked",)),
+    "flash_bwd_tc_band": ("flash_bwd_tc.cu", {**MAIN, **MASKS, "CUFLASH_BWD_BAND": None},
+                          ("flash_bwd_tc_band",)),
     "flash_bwd_tc_helpers": ("flash_bwd_tc.cu", HELPERS, ()),
     "flash_bwd_tf32": ("flash_bwd_tf32.cu", {}, ("flash_bwd_tf32",)),
     "flash_bwd_tf32_masked": ("flash_bwd_tf32.cu", MASKS, ("flash_bwd_tf32_masked",)),

@@ -296,7 +296,8 @@ def _add_compile_parser(sub):
                    help="comma-separated head dims (default: 64,128)")
     c.add_argument("--features", action="store_true",
                    help="also compile the kernels of calls with logit features (bias, window, "
-                   "alibi_slopes, softcap, dropout: one build serves them all)")
+                   "alibi_slopes, softcap, dropout: one build serves them all, and the "
+                   "16-bit backward's band-only build a window alone)")
     c.add_argument("--backend", choices=("cuda", "emulator"), default=None,
                    help="default: cuda (a GPU and CuPy must be present)")
 

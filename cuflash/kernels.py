@@ -116,6 +116,7 @@ KERNEL_SOURCES = {
     "flash_bwd_dkdv_masked": "flash_bwd.cu",
     "flash_bwd_dq_masked": "flash_bwd.cu",
     "flash_bwd_tc_masked": "flash_bwd_tc.cu",
+    "flash_bwd_tc_band": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -583,6 +584,12 @@ def compile_variants():
     # d = 64 (query split) and d = 128 (two passes)
     for dt, d in (("float16", 64), ("bfloat16", 128)):
         add("flash_bwd_tc_masked", dt, d, CUFLASH_MASKS=None, CUFLASH_BWD_TC_MAIN=None)
+    # ... and its band-only build (flash_bwd_tc_band: a window alone), the plain kernel's
+    # defaults: d = 64 (FlashAttention-2's 128 x 128, the A100's one dO buffer) and d = 128 on
+    # an H100 (64 x 128, two dO buffers: the A100's one-buffer build is for sm_80 alone)
+    band = dict(CUFLASH_MASKS=None, CUFLASH_BWD_BAND=None, CUFLASH_BWD_TC_MAIN=None)
+    add(tiling.BWD_BAND_KERNEL, "float16", 64, **band)
+    add(tiling.BWD_BAND_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **band)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

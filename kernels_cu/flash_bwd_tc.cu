@@ -102,6 +102,10 @@
 // Philox block per eight logits.  dbias (= dS before softcap's derivative): every
 // element of a visited tile pair inside [0, Nq) x [0, Nk) (0 outside the band) stored by
 // its one block or, broadcast, atomically added.
+// The band alone (-DCUFLASH_BWD_BAND besides -DCUFLASH_MASKS: kernel flash_bwd_tc_band, the
+// same arguments) is the build of a call whose only feature is a window (with or without
+// causal): every other feature off at compile time, so that its loop is the plain kernel's
+// with the band's range and test and it runs the plain kernel's tiles and lean loop.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -128,12 +132,26 @@
 #ifdef CUFLASH_MASKS
 #include "bwd_masks.cuh"
 #include "fast_math.cuh"
+#ifdef CUFLASH_BWD_BAND
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_band
+#else
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
+#endif
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
 #else
+#ifdef CUFLASH_BWD_BAND
+#error "CUFLASH_BWD_BAND is a build of the logit features: define CUFLASH_MASKS with it"
+#endif
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc
 #define CUFLASH_BWD_TC_MASK_ARGS
+#endif
+#ifdef CUFLASH_MASKS
+#ifdef CUFLASH_BWD_BAND
+constexpr bool kBandOnly = true;
+#else
+constexpr bool kBandOnly = false;
+#endif
 #endif
 
 // Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
@@ -202,7 +220,7 @@ constexpr int kDqTiles = (kBr / kDqM) * (kD / kDqN);
 // spilled 4-40 B.
 #ifdef CUFLASH_MASKS
 constexpr int kArrays = kMT * 8 * (kKC + kVC) + kMT * kBrw;
-constexpr bool kUnrolled = kArrays <= 128 && kWarps >= 8 && kPasses == 1 && !kPadded && kD <= 128 && kDv <= 128;
+constexpr bool kUnrolled = (kBandOnly || (kArrays <= 128 && kWarps >= 8 && kPasses == 1)) && !kPadded && kD <= 128 && kDv <= 128;
 #else
 constexpr bool kUnrolled = !kPadded && kD <= 128 && kDv <= 128;
 #endif
@@ -469,8 +487,16 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     const saddr_t ld_ds = saddr_of(dSs + kw0 * kSS + lane_a(lane, kSS));
     const saddr_t ld_ps = ld_ds + (int)(Ps - dSs) * kElem;
     const saddr_t ld_dst = saddr_of(dSs + lane_at(lane, kSS));
-#ifdef CUFLASH_MASKS
+#ifdef CUFLASH_BWD_BAND
+    // the band's offsets as the launcher computes them, read from the parameter block where
+    // they are used: no registers held across the loop (two held spilled, or cost ptxas ~25
+    // instructions of rematerialised addresses per trip at d = 64 on sm_90)
+#define CUFLASH_BAND_LO p.mask_band_lo
+#define CUFLASH_BAND_HI p.mask_band_hi
+#elif defined(CUFLASH_MASKS)
     const BwdBand band(p);
+#define CUFLASH_BAND_LO band.lo_off
+#define CUFLASH_BAND_HI band.hi_off
 #endif
 
     for (int jt = fi.tile; jt < p.n_kv_tiles; jt += p.n_kv_blocks) {
@@ -480,8 +506,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
         int it0 = 0, it1 = n_q_tiles;
 #ifdef CUFLASH_MASKS
         {   // the band: rows kv0 - hi_off + 1 .. kv0 + kv_rows - 1 - lo_off see keys of the tile
-            const long long i_min = (long long)kv0 - band.hi_off + 1;
-            const long long i_max = (long long)kv0 + kv_rows - 1 - band.lo_off;
+            const long long i_min = (long long)kv0 - CUFLASH_BAND_HI + 1;
+            const long long i_max = (long long)kv0 + kv_rows - 1 - CUFLASH_BAND_LO;
             it0 = i_min <= 0 ? 0 : (i_min >= Nq ? n_q_tiles : (int)(i_min / kBr));
             it1 = i_max < 0 ? 0 : (i_max >= Nq ? n_q_tiles : (int)(i_max / kBr) + 1);
             if (it1 < it0) it1 = it0;
@@ -501,8 +527,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
         if (kPlainRange && kv_rows == kBc) {
 #ifdef CUFLASH_MASKS
             // the band: kv0 + kBc - 1 - i kBr < hi_off and kv0 - (i kBr + kBr - 1) >= lo_off
-            const long long x = (long long)kv0 + kBc - band.hi_off;    // i kBr >= x
-            const long long y = (long long)kv0 - kBr + 1 - band.lo_off;  // i kBr <= y
+            const long long x = (long long)kv0 + kBc - CUFLASH_BAND_HI;    // i kBr >= x
+            const long long y = (long long)kv0 - kBr + 1 - CUFLASH_BAND_LO;  // i kBr <= y
             i_plain = x <= 0 ? 0 : (int)min((x + kBr - 1) / kBr, (long long)n_q_tiles);
             const int i_end = y < 0 ? 0 : (int)min(y / kBr + 1, (long long)(Nq / kBr));
             n_plain = max(0, i_end - i_plain);
@@ -621,17 +647,22 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // (kPlainRange: from the K/V tile's plain range of query tiles, one compare)
                 const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain
                                                    : kv_rows < kBc || rows_q < kBr ||
-                                                         kv0 - (q0 + rows_q - 1) < band.lo_off ||
-                                                         kv0 + kBc - 1 - q0 >= band.hi_off;
+                                                         kv0 - (q0 + rows_q - 1) < CUFLASH_BAND_LO ||
+                                                         kv0 + kBc - 1 - q0 >= CUFLASH_BAND_HI;
                 const int qa = q0 + qw0 + 2 * t;      // this lane's queries: qa + 8 n + eq
                 const int ka = kv0 + kw0 + g;         // and keys: ka + 16 mt + 8 hh
                 // The call's features, read from the parameter block on every tile (cached
                 // loads) rather than held in registers across the loop; every branch on them
                 // below is taken per tile, each feature's work a loop of its own over the
                 // tile's elements (fully unrolled, no per-element test of what the call has).
+#ifdef CUFLASH_BWD_BAND
+                const bool has_cap = false, has_bias = false, has_alibi = false;
+                const int db_mode = 0;
+#else
                 const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
                 const bool has_alibi = p.mask_has_alibi != 0;
                 const int db_mode = p.mask_dbias;     // dbias: 0 none, 1 stored, 2 added atomically
+#endif
                 // with logit terms the exponent is 2^(log2(e) s - lse2), s = softcap(scale S) +
                 // bias + ALiBi as the forward computes it; without, the plain 2^(scale log2(e)
                 // S - lse2)
@@ -639,7 +670,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const float scale = (float)p.scale, cap = (float)p.mask_softcap;
                 // softcap: tanh(scale S / c) = 1 - 2 / (1 + 2^(S cap_k)), cap_k = 2 log2(e) scale / c
                 const float cap_k = has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
+#ifdef CUFLASH_BWD_BAND
+                const DropoutKey drop{};              // off
+#else
                 const DropoutKey drop = cuflash_dropout_key(p);
+#endif
                 uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
                 // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,
                 // hh, eq) of fragment pair q = mt kNQ / 2 + n / 2 (bwd_masks.cuh): at most 64
@@ -783,6 +818,14 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // need_mask, moved ptxas's allocation at d = 256 into a spill.
                 if constexpr (kUnrolled) {
                     auto exp_tile = [&](bool masked) {
+#ifdef CUFLASH_BWD_BAND
+                        // the band test as one unsigned compare of the key - query distance
+                        // (dd0 + key column - query column) against the band's width, keys past
+                        // Nk by one compare, rows past Nq by their lse2 (+inf, as in the plain
+                        // kernel); computed on the masked tiles only
+                        const int k_left = masked ? Nk - ka : 0, dd0 = masked ? ka - qa - CUFLASH_BAND_LO : 0;
+                        const unsigned band_w = masked ? (unsigned)(CUFLASH_BAND_HI - CUFLASH_BAND_LO) : 0u;
+#endif
 #pragma unroll
                         for (int n = 0; n < kNQ; ++n) {
                             const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
@@ -793,11 +836,17 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                     const float l = (e & 1) ? l2.y : l2.x;
 #ifdef CUFLASH_MASKS
                                     float x = s[mt][n][e] * c_exp - l;
+#ifdef CUFLASH_BWD_BAND
+                                    const int kc = mt * 16 + 8 * (e >> 1), qc = n * 8 + (e & 1);
+                                    if (masked && (kc >= k_left || l == INFINITY || (unsigned)(dd0 + kc - qc) >= band_w))
+                                        x = -INFINITY;
+#else
                                     const int key = ka + mt * 16 + 8 * (e >> 1);
                                     const int qry = qa + n * 8 + (e & 1);
                                     const int dd = key - qry;
-                                    if (masked && (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off))
+                                    if (masked && (key >= Nk || qry >= Nq || dd < CUFLASH_BAND_LO || dd >= CUFLASH_BAND_HI))
                                         x = -INFINITY;
+#endif
 #else
                                     float x = s[mt][n][e] * scale_log2 - l;
                                     const int key = kv0 + kw0 + mt * 16 + g + 8 * (e >> 1);
@@ -829,7 +878,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                     const int key = ka + mt * 16 + 8 * (e >> 1);
                                     const int qry = qa + n * 8 + (e & 1);
                                     const int dd = key - qry;
-                                    if (key >= Nk || qry >= Nq || dd < band.lo_off || dd >= band.hi_off) x = -INFINITY;
+                                    if (key >= Nk || qry >= Nq || dd < CUFLASH_BAND_LO || dd >= CUFLASH_BAND_HI) x = -INFINITY;
                                 }
                                 s[mt][n][e] = cuflash_exp2(x);
                             }
@@ -853,7 +902,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 }
 #ifdef CUFLASH_MASKS
                 // P^T with the dropped elements zeroed (dV's A operand): pair hf of (mt, n)
+                // (the band's build: pp as it is -- the mask's PRMT is inline assembly, which the
+                // compiler would issue on the constant word)
                 auto kept = [&](int mt, int n, int hf) -> uint32_t {
+                    if constexpr (kBandOnly) return pp[mt][n][hf];
                     return pp[mt][n][hf] & bwd_pair_mask(keep, mt * (kNQ / 2) + n / 2, n & 1, hf);
                 };
 #else
@@ -1152,8 +1204,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 if ((kSlices == 1 && !kPadded) || col < dv_cols)
 #ifdef CUFLASH_MASKS
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
-                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * dv_scale(p),
-                                                             dv[mt][n][2 * hh + 1] * dv_scale(p)));
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * (kBandOnly ? 1.0f : dv_scale(p)),
+                                                             dv[mt][n][2 * hh + 1] * (kBandOnly ? 1.0f : dv_scale(p))));
 #else
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));
@@ -1169,6 +1221,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     }
 }
 
+#ifdef CUFLASH_MASKS
+#undef CUFLASH_BAND_LO
+#undef CUFLASH_BAND_HI
+#endif
 #endif  // !CUFLASH_BWD_TC_HELPERS
 
 #ifndef CUFLASH_BWD_TC_MAIN

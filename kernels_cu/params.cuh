@@ -137,6 +137,7 @@ struct BwdParams {
     int mask_pack;                           // serving: query heads packed per problem (GQA)
     long long mask_dbias_sb, mask_dbias_sh, mask_dbias_sr, mask_dbias_sc;  // dbias accumulator
     int mask_dbias;        // 0: no dbias; 1: each element stored once; 2: atomic adds (broadcast)
+    int mask_band_lo, mask_band_hi;  // flash_bwd_tc_band: BwdBand's lo_off, hi_off, from the launcher
     // -- the call's head dims, read by the SIMT backward (flash_bwd.cu), compiled for their
     //    class; last, as in FwdParams --
     int head_d, head_dv;

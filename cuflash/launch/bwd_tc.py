@@ -25,7 +25,7 @@ from .common import (aligned16, aligned_copies, alloc_output, array_key, cached_
 from .features import DEFINES, Prepared, prepared_key
 from .hopper import HopperMaps, materialised, tma_layout_ok
 
-__all__ = ["build", "requests", "dq_splits"]
+__all__ = ["build", "requests", "dq_splits", "band_fields"]
 
 _FILE = "flash_bwd_tc.cu"
 # flash_bwd_tc_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
@@ -41,12 +41,32 @@ def requests(plan):
     main = kernels.plan_defines(plan)
     if plan.kernel != tiling.BWD_WGMMA_KERNEL:
         main["CUFLASH_BWD_TC_MAIN"] = None
-    if plan.kernel == "flash_bwd_tc_masked":
+    if plan.kernel in ("flash_bwd_tc_masked", tiling.BWD_BAND_KERNEL):
         main.update(DEFINES)
+    if plan.kernel == tiling.BWD_BAND_KERNEL:
+        main["CUFLASH_BWD_BAND"] = None
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
             (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
             (_FILE, "flash_bwd_tc_dq_convert", helpers, 0)]
+
+
+def band_fields(spec, ms):
+    """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for flash_bwd_tc_band: query i sees key j
+    iff lo <= j - i < hi (bwd_masks.cuh, BwdBand: the same offsets, which the other feature
+    builds compute in the kernel), clamped to [-Nq, Nk]."""
+    Nq, Nk = spec.Nq, spec.Nk
+    lo, hi = -Nq, Nk
+    off = Nk - Nq
+    if spec.causal is not None:
+        hi = (off if spec.causal == "bottom_right" else 0) + 1
+    if ms.window is not None:
+        left, right = ms.window
+        if left >= 0:
+            lo = off - left
+        if right >= 0:
+            hi = min(hi, off + right + 1)
+    return dict(mask_band_lo=min(max(lo, -Nq), Nk), mask_band_hi=min(max(hi, -Nq), Nk))
 
 
 def _concurrent_blocks(runtime, plan):
@@ -121,7 +141,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
     pre_rows = 64 if runtime.name == "cuda" else nq_pad
     n_pre = -(-nq_pad // pre_rows)
     feats = Prepared(runtime, spec, ms, acc)
-    params = feats.params("BwdParams", dict(
+    base = dict(
         q_sb=qs[0], q_sh=qs[1], q_sr=qs[2], k_sb=ks[0], k_sh=ks[1], k_sr=ks[2],
         v_sb=vs[0], v_sh=vs[1], v_sr=vs[2], do_sb=dos[0], do_sh=dos[1], do_sr=dos[2],
         o_sb=os_[0], o_sh=os_[1], o_sr=os_[2], n_convert=n_rows * d, head_d=d, head_dv=spec.dv,
@@ -130,7 +150,10 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         causal_offset=Nk - Nq if spec.causal == "bottom_right" else 0, atomic_dq=1,
         pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
         d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
-        n_kv_blocks=n_kv_blocks))
+        n_kv_blocks=n_kv_blocks)
+    if plan.kernel == tiling.BWD_BAND_KERNEL:
+        base.update(band_fields(spec, ms))
+    params = feats.params("BwdParams", base)
     what = f"the backward (Nq={Nq}, Nk={Nk})"
     check_workspace_rows(rows_pad, what)
     pre_grid = fold_grid(n_pre, H, B, what)

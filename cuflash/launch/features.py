@@ -24,7 +24,7 @@ from .common import (acc_dtype, collapse_strides, elem_strides, make_params, poi
                      record_copy)
 
 __all__ = ["Features", "of", "validate", "validate_serving", "cache_key", "serving_key",
-           "prepared_key", "check_cached_seed", "Prepared", "DEFINES"]
+           "prepared_key", "check_cached_seed", "Prepared", "DEFINES", "band_only"]
 
 DEFINES = {"CUFLASH_MASKS": None}
 _SEED_BLOCKS = 16          # parameter blocks kept per prepared call (one per recent seed)
@@ -46,6 +46,14 @@ def of(bias=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, s
             and seed is None and type(dropout_p) in (float, int) and dropout_p == 0):
         return None
     return Features(bias, window, alibi_slopes, softcap, dropout_p, seed)
+
+
+def band_only(ms):
+    """Whether a call's only logit feature is the band -- a window, with or without causal --
+    which the tensor-core backward runs in its band-only build (flash_bwd_tc_band)."""
+    return (ms is not None and ms.window is not None and ms.bias is None
+            and ms.alibi_slopes is None and not ms.softcap and not ms.dropout
+            and not ms.return_dbias)
 
 
 def validate(spec, q, features, return_dbias=False):

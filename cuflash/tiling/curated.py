@@ -322,6 +322,27 @@ CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
+# The tensor-core backward's band-only build (flash_bwd_tc.cu with -DCUFLASH_BWD_BAND:
+# flash_bwd_tc_band, a call whose only feature is a window), d == dv up to 128: the plain
+# kernel's pairs (its registers but the band's test, its lean loop) less those where ptxas
+# spills it (NVRTC 13.0, -ftz=true, both dtypes): 32 x 64 at d = 64 on sm_80 (8 B); at d = 112
+# 64 x 128 on sm_90 (4 B); at d = 128 32 x 128 (20 B sm_80, 28 B sm_90), 32 x 64 on sm_80 (12 B;
+# the sm_86 cell runs 16 x 64 instead: four warps as 32 x 64, which the plain kernel's cell has)
+# and 64 x 64 on sm_90 (12 B).  Other calls with a window take flash_bwd_tc_masked.
+#   sm_86 | sm_80 | sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tc_band"] = _table(_TC, float16_bfloat16="""
+     16 | 32x128 64x128 32x64 | = | =
+     32 | 32x128 64x128 32x64 | = | =
+     48 | 32x128 64x128 32x64 | = | =
+     64 | 32x128 16x64 | 128x128 32x128 64x128 | =
+     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
+    128 | 16x64 16x128 16x32 | 64x128 64x64 | 64x128
+""")
+
+# --------------------------------------------------------------------------
 # The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64, 128,
 # 192 or 256; one tile shape per head dim: 128 keys up to d = 128 (two consumer warpgroups of
 # 64), 64 keys above (dK and dV of 128 keys do not fit the consumers' registers); 64 queries
@@ -355,7 +376,8 @@ CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
 # build with the logit features (``_masked``, -DCUFLASH_MASKS) but the Hopper kernels', which
 # have none
 CURATED_KERNELS = {**{k: (k, False) for k in CURATED},
-                   **{f"{k}_masked": (k, True) for k in CURATED if not k.endswith("_wgmma")}}
+                   **{f"{k}_masked": (k, True) for k in CURATED
+                      if not k.endswith("_wgmma") and k != "flash_bwd_tc_band"}}
 
 
 def table(kernel):

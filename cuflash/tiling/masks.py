@@ -184,7 +184,8 @@ def _band_offsets(Nq, Nk, causal, window):
 def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, block_kv,
                                 threads, passes=1, causal=None, window=None, bias=False,
                                 alibi=False, dbias=None, n_splits=1):
-    """Exact global bytes (read, written) of a backward call on flash_bwd_tc_masked.
+    """Exact global bytes (read, written) of a backward call on flash_bwd_tc_masked (or
+    flash_bwd_tc_band: a window alone, the same traffic).
 
     flash_bwd_tc_preprocess, flash_bwd_tc_masked and flash_bwd_tc_dq_convert, 16-bit
     inputs: as :func:`cuflash.tiling.flash_bwd_tc_traffic`, with the Q tiles of a KV tile

@@ -22,6 +22,7 @@ import pytest
 import cuflash
 import oracle
 from conftest import require_backend
+from cuflash import tiling
 from cuflash.launch import common as launch_common
 
 pytestmark = pytest.mark.emulator
@@ -60,13 +61,15 @@ def inputs(rng, dtype, nq=Nq, nk=Nk, hk=H):
 
 
 # bias and window are the features memory_analysis takes; ALiBi, softcap and dropout run the
-# kernels a window runs (said in memory_analysis's docstring), checked with a wide window
+# kernels a window and a bias run (said in memory_analysis's docstring: a window alone has the
+# 16-bit backward's band-only build), checked with a wide window and a key-padding bias
 FEATURES = {
     "plain": ({}, {}),
     "window": ({"window": (24, 0)}, {"window": (24, 0)}),
     "bias": ({"bias": np.zeros((B, 1, 1, Nk), np.float32)}, {"bias_shape": (B, 1, 1, Nk)}),
     "alibi+softcap+dropout": ({"alibi_slopes": np.full(H, 0.25, np.float32), "softcap": 20.0,
-                               "dropout_p": 0.1, "seed": 7}, {"window": (Nk, Nk)}),
+                               "dropout_p": 0.1, "seed": 7},
+                              {"window": (Nk, Nk), "bias_shape": (B, 1, 1, Nk)}),
 }
 
 
@@ -95,8 +98,10 @@ def test_dense_forward_and_backward(rng, dtype, feature):
     assert_doc_names(cuflash.tiled_attention, fwd)
     assert_doc_names(cuflash.tiled_attention_backward, bwd)
     want_masked = feature != "plain"
-    assert all(e["kernel"].endswith("_masked") == want_masked
-               for e in fwd + bwd if e["kernel"] not in HELPERS), fwd + bwd
+    assert all((e["kernel"].endswith("_masked") or e["kernel"] == tiling.BWD_BAND_KERNEL)
+               == want_masked for e in fwd + bwd if e["kernel"] not in HELPERS), fwd + bwd
+    band = [e["kernel"] == tiling.BWD_BAND_KERNEL for e in bwd]
+    assert any(band) == (feature == "window" and dtype == "float16"), bwd
 
 
 # the backward's helpers are the same with and without the features

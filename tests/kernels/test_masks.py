@@ -331,6 +331,39 @@ def test_tensor_core_backward_with_features(kernel_backend, case, rng):
     oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
+# The band-only build (flash_bwd_tc_band: a window, with or without causal, and no other
+# feature) at the plain kernel's tiles: FlashAttention-2's 128 x 128 at d = 64 (8 warps, the
+# query split) and 64 x 128 at d = 128, and smaller layouts; bands wide enough that tile pairs
+# lie wholly inside them beside pairs that cross either edge, Nq and Nk ragged, both dQ paths,
+# one window whose right edge cuts the diagonal.  (dtype, q shape, k shape, causal, window,
+# block_q, block_kv, det)
+TC_BAND_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right", (200, None), 128, 128, False),
+    ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False, (100, 90), 64, 128, True),
+    ("float16", (2, 2, 70, 32), (2, 2, 90, 32), "top_left", (10, None), 32, 64, False),
+    ("bfloat16", (1, 2, 100, 96), (1, 2, 60, 96), False, (None, 0), 64, 64, True),
+]
+
+
+@pytest.mark.parametrize("case", TC_BAND_CASES, ids=lambda c: _fwd_id(
+    c[:4] + (dict(window=c[4]),)) + f"-{c[5]}x{c[6]}" + ("-det" if c[7] else "-atomic"))
+def test_tensor_core_backward_band_only(kernel_backend, case, rng):
+    """flash_bwd_tc_band (a call whose only feature is a window) against the oracle, named by
+    the launches, with the band's offsets the launcher computes (band_fields)."""
+    from cuflash.launch import common as launch_common
+    dtype, qs, ks, causal, window, bq, bkv, det = case
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    o, lse = _forward(kernel_backend, q, k, v, dict(window=window), causal=causal)
+    do = oracle.randn(rng, o.shape, dtype)
+    with launch_common.observe_launches() as seen:
+        grads = _backward(kernel_backend, do, q, k, v, o, lse, dict(window=window),
+                          causal=causal, block_q=bq, block_kv=bkv, deterministic=det)
+    if kernel_backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_band",
+                                               "flash_bwd_tc_dq_convert"]
+    oracle.check_backward(grads, do, q, k, v, None, causal, window=window)
+
+
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
 # and Q tiles: dbias stored (a full bias) and added (broadcast), GQA, Nq > Nk with a band that
 # skips Q tiles on both sides, dropout with softcap and ALiBi (causal); without softcap, the
@@ -690,9 +723,11 @@ def test_race_check_masked_kernels(rng):
         oracle.check_backward(grads16, do16, q16, k16, v16, None, True, **feat)
 
 
-def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv, layout):
-    """flash_bwd_tc_masked under TSan at block_q x block_kv (whose layout bwd_tc_layout must
-    give as ``layout``), atomic and deterministic dQ, against the oracle."""
+def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv, layout,
+                            kernel="flash_bwd_tc_masked"):
+    """``kernel`` (flash_bwd_tc_masked or flash_bwd_tc_band) under TSan at block_q x block_kv
+    (whose layout bwd_tc_layout must give as ``layout``), atomic and deterministic dQ, against
+    the oracle."""
     from conftest import require_backend
     from cuflash import _validate, _validate_masks, kernels, tiling
     from cuflash.launch import bwd as launch_bwd, common as launch_common
@@ -702,13 +737,14 @@ def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv,
     o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="emulator", **feat)
     do = oracle.randn(rng, o.shape, dtype)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal, block_q=bq, block_kv=bkv)
-    ms = _validate_masks.check_masks(spec, q, return_dbias=True, **feat)
-    assert tiling.bwd_tc_layout(bq, bkv, q_shape[-1], q_shape[-1], True) == layout
+    band = kernel == tiling.BWD_BAND_KERNEL
+    ms = _validate_masks.check_masks(spec, q, return_dbias=not band, **feat)
+    assert tiling.bwd_tc_layout(bq, bkv, q_shape[-1], q_shape[-1], not band) == layout
     for det in (False, True):
         with launch_common.observe_launches() as seen:
             grads = launch_bwd.flash_bwd(rt, do, q, k, v, o, lse, spec, ms, det,
-                                         kernel="flash_bwd_tc_masked")
-        assert "flash_bwd_tc_masked" in [e["kernel"] for e in seen]
+                                         kernel=None if band else kernel)
+        assert kernel in [e["kernel"] for e in seen]
         oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
@@ -729,6 +765,16 @@ def test_race_check_tc_backward_lean_layout(rng):
     _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 140, 64), "bfloat16", False,
                             dict(_all_features(rng, 2, 150, 140), window=(120, 100)), 64, 128,
                             (8, 2, 1, 2))
+
+
+def test_race_check_tc_backward_band(rng):
+    """flash_bwd_tc_band under TSan in FlashAttention-2's d = 64 layout (128 x 128, 8 warps, the
+    query split: P^T and dS^T through shared memory, one dO buffer where the A100's shared
+    memory needs it), a window with interior tile pairs and both edges, Nq and Nk ragged, atomic
+    and deterministic dQ."""
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "bottom_right",
+                            dict(window=(160, None)), 128, 128, (8, 2, 1, 2),
+                            kernel="flash_bwd_tc_band")
 
 
 def test_tc_backward_sm90_default_d128(rng):
@@ -872,9 +918,10 @@ def test_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, al
 
 @pytest.mark.parametrize("causal,window,bias,alibi", TRAFFIC_CASES)
 def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias, alibi):
-    """float16 with features: flash_fwd_tc_masked and flash_bwd_tc_masked read and write what
-    their models say (window-skipped tiles never loaded, the bias per visible element and
-    pass, dbias stored or added), on both dQ paths."""
+    """float16 with features: flash_fwd_tc_masked and flash_bwd_tc_masked (flash_bwd_tc_band for
+    a window alone: the same model) read and write what their models say (window-skipped tiles
+    never loaded, the bias per visible element and pass, dbias stored or added), on both dQ
+    paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
@@ -890,14 +937,16 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
                                         causal, window, bias is not None, alibi,
                                         threads=fp.threads)
     do = oracle.randn(rng, o.shape, "float16")
-    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True)
+    band = bias is None and not alibi and window is not None
+    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True, band=band)
+    assert bp.kernel == (tiling.BWD_BAND_KERNEL if band else "flash_bwd_tc_masked")
     passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
     for det in (True, False):
         _, seen = _counted(kernel_backend, lambda: _backward(
             kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
             deterministic=det, return_dbias=bias is not None))
-        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_masked",
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", bp.kernel,
                                                "flash_bwd_tc_dq_convert"]
         got = (sum(e["global_bytes_read"] for e in seen),
                sum(e["global_bytes_written"] for e in seen))

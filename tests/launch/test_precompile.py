@@ -59,7 +59,8 @@ def test_compile_command(tmp_path):
 
 @pytest.mark.parametrize("dtype,d", [("float16", 64), ("float32", 32)])
 def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
-    """features=True builds the kernels of calls with logit features, both dQ paths."""
+    """features=True builds the kernels of calls with logit features, both dQ paths (float16:
+    the tensor-core backward's band-only build too, which a call with a window alone runs)."""
     require_backend("emulator")
     saved = dict(kernels._CACHE)   # modules other tests loaded must not hide a missing one
     kernels._CACHE.clear()
@@ -72,7 +73,8 @@ def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
 def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
-    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked"} if dtype == "float16" else
+    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band"}
+              if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
     assert not {"flash_bwd_dkdv_masked", "flash_bwd_dq_masked"} & listed  # both dQ paths: tf32
@@ -86,8 +88,12 @@ def _precompile_features_then_call(rng, dtype, d):
         grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, deterministic=det,
                                                  backend="emulator", **feats)
         oracle.check_backward(grads, do, q, k, v, **feats)
-    assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
     oracle.check_forward(o, q, k, v, lse=lse, **feats)
+    window = dict(window=(20, 3))   # the window alone (float16: flash_bwd_tc_band)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **window)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **window)
+    oracle.check_backward(grads, do, q, k, v, **window)
+    assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 
 def test_precompile_features_must_be_a_bool():
