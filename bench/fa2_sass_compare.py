@@ -31,8 +31,12 @@ taken on every tile (a row max that moves on every tile), FA2's forward beside i
 kernels_cu edited to one call's interior tile (``feature_counts.bwd_feature_edits``: the
 call's feature flags as constants, the band test off): no feature -- what a window or causal
 band costs on an interior tile -- beside FA2's plain backward, and softcap beside FA2's
-softcap backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).
-``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
+softcap backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).  The
+``bwd-band`` and ``bwd-local`` rows: ``flash_bwd_tc_band`` (the build of a call whose only
+feature is a window) as launched, its band test included, at its default tiles (the plain
+kernel's), beside FA2's plain backward and beside FA2's backward with a local window
+(``Is_local``, launched by FA2 with ``Is_even_MN`` false: the wheel's only local builds).
+``--bwd-tiles`` applies to them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
 (the planner's threads for them).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
@@ -100,6 +104,9 @@ _BWD = ("flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_tr
 # the backward with FA2's softcap (Is_softcap): the logit feature both kernels have in this
 # wheel (it holds no ALiBi or dropout backward)
 _BWD_SOFTCAP = _BWD[:-len("false>")] + "true>"
+# the backward with FA2's local window (Is_local; FA2 launches it with Is_even_MN false)
+_BWD_LOCAL = _BWD.replace("false, false, false, false, true, true, false>",
+                          "false, false, true, false, false, true, false>")
 FA2_KERNELS = {
     ("fwd", 64): (_FWD.format("64, 128, 128, 4"), 128, 128, 4),
     ("fwd", 128): (_FWD.format("128, 128, 64, 4"), 128, 64, 4),
@@ -107,12 +114,18 @@ FA2_KERNELS = {
     ("bwd", 128): (_BWD.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
     ("bwd-softcap", 64): (_BWD_SOFTCAP.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd-softcap", 128): (_BWD_SOFTCAP.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+    ("bwd-local", 64): (_BWD_LOCAL.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd-local", 128): (_BWD_LOCAL.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
 }
 # cuflash's backward with the logit features (flash_bwd_tc_masked) for one call's interior
 # tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
 # a call with features that cost nothing per interior logit (a window, a causal band) beside
 # FA2's plain backward, "softcap" beside FA2's softcap backward
 BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-softcap": {"cap": True}}
+# cuflash's band-only backward (flash_bwd_tc_band: a call whose only feature is a window) as
+# launched, its band test included, at its default tiles: "band" beside FA2's plain backward,
+# "local" beside FA2's backward with a local window (Is_local)
+BWD_BAND_KINDS = ("bwd-band", "bwd-local")
 
 # Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
 # "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
@@ -445,13 +458,14 @@ def cuflash_count(kind, d, arch, tiles=None):
     from cuflash import kernels, tiling
     features = BWD_FEATURE_KINDS.get(kind)
     kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
-              else "flash_fwd_tc")
+              else tiling.BWD_BAND_KERNEL if kind in BWD_BAND_KINDS else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
     plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
                        limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
     defines = kernels.plan_defines(plan)
     extra = ({"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None} if features is not None
              else {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kernel == "flash_fwd_tc" else {})
+    # (the band build's defines are its plan_sweep group's)
     if kind == "fwd-rescale":
         extra["CUFLASH_FWD_COUNT_RESCALE"] = 1
     job = ps.Job(kernel, f"fa2_sass_compare {kind} {d} sm_{arch}", dict(defines, **extra), arch)
@@ -557,7 +571,7 @@ def main(argv=None):
     lib = FA2Library(wheel, args.cache or args.wheel_dir)
     ptxas = find_ptxas()
     rows = collections.OrderedDict()
-    for kind in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS):
+    for kind in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS):
         for d in args.d:
             want, bq, bkv, warps = FA2_KERNELS.get((kind, d)) or FA2_KERNELS[(kind.split("-")[0], d)]
             for arch in args.arch:
@@ -576,7 +590,8 @@ def main(argv=None):
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
                 try:
                     ops, cbq, cbkv, cwarps, note = cuflash_count(
-                        kind, d, arch, bwd_tiles if kind == "bwd" else fwd_tiles if kind.startswith("fwd") else None)
+                        kind, d, arch, bwd_tiles if kind in ("bwd", *BWD_BAND_KINDS)
+                        else fwd_tiles if kind.startswith("fwd") else None)
                 except ValueError as e:  # tiles that this architecture's shared memory refuses
                     m = re.search(r"needs \d+ B of shared memory", str(e))
                     r["cuflash"] = f"not planned: {m.group(0) if m else str(e)[:120]}"
@@ -628,7 +643,11 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         "call's interior tile, its feature flags compiled as constants and the band test off "
         "(`feature_counts.bwd_feature_edits`): no feature (what a window or causal band costs "
         "there) beside FA2's plain backward, softcap beside FA2's softcap backward (`Is_softcap`; "
-        "the wheel has no ALiBi or dropout backward). Out-of-line blocks the loop returns from are added, the "
+        "the wheel has no ALiBi or dropout backward). The bwd-band and bwd-local rows: "
+        "flash_bwd_tc_band (the build of a call whose only feature is a window) as launched, "
+        "its band test included, at its default tiles (the plain kernel's), beside FA2's plain "
+        "backward and beside FA2's backward with a local window (`Is_local`, which FA2 runs "
+        "with `Is_even_MN` false). Out-of-line blocks the loop returns from are added, the "
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"
