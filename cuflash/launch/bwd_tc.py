@@ -53,20 +53,10 @@ def requests(plan):
 
 def band_fields(spec, ms):
     """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for flash_bwd_tc_band: query i sees key j
-    iff lo <= j - i < hi (bwd_masks.cuh, BwdBand: the same offsets, which the other feature
-    builds compute in the kernel), clamped to [-Nq, Nk]."""
-    Nq, Nk = spec.Nq, spec.Nk
-    lo, hi = -Nq, Nk
-    off = Nk - Nq
-    if spec.causal is not None:
-        hi = (off if spec.causal == "bottom_right" else 0) + 1
-    if ms.window is not None:
-        left, right = ms.window
-        if left >= 0:
-            lo = off - left
-        if right >= 0:
-            hi = min(hi, off + right + 1)
-    return dict(mask_band_lo=min(max(lo, -Nq), Nk), mask_band_hi=min(max(hi, -Nq), Nk))
+    iff lo <= j - i < hi (:func:`cuflash.tiling.band_offsets`, the offsets that the other
+    feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
+    lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)
+    return dict(mask_band_lo=lo, mask_band_hi=hi)
 
 
 def _concurrent_blocks(runtime, plan):

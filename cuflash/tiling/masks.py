@@ -167,9 +167,10 @@ def flash_bwd_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block
     return read, written
 
 
-def _band_offsets(Nq, Nk, causal, window):
+def band_offsets(Nq, Nk, causal, window):
     """(lo_off, hi_off): query i sees key j iff lo_off <= j - i < hi_off (and 0 <= j < Nk), the
-    band of flash_bwd_tc_masked (kernels_cu/flash_bwd_tc.cu, BwdBand)."""
+    band of flash_bwd_tc_masked (kernels_cu/flash_bwd_tc.cu, BwdBand); flash_bwd_tc_band reads
+    them from its parameter block (cuflash.launch.bwd_tc.band_fields)."""
     lo, hi = -Nq, Nk
     left, right = (-1, -1) if window is None else (-1 if s is None else s for s in window)
     if left >= 0:
@@ -199,7 +200,7 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
     """
     bh, bhk = batch * heads, batch * kv_heads
     group = heads // kv_heads if kv_heads else 1
-    lo_off, hi_off = _band_offsets(Nq, Nk, causal, window)
+    lo_off, hi_off = band_offsets(Nq, Nk, causal, window)
     nq_t = -(-Nq // block_q) if Nq else 0
     nk_t = -(-Nk // block_kv) if Nk else 0
     nq_pad = nq_t * block_q
@@ -256,7 +257,7 @@ def flash_bwd_tf32_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q
     """
     bh, bhk = batch * heads, batch * kv_heads
     group = heads // kv_heads if kv_heads else 1
-    lo_off, hi_off = _band_offsets(Nq, Nk, causal, window)
+    lo_off, hi_off = band_offsets(Nq, Nk, causal, window)
     nq_t = -(-Nq // block_q) if Nq else 0
     nk_t = -(-Nk // block_kv) if Nk else 0
     read = bh * Nq * 2 * dv * 4                      # preprocess: O, dO
