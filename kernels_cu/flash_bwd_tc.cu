@@ -675,19 +675,29 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const bool has_alibi = p.mask_has_alibi != 0;
                 const int db_mode = p.mask_dbias;     // dbias: 0 none, 1 stored, 2 added atomically
 #endif
-                // with logit terms the exponent is 2^(log2(e) s - lse2), s = softcap(scale S) +
-                // bias + ALiBi as the forward computes it; without, the plain 2^(scale log2(e)
-                // S - lse2)
-                const float c_exp = (has_cap || has_bias || has_alibi) ? CUFLASH_LOG2E : scale_log2;
-                const float scale = (float)p.scale, cap = (float)p.mask_softcap;
+                // The exponent is 2^(s c_exp - lse2) with the logit s = softcap(scale S) + bias +
+                // ALiBi held in units of u: the softcap's c (s = tanh(scale S / c) + (bias +
+                // ALiBi) / c) or else the scale (s = S + (bias + ALiBi) / scale), c_exp = u log2(e).
+                // The plain exponent's one FFMA per element then takes the unit, and the terms
+                // add scaled by 1 / u (an FFMA where an FADD would be): no multiply of every
+                // element by c or by the scale.
+                const float c_exp = has_cap ? (float)p.mask_softcap * CUFLASH_LOG2E : scale_log2;
+                // (1 / u by MUFU.RCP, within an ulp: the terms' relative error stays near float32's)
+                const float inv_u = __fdividef(1.0f, has_cap ? (float)p.mask_softcap : (float)p.scale);
                 // softcap: tanh(scale S / c) = 1 - 2 / (1 + 2^(S cap_k)), cap_k = 2 log2(e) scale / c
-                const float cap_k = has_cap ? (float)(2.0 * 1.4426950408889634 * p.scale / p.mask_softcap) : 0.0f;
+                const float cap_k = 2.0f * scale_log2 * inv_u;
 #ifdef CUFLASH_BWD_BAND
                 const DropoutKey drop{};              // off
 #else
                 const DropoutKey drop = cuflash_dropout_key(p);
 #endif
-                uint32_t dsc[kMT][kNQ][2];            // 1 - tanh^2 (softcap), float16 pairs
+                // softcap's derivative 1 - tanh^2: where s is tanh itself (no bias or ALiBi
+                // added) and P^T stays in float32 for dS (kFloatP), folded into that float P^T as
+                // the exponential is taken (one FFMA and one FMUL per element; dS^T = P^T (1 -
+                // tanh^2) (dP^T - D) then needs nothing more); else kept in dsc as float16 pairs
+                // (a pack, an unpack and a multiply per element)
+                const bool cap_fold = kFloatP && has_cap && !has_bias && !has_alibi;
+                uint32_t dsc[kMT][kNQ][2];
                 // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,
                 // hh, eq) of fragment pair q = mt kNQ / 2 + n / 2 (bwd_masks.cuh): at most 64
                 // (cuflash.tiling keeps kMT * kNQ <= 16 for the masked kernel)
@@ -758,18 +768,13 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
                                 th[e] = cuflash_tanh_exp2(s[mt][n][e] * cap_k);
-                                s[mt][n][e] = cap * th[e];
+                                s[mt][n][e] = th[e];
                             }
-                            dsc[mt][n][0] = cvt_pack2<__half>(1.0f - th[0] * th[0], 1.0f - th[1] * th[1]);
-                            dsc[mt][n][1] = cvt_pack2<__half>(1.0f - th[2] * th[2], 1.0f - th[3] * th[3]);
+                            if (!cap_fold) {
+                                dsc[mt][n][0] = cvt_pack2<__half>(1.0f - th[0] * th[0], 1.0f - th[1] * th[1]);
+                                dsc[mt][n][1] = cvt_pack2<__half>(1.0f - th[2] * th[2], 1.0f - th[3] * th[3]);
+                            }
                         }
-                } else if (has_bias || has_alibi) {
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                        for (int n = 0; n < kNQ; ++n)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale;
                 }
                 if (has_bias) {
                     const float* bias_h = Bias + b * p.mask_bias_sb + h * p.mask_bias_sh;
@@ -786,8 +791,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                                 for (int hh = 0; hh < 2; ++hh) {
-                                    s[mt][n][2 * hh] += gload(row + mt * 16 + 8 * hh);
-                                    s[mt][n][2 * hh + 1] += gload(row1 + mt * 16 + 8 * hh);
+                                    s[mt][n][2 * hh] = fmaf(gload(row + mt * 16 + 8 * hh), inv_u, s[mt][n][2 * hh]);
+                                    s[mt][n][2 * hh + 1] = fmaf(gload(row1 + mt * 16 + 8 * hh), inv_u, s[mt][n][2 * hh + 1]);
                                 }
                             row += 8 * sr;
                         }
@@ -804,15 +809,16 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                                     for (int hh = 0; hh < 2; ++hh)
-                                        s[mt][n][2 * hh + eq] +=
-                                            gload(row + (long long)min(ka + mt * 16 + 8 * hh, Nk - 1) * p.mask_bias_sc);
+                                        s[mt][n][2 * hh + eq] = fmaf(
+                                            gload(row + (long long)min(ka + mt * 16 + 8 * hh, Nk - 1) * p.mask_bias_sc),
+                                            inv_u, s[mt][n][2 * hh + eq]);
                             }
                     }
                 }
                 if (has_alibi) {
-                    // -slope |i + off - j|: the distance in float, a per-lane base plus each
+                    // -slope |i + off - j| / u: the distance in float, a per-lane base plus each
                     // element's constant (exact while |i + off - j| < 2^24)
-                    const float ns = -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh);
+                    const float ns = -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) * inv_u;
                     const float base = (float)(qa + p.mask_offset - ka);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
@@ -829,7 +835,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // builds keep the loop below as it is: the lambda there, even called once with
                 // need_mask, moved ptxas's allocation at d = 256 into a spill.
                 if constexpr (kUnrolled) {
-                    auto exp_tile = [&](bool masked) {
+                    auto exp_tile = [&](bool masked, bool fold) {
 #ifdef CUFLASH_BWD_BAND
                         // the band test as one unsigned compare of the key - query distance
                         // (dd0 + key column - query column) against the band's width, keys past
@@ -843,9 +849,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
 #pragma unroll
                             for (int mt = 0; mt < kMT; ++mt) {
+                                float th[4];              // (fold: s is tanh)
 #pragma unroll
                                 for (int e = 0; e < 4; ++e) {
                                     const float l = (e & 1) ? l2.y : l2.x;
+                                    th[e] = s[mt][n][e];
 #ifdef CUFLASH_MASKS
                                     float x = s[mt][n][e] * c_exp - l;
 #ifdef CUFLASH_BWD_BAND
@@ -870,11 +878,21 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 }
                                 pp[mt][n][0] = cvt_pack2<elem_t>(s[mt][n][0], s[mt][n][1]);
                                 pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
+                                if (fold) {
+#pragma unroll
+                                    for (int e = 0; e < 4; ++e) s[mt][n][e] *= fmaf(-th[e], th[e], 1.0f);
+                                }
                             }
                         }
                     };
-                    if (need_mask) exp_tile(true);
-                    else exp_tile(false);
+#ifdef CUFLASH_MASKS
+                    if (cap_fold) {
+                        if (need_mask) exp_tile(true, true);
+                        else exp_tile(false, true);
+                    } else
+#endif
+                    if (need_mask) exp_tile(true, false);
+                    else exp_tile(false, false);
                 } else
                 {
 #pragma unroll
@@ -1045,7 +1063,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                         else dbias_tile(true, false);
                     }
                 }
-                if (has_cap) {  // d softcap(x) / dx = 1 - tanh^2
+                if (has_cap && !cap_fold) {  // d softcap(x) / dx = 1 - tanh^2
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

@@ -298,6 +298,10 @@ TC_BWD_CASES = [
      dict(window=(200, None), softcap=3.0), 64, 128, False),
     ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False,
      dict(window=(100, 90), bias=(1, 2, 190, 250), dropout_p=0.15), 64, 64, True),
+    # softcap with no bias or ALiBi in the lean loop: its derivative folded into float32 P^T,
+    # with dropout (dS of the dropped product) and top-left causal
+    ("float16", (1, 2, 150, 128), (1, 2, 170, 128), "top_left",
+     dict(softcap=1.5, dropout_p=0.25), 64, 64, True),
 ]
 
 
