@@ -153,7 +153,8 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
                          f"                const bool has_alibi = {b(alibi)};\n"
                          f"                const int db_mode = {db};"),
         (fn, "                if (drop.on) {\n" + unrolled, f"                if ({b(drop)}) {{\n" + unrolled),
-        (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product")]
+        (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product"),
+        (fn, "if (drop.on) pt_step(true);", f"if ({b(drop)}) pt_step(true);")]
 
 
 def backward(tmp, dtype, d, arch=80):

@@ -931,40 +931,48 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     }
                 }
 #ifdef CUFLASH_MASKS
-                // P^T with the dropped elements zeroed (dV's A operand): pair hf of (mt, n)
-                // (the band's build: pp as it is -- the mask's PRMT is inline assembly, which the
-                // compiler would issue on the constant word)
-                auto kept = [&](int mt, int n, int hf) -> uint32_t {
-                    if constexpr (kBandOnly) return pp[mt][n][hf];
+                // P^T with the dropped elements zeroed (dV's A operand): pair hf of (mt, n); with
+                // dropout only (the mask's shift, PRMT and AND per pair are issued on any word,
+                // the PRMT being inline assembly: dV's step below is taken in two copies, one per
+                // tile branch on drop.on)
+                auto kept = [&](int mt, int n, int hf, bool dropped) -> uint32_t {
+                    if (kBandOnly || !dropped) return pp[mt][n][hf];
                     return pp[mt][n][hf] & bwd_pair_mask(keep, mt * (kNQ / 2) + n / 2, n & 1, hf);
                 };
 #else
-                auto kept = [&](int mt, int n, int hf) -> uint32_t { return pp[mt][n][hf]; };
+                auto kept = [&](int mt, int n, int hf, bool) -> uint32_t { return pp[mt][n][hf]; };
 #endif
                 // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers
-                if (kQS == 1) {
+                auto pt_step = [&](bool dropped) {  // dV += P^T dO, or P^T to Ps (query split)
+                    if (kQS == 1) {
 #pragma unroll
-                    for (int kc = 0; kc < kBr / 16; ++kc) {
-                        uint32_t a[kMT][4];
+                        for (int kc = 0; kc < kBr / 16; ++kc) {
+                            uint32_t a[kMT][4];
 #pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            a[mt][0] = kept(mt, 2 * kc, 0);
-                            a[mt][1] = kept(mt, 2 * kc, 1);
-                            a[mt][2] = kept(mt, 2 * kc + 1, 0);
-                            a[mt][3] = kept(mt, 2 * kc + 1, 1);
+                            for (int mt = 0; mt < kMT; ++mt) {
+                                a[mt][0] = kept(mt, 2 * kc, 0, dropped);
+                                a[mt][1] = kept(mt, 2 * kc, 1, dropped);
+                                a[mt][2] = kept(mt, 2 * kc + 1, 0, dropped);
+                                a[mt][3] = kept(mt, 2 * kc + 1, 1, dropped);
+                            }
+                            mma_rows_times_tile<kVC, kVS, kDv>(dv, a, ld_dot + dobuf, kc, slice);
                         }
-                        mma_rows_times_tile<kVC, kVS, kDv>(dv, a, ld_dot + dobuf, kc, slice);
+                    } else {
+                        // query split: this warp's half of P^T to Ps, for both warps of the pair
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                            for (int kc = 0; kc < kBrw / 16; ++kc)
+                                store_pair_tile(Ps + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
+                                                kept(mt, 2 * kc, 0, dropped), kept(mt, 2 * kc, 1, dropped),
+                                                kept(mt, 2 * kc + 1, 0, dropped), kept(mt, 2 * kc + 1, 1, dropped));
                     }
-                } else {
-                    // query split: this warp's half of P^T to Ps, for both warps of the pair
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                        for (int kc = 0; kc < kBrw / 16; ++kc)
-                            store_pair_tile(Ps + (kw0 + mt * 16 + g) * kSS + qw0 + kc * 16 + 2 * t,
-                                            kept(mt, 2 * kc, 0), kept(mt, 2 * kc, 1), kept(mt, 2 * kc + 1, 0),
-                                            kept(mt, 2 * kc + 1, 1));
-                }
+                };
+#ifdef CUFLASH_MASKS
+                if (drop.on) pt_step(true);
+                else
+#endif
+                    pt_step(false);
                 // -- dP^T = V_w dO_i^T
                 float dp[kMT][kNQ][4];
 #pragma unroll
