@@ -942,8 +942,15 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #else
                 auto kept = [&](int mt, int n, int hf, bool) -> uint32_t { return pp[mt][n][hf]; };
 #endif
-                // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers
+                // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers (the
+                // plain build's text as one block: the lambda there moved ptxas's allocation into
+                // 4-8 B spills at two of its curated plans)
+#ifdef CUFLASH_MASKS
                 auto pt_step = [&](bool dropped) {  // dV += P^T dO, or P^T to Ps (query split)
+#else
+                {
+                    constexpr bool dropped = false;
+#endif
                     if (kQS == 1) {
 #pragma unroll
                         for (int kc = 0; kc < kBr / 16; ++kc) {
@@ -967,12 +974,15 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                                 kept(mt, 2 * kc, 0, dropped), kept(mt, 2 * kc, 1, dropped),
                                                 kept(mt, 2 * kc + 1, 0, dropped), kept(mt, 2 * kc + 1, 1, dropped));
                     }
-                };
 #ifdef CUFLASH_MASKS
-                if (drop.on) pt_step(true);
-                else
+                };
+                // (the rolled builds AND on every call, as before: two copies there moved ptxas
+                // into 8 B spills at d = 112 on sm_80)
+                if (!kUnrolled || drop.on) pt_step(true);
+                else pt_step(false);
+#else
+                }
 #endif
-                    pt_step(false);
                 // -- dP^T = V_w dO_i^T
                 float dp[kMT][kNQ][4];
 #pragma unroll
