@@ -26,17 +26,18 @@ path of a steady-state K/V tile (no mask, full tile, no flush), where the lazy r
 stays and its rescale is compiled out -- the count of a tile where no row's max moves; and the
 ``fwd-rescale`` rows with ``-DCUFLASH_FWD_COUNT_RESCALE=1`` besides: the rescale of O and l
 taken on every tile (a row max that moves on every tile), FA2's forward beside it unchanged
-(it rescales on every tile).  The ``bwd-masked`` and ``bwd-softcap`` rows: ``flash_bwd_tc_masked``
-(the backward with the logit features) at its default tiles, compiled from a copy of
-kernels_cu edited to one call's interior tile (``feature_counts.bwd_feature_edits``: the
-call's feature flags as constants, the band test off): no feature -- what a window or causal
-band costs on an interior tile -- beside FA2's plain backward, and softcap beside FA2's
-softcap backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).  The
-``bwd-band`` and ``bwd-local`` rows: ``flash_bwd_tc_band`` (the build of a call whose only
-feature is a window) as launched, its band test included, at its default tiles (the plain
-kernel's), beside FA2's plain backward and beside FA2's backward with a local window
-(``Is_local``, launched by FA2 with ``Is_even_MN`` false: the wheel's only local builds).
-``--bwd-tiles`` applies to them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
+(it rescales on every tile).  The ``bwd-masked`` and ``bwd-masked-softcap`` rows:
+``flash_bwd_tc_masked`` (the backward with the logit features, which calls with bias, ALiBi or
+dropout run) at its default tiles, compiled from a copy of kernels_cu edited to one call's
+interior tile (``feature_counts.bwd_feature_edits``: the call's feature flags as constants,
+the band test off): no feature beside FA2's plain backward, and softcap beside FA2's softcap
+backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).  The ``bwd-band``,
+``bwd-local`` and ``bwd-softcap`` rows: the lean builds as launched, their band test included,
+at their default tiles (the plain kernel's) -- ``flash_bwd_tc_band`` (a window alone) beside
+FA2's plain backward and beside FA2's backward with a local window (``Is_local``, launched by
+FA2 with ``Is_even_MN`` false: the wheel's only local builds), ``flash_bwd_tc_softcap`` (a
+softcap and at most a window) beside FA2's softcap backward.  ``--bwd-tiles`` applies to
+them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
 (the planner's threads for them).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
@@ -114,18 +115,22 @@ FA2_KERNELS = {
     ("bwd", 128): (_BWD.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
     ("bwd-softcap", 64): (_BWD_SOFTCAP.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd-softcap", 128): (_BWD_SOFTCAP.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+    ("bwd-masked-softcap", 64): (_BWD_SOFTCAP.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd-masked-softcap", 128): (_BWD_SOFTCAP.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
     ("bwd-local", 64): (_BWD_LOCAL.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd-local", 128): (_BWD_LOCAL.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
 }
 # cuflash's backward with the logit features (flash_bwd_tc_masked) for one call's interior
 # tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
 # a call with features that cost nothing per interior logit (a window, a causal band) beside
-# FA2's plain backward, "softcap" beside FA2's softcap backward
-BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-softcap": {"cap": True}}
-# cuflash's band-only backward (flash_bwd_tc_band: a call whose only feature is a window) as
-# launched, its band test included, at its default tiles: "band" beside FA2's plain backward,
-# "local" beside FA2's backward with a local window (Is_local)
-BWD_BAND_KINDS = ("bwd-band", "bwd-local")
+# FA2's plain backward, "masked-softcap" beside FA2's softcap backward
+BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True}}
+# cuflash's lean backward builds as launched, their band test included, at their default
+# tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
+# backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
+# most a window) beside FA2's softcap backward
+BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_band",
+                  "bwd-softcap": "flash_bwd_tc_softcap"}
 
 # Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
 # "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
@@ -458,14 +463,14 @@ def cuflash_count(kind, d, arch, tiles=None):
     from cuflash import kernels, tiling
     features = BWD_FEATURE_KINDS.get(kind)
     kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
-              else tiling.BWD_BAND_KERNEL if kind in BWD_BAND_KINDS else "flash_fwd_tc")
+              else BWD_BAND_KINDS[kind] if kind in BWD_BAND_KINDS else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
     plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
                        limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
     defines = kernels.plan_defines(plan)
     extra = ({"CUFLASH_MASKS": None, "CUFLASH_BWD_TC_MAIN": None} if features is not None
              else {"CUFLASH_FWD_INTERIOR_ONLY": 1} if kernel == "flash_fwd_tc" else {})
-    # (the band build's defines are its plan_sweep group's)
+    # (a lean build's defines are its plan_sweep group's)
     if kind == "fwd-rescale":
         extra["CUFLASH_FWD_COUNT_RESCALE"] = 1
     job = ps.Job(kernel, f"fa2_sass_compare {kind} {d} sm_{arch}", dict(defines, **extra), arch)
@@ -638,16 +643,17 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         "counts). cuflash's forward is the interior-tile build (`-DCUFLASH_FWD_INTERIOR_ONLY=1`): "
         "no mask, the lazy rescale's vote kept and its rescale left out (a tile where no row's max "
         "moves; FA2 rescales on every tile); the fwd-rescale rows add `-DCUFLASH_FWD_COUNT_RESCALE=1`: "
-        "the rescale of O and l taken on every tile, as FA2 does. The bwd-masked and bwd-softcap rows: "
-        "flash_bwd_tc_masked (the backward with the logit features) at its default tiles for one "
-        "call's interior tile, its feature flags compiled as constants and the band test off "
-        "(`feature_counts.bwd_feature_edits`): no feature (what a window or causal band costs "
-        "there) beside FA2's plain backward, softcap beside FA2's softcap backward (`Is_softcap`; "
-        "the wheel has no ALiBi or dropout backward). The bwd-band and bwd-local rows: "
-        "flash_bwd_tc_band (the build of a call whose only feature is a window) as launched, "
-        "its band test included, at its default tiles (the plain kernel's), beside FA2's plain "
-        "backward and beside FA2's backward with a local window (`Is_local`, which FA2 runs "
-        "with `Is_even_MN` false). Out-of-line blocks the loop returns from are added, the "
+        "the rescale of O and l taken on every tile, as FA2 does. The bwd-masked and "
+        "bwd-masked-softcap rows: flash_bwd_tc_masked (the backward with the logit features, which "
+        "calls with bias, ALiBi or dropout run) at its default tiles for one call's interior tile, "
+        "its feature flags compiled as constants and the band test off "
+        "(`feature_counts.bwd_feature_edits`): no feature beside FA2's plain backward, softcap "
+        "beside FA2's softcap backward (`Is_softcap`; the wheel has no ALiBi or dropout backward). "
+        "The bwd-band, bwd-local and bwd-softcap rows: the lean builds as launched, their band "
+        "test included, at their default tiles (the plain kernel's): flash_bwd_tc_band (a window "
+        "alone) beside FA2's plain backward and beside FA2's backward with a local window "
+        "(`Is_local`, which FA2 runs with `Is_even_MN` false), flash_bwd_tc_softcap (a softcap "
+        "and at most a window) beside FA2's softcap backward. Out-of-line blocks the loop returns from are added, the "
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"

@@ -154,7 +154,7 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
                          f"                const int db_mode = {db};"),
         (fn, "                if (drop.on) {\n" + unrolled, f"                if ({b(drop)}) {{\n" + unrolled),
         (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product"),
-        (fn, "if (drop.on) pt_step(true);", f"if ({b(drop)}) pt_step(true);")]
+        (fn, "if (!kUnrolled || drop.on) pt_step(true);", f"if (!kUnrolled || {b(drop)}) pt_step(true);")]
 
 
 def backward(tmp, dtype, d, arch=80):

@@ -117,6 +117,7 @@ KERNEL_SOURCES = {
     "flash_bwd_dq_masked": "flash_bwd.cu",
     "flash_bwd_tc_masked": "flash_bwd_tc.cu",
     "flash_bwd_tc_band": "flash_bwd_tc.cu",
+    "flash_bwd_tc_softcap": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -590,6 +591,11 @@ def compile_variants():
     band = dict(CUFLASH_MASKS=None, CUFLASH_BWD_BAND=None, CUFLASH_BWD_TC_MAIN=None)
     add(tiling.BWD_BAND_KERNEL, "float16", 64, **band)
     add(tiling.BWD_BAND_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **band)
+    # ... and its softcap build (flash_bwd_tc_softcap: a softcap and at most a window), the
+    # same defaults
+    softcap = dict(band, CUFLASH_BWD_SOFTCAP=None)
+    add(tiling.BWD_SOFTCAP_KERNEL, "float16", 64, **softcap)
+    add(tiling.BWD_SOFTCAP_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **softcap)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

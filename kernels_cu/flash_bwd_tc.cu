@@ -93,9 +93,11 @@
 // from a row pointer per query and keys at constant offsets when its key stride is 1 and
 // the tile lies inside [0, Nq) x [0, Nk) (else 64-bit offsets per key, rows and keys past
 // the ends clamped to in-bounds elements that the band test drops), ALiBi's distance in
-// float from a per-lane base.  P is kept undropped in pp (dS needs it) with the keep bits
-// of the dropout beside it; 1 - tanh^2 is kept as float16 pairs (dS is rounded to the
-// input dtype right after).  Dropout in the transposed layout: lanes g = 2u, 2u + 1 of one t
+// float from a per-lane base; the logit is held in units of c (softcap) or the scale, which
+// the exponent's FFMA takes.  P is kept undropped in pp (dS needs it) with the keep bits
+// of the dropout beside it, ANDed into P^T's pairs only in calls with dropout; 1 - tanh^2 is
+// folded into float32 P^T where there is no bias or ALiBi (kFloatP builds), else kept as
+// float16 pairs (dS is rounded to the input dtype right after).  Dropout in the transposed layout: lanes g = 2u, 2u + 1 of one t
 // hold the even and odd keys of the Philox blocks of queries 2t, 2t + 1 (rows q, q + 8 x keys
 // 2u, 2u + 1, 2u + 8, 2u + 9 of a 16 x 16 tile: 16 bits each, philox.cuh); each lane draws one
 // of the two blocks and the pair swaps halves with one xor shuffle (bwd_masks.cuh): one
@@ -105,7 +107,12 @@
 // The band alone (-DCUFLASH_BWD_BAND besides -DCUFLASH_MASKS: kernel flash_bwd_tc_band, the
 // same arguments) is the build of a call whose only feature is a window (with or without
 // causal): every other feature off at compile time, so that its loop is the plain kernel's
-// with the band's range and test and it runs the plain kernel's tiles and lean loop.
+// with the band's range and test and it runs the plain kernel's tiles and lean loop.  With
+// -DCUFLASH_BWD_SOFTCAP too (kernel flash_bwd_tc_softcap) the same build has the softcap on at
+// compile time: a call whose features are a softcap and at most a window.  There the logit is
+// held as r of tanh = 1 - 2 r, the exponent is one FFMA of r, and the exponential gives 4 P
+// (exactly: 2 added to the exponent), which makes P (1 - tanh^2) = 4 P (r - r^2) one FFMA and
+// one FMUL per element; dV takes 4 P^T and is stored times 1/4.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -132,7 +139,9 @@
 #ifdef CUFLASH_MASKS
 #include "bwd_masks.cuh"
 #include "fast_math.cuh"
-#ifdef CUFLASH_BWD_BAND
+#if defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP)
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_softcap
+#elif defined(CUFLASH_BWD_BAND)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_band
 #else
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
@@ -140,8 +149,8 @@
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
 #else
-#ifdef CUFLASH_BWD_BAND
-#error "CUFLASH_BWD_BAND is a build of the logit features: define CUFLASH_MASKS with it"
+#if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP)
+#error "CUFLASH_BWD_BAND and CUFLASH_BWD_SOFTCAP are builds of the logit features: define CUFLASH_MASKS with them"
 #endif
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc
 #define CUFLASH_BWD_TC_MASK_ARGS
@@ -152,6 +161,14 @@ constexpr bool kBandOnly = true;
 #else
 constexpr bool kBandOnly = false;
 #endif
+#endif
+#ifdef CUFLASH_BWD_SOFTCAP
+#ifndef CUFLASH_BWD_BAND
+#error "CUFLASH_BWD_SOFTCAP is a variant of the band build: define CUFLASH_BWD_BAND with it"
+#endif
+constexpr bool kCapBuild = true;
+#else
+constexpr bool kCapBuild = false;
 #endif
 
 // Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
@@ -251,8 +268,9 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 // range where no row sees the tile) or left as it is with the tile count max(0, it1 - it0):
 // equivalent, but ptxas (NVRTC 13.0) allocates them differently at 255 registers -- the band
 // build's 128 x 128 tiles on sm_90 count 3412 per 1,000 HMMA unclamped against 3419 clamped,
-// its 64 x 128 at d = 128 2725 against 2700 (bench/results/tc_kernels_counts.md)
-constexpr bool kClampRange = !(kBandOnly && kBigSplit);
+// its 64 x 128 at d = 128 2725 against 2700 (bench/results/tc_kernels_counts.md); the softcap
+// build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B)
+constexpr bool kClampRange = !(kBandOnly && (kBigSplit || kCapBuild));
 #endif
 
 // ------------------------------------------------------------------------------------------
@@ -273,6 +291,12 @@ constexpr bool kHoistAddrs = kUnrolled && TileCopy<kBr, kD, kKS>::kUnrolled && T
 // rounded to 16 bits first), where the plan sweep finds they fit: the kHoistAddrs builds but
 // d < 64 on sm_90 (d = 32 at 64 x 128 spills 24 B there, NVRTC 13.0)
 constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
+// The softcap build's r form (the logit as r of tanh = 1 - 2 r, 4 P, P (1 - tanh^2) folded
+// into float32 P^T) where P^T stays in float32 (kFloatP); its other layouts take the masked
+// kernel's tanh form, 1 - tanh^2 kept as float16 pairs.  dV's factor in the band builds: 1/4
+// where P^T is 4 P^T.
+constexpr bool kCapR = kCapBuild && kFloatP;
+constexpr float kDvBand = kCapR ? 0.25f : 1.0f;
 // Whether a tile pair needs the mask is one unsigned compare of the query tile's index against
 // the K/V tile's range of plain query tiles (computed once per K/V tile) rather than the
 // bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (at d = 64, 2
@@ -668,7 +692,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // below is taken per tile, each feature's work a loop of its own over the
                 // tile's elements (fully unrolled, no per-element test of what the call has).
 #ifdef CUFLASH_BWD_BAND
-                const bool has_cap = false, has_bias = false, has_alibi = false;
+                const bool has_cap = kCapBuild, has_bias = false, has_alibi = false;
                 const int db_mode = 0;
 #else
                 const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
@@ -697,6 +721,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // tanh^2) (dP^T - D) then needs nothing more); else kept in dsc as float16 pairs
                 // (a pack, an unpack and a multiply per element)
                 const bool cap_fold = kFloatP && has_cap && !has_bias && !has_alibi;
+                // (kCapR: x = c log2(e) (1 - 2 r) - lse2 + 2 = r cap_m2 + (cap_l2 - lse2))
+                const float cap_m2 = -2.0f * c_exp, cap_l2 = c_exp + 2.0f;
                 uint32_t dsc[kMT][kNQ][2];
                 // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,
                 // hh, eq) of fragment pair q = mt kNQ / 2 + n / 2 (bwd_masks.cuh): at most 64
@@ -759,7 +785,14 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 uint32_t pp[kMT][kNQ][2];
 #ifdef CUFLASH_MASKS
                 // the logit terms, in the forward's order: softcap, bias, ALiBi
-                if (has_cap) {
+                if (kCapR) {  // s = r of tanh = 1 - 2 r
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int n = 0; n < kNQ; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) s[mt][n][e] = cuflash_tanh_rcp(s[mt][n][e] * cap_k);
+                } else if (has_cap) {
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -847,15 +880,23 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #pragma unroll
                         for (int n = 0; n < kNQ; ++n) {
                             const float2 l2 = *reinterpret_cast<const float2*>(lse_t + qw0 + n * 8 + 2 * t);
+#ifdef CUFLASH_BWD_SOFTCAP
+                            const float lc0 = cap_l2 - l2.x, lc1 = cap_l2 - l2.y;
+#endif
 #pragma unroll
                             for (int mt = 0; mt < kMT; ++mt) {
-                                float th[4];              // (fold: s is tanh)
+                                float th[4];              // (fold: s is tanh, or r in the softcap build)
 #pragma unroll
                                 for (int e = 0; e < 4; ++e) {
                                     const float l = (e & 1) ? l2.y : l2.x;
                                     th[e] = s[mt][n][e];
 #ifdef CUFLASH_MASKS
+#ifdef CUFLASH_BWD_SOFTCAP
+                                    float x = kCapR ? fmaf(s[mt][n][e], cap_m2, (e & 1) ? lc1 : lc0)  // 4 P
+                                                    : s[mt][n][e] * c_exp - l;
+#else
                                     float x = s[mt][n][e] * c_exp - l;
+#endif
 #ifdef CUFLASH_BWD_BAND
                                     const int kc = mt * 16 + 8 * (e >> 1), qc = n * 8 + (e & 1);
                                     if (masked && (kc >= k_left || l == INFINITY || (unsigned)(dd0 + kc - qc) >= band_w))
@@ -880,7 +921,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 pp[mt][n][1] = cvt_pack2<elem_t>(s[mt][n][2], s[mt][n][3]);
                                 if (fold) {
 #pragma unroll
-                                    for (int e = 0; e < 4; ++e) s[mt][n][e] *= fmaf(-th[e], th[e], 1.0f);
+                                    for (int e = 0; e < 4; ++e)  // P (1 - tanh^2), or 4 P (r - r^2)
+                                        s[mt][n][e] *= fmaf(-th[e], th[e], kCapR ? th[e] : 1.0f);
                                 }
                             }
                         }
@@ -1252,8 +1294,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 if ((kSlices == 1 && !kPadded) || col < dv_cols)
 #ifdef CUFLASH_MASKS
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
-                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * (kBandOnly ? 1.0f : dv_scale(p)),
-                                                             dv[mt][n][2 * hh + 1] * (kBandOnly ? 1.0f : dv_scale(p))));
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * (kBandOnly ? kDvBand : dv_scale(p)),
+                                                             dv[mt][n][2 * hh + 1] * (kBandOnly ? kDvBand : dv_scale(p))));
 #else
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));

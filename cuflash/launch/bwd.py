@@ -17,26 +17,27 @@ from .._validate_masks import sequence_masks
 from .._validate_serving import check_varlen_backward, check_varlen_inputs
 from . import bwd_simt, bwd_tc
 from .common import acc_dtype, array_key, cached_call, problem_dims, zero_grads
-from .features import band_only, cache_key, check_cached_seed, validate, validate_serving
+from .features import cache_key, check_cached_seed, lean_build, validate, validate_serving
 
 __all__ = ["tiled_attention_backward", "flash_bwd", "varlen_attention_backward",
            "plan_backward"]
 
-_TC_KERNELS = ("flash_bwd_tc", "flash_bwd_tc_masked", tiling.BWD_BAND_KERNEL,
+_TC_KERNELS = ("flash_bwd_tc", "flash_bwd_tc_masked", *tiling.BWD_LEAN_KERNELS,
                tiling.BWD_WGMMA_KERNEL)
 
 
 def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=None, masked=False,
-                  deterministic=False, band=False):
+                  deterministic=False, lean=None):
     """The main backward kernel's plan on this runtime (flash_bwd_tc or flash_bwd_dkdv; with
-    ``masked``, their _masked kernels -- flash_bwd_tc_band for the tensor cores with ``band``,
-    a call whose only feature is a window; flash_bwd_wgmma where the runtime runs the Hopper
-    kernels and the call is not ``deterministic``)."""
+    ``masked``, their _masked kernels -- on the tensor cores the lean build ``lean`` names
+    instead (features.lean_build: flash_bwd_tc_band, flash_bwd_tc_softcap) where it has one;
+    flash_bwd_wgmma where the runtime runs the Hopper kernels and the call is not
+    ``deterministic``)."""
     return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,
                                  limit_source=runtime.smem_source, kernel=kernel,
                                  tensor_cores=runtime.tensor_cores, masked=masked,
                                  wgmma=runtime.wgmma_for(d, dv) and not deterministic,
-                                 band=band)
+                                 lean=lean)
 
 
 def _build(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
@@ -48,7 +49,7 @@ def _build(runtime, spec, ms, do, q, k, v, o, deterministic, kernel=None):
     """
     main = plan_backward(runtime, spec.d, spec.dv, spec.dtype, spec.block_q, spec.block_kv,
                          kernel, masked=ms is not None, deterministic=deterministic,
-                         band=band_only(ms))
+                         lean=lean_build(ms))
     if main.kernel in _TC_KERNELS:
         B, H = problem_dims(spec.lead)
         if spec.Nq == 0 or spec.Nk == 0 or B * H == 0:

@@ -41,10 +41,12 @@ def requests(plan):
     main = kernels.plan_defines(plan)
     if plan.kernel != tiling.BWD_WGMMA_KERNEL:
         main["CUFLASH_BWD_TC_MAIN"] = None
-    if plan.kernel in ("flash_bwd_tc_masked", tiling.BWD_BAND_KERNEL):
+    if plan.kernel in ("flash_bwd_tc_masked", *tiling.BWD_LEAN_KERNELS):
         main.update(DEFINES)
-    if plan.kernel == tiling.BWD_BAND_KERNEL:
+    if plan.kernel in tiling.BWD_LEAN_KERNELS:
         main["CUFLASH_BWD_BAND"] = None
+    if plan.kernel == tiling.BWD_SOFTCAP_KERNEL:
+        main["CUFLASH_BWD_SOFTCAP"] = None
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
             (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
@@ -52,7 +54,8 @@ def requests(plan):
 
 
 def band_fields(spec, ms):
-    """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for flash_bwd_tc_band: query i sees key j
+    """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for the lean builds (flash_bwd_tc_band,
+    flash_bwd_tc_softcap): query i sees key j
     iff lo <= j - i < hi (:func:`cuflash.tiling.band_offsets`, the offsets that the other
     feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
     lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)
@@ -141,7 +144,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         pre_rows=pre_rows, n_q_tiles=n_q_tiles, n_kv_tiles=n_kv_tiles, n_pre_tiles=n_pre,
         d_offset=rows_pad, dq_slice_stride=n_rows * d, nq_pad=nq_pad, n_splits=n_splits,
         n_kv_blocks=n_kv_blocks)
-    if plan.kernel == tiling.BWD_BAND_KERNEL:
+    if plan.kernel in tiling.BWD_LEAN_KERNELS:
         base.update(band_fields(spec, ms))
     params = feats.params("BwdParams", base)
     what = f"the backward (Nq={Nq}, Nk={Nk})"

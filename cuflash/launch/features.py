@@ -17,6 +17,7 @@ arguments, the dK/dV kernels the dbias accumulator after those.
 """
 from typing import NamedTuple
 
+from .. import tiling
 from .._validate import sum_to_shape
 from .._validate_masks import (Extent, check_dropout, check_masks, check_serving_masks,
                                mask_key)
@@ -24,7 +25,7 @@ from .common import (acc_dtype, collapse_strides, elem_strides, make_params, poi
                      record_copy)
 
 __all__ = ["Features", "of", "validate", "validate_serving", "cache_key", "serving_key",
-           "prepared_key", "check_cached_seed", "Prepared", "DEFINES", "band_only"]
+           "prepared_key", "check_cached_seed", "Prepared", "DEFINES", "lean_build"]
 
 DEFINES = {"CUFLASH_MASKS": None}
 _SEED_BLOCKS = 16          # parameter blocks kept per prepared call (one per recent seed)
@@ -48,12 +49,17 @@ def of(bias=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, s
     return Features(bias, window, alibi_slopes, softcap, dropout_p, seed)
 
 
-def band_only(ms):
-    """Whether a call's only logit feature is the band -- a window, with or without causal --
-    which the tensor-core backward runs in its band-only build (flash_bwd_tc_band)."""
-    return (ms is not None and ms.window is not None and ms.bias is None
-            and ms.alibi_slopes is None and not ms.softcap and not ms.dropout
-            and not ms.return_dbias)
+def lean_build(ms):
+    """The tensor-core backward's lean build for a call's logit features, or None (its
+    flash_bwd_tc_masked): ``flash_bwd_tc_band`` where the only feature is the band (a window,
+    with or without causal), ``flash_bwd_tc_softcap`` where they are a softcap and at most the
+    band."""
+    if (ms is None or ms.bias is not None or ms.alibi_slopes is not None or ms.dropout
+            or ms.return_dbias):
+        return None
+    if ms.softcap:
+        return tiling.BWD_SOFTCAP_KERNEL
+    return tiling.BWD_BAND_KERNEL if ms.window is not None else None
 
 
 def validate(spec, q, features, return_dbias=False):

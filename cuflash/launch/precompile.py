@@ -46,20 +46,20 @@ def forward_kernels(runtime, d, dv, dtype, *, masked=False, block_q=None, block_
              _with_masks(kernels.plan_defines(plan), masked), plan.shared_bytes)]
 
 
-def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False, band=False):
+def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False, lean=None):
     """``[(file, kernel, defines, shared_bytes), ...]`` one default-tile backward launches.
 
     float16/bfloat16 on tensor cores: preprocess, ``flash_bwd_tc`` (or
-    ``flash_bwd_tc_masked``; ``flash_bwd_tc_band`` with ``band``, a call whose only feature
-    is a window), dQ conversion.  Otherwise the SIMT preprocess,
+    ``flash_bwd_tc_masked``; the lean build ``lean`` names, ``flash_bwd_tc_band`` or
+    ``flash_bwd_tc_softcap``, where it has one), dQ conversion.  Otherwise the SIMT preprocess,
     then ``flash_bwd_tf32`` (float32 on tensor cores, both dQ paths) or
     ``flash_bwd_dkdv``, then the dQ conversion (dQ by accumulators) or the
     separate ``flash_bwd_dq`` pass (``deterministic`` off flash_bwd_tf32, and
     float64); ``_masked`` kernels with ``masked``.
     """
     main = bwd.plan_backward(runtime, d, dv, dtype, masked=masked, deterministic=deterministic,
-                             band=band)
-    if main.kernel in ("flash_bwd_tc", "flash_bwd_tc_masked", tiling.BWD_BAND_KERNEL,
+                             lean=lean)
+    if main.kernel in ("flash_bwd_tc", "flash_bwd_tc_masked", *tiling.BWD_LEAN_KERNELS,
                        tiling.BWD_WGMMA_KERNEL):
         return bwd_tc.requests(main)
     suffix = "_masked" if masked else ""
@@ -90,8 +90,8 @@ def jobs(runtime, dtypes, head_dims, features=False):
     The backward's both dQ paths (atomic and ``deterministic=True``); with
     ``features`` also the kernels of calls with logit features (one module per
     kernel serves every feature and combination of them; the tensor-core
-    backward has a second, the band-only build that a call whose only feature is
-    a window runs).
+    backward has two more, its lean builds: a window alone, a softcap and at
+    most a window).
     """
     out = []
     for masked in (False, True) if features else (False,):
@@ -99,9 +99,9 @@ def jobs(runtime, dtypes, head_dims, features=False):
             for d in head_dims:
                 out += forward_kernels(runtime, d, d, dt, masked=masked)
                 for det in (False, True):
-                    for band in (False, True) if masked else (False,):
+                    for lean in (None, *tiling.BWD_LEAN_KERNELS) if masked else (None,):
                         out += backward_kernels(runtime, d, d, dt, masked=masked,
-                                                deterministic=det, band=band)
+                                                deterministic=det, lean=lean)
     return out
 
 
@@ -147,7 +147,7 @@ def memory_analysis(runtime, reference_model, N, d, dtype="float32", Nk=None, bl
     fk = forward_kernels(runtime, out["d"], out["d"], dt, masked=masked, block_q=block_q,
                          block_kv=block_kv, num_splits=splits, rows=out["N"])
     bk = backward_kernels(runtime, out["d"], out["d"], dt, masked=masked,
-                          band=masked and bias_shape is None)
+                          lean=tiling.BWD_BAND_KERNEL if masked and bias_shape is None else None)
     out["forward_kernels"] = [{"kernel": k, "shared_bytes": s} for _, k, _, s in fk]
     out["backward_kernels"] = [{"kernel": k, "shared_bytes": s} for _, k, _, s in bk]
     return out

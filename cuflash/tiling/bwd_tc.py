@@ -185,31 +185,38 @@ for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
 # are the plain kernel's, for d == dv up to 128 (the lean loop; its own curated pairs).
 BWD_BAND_KERNEL = "flash_bwd_tc_band"
 BWD_BAND_MAX_HEAD_DIM = 128
+# flash_bwd_tc_softcap (with -DCUFLASH_BWD_SOFTCAP too: a call whose features are a softcap and
+# at most the band): the band build with the softcap on at compile time; the same head dims
+# and layouts, its own curated pairs.  The two are the backward's lean builds.
+BWD_SOFTCAP_KERNEL = "flash_bwd_tc_softcap"
+BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL)
 
 
 def bwd_band_takes(d, dv):
-    """Whether flash_bwd_tc_band has a build for these head dims (else flash_bwd_tc_masked)."""
+    """Whether the lean builds (flash_bwd_tc_band, flash_bwd_tc_softcap) have a build for
+    these head dims (else flash_bwd_tc_masked)."""
     return d == dv and d % 16 == 0 and 16 <= d <= BWD_BAND_MAX_HEAD_DIM
 
 
-def _bwd_band_fns():
+def _bwd_band_fns(name):
     fns = _bwd_tc_fns(False)
     plain_check = fns["check"]
 
     def check(bq, bkv, d, dv):
         if not bwd_band_takes(d, dv):
-            return (f"{BWD_BAND_KERNEL} takes d == dv, multiples of 16 up to "
+            return (f"{name} takes d == dv, multiples of 16 up to "
                     f"{BWD_BAND_MAX_HEAD_DIM}, got d={d}, dv={dv}")
         return plain_check(bq, bkv, d, dv)
     return dict(fns, check=check)
 
 
-register(KernelTiling(
-    name=BWD_BAND_KERNEL,
-    block_q_choices=BWD_TC_TILE_CHOICES,
-    block_kv_choices=BWD_TC_TILE_CHOICES,
-    **_bwd_band_fns(),
-))
+for _name in BWD_LEAN_KERNELS:
+    register(KernelTiling(
+        name=_name,
+        block_q_choices=BWD_TC_TILE_CHOICES,
+        block_kv_choices=BWD_TC_TILE_CHOICES,
+        **_bwd_band_fns(_name),
+    ))
 
 # the helpers of flash_bwd_tc.cu (their own module: dtype, d, dv only); no shared memory
 for _name, _threads in (("flash_bwd_tc_preprocess", BWD_TC_PRE_THREADS),
@@ -287,7 +294,7 @@ def bwd_wgmma_takes(d, dv, dtype, block_q=None, block_kv=None):
 
 def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                    limit_source="unlimited", kernel=None, tensor_cores=True, masked=False,
-                   wgmma=False, band=False):
+                   wgmma=False, lean=None):
     """The backward's plan: flash_bwd_tc (tensor cores) or flash_bwd_dkdv (SIMT), with tiles.
 
     float16/bfloat16 run flash_bwd_tc when ``tensor_cores`` (sm_80+), the head dims are
@@ -295,14 +302,17 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     does not fit the limit there) runs the SIMT kernels of flash_bwd.cu.  ``kernel``
     forces "flash_bwd_tc" or "flash_bwd_dkdv" (tests cover both).  ``masked``: a call with
     logit features -- the same choice between flash_bwd_tc_masked and flash_bwd_dkdv_masked;
-    with ``band`` too (the call's only feature is a window, with or without causal)
-    flash_bwd_tc_band in flash_bwd_tc_masked's place, where it has a build (d == dv <= 128).
+    with ``lean`` too (one of BWD_LEAN_KERNELS: flash_bwd_tc_band for a call whose only feature
+    is a window, with or without causal; flash_bwd_tc_softcap for a softcap and at most a
+    window) that build in flash_bwd_tc_masked's place, where it has one (d == dv <= 128).
     ``wgmma``: the device is an sm_90 that runs the Hopper backward (``flash_bwd_wgmma``) and the
     call is not deterministic: taken for the plain calls and tiles it supports
     (:func:`bwd_wgmma_takes`).
     """
     name = _dtype_name(dtype)
-    tc_name = ((BWD_BAND_KERNEL if band and bwd_band_takes(d, dv) else "flash_bwd_tc_masked")
+    if lean is not None and lean not in BWD_LEAN_KERNELS:
+        raise ValueError(f"lean: one of {BWD_LEAN_KERNELS} or None, got {lean!r}")
+    tc_name = ((lean if lean and bwd_band_takes(d, dv) else "flash_bwd_tc_masked")
                if masked else "flash_bwd_tc")
     if kernel is None and wgmma and not masked and bwd_wgmma_takes(d, dv, dtype, block_q, block_kv):
         kernel = BWD_WGMMA_KERNEL
@@ -325,7 +335,7 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
                 _refuse_off_tensor_cores(tc_name, d, dv, dtype, block_q, block_kv, limit,
                                          limit_source, None)
         kernel = "flash_bwd_dkdv_masked" if masked else "flash_bwd_dkdv"
-    if kernel in ("flash_bwd_tc", "flash_bwd_tc_masked", BWD_BAND_KERNEL) and name not in TC_DTYPES:
+    if kernel in ("flash_bwd_tc", "flash_bwd_tc_masked", *BWD_LEAN_KERNELS) and name not in TC_DTYPES:
         raise ValueError(f"{kernel} runs {TC_DTYPES} only, got {name}")
     return plan(kernel, d, dv, dtype, block_q, block_kv, limit=limit, limit_source=limit_source)
 

@@ -343,6 +343,26 @@ CURATED["flash_bwd_tc_band"] = _table(_TC, float16_bfloat16="""
 """)
 
 # --------------------------------------------------------------------------
+# Its softcap build (-DCUFLASH_BWD_SOFTCAP too: flash_bwd_tc_softcap, a softcap and at most a
+# window): the band build's pairs less those where ptxas spills it (NVRTC 13.0, -ftz=true,
+# both dtypes): 32 x 128 at d = 64 on sm_90 (12 B), 16 x 64 at d = 128 in the sm_86 cell (12 B;
+# it runs 16 x 128 instead).  Where P^T stays in float32 for dS (kFloatP: the copies unrolled,
+# so power-of-two head dims, and d >= 64 on sm_90) it runs the softcap's r form, elsewhere the
+# masked kernel's tanh form (kernels_cu/flash_bwd_tc.cu).
+#   sm_86 | sm_80 | sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tc_softcap"] = _table(_TC, float16_bfloat16="""
+     16 | 32x128 64x128 32x64 | = | =
+     32 | 32x128 64x128 32x64 | = | =
+     48 | 32x128 64x128 32x64 | = | =
+     64 | 32x128 16x64 | 128x128 32x128 64x128 | 128x128 64x128
+     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
+    128 | 16x128 16x32 | 64x128 64x64 | 64x128
+""")
+
+# --------------------------------------------------------------------------
 # The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64, 128,
 # 192 or 256; one tile shape per head dim: 128 keys up to d = 128 (two consumer warpgroups of
 # 64), 64 keys above (dK and dV of 128 keys do not fit the consumers' registers); 64 queries
@@ -377,7 +397,7 @@ CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
 # have none
 CURATED_KERNELS = {**{k: (k, False) for k in CURATED},
                    **{f"{k}_masked": (k, True) for k in CURATED
-                      if not k.endswith("_wgmma") and k != "flash_bwd_tc_band"}}
+                      if not k.endswith("_wgmma") and k not in ("flash_bwd_tc_band", "flash_bwd_tc_softcap")}}
 
 
 def table(kernel):

@@ -58,7 +58,7 @@ def test_pipes_table_compares_with_the_plain_calls(capsys):
 @pytest.mark.parametrize("features", [{}, {"cap": True}, {"bias": True, "db": 2}, {"alibi": True, "drop": True}])
 def test_bwd_feature_edits_hold_on_the_kernel(tmp_path, unroll, features):
     """Each edit that turns flash_bwd_tc_masked into one call's interior tile (the counts of
-    feature_counts.py and fa2_sass_compare.py's bwd-masked / bwd-softcap rows) finds its text
+    feature_counts.py and fa2_sass_compare.py's bwd-masked / bwd-masked-softcap rows) finds its text
     in today's kernels_cu -- a kernel edit that moves it fails here, not in a later count --
     and changes the file: the flags become the call's constants."""
     edits = FC.bwd_feature_edits(unroll=unroll, **features)
@@ -68,3 +68,4 @@ def test_bwd_feature_edits_hold_on_the_kernel(tmp_path, unroll, features):
     assert f"const bool has_cap = {b(features.get('cap'))}, has_bias = {b(features.get('bias'))};" in src
     assert f"const int db_mode = {features.get('db', 0)};" in src
     assert ("#pragma unroll 1\n" in src) != unroll
+    assert f"if (!kUnrolled || {b(features.get('drop'))}) pt_step(true);" in src

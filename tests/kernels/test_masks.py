@@ -295,7 +295,7 @@ TC_BWD_CASES = [
     # for dS, the K/V tile's range of query tiles inside the band): bands wide enough that
     # tile pairs lie wholly inside them, beside pairs that cross either edge, Nq and Nk ragged
     ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
-     dict(window=(200, None), softcap=3.0), 64, 128, False),
+     dict(window=(200, None), softcap=3.0, dropout_p=0.1), 64, 128, False),
     ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False,
      dict(window=(100, 90), bias=(1, 2, 190, 250), dropout_p=0.15), 64, 64, True),
     # softcap with no bias or ALiBi in the lean loop: its derivative folded into float32 P^T,
@@ -344,7 +344,7 @@ def test_tensor_core_backward_with_features(kernel_backend, case, rng):
 TC_BAND_CASES = [
     ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right", (200, None), 128, 128, False),
     ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False, (100, 90), 64, 128, True),
-    ("float16", (2, 2, 70, 32), (2, 2, 90, 32), "top_left", (10, None), 32, 64, False),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", (10, None), 32, 64, False),
     ("bfloat16", (1, 2, 100, 96), (1, 2, 60, 96), False, (None, 0), 64, 64, True),
 ]
 
@@ -365,7 +365,45 @@ def test_tensor_core_backward_band_only(kernel_backend, case, rng):
     if kernel_backend.name == "emulator":
         assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_band",
                                                "flash_bwd_tc_dq_convert"]
+    assert all(np.abs(kernel_backend.to_numpy(g).astype(np.float32)).max() > 0 for g in grads)  # a band, not none
     oracle.check_backward(grads, do, q, k, v, None, causal, window=window)
+
+
+# The softcap build (flash_bwd_tc_softcap: a softcap and at most a window) at the plain
+# kernel's tiles.  Its r form (the logit as r of tanh = 1 - 2 r, 4 P from the exponential,
+# P (1 - tanh^2) folded into float32 P^T, dV stored times 1/4) where P^T stays in float32:
+# FlashAttention-2's 128 x 128 at d = 64 and 64 x 128 at d = 128, 32 x 64 at d = 32; its tanh
+# form (1 - tanh^2 as float16 pairs) at d = 96.  Small caps saturate tanh (1 - tanh^2 near 0);
+# windows with interior pairs beside crossing ones, no window at all, causal both ways, Nq and
+# Nk ragged, GQA, both dQ paths.  (dtype, q shape, k shape, causal, window, softcap, block_q,
+# block_kv, det)
+TC_SOFTCAP_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right", (200, None), 1.5, 128, 128, False),
+    ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False, None, 4.0, 64, 128, True),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", (10, None), 2.0, 32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, (30, 20), 3.0, 64, 64, True),
+]
+
+
+@pytest.mark.parametrize("case", TC_SOFTCAP_CASES, ids=lambda c: _fwd_id(
+    c[:4] + (dict(window=c[4], softcap=c[5]),)) + f"-{c[6]}x{c[7]}" + ("-det" if c[8] else "-atomic"))
+def test_tensor_core_backward_softcap(kernel_backend, case, rng):
+    """flash_bwd_tc_softcap (a softcap and at most a window) against the oracle, named by the
+    launches."""
+    from cuflash.launch import common as launch_common
+    dtype, qs, ks, causal, window, cap, bq, bkv, det = case
+    feat = dict(window=window, softcap=cap)
+    q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
+    o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
+    do = oracle.randn(rng, o.shape, dtype)
+    with launch_common.observe_launches() as seen:
+        grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
+                          block_q=bq, block_kv=bkv, deterministic=det)
+    if kernel_backend.name == "emulator":
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_softcap",
+                                               "flash_bwd_tc_dq_convert"]
+    assert all(np.abs(kernel_backend.to_numpy(g).astype(np.float32)).max() > 0 for g in grads)  # a band, not none
+    oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
@@ -729,7 +767,7 @@ def test_race_check_masked_kernels(rng):
 
 def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv, layout,
                             kernel="flash_bwd_tc_masked"):
-    """``kernel`` (flash_bwd_tc_masked or flash_bwd_tc_band) under TSan at block_q x block_kv
+    """``kernel`` (flash_bwd_tc_masked or a lean build) under TSan at block_q x block_kv
     (whose layout bwd_tc_layout must give as ``layout``), atomic and deterministic dQ, against
     the oracle."""
     from conftest import require_backend
@@ -741,7 +779,7 @@ def _race_check_tc_backward(rng, q_shape, k_shape, dtype, causal, feat, bq, bkv,
     o, lse = cuflash.tiled_attention(q, k, v, causal=causal, return_lse=True, backend="emulator", **feat)
     do = oracle.randn(rng, o.shape, dtype)
     spec = _validate.check_backward_inputs(do, q, k, v, o, lse, causal=causal, block_q=bq, block_kv=bkv)
-    band = kernel == tiling.BWD_BAND_KERNEL
+    band = kernel in tiling.BWD_LEAN_KERNELS
     ms = _validate_masks.check_masks(spec, q, return_dbias=not band, **feat)
     assert tiling.bwd_tc_layout(bq, bkv, q_shape[-1], q_shape[-1], not band) == layout
     for det in (False, True):
@@ -779,6 +817,15 @@ def test_race_check_tc_backward_band(rng):
     _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "bottom_right",
                             dict(window=(160, None)), 128, 128, (8, 2, 1, 2),
                             kernel="flash_bwd_tc_band")
+
+
+def test_race_check_tc_backward_softcap(rng):
+    """flash_bwd_tc_softcap under TSan in FlashAttention-2's d = 64 layout (its r form), a
+    window with interior tile pairs and both edges, Nq and Nk ragged, atomic and deterministic
+    dQ."""
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "bottom_right",
+                            dict(window=(160, None), softcap=2.0), 128, 128, (8, 2, 1, 2),
+                            kernel="flash_bwd_tc_softcap")
 
 
 def test_tc_backward_sm90_default_d128(rng):
@@ -942,7 +989,8 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
                                         threads=fp.threads)
     do = oracle.randn(rng, o.shape, "float16")
     band = bias is None and not alibi and window is not None
-    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True, band=band)
+    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True,
+                                  lean=tiling.BWD_BAND_KERNEL if band else None)
     assert bp.kernel == (tiling.BWD_BAND_KERNEL if band else "flash_bwd_tc_masked")
     passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
@@ -958,6 +1006,36 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
         assert got == tiling.flash_bwd_tc_masked_traffic(
             B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
             bias is not None, alibi, db, splits)
+
+
+@pytest.mark.parametrize("causal,window", [("bottom_right", (10, None)), (None, None)])
+def test_tc_softcap_traffic_is_counted(kernel_backend, rng, causal, window):
+    """float16 with a softcap and at most a window: flash_bwd_tc_softcap reads and writes what
+    flash_bwd_tc_masked's model says for the same band (the softcap costs no bytes), on both
+    dQ paths."""
+    if kernel_backend.name != "emulator":
+        pytest.skip("byte counters are the emulator's")
+    from cuflash import emulator_backend, tiling
+    from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc
+    B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, False, "float16")
+    feat["softcap"] = 2.5
+    o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
+    do = oracle.randn(rng, o.shape, "float16")
+    rt = emulator_backend.runtime()
+    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True, lean=tiling.BWD_SOFTCAP_KERNEL)
+    assert bp.kernel == tiling.BWD_SOFTCAP_KERNEL
+    passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
+    for det in (True, False):
+        _, seen = _counted(kernel_backend, lambda: _backward(
+            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False, deterministic=det))
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", bp.kernel,
+                                               "flash_bwd_tc_dq_convert"]
+        got = (sum(e["global_bytes_read"] for e in seen),
+               sum(e["global_bytes_written"] for e in seen))
+        splits = launch_bwd_tc.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
+        assert got == tiling.flash_bwd_tc_masked_traffic(
+            B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
+            False, False, None, splits)
 
 
 def test_window_cost_grows_with_the_window_not_nk():

@@ -60,7 +60,8 @@ def test_compile_command(tmp_path):
 @pytest.mark.parametrize("dtype,d", [("float16", 64), ("float32", 32)])
 def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
     """features=True builds the kernels of calls with logit features, both dQ paths (float16:
-    the tensor-core backward's band-only build too, which a call with a window alone runs)."""
+    the tensor-core backward's lean builds too, which a call with a window alone and one with a
+    softcap and a window run)."""
     require_backend("emulator")
     saved = dict(kernels._CACHE)   # modules other tests loaded must not hide a missing one
     kernels._CACHE.clear()
@@ -73,7 +74,7 @@ def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
 def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
-    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band"}
+    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap"}
               if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
@@ -93,6 +94,10 @@ def _precompile_features_then_call(rng, dtype, d):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **window)
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **window)
     oracle.check_backward(grads, do, q, k, v, **window)
+    capped = dict(window=(20, 3), softcap=5.0)   # (float16: flash_bwd_tc_softcap)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **capped)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **capped)
+    oracle.check_backward(grads, do, q, k, v, **capped)
     assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 

@@ -174,7 +174,8 @@ def test_table_shapes():
     (flash_bwd_tf32: 32 .. 128); every class has a default at every planned architecture
     (but float64 d = 256 backward on sm_75, which nothing fits); tensor-core families are not
     planned on sm_75; the Hopper kernels (the forward's head dims 64..256 by 64, the backward's
-    64 and 128) only on sm_90; the band-only backward (flash_bwd_tc_band) up to 128."""
+    64 and 128) only on sm_90; the backward's lean builds (flash_bwd_tc_band, flash_bwd_tc_softcap)
+    up to 128."""
     for kernel in curated.CURATED_KERNELS:
         grids = curated.table(kernel)
         hopper = {tiling.WGMMA_KERNEL: tiling.WGMMA_HEAD_DIMS,
@@ -187,7 +188,7 @@ def test_table_shapes():
         simt = not any(kernel.startswith(f) for f in TC_FAMILIES)
         classes = (tiling.SIMT_HEAD_DIM_CLASSES if simt else (32, 64, 96, 128)
                    if kernel.startswith("flash_bwd_tf32") else tuple(range(16, 129, 16))
-                   if kernel == tiling.BWD_BAND_KERNEL else tuple(range(16, 257, 16)))
+                   if kernel in tiling.BWD_LEAN_KERNELS else tuple(range(16, 257, 16)))
         assert curated.table_arches(kernel) == (curated.ARCH_CLASSES if simt else
                                                 ("sm_86", "sm_80", "sm_90")), kernel
         for dtype, grid in grids.items():
