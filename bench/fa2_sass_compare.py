@@ -32,11 +32,13 @@ dropout run) at its default tiles, compiled from a copy of kernels_cu edited to 
 interior tile (``feature_counts.bwd_feature_edits``: the call's feature flags as constants,
 the band test off): no feature beside FA2's plain backward, and softcap beside FA2's softcap
 backward (``Is_softcap``; the wheel holds no ALiBi or dropout backward).  The ``bwd-band``,
-``bwd-local`` and ``bwd-softcap`` rows: the lean builds as launched, their band test included,
-at their default tiles (the plain kernel's) -- ``flash_bwd_tc_band`` (a window alone) beside
-FA2's plain backward and beside FA2's backward with a local window (``Is_local``, launched by
-FA2 with ``Is_even_MN`` false: the wheel's only local builds), ``flash_bwd_tc_softcap`` (a
-softcap and at most a window) beside FA2's softcap backward.  ``--bwd-tiles`` applies to
+``bwd-local``, ``bwd-softcap`` and ``bwd-alibi`` rows: the lean builds as launched, their band
+test included, at their default tiles (the plain kernel's) -- ``flash_bwd_tc_band`` (a window
+alone) beside FA2's plain backward and beside FA2's backward with a local window
+(``Is_local``, launched by FA2 with ``Is_even_MN`` false: the wheel's only local builds),
+``flash_bwd_tc_softcap`` (a softcap and at most a window) beside FA2's softcap backward,
+``flash_bwd_tc_alibi`` (ALiBi and at most a window) beside FA2's plain backward (the wheel
+holds no ALiBi backward: the row shows what ALiBi adds, not a like-for-like ratio).  ``--bwd-tiles`` applies to
 them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
 (the planner's threads for them).
 
@@ -128,9 +130,10 @@ BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True}}
 # cuflash's lean backward builds as launched, their band test included, at their default
 # tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
 # backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
-# most a window) beside FA2's softcap backward
+# most a window) beside FA2's softcap backward; flash_bwd_tc_alibi (ALiBi and at most a window)
+# beside FA2's plain backward (the wheel has no ALiBi backward)
 BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_band",
-                  "bwd-softcap": "flash_bwd_tc_softcap"}
+                  "bwd-softcap": "flash_bwd_tc_softcap", "bwd-alibi": "flash_bwd_tc_alibi"}
 
 # Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
 # "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
@@ -649,11 +652,13 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         "its feature flags compiled as constants and the band test off "
         "(`feature_counts.bwd_feature_edits`): no feature beside FA2's plain backward, softcap "
         "beside FA2's softcap backward (`Is_softcap`; the wheel has no ALiBi or dropout backward). "
-        "The bwd-band, bwd-local and bwd-softcap rows: the lean builds as launched, their band "
+        "The bwd-band, bwd-local, bwd-softcap and bwd-alibi rows: the lean builds as launched, their band "
         "test included, at their default tiles (the plain kernel's): flash_bwd_tc_band (a window "
         "alone) beside FA2's plain backward and beside FA2's backward with a local window "
         "(`Is_local`, which FA2 runs with `Is_even_MN` false), flash_bwd_tc_softcap (a softcap "
-        "and at most a window) beside FA2's softcap backward. Out-of-line blocks the loop returns from are added, the "
+        "and at most a window) beside FA2's softcap backward, flash_bwd_tc_alibi (ALiBi and at "
+        "most a window) beside FA2's plain backward (the wheel has no ALiBi backward: what ALiBi "
+        "adds, not a like-for-like ratio). Out-of-line blocks the loop returns from are added, the "
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"

@@ -118,6 +118,7 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_masked": "flash_bwd_tc.cu",
     "flash_bwd_tc_band": "flash_bwd_tc.cu",
     "flash_bwd_tc_softcap": "flash_bwd_tc.cu",
+    "flash_bwd_tc_alibi": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -592,10 +593,16 @@ def compile_variants():
     add(tiling.BWD_BAND_KERNEL, "float16", 64, **band)
     add(tiling.BWD_BAND_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **band)
     # ... and its softcap build (flash_bwd_tc_softcap: a softcap and at most a window), the
-    # same defaults
+    # same defaults; its ALiBi build (flash_bwd_tc_alibi) at d = 64 on the H100's two dO
+    # buffers and d = 128 on the A100's one (each variant is compiled for both architectures:
+    # the band build's pair spills 4 / 20 B in the ALiBi build on the architecture that never
+    # launches it)
     softcap = dict(band, CUFLASH_BWD_SOFTCAP=None)
     add(tiling.BWD_SOFTCAP_KERNEL, "float16", 64, **softcap)
     add(tiling.BWD_SOFTCAP_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **softcap)
+    alibi = dict(band, CUFLASH_BWD_ALIBI=None)
+    add(tiling.BWD_ALIBI_KERNEL, "float16", 64, limit=tiling.EMULATOR_ARCHES["sm_90"], **alibi)
+    add(tiling.BWD_ALIBI_KERNEL, "bfloat16", 128, **alibi)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

@@ -112,7 +112,9 @@
 // compile time: a call whose features are a softcap and at most a window.  There the logit is
 // held as r of tanh = 1 - 2 r, the exponent is one FFMA of r, and the exponential gives 4 P
 // (exactly: 2 added to the exponent), which makes P (1 - tanh^2) = 4 P (r - r^2) one FFMA and
-// one FMUL per element; dV takes 4 P^T and is stored times 1/4.
+// one FMUL per element; dV takes 4 P^T and is stored times 1/4.  With -DCUFLASH_BWD_ALIBI
+// instead (kernel flash_bwd_tc_alibi) it has ALiBi on at compile time: a call whose features
+// are ALiBi and at most a window.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -141,6 +143,8 @@
 #include "fast_math.cuh"
 #if defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_softcap
+#elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_ALIBI)
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi
 #elif defined(CUFLASH_BWD_BAND)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_band
 #else
@@ -149,8 +153,8 @@
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
 #else
-#if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP)
-#error "CUFLASH_BWD_BAND and CUFLASH_BWD_SOFTCAP are builds of the logit features: define CUFLASH_MASKS with them"
+#if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI)
+#error "CUFLASH_BWD_BAND, _SOFTCAP and _ALIBI are builds of the logit features: define CUFLASH_MASKS with them"
 #endif
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc
 #define CUFLASH_BWD_TC_MASK_ARGS
@@ -169,6 +173,16 @@ constexpr bool kBandOnly = false;
 constexpr bool kCapBuild = true;
 #else
 constexpr bool kCapBuild = false;
+#endif
+#ifdef CUFLASH_MASKS
+#ifdef CUFLASH_BWD_ALIBI
+#if !defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP)
+#error "CUFLASH_BWD_ALIBI is a variant of the band build (not the softcap one): define CUFLASH_BWD_BAND with it"
+#endif
+constexpr bool kAlibiBuild = true;
+#else
+constexpr bool kAlibiBuild = false;
+#endif
 #endif
 
 // Module split (cuflash.kernels compiles the two concurrently): -DCUFLASH_BWD_TC_HELPERS
@@ -269,8 +283,9 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 // equivalent, but ptxas (NVRTC 13.0) allocates them differently at 255 registers -- the band
 // build's 128 x 128 tiles on sm_90 count 3412 per 1,000 HMMA unclamped against 3419 clamped,
 // its 64 x 128 at d = 128 2725 against 2700 (bench/results/tc_kernels_counts.md); the softcap
-// build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B)
-constexpr bool kClampRange = !(kBandOnly && (kBigSplit || kCapBuild));
+// build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B), the ALiBi
+// build on sm_90 (clamped, 8 B there; on sm_80 clamped counts 2947 against 2972)
+constexpr bool kClampRange = !(kBandOnly && (kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
 #endif
 
 // ------------------------------------------------------------------------------------------
@@ -296,7 +311,9 @@ constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
 // kernel's tanh form, 1 - tanh^2 kept as float16 pairs.  dV's factor in the band builds: 1/4
 // where P^T is 4 P^T.
 constexpr bool kCapR = kCapBuild && kFloatP;
+#ifdef CUFLASH_MASKS
 constexpr float kDvBand = kCapR ? 0.25f : 1.0f;
+#endif
 // Whether a tile pair needs the mask is one unsigned compare of the query tile's index against
 // the K/V tile's range of plain query tiles (computed once per K/V tile) rather than the
 // bounds and causal tests per tile, in the kFloatP builds of 4 warps or more (at d = 64, 2
@@ -692,7 +709,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // below is taken per tile, each feature's work a loop of its own over the
                 // tile's elements (fully unrolled, no per-element test of what the call has).
 #ifdef CUFLASH_BWD_BAND
-                const bool has_cap = kCapBuild, has_bias = false, has_alibi = false;
+                const bool has_cap = kCapBuild, has_bias = false, has_alibi = kAlibiBuild;
                 const int db_mode = 0;
 #else
                 const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;
@@ -721,8 +738,10 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // tanh^2) (dP^T - D) then needs nothing more); else kept in dsc as float16 pairs
                 // (a pack, an unpack and a multiply per element)
                 const bool cap_fold = kFloatP && has_cap && !has_bias && !has_alibi;
+#ifdef CUFLASH_BWD_SOFTCAP
                 // (kCapR: x = c log2(e) (1 - 2 r) - lse2 + 2 = r cap_m2 + (cap_l2 - lse2))
                 const float cap_m2 = -2.0f * c_exp, cap_l2 = c_exp + 2.0f;
+#endif
                 uint32_t dsc[kMT][kNQ][2];
                 // dropout keep bits: element (mt, n, e = 2 hh + eq) at bit bwd_drop_bit(q, n & 1,
                 // hh, eq) of fragment pair q = mt kNQ / 2 + n / 2 (bwd_masks.cuh): at most 64

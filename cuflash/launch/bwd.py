@@ -30,7 +30,7 @@ def plan_backward(runtime, d, dv, dtype, block_q=None, block_kv=None, kernel=Non
                   deterministic=False, lean=None):
     """The main backward kernel's plan on this runtime (flash_bwd_tc or flash_bwd_dkdv; with
     ``masked``, their _masked kernels -- on the tensor cores the lean build ``lean`` names
-    instead (features.lean_build: flash_bwd_tc_band, flash_bwd_tc_softcap) where it has one;
+    instead (features.lean_build: flash_bwd_tc_band, _softcap, _alibi) where it has one;
     flash_bwd_wgmma where the runtime runs the Hopper kernels and the call is not
     ``deterministic``)."""
     return tiling.plan_flash_bwd(d, dv, dtype, block_q, block_kv, limit=runtime.smem_limit,

@@ -47,6 +47,8 @@ def requests(plan):
         main["CUFLASH_BWD_BAND"] = None
     if plan.kernel == tiling.BWD_SOFTCAP_KERNEL:
         main["CUFLASH_BWD_SOFTCAP"] = None
+    if plan.kernel == tiling.BWD_ALIBI_KERNEL:
+        main["CUFLASH_BWD_ALIBI"] = None
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
             (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
@@ -55,7 +57,7 @@ def requests(plan):
 
 def band_fields(spec, ms):
     """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for the lean builds (flash_bwd_tc_band,
-    flash_bwd_tc_softcap): query i sees key j
+    _softcap, _alibi): query i sees key j
     iff lo <= j - i < hi (:func:`cuflash.tiling.band_offsets`, the offsets that the other
     feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
     lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)

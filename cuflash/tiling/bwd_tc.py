@@ -186,15 +186,17 @@ for _name, _masked in (("flash_bwd_tc", False), ("flash_bwd_tc_masked", True)):
 BWD_BAND_KERNEL = "flash_bwd_tc_band"
 BWD_BAND_MAX_HEAD_DIM = 128
 # flash_bwd_tc_softcap (with -DCUFLASH_BWD_SOFTCAP too: a call whose features are a softcap and
-# at most the band): the band build with the softcap on at compile time; the same head dims
-# and layouts, its own curated pairs.  The two are the backward's lean builds.
+# at most the band) and flash_bwd_tc_alibi (-DCUFLASH_BWD_ALIBI: ALiBi and at most the band):
+# the band build with that feature on at compile time; the same head dims and layouts, each
+# its own curated pairs.  The three are the backward's lean builds.
 BWD_SOFTCAP_KERNEL = "flash_bwd_tc_softcap"
-BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL)
+BWD_ALIBI_KERNEL = "flash_bwd_tc_alibi"
+BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL, BWD_ALIBI_KERNEL)
 
 
 def bwd_band_takes(d, dv):
-    """Whether the lean builds (flash_bwd_tc_band, flash_bwd_tc_softcap) have a build for
-    these head dims (else flash_bwd_tc_masked)."""
+    """Whether the lean builds (BWD_LEAN_KERNELS) have a build for these head dims (else
+    flash_bwd_tc_masked)."""
     return d == dv and d % 16 == 0 and 16 <= d <= BWD_BAND_MAX_HEAD_DIM
 
 
@@ -304,7 +306,8 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     logit features -- the same choice between flash_bwd_tc_masked and flash_bwd_dkdv_masked;
     with ``lean`` too (one of BWD_LEAN_KERNELS: flash_bwd_tc_band for a call whose only feature
     is a window, with or without causal; flash_bwd_tc_softcap for a softcap and at most a
-    window) that build in flash_bwd_tc_masked's place, where it has one (d == dv <= 128).
+    window; flash_bwd_tc_alibi for ALiBi and at most a window) that build in
+    flash_bwd_tc_masked's place, where it has one (d == dv <= 128).
     ``wgmma``: the device is an sm_90 that runs the Hopper backward (``flash_bwd_wgmma``) and the
     call is not deterministic: taken for the plain calls and tiles it supports
     (:func:`bwd_wgmma_takes`).

@@ -361,6 +361,23 @@ CURATED["flash_bwd_tc_softcap"] = _table(_TC, float16_bfloat16="""
     112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
     128 | 16x128 16x32 | 64x128 64x64 | 64x128
 """)
+# --------------------------------------------------------------------------
+# Its ALiBi build (-DCUFLASH_BWD_ALIBI: flash_bwd_tc_alibi, ALiBi and at most a window): the
+# band build's pairs less those where ptxas spills it (NVRTC 13.0, -ftz=true, both dtypes):
+# 64 x 64 at d = 128 on sm_80 (16 B)
+#   sm_86 | sm_80 | sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tc_alibi"] = _table(_TC, float16_bfloat16="""
+     16 | 32x128 64x128 32x64 | = | =
+     32 | 32x128 64x128 32x64 | = | =
+     48 | 32x128 64x128 32x64 | = | =
+     64 | 32x128 16x64 | 128x128 32x128 64x128 | =
+     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
+    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
+    128 | 16x64 16x128 16x32 | 64x128 | 64x128
+""")
+
 
 # --------------------------------------------------------------------------
 # The Hopper backward (flash_bwd_wgmma.cu, sm_90a): float16/bfloat16 at d = dv = 64, 128,
@@ -397,7 +414,8 @@ CURATED["flash_bwd_tf32"] = _table(_TC, float32="""
 # have none
 CURATED_KERNELS = {**{k: (k, False) for k in CURATED},
                    **{f"{k}_masked": (k, True) for k in CURATED
-                      if not k.endswith("_wgmma") and k not in ("flash_bwd_tc_band", "flash_bwd_tc_softcap")}}
+                      if not k.endswith("_wgmma")
+                      and k not in ("flash_bwd_tc_band", "flash_bwd_tc_softcap", "flash_bwd_tc_alibi")}}
 
 
 def table(kernel):

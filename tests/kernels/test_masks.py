@@ -375,24 +375,38 @@ def test_tensor_core_backward_band_only(kernel_backend, case, rng):
 # FlashAttention-2's 128 x 128 at d = 64 and 64 x 128 at d = 128, 32 x 64 at d = 32; its tanh
 # form (1 - tanh^2 as float16 pairs) at d = 96.  Small caps saturate tanh (1 - tanh^2 near 0);
 # windows with interior pairs beside crossing ones, no window at all, causal both ways, Nq and
-# Nk ragged, GQA, both dQ paths.  (dtype, q shape, k shape, causal, window, softcap, block_q,
+# Nk ragged, GQA, both dQ paths.  (dtype, q shape, k shape, causal, features, block_q,
 # block_kv, det)
 TC_SOFTCAP_CASES = [
-    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right", (200, None), 1.5, 128, 128, False),
-    ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False, None, 4.0, 64, 128, True),
-    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", (10, None), 2.0, 32, 64, False),
-    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, (30, 20), 3.0, 64, 64, True),
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right", dict(window=(200, None), softcap=1.5),
+     128, 128, False),
+    ("bfloat16", (1, 2, 190, 128), (1, 1, 250, 128), False, dict(softcap=4.0), 64, 128, True),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", dict(window=(10, None), softcap=2.0),
+     32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, dict(window=(30, 20), softcap=3.0), 64, 64, True),
+]
+# The ALiBi build (flash_bwd_tc_alibi: ALiBi and at most a window) in the same layouts: slopes
+# per head and per (batch, head), windows and causal as above.
+TC_ALIBI_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
+     dict(window=(200, None), alibi_slopes=(2,)), 128, 128, False),
+    ("bfloat16", (2, 2, 190, 128), (2, 1, 250, 128), False, dict(alibi_slopes=(2, 2)), 64, 128, True),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", dict(window=(10, None), alibi_slopes=(2,)),
+     32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, dict(window=(30, 20), alibi_slopes=(1, 2)),
+     64, 64, True),
 ]
 
 
-@pytest.mark.parametrize("case", TC_SOFTCAP_CASES, ids=lambda c: _fwd_id(
-    c[:4] + (dict(window=c[4], softcap=c[5]),)) + f"-{c[6]}x{c[7]}" + ("-det" if c[8] else "-atomic"))
-def test_tensor_core_backward_softcap(kernel_backend, case, rng):
-    """flash_bwd_tc_softcap (a softcap and at most a window) against the oracle, named by the
-    launches."""
+def _lean_id(c):
+    return _fwd_id(c[:5]) + f"-{c[5]}x{c[6]}" + ("-det" if c[7] else "-atomic")
+
+
+def _check_lean_backward(kernel_backend, rng, case, kernel):
+    """A lean build of the tensor-core backward against the oracle, named by the launches."""
     from cuflash.launch import common as launch_common
-    dtype, qs, ks, causal, window, cap, bq, bkv, det = case
-    feat = dict(window=window, softcap=cap)
+    dtype, qs, ks, causal, feat, bq, bkv, det = case
+    feat = _materialise(rng, feat, dtype)
     q, k, v = oracle.qkv(rng, qs, ks, dtype=dtype)
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal)
     do = oracle.randn(rng, o.shape, dtype)
@@ -400,10 +414,22 @@ def test_tensor_core_backward_softcap(kernel_backend, case, rng):
         grads = _backward(kernel_backend, do, q, k, v, o, lse, feat, causal=causal,
                           block_q=bq, block_kv=bkv, deterministic=det)
     if kernel_backend.name == "emulator":
-        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", "flash_bwd_tc_softcap",
+        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", kernel,
                                                "flash_bwd_tc_dq_convert"]
     assert all(np.abs(kernel_backend.to_numpy(g).astype(np.float32)).max() > 0 for g in grads)  # a band, not none
     oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
+
+
+@pytest.mark.parametrize("case", TC_SOFTCAP_CASES, ids=_lean_id)
+def test_tensor_core_backward_softcap(kernel_backend, case, rng):
+    """flash_bwd_tc_softcap (a softcap and at most a window) against the oracle."""
+    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_softcap")
+
+
+@pytest.mark.parametrize("case", TC_ALIBI_CASES, ids=_lean_id)
+def test_tensor_core_backward_alibi(kernel_backend, case, rng):
+    """flash_bwd_tc_alibi (ALiBi and at most a window) against the oracle."""
+    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_alibi")
 
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
@@ -819,6 +845,14 @@ def test_race_check_tc_backward_band(rng):
                             kernel="flash_bwd_tc_band")
 
 
+def test_race_check_tc_backward_alibi(rng):
+    """flash_bwd_tc_alibi under TSan in FlashAttention-2's d = 64 layout, a window with interior
+    tile pairs and both edges, Nq and Nk ragged, atomic and deterministic dQ."""
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "top_left",
+                            dict(window=(160, 40), alibi_slopes=np.full(2, 0.3, np.float32)),
+                            128, 128, (8, 2, 1, 2), kernel="flash_bwd_tc_alibi")
+
+
 def test_race_check_tc_backward_softcap(rng):
     """flash_bwd_tc_softcap under TSan in FlashAttention-2's d = 64 layout (its r form), a
     window with interior tile pairs and both edges, Nq and Nk ragged, atomic and deterministic
@@ -976,7 +1010,7 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
-    from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc
+    from cuflash.launch import bwd as launch_bwd
     B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, bias, alibi, "float16")
     (o, lse), seen = _counted(kernel_backend, lambda: _forward(
         kernel_backend, q, k, v, feat, causal=causal or False))
@@ -992,12 +1026,22 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
     bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True,
                                   lean=tiling.BWD_BAND_KERNEL if band else None)
     assert bp.kernel == (tiling.BWD_BAND_KERNEL if band else "flash_bwd_tc_masked")
-    passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
     db = None if bias is None else ("store" if tuple(bias) == (B, H, Nq, Nk) else "atomic")
+    _assert_tc_bwd_traffic(kernel_backend, rt, bp, (B, H, Hk, d, Nq, Nk), (do, q, k, v, o, lse),
+                           feat, causal, window, bias is not None, alibi, db)
+
+
+def _assert_tc_bwd_traffic(kernel_backend, rt, bp, dims, arrays, feat, causal, window, bias,
+                           alibi, db):
+    """The backward on plan ``bp`` moves what flash_bwd_tc_masked_traffic says, both dQ paths."""
+    from cuflash import tiling
+    from cuflash.launch import bwd_tc as launch_bwd_tc
+    B, H, Hk, d, Nq, Nk = dims
+    passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
     for det in (True, False):
         _, seen = _counted(kernel_backend, lambda: _backward(
-            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False,
-            deterministic=det, return_dbias=bias is not None))
+            kernel_backend, *arrays, feat, causal=causal or False, deterministic=det,
+            return_dbias=db is not None))
         assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", bp.kernel,
                                                "flash_bwd_tc_dq_convert"]
         got = (sum(e["global_bytes_read"] for e in seen),
@@ -1005,37 +1049,30 @@ def test_tc_masked_traffic_is_counted(kernel_backend, rng, causal, window, bias,
         splits = launch_bwd_tc.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
         assert got == tiling.flash_bwd_tc_masked_traffic(
             B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
-            bias is not None, alibi, db, splits)
+            bias, alibi, db, splits)
 
 
-@pytest.mark.parametrize("causal,window", [("bottom_right", (10, None)), (None, None)])
-def test_tc_softcap_traffic_is_counted(kernel_backend, rng, causal, window):
-    """float16 with a softcap and at most a window: flash_bwd_tc_softcap reads and writes what
-    flash_bwd_tc_masked's model says for the same band (the softcap costs no bytes), on both
-    dQ paths."""
+@pytest.mark.parametrize("causal,window,alibi", [("bottom_right", (10, None), False), (None, None, False),
+                                                ("top_left", (3, 20), True)])
+def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, alibi):
+    """float16 with a softcap or ALiBi and at most a window: flash_bwd_tc_softcap and
+    flash_bwd_tc_alibi read and write what flash_bwd_tc_masked's model says for the same band
+    and features (a softcap costs no bytes), on both dQ paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
-    from cuflash.launch import bwd as launch_bwd, bwd_tc as launch_bwd_tc
-    B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, False, "float16")
-    feat["softcap"] = 2.5
+    from cuflash.launch import bwd as launch_bwd
+    B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, alibi, "float16")
+    if not alibi:
+        feat["softcap"] = 2.5
+    lean = tiling.BWD_ALIBI_KERNEL if alibi else tiling.BWD_SOFTCAP_KERNEL
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
     do = oracle.randn(rng, o.shape, "float16")
     rt = emulator_backend.runtime()
-    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True, lean=tiling.BWD_SOFTCAP_KERNEL)
-    assert bp.kernel == tiling.BWD_SOFTCAP_KERNEL
-    passes = tiling.kernel_tiling(bp.kernel).defines(bp.block_q, bp.block_kv, d, d)["CUFLASH_BWD_PASSES"]
-    for det in (True, False):
-        _, seen = _counted(kernel_backend, lambda: _backward(
-            kernel_backend, do, q, k, v, o, lse, feat, causal=causal or False, deterministic=det))
-        assert [e["kernel"] for e in seen] == ["flash_bwd_tc_preprocess", bp.kernel,
-                                               "flash_bwd_tc_dq_convert"]
-        got = (sum(e["global_bytes_read"] for e in seen),
-               sum(e["global_bytes_written"] for e in seen))
-        splits = launch_bwd_tc.dq_splits(rt, bp, -(-Nk // bp.block_kv), B * Hk, det)
-        assert got == tiling.flash_bwd_tc_masked_traffic(
-            B, H, Hk, Nq, Nk, d, d, bp.block_q, bp.block_kv, bp.threads, passes, causal, window,
-            False, False, None, splits)
+    bp = launch_bwd.plan_backward(rt, d, d, "float16", masked=True, lean=lean)
+    assert bp.kernel == lean
+    _assert_tc_bwd_traffic(kernel_backend, rt, bp, (B, H, Hk, d, Nq, Nk), (do, q, k, v, o, lse),
+                           feat, causal, window, False, alibi, None)
 
 
 def test_window_cost_grows_with_the_window_not_nk():

@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cuflash
@@ -60,8 +61,8 @@ def test_compile_command(tmp_path):
 @pytest.mark.parametrize("dtype,d", [("float16", 64), ("float32", 32)])
 def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
     """features=True builds the kernels of calls with logit features, both dQ paths (float16:
-    the tensor-core backward's lean builds too, which a call with a window alone and one with a
-    softcap and a window run)."""
+    the tensor-core backward's lean builds too, which a call with a window alone, one with a
+    softcap and a window and one with ALiBi and a window run)."""
     require_backend("emulator")
     saved = dict(kernels._CACHE)   # modules other tests loaded must not hide a missing one
     kernels._CACHE.clear()
@@ -74,7 +75,8 @@ def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
 def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
-    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap"}
+    masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap",
+               "flash_bwd_tc_alibi"}
               if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
@@ -98,6 +100,10 @@ def _precompile_features_then_call(rng, dtype, d):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **capped)
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **capped)
     oracle.check_backward(grads, do, q, k, v, **capped)
+    sloped = dict(window=(20, 3), alibi_slopes=np.full(2, 0.2, np.float32))   # (flash_bwd_tc_alibi)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **sloped)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **sloped)
+    oracle.check_backward(grads, do, q, k, v, **sloped)
     assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 
