@@ -1004,7 +1004,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 auto kept = [&](int mt, int n, int hf, bool) -> uint32_t { return pp[mt][n][hf]; };
 #endif
                 // -- dV_w += P^T dO_i (this warp's and pass's columns), A from registers (the
-                // plain build's text as one block: the lambda there moved ptxas's allocation into
+                // plain build's text as one block: a lambda there moves ptxas's allocation into
                 // 4-8 B spills at two of its curated plans)
 #ifdef CUFLASH_MASKS
                 auto pt_step = [&](bool dropped) {  // dV += P^T dO, or P^T to Ps (query split)
@@ -1037,8 +1037,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                     }
 #ifdef CUFLASH_MASKS
                 };
-                // (the rolled builds AND on every call, as before: two copies there moved ptxas
-                // into 8 B spills at d = 112 on sm_80)
+                // (the rolled builds AND on every call: two copies there move ptxas into 8 B
+                // spills at d = 112 on sm_80)
                 if (!kUnrolled || drop.on) pt_step(true);
                 else pt_step(false);
 #else

@@ -331,7 +331,7 @@ CURATED["flash_bwd_tc"] = _table(_TC, float16_bfloat16="""
 # and 64 x 64 on sm_90 (12 B).  Other calls with a window take flash_bwd_tc_masked.
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
-CURATED["flash_bwd_tc_band"] = _table(_TC, float16_bfloat16="""
+_BAND_TEXT = """
      16 | 32x128 64x128 32x64 | = | =
      32 | 32x128 64x128 32x64 | = | =
      48 | 32x128 64x128 32x64 | = | =
@@ -340,43 +340,41 @@ CURATED["flash_bwd_tc_band"] = _table(_TC, float16_bfloat16="""
      96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
     112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
     128 | 16x64 16x128 16x32 | 64x128 64x64 | 64x128
-""")
+"""
+CURATED["flash_bwd_tc_band"] = _table(_TC, float16_bfloat16=_BAND_TEXT)
+
+
+def _with_rows(text, rows):
+    """A table's text with the rows of some head-dim classes replaced ({class: "row cells"})."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        c = line.split("|")[0].strip()
+        out.append(f"{c:>7} | {rows[int(c)]}\n" if c.isdigit() and int(c) in rows else line)
+    return "".join(out)
+
 
 # --------------------------------------------------------------------------
 # Its softcap build (-DCUFLASH_BWD_SOFTCAP too: flash_bwd_tc_softcap, a softcap and at most a
-# window): the band build's pairs less those where ptxas spills it (NVRTC 13.0, -ftz=true,
-# both dtypes): 32 x 128 at d = 64 on sm_90 (12 B), 16 x 64 at d = 128 in the sm_86 cell (12 B;
-# it runs 16 x 128 instead).  Where P^T stays in float32 for dS (kFloatP: the copies unrolled,
+# window): the band build's pairs (its rows but two) less those where ptxas spills it (NVRTC
+# 13.0, -ftz=true, both dtypes): 32 x 128 at d = 64 on sm_90 (12 B), 16 x 64 at d = 128 in the
+# sm_86 cell (12 B; it runs 16 x 128 instead).  Where P^T stays in float32 for dS (kFloatP: the copies unrolled,
 # so power-of-two head dims, and d >= 64 on sm_90) it runs the softcap's r form, elsewhere the
 # masked kernel's tanh form (kernels_cu/flash_bwd_tc.cu).
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
-CURATED["flash_bwd_tc_softcap"] = _table(_TC, float16_bfloat16="""
-     16 | 32x128 64x128 32x64 | = | =
-     32 | 32x128 64x128 32x64 | = | =
-     48 | 32x128 64x128 32x64 | = | =
-     64 | 32x128 16x64 | 128x128 32x128 64x128 | 128x128 64x128
-     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
-    128 | 16x128 16x32 | 64x128 64x64 | 64x128
-""")
+CURATED["flash_bwd_tc_softcap"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
+    64: "32x128 16x64 | 128x128 32x128 64x128 | 128x128 64x128",
+    128: "16x128 16x32 | 64x128 64x64 | 64x128"}))
+
 # --------------------------------------------------------------------------
 # Its ALiBi build (-DCUFLASH_BWD_ALIBI: flash_bwd_tc_alibi, ALiBi and at most a window): the
-# band build's pairs less those where ptxas spills it (NVRTC 13.0, -ftz=true, both dtypes):
+# band build's pairs (its rows but one) less those where ptxas spills it (NVRTC 13.0, -ftz=true, both dtypes):
 # 64 x 64 at d = 128 on sm_80 (16 B)
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
-CURATED["flash_bwd_tc_alibi"] = _table(_TC, float16_bfloat16="""
-     16 | 32x128 64x128 32x64 | = | =
-     32 | 32x128 64x128 32x64 | = | =
-     48 | 32x128 64x128 32x64 | = | =
-     64 | 32x128 16x64 | 128x128 32x128 64x128 | =
-     80 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-     96 | 64x64 32x128 32x64 | 64x128 64x64 32x128 | =
-    112 | 32x64 16x64 16x32 | 64x128 64x64 32x128 | 64x64 32x128
-    128 | 16x64 16x128 16x32 | 64x128 | 64x128
-""")
+CURATED["flash_bwd_tc_alibi"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
+    128: "16x64 16x128 16x32 | 64x128 | 64x128"}))
+
 
 
 # --------------------------------------------------------------------------
