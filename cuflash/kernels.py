@@ -36,7 +36,7 @@ from . import emulator, tiling
 __all__ = [
     "kernel_dir", "source_path", "dtype_define", "build_options", "Runtime", "get_runtime",
     "get_function", "get_functions", "compile_variants", "plan_defines", "fwd_helper_defines",
-    "KERNEL_SOURCES", "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV",
+    "KERNEL_SOURCES", "BUILD_DEFINES", "CallCache", "SpillError", "check_compiled", "KERNEL_ARCH", "WGMMA_ENV",
     "WGMMA_DEFAULT_DIMS", "wgmma_choice",
 ]
 
@@ -131,6 +131,15 @@ KERNEL_SOURCES = {
     "flash_bwd_tf32": "flash_bwd_tf32.cu",  # float32 on tensor cores (3xTF32), atomic-dQ path
     "flash_fwd_wgmma": "flash_fwd_wgmma.cu",  # Hopper (sm_90a): TMA, wgmma, warp specialisation
     "flash_bwd_wgmma": "flash_bwd_wgmma.cu",  # with flash_bwd_tc.cu's preprocess and dQ conversion
+}
+
+# The defines that select a kernel's build within its file, besides its plan's and the logit
+# features' (-DCUFLASH_MASKS): the tensor-core backward's lean builds, flash_bwd_tc.cu with one
+# feature set compiled in
+BUILD_DEFINES = {
+    "flash_bwd_tc_band": {"CUFLASH_BWD_BAND": None},
+    "flash_bwd_tc_softcap": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_SOFTCAP": None},
+    "flash_bwd_tc_alibi": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_ALIBI": None},
 }
 
 # Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
@@ -589,7 +598,9 @@ def compile_variants():
     # ... and its band-only build (flash_bwd_tc_band: a window alone), the plain kernel's
     # defaults: d = 64 (FlashAttention-2's 128 x 128, the A100's one dO buffer) and d = 128 on
     # an H100 (64 x 128, two dO buffers: the A100's one-buffer build is for sm_80 alone)
-    band = dict(CUFLASH_MASKS=None, CUFLASH_BWD_BAND=None, CUFLASH_BWD_TC_MAIN=None)
+    lean = {k: dict(CUFLASH_MASKS=None, CUFLASH_BWD_TC_MAIN=None, **BUILD_DEFINES[k])
+            for k in tiling.BWD_LEAN_KERNELS}
+    band = lean[tiling.BWD_BAND_KERNEL]
     add(tiling.BWD_BAND_KERNEL, "float16", 64, **band)
     add(tiling.BWD_BAND_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **band)
     # ... and its softcap build (flash_bwd_tc_softcap: a softcap and at most a window), the
@@ -597,10 +608,9 @@ def compile_variants():
     # buffers and d = 128 on the A100's one (each variant is compiled for both architectures:
     # the band build's pair spills 4 / 20 B in the ALiBi build on the architecture that never
     # launches it)
-    softcap = dict(band, CUFLASH_BWD_SOFTCAP=None)
+    softcap, alibi = lean[tiling.BWD_SOFTCAP_KERNEL], lean[tiling.BWD_ALIBI_KERNEL]
     add(tiling.BWD_SOFTCAP_KERNEL, "float16", 64, **softcap)
     add(tiling.BWD_SOFTCAP_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **softcap)
-    alibi = dict(band, CUFLASH_BWD_ALIBI=None)
     add(tiling.BWD_ALIBI_KERNEL, "float16", 64, limit=tiling.EMULATOR_ARCHES["sm_90"], **alibi)
     add(tiling.BWD_ALIBI_KERNEL, "bfloat16", 128, **alibi)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128

@@ -43,12 +43,7 @@ def requests(plan):
         main["CUFLASH_BWD_TC_MAIN"] = None
     if plan.kernel in ("flash_bwd_tc_masked", *tiling.BWD_LEAN_KERNELS):
         main.update(DEFINES)
-    if plan.kernel in tiling.BWD_LEAN_KERNELS:
-        main["CUFLASH_BWD_BAND"] = None
-    if plan.kernel == tiling.BWD_SOFTCAP_KERNEL:
-        main["CUFLASH_BWD_SOFTCAP"] = None
-    if plan.kernel == tiling.BWD_ALIBI_KERNEL:
-        main["CUFLASH_BWD_ALIBI"] = None
+    main.update(kernels.BUILD_DEFINES.get(plan.kernel, {}))
     helpers = {kernels.dtype_define(plan.dtype): None, "CUFLASH_BWD_TC_HELPERS": None}
     return [(_FILE, "flash_bwd_tc_preprocess", helpers, 0),
             (kernels.KERNEL_SOURCES[plan.kernel], plan.kernel, main, plan.shared_bytes),
