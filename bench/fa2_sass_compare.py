@@ -40,7 +40,11 @@ alone) beside FA2's plain backward and beside FA2's backward with a local window
 ``flash_bwd_tc_alibi`` (ALiBi and at most a window) beside FA2's plain backward (the wheel
 holds no ALiBi backward: the row shows what ALiBi adds, not a like-for-like ratio).  ``--bwd-tiles`` applies to
 them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / backward at other tiles
-(the planner's threads for them).
+(the planner's threads for them).  ``--torch`` adds rows beside PyTorch's bundled FA2
+(``bench/fa2_torch.py``: the torch wheel, about 550 MB, unpacked, not installed), the one
+public build of FA2's backward with dropout: its plain backward beside cuflash's plain
+kernel, and its backward with dropout beside ``flash_bwd_tc_masked`` for a call with dropout
+alone (the count build's rolled Philox loop weighted by its steps, :func:`draw_loops`).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -63,6 +67,7 @@ Usage::
 
     python bench/fa2_sass_compare.py                       # print the table, write the result
     python bench/fa2_sass_compare.py --no-write --arch 80
+    python bench/fa2_sass_compare.py --torch               # and PyTorch's FA2 (dropout)
     python bench/fa2_sass_compare.py --wheel-dir /path/with/the/wheel --cache /tmp/fa2
 """
 import argparse
@@ -122,11 +127,22 @@ FA2_KERNELS = {
     ("bwd-local", 64): (_BWD_LOCAL.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd-local", 128): (_BWD_LOCAL.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
 }
+# PyTorch's bundled copy (bench/fa2_torch.py, --torch): its plain backward and its backward
+# with dropout (Is_dropout), the one public build of it, at the same traits
+_BWD_DROPOUT = _BWD.replace("<{}, false, false, cutlass::half_t>, false,",
+                            "<{}, false, false, cutlass::half_t>, true,")
+TORCH_KERNELS = {
+    ("bwd", 64): FA2_KERNELS[("bwd", 64)],
+    ("bwd", 128): FA2_KERNELS[("bwd", 128)],
+    ("bwd-masked-dropout", 64): (_BWD_DROPOUT.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd-masked-dropout", 128): (_BWD_DROPOUT.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+}
 # cuflash's backward with the logit features (flash_bwd_tc_masked) for one call's interior
 # tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
 # a call with features that cost nothing per interior logit (a window, a causal band) beside
 # FA2's plain backward, "masked-softcap" beside FA2's softcap backward
-BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True}}
+BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True},
+                     "bwd-masked-dropout": {"drop": True}}
 # cuflash's lean backward builds as launched, their band test included, at their default
 # tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
 # backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
@@ -459,7 +475,8 @@ def fa2_count(instrs):
 # ----------------------------------------------------------------- cuflash's side
 def cuflash_count(kind, d, arch, tiles=None):
     """(ops Counter, block_q, block_kv, warps, note) of cuflash's main loop, one trip per warp.
-    ``kind``: "fwd", "fwd-rescale" (the forward's rescale taken on every tile) or "bwd";
+    ``kind``: "fwd", "fwd-rescale" (the forward's rescale taken on every tile), "bwd", a key of
+    BWD_FEATURE_KINDS or of BWD_BAND_KINDS;
     ``tiles``: (block_q, block_kv) instead of the default plan."""
     import kernel_report as kr
     import plan_sweep as ps
@@ -492,12 +509,26 @@ def cuflash_count(kind, d, arch, tiles=None):
         if trips is None:
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
                                "S^T / dP^T / dQ loops; no per-trip count")
+        draws = draw_loops(base(instrs), span)
+        if draws and not (len(draws) == 1 and (features or {}).get("drop")):
+            raise RuntimeError(f"{kernel} d={d} sm_{arch}: rolled loops without HMMA {draws} "
+                               "where only the dropout's Philox loop is expected")
+        if draws:  # one Philox block per lane per eight logits
+            trips[draws[0]] = plan.block_q * plan.block_kv // plan.threads // 8
         note = "inner loops x " + ", ".join(str(t) for _, t in sorted(trips.items()))
     ops, added, dropped, never = steady_ops(instrs, span, trips)
     info = _nvrtc.parse_ptxas_info(res.log)[kernel]
     if info["spill_stores"] or info["spill_loads"]:
         note = (note + "; " if note else "") + f"spills {info['spill_stores']} B"
     return ops, plan.block_q, plan.block_kv, plan.threads // 32, _note(added, dropped, never, note)
+
+
+def draw_loops(code, span):
+    """The rolled loops inside the loop ``span`` that hold no HMMA (the backward's dropout draws:
+    its Philox blocks, one per step), which :func:`kernel_report.tc_loop_trips` does not weigh:
+    [(start, end)] addresses."""
+    return sorted((a, b) for a, b in _sass._loops(code) if span[0] < a and b < span[1]
+                  and not any(op == "HMMA" for x, op, _ in code if a <= x <= b))
 
 
 # ----------------------------------------------------------------- table
@@ -561,6 +592,9 @@ def main(argv=None):
     ap.add_argument("--fwd-tiles", metavar="BQxBKV",
                     help="count cuflash's forward at these tiles instead of the default plan's (written to "
                          "fa2_sass_compare_fwd_<tiles>.md)")
+    ap.add_argument("--torch", action="store_true",
+                    help="add rows beside PyTorch's bundled FA2 (bench/fa2_torch.py: downloads the "
+                         "torch wheel, about 550 MB): its plain backward and its backward with dropout")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
     def _tiles(text):
@@ -578,15 +612,30 @@ def main(argv=None):
     wheel = fetch_wheel(args.wheel_dir)
     lib = FA2Library(wheel, args.cache or args.wheel_dir)
     ptxas = find_ptxas()
+    torch = None
+    if args.torch:
+        import fa2_torch
+        torch_wheel = fa2_torch.fetch(args.wheel_dir)
+        torch = fa2_torch.TorchFA2(torch_wheel, args.cache or args.wheel_dir)
     rows = collections.OrderedDict()
-    for kind in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS):
+    # (no upstream FA2 kernel has dropout: the dropout row is PyTorch's alone)
+    kinds = [(k, None) for k in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS)
+             if k != "bwd-masked-dropout"]
+    if torch is not None:
+        kinds += [(k, "torch") for k in dict.fromkeys(k for k, _ in TORCH_KERNELS)]
+    for kind, side in kinds:
         for d in args.d:
-            want, bq, bkv, warps = FA2_KERNELS.get((kind, d)) or FA2_KERNELS[(kind.split("-")[0], d)]
+            if side == "torch":
+                want, bq, bkv, warps = TORCH_KERNELS[(kind, d)]
+            else:
+                want, bq, bkv, warps = FA2_KERNELS.get((kind, d)) or FA2_KERNELS[(kind.split("-")[0], d)]
             for arch in args.arch:
-                key = f"{kind} d={d} sm_{arch}"
+                key = f"{side + ' ' if side else ''}{kind} d={d} sm_{arch}"
                 print(f"{key} ...", file=sys.stderr, flush=True)
                 r = rows[key] = {}
-                if arch == 80:
+                if side == "torch":
+                    code = torch.sass(want, arch)
+                elif arch == 80:
                     code = lib.sass_sm80(want)
                 elif ptxas is None:
                     code = None
@@ -608,7 +657,7 @@ def main(argv=None):
     table = markdown(rows)
     elapsed = time.time() - t0
     tiles = ", ".join(f"{k}: {v}" for k, v in (("forward", args.fwd_tiles), ("backward", args.bwd_tiles)) if v)
-    head = header(wheel, ptxas, elapsed, argv, tiles)
+    head = header(wheel, ptxas, elapsed, argv, tiles, torch_wheel if torch is not None else None)
     print(table)
     print(f"\n({elapsed:.0f} s)", file=sys.stderr)
     if not args.no_write:
@@ -619,7 +668,7 @@ def main(argv=None):
     return 0
 
 
-def header(wheel, ptxas, elapsed, argv, tiles=None):
+def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True).stdout.strip() or "?"
@@ -662,6 +711,17 @@ def header(wheel, ptxas, elapsed, argv, tiles=None):
         "longer arm of each if/else (cuflash's backward: the masked scores) is left out, `@!PT` "
         "padding is not counted (the notes say how much). "
         "In brackets: instructions per logit (block_q x block_kv / warps per warp-trip).\n"
+        + ("" if torch_wheel is None else
+           f"\nThe `torch` rows: FA2 is PyTorch's bundled copy from `{torch_wheel.name}` (pip "
+           "download; `torch/lib/libtorch_cuda.so` unpacked, not installed; its own sm_80 and "
+           "sm_90 cubins, `bench/fa2_torch.py`), the one public build of FA2's backward with "
+           "dropout (`Is_dropout`, same traits as above). Its plain backward (`torch bwd`) sits "
+           "beside cuflash's plain kernel to show the build's own level; `torch bwd-masked-dropout` "
+           "is flash_bwd_tc_masked for a call with dropout alone (the count build of "
+           "`feature_counts.bwd_feature_edits(drop=True)`, its rolled Philox loop weighted by its "
+           "steps: one Philox block per lane per eight logits) beside FA2's backward with dropout. "
+           "cuflash draws 16 bits per element (eight elements per Philox block), FA2 8 bits "
+           "(sixteen per block).\n")
     )
 
 

@@ -76,6 +76,21 @@ def test_inner_loop_weighted_by_its_trips(fc):
     assert ops == collections.Counter({"HMMA.16816.F32": 2, "BRA": 2})
 
 
+def test_draw_loops_are_the_rolled_loops_without_hmma(fc):
+    """The backward's rolled Philox loop (no HMMA) inside the main loop is found for weighting;
+    the HMMA loop beside it and a loop outside the main loop are not."""
+    text = _sass([(0x00, "IADD3 R1, R1, 0x1, RZ"), (0x10, "@P0 BRA 0x0"),        # before the loop
+                  (0x20, "IADD3 R5, R5, 0x1, RZ"),
+                  (0x30, "IMAD.WIDE.U32 R2, R3, 0x7, RZ"), (0x40, "@P1 BRA 0x30"),  # Philox steps
+                  (0x50, "HMMA.16816.F32 R4, R8, R10, R4"), (0x60, "@P2 BRA 0x50"),  # S^T k loop
+                  (0x70, "HMMA.16816.F32 R4, R8, R12, R4"), (0x80, "@P3 BRA 0x20"),
+                  (0x90, "EXIT")])
+    code = fc.base(fc.parse_sass(text)["k"])
+    span = fc._sass.main_loop(code)
+    assert span == (0x20, 0x80)
+    assert fc.draw_loops(code, span) == [(0x30, 0x40)]
+
+
 def test_classes(fc):
     ops = collections.Counter(["IMAD.MOV.U32", "IMAD.WIDE.U32", "CS2R", "UIADD3", "S2UR", "BSSY",
                                "LDSM.16.MT88.4", "RED.E.ADD.F32.FTZ.RN.STRONG.GPU", "F2FP.PACK_AB",
@@ -124,3 +139,18 @@ def test_main_loop_skips_the_wait_retry_after_exit(fc):
     b = fc.base(fc.parse_sass(_sass(RETRY))["k"])
     assert sorted(fc._sass._loops(b)) == [(0x10, 0x50), (0x10, 0x90)]
     assert fc._sass.main_loop(b) == (0x10, 0x50)
+
+
+def test_torch_names():
+    """PyTorch's bundled FA2 kernels (namespace pytorch_flash) read as upstream's names: the
+    backward with dropout (first flag) is the --torch dropout row's, without it the plain one."""
+    ft = load_bench("fa2_torch")
+    fc = ft.fc
+    name = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<"
+            "64, 128, 128, 8, 4, 4, 4, false, false, cutlass::half_t, Flash_kernel_traits<64, 128, "
+            "128, 8, cutlass::half_t> >, {}, false, false, false, true, true, false>"
+            "(pytorch_flash::Flash_bwd_params)")
+    dropout = fc.TORCH_KERNELS[("bwd-masked-dropout", 64)][0]
+    assert ft.torch_name(name.format("true")) == dropout
+    assert ft.torch_name(name.format("false")) == fc.TORCH_KERNELS[("bwd", 64)][0] != dropout
+    assert fc.TORCH_KERNELS[("bwd", 64)][0] == fc.FA2_KERNELS[("bwd", 64)][0]
