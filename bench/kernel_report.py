@@ -27,26 +27,36 @@ to match) and the report reads:
   (its Nsight Compute profile of 2026-11-23), beside FA2's kernel modelled the same way.
 
 FlashAttention-2's compiled loops beside cuflash's, per 1,000 HMMA: ``bench/fa2_sass_compare.py``
-(latest output: ``bench/results/fa2_sass_compare.md``).
+(latest output: ``bench/results/fa2_sass_compare.md``, whose summary table ``--write`` copies
+into the report's last section, :func:`fa2_section`).
 
 No GPU is needed.  Usage::
 
-    python bench/kernel_report.py                    # sm_80 and sm_90, every kernel
+    python bench/kernel_report.py --jobs 2 --write   # every kernel, sm_80 and sm_90: the .md
+    python bench/kernel_report.py                    # the same, printed only
     python bench/kernel_report.py --arch 80 --fail-on-spill
     python bench/kernel_report.py --tests            # the test kernels too
 """
 import argparse
 import concurrent.futures as cf
+import contextlib
+import datetime
+import io
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cuflash import _nvrtc, _sass  # noqa: E402
+
+RESULT = ROOT / "bench" / "results" / "kernel_report.md"
+FA2_RESULT = ROOT / "bench" / "results" / "fa2_sass_compare.md"
 
 # Per-SM limits (CUDA occupancy calculator / programming guide, "Compute capabilities").
 ARCH_LIMITS = {
@@ -202,7 +212,13 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the rows to this JSON file")
     ap.add_argument("--no-sass", action="store_true",
                     help="skip the instruction mix (cuobjdump -sass of every cubin)")
+    ap.add_argument("--write", action="store_true",
+                    help=f"write {RESULT.relative_to(ROOT)} (a whole report: every kernel, sm_80 and "
+                         "sm_90, the instruction mix; not with --only, --tests, --arch or --no-sass)")
     args = ap.parse_args(argv)
+    if args.write and (args.only or args.tests or sorted(args.arch) != [80, 90] or args.no_sass):
+        ap.error("--write writes the whole report: drop --only, --tests, --arch and --no-sass")
+    t0 = time.time()
     ok, why = _nvrtc.is_available()
     if not ok:
         print(f"NVRTC not available: {why}", file=sys.stderr)
@@ -248,31 +264,98 @@ def main(argv=None):
         if ex:
             ex.shutdown()
     print(file=sys.stderr)
-    _print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if any("sass_total" in r for r in rows):
-        print()
-        _print_mix(rows)
-    model = [line for line in (bwd_model_line(r) for r in rows) if line]
-    if model:
-        print()
-        print(BWD_MODEL_HEAD)
-        for line in fa2_model_lines() + model:
-            print(line)
+    spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _print_table(rows)
+        if any("sass_total" in r for r in rows):
+            print()
+            _print_mix(rows)
+        model = [line for line in (bwd_model_line(r) for r in rows) if line]
+        if model:
+            print()
+            print(BWD_MODEL_HEAD)
+            for line in fa2_model_lines() + model:
+                print(line)
+        if spills:
+            print(f"\n{len(spills)} kernel specialisation(s) spill registers to local memory:")
+            for r in spills:
+                print(f"  {r['kernel']} sm_{r['arch']} [{r['variant']}]: {r['spill_stores']} B stores, "
+                      f"{r['spill_loads']} B loads")
+    sys.stdout.write(out.getvalue())
     for (path, options, arch, _), err in failures:
         print(f"\nFAILED to compile {Path(path).name} sm_{arch} {' '.join(options)}:\n{err}", file=sys.stderr)
-    spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    if spills:
-        print(f"\n{len(spills)} kernel specialisation(s) spill registers to local memory:")
-        for r in spills:
-            print(f"  {r['kernel']} sm_{r['arch']} [{r['variant']}]: {r['spill_stores']} B stores, "
-                  f"{r['spill_loads']} B loads")
     if failures:
         return 1
+    if args.write:
+        head = header(argv if argv is not None else sys.argv[1:], time.time() - t0, len(spills))
+        RESULT.write_text(head + "\n" + out.getvalue() + fa2_section(FA2_RESULT))
+        print(f"written: {RESULT.relative_to(ROOT)}", file=sys.stderr)
     if args.fail_on_spill and spills:
         return 1
     return 0
+
+
+# --------------------------------------------------------------------------
+# the written report
+# --------------------------------------------------------------------------
+ABOUT = (
+    "Every specialisation of `cuflash.kernels.compile_variants()`, compiled for sm_80 and sm_90; "
+    "tiles are the defaults planned for an sm_80 (163 KB) from the curated tables "
+    "(cuflash/tiling/curated.py) unless the specialisation names explicit ones. Occupancy is "
+    "theoretical (registers, shared memory, warps per SM). The serving and masked kernels are "
+    "sized from the plan they launch with (flash_fwd / flash_fwd_masked / flash_bwd_*_masked; the "
+    "tensor-core kernels with the logit features, flash_fwd_tc_masked / flash_fwd_tf32_masked / "
+    "flash_bwd_tc_masked / flash_bwd_tf32_masked / flash_bwd_tc_band / flash_bwd_tc_softcap / "
+    "flash_bwd_tc_alibi, from their own plans). The instruction mix counts the main loop's "
+    "instructions once each (static); the steady trip of a loop -- inner loops times their trips, "
+    "the edge paths left out -- is in the last section and in `bench/results/tc_kernels_counts.md` "
+    "(with the predictions each change was checked against). Every curated plan, not only these "
+    "defaults, is compiled by `bench/plan_sweep.py` (record: `bench/results/plan_sweep.json`). "
+    "flash_fwd_wgmma and flash_bwd_wgmma are compiled for sm_90a only (their wgmma and setmaxnreg "
+    "exist there alone), sized by the planner's sm_90 plans; their \"HMMA\" are HGMMA (one per "
+    "warp per wgmma), and their steady-trip counts are in `bench/results/hopper_sass_count.md`.")
+
+
+def header(argv, elapsed, n_spills):
+    """The written report's title and its first paragraph: how it was made, what it holds."""
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip() or "?"
+    except OSError:
+        rev = "?"
+    nvrtc = ".".join(map(str, _nvrtc.version()))
+    cmd = "python bench/kernel_report.py" + "".join(" " + a for a in argv)
+    spills = "No row spills." if not n_spills else f"{n_spills} rows spill (listed after the model)."
+    return (f"# Kernel report (generated)\n\nCommand: `{cmd}` (NVRTC {nvrtc}, its own ptxas; "
+            f"cuobjdump for the instruction mix; no GPU needed; {elapsed:.0f} s), "
+            f"{datetime.date.today().isoformat()}, at {rev}. {ABOUT} {spills}\n")
+
+
+def fa2_section(path):
+    """The last section of the written report: the summary table of the latest
+    ``fa2_sass_compare.md`` (cuflash's main loops beside FlashAttention-2's, per 1,000 HMMA),
+    with the command and commit it was made at; or a line saying it is missing."""
+    title = "\n## Main loops beside FlashAttention-2, per 1,000 HMMA\n\n"
+    if not Path(path).exists():
+        return title + "No `bench/results/fa2_sass_compare.md`: run `python bench/fa2_sass_compare.py`.\n"
+    lines = Path(path).read_text().splitlines()
+    command = next((l for l in lines if l.startswith("Command: ")), "Command: ?")
+    start = next((i for i, l in enumerate(lines) if l.startswith("| kernel |")), None)
+    if start is None:
+        raise ValueError(f"{path}: no summary table")
+    table = []
+    for l in lines[start:]:
+        if not l.startswith("|"):
+            break
+        table.append(l)
+    return (title + f"From `bench/results/fa2_sass_compare.md` ({command[len('Command: '):]}), "
+            "where the method, the tiles and the counts per instruction class are: one steady trip "
+            "per warp of each main loop, FlashAttention-2's compiled kernels (the `flash-attn-jax` "
+            "wheel; the `torch` rows PyTorch's bundled copy) beside cuflash's. In brackets: "
+            "instructions per logit.\n\n" + "\n".join(table) + "\n")
 
 
 # --------------------------------------------------------------------------

@@ -150,6 +150,29 @@ def test_kernel_report_runs(capsys):
     assert "block_sum" in out and "sm_80" in out and "100%" in out
 
 
+def test_kernel_report_write_is_whole_and_carries_the_fa2_table(tmp_path, capsys):
+    """--write takes a whole report only; its last section is the summary table of the latest
+    fa2_sass_compare.md with that file's command, and says so when the file is missing."""
+    kr = _kernel_report()
+    with pytest.raises(SystemExit):
+        kr.main(["--write", "--only", "reduce.cu"])
+    assert "--write writes the whole report" in capsys.readouterr().err
+    fa2 = tmp_path / "fa2.md"
+    fa2.write_text("# title\n\nCommand: `python bench/fa2_sass_compare.py --torch` (9 s), at abc.\n\n"
+                   "| kernel | FA2 | cuflash | cuflash / FA2 |\n|---|---|---|---|\n"
+                   "| bwd d=64 sm_80 | 3538 (0.553) | 3491 (0.545) | 0.987 |\n\nPer class:\n\n"
+                   "| class | bwd d=64 sm_80 |\n|---|---|\n| HMMA | 1000 / 1000 (+0) |\n")
+    sec = kr.fa2_section(fa2)
+    assert "`python bench/fa2_sass_compare.py --torch` (9 s), at abc." in sec
+    assert "| bwd d=64 sm_80 | 3538 (0.553) | 3491 (0.545) | 0.987 |" in sec
+    assert "| class |" not in sec and sec.endswith("0.987 |\n")
+    assert "run `python bench/fa2_sass_compare.py`" in kr.fa2_section(tmp_path / "none.md")
+    head = kr.header(["--jobs", "2", "--write"], 61.0, 0)
+    assert head.startswith("# Kernel report (generated)\n\nCommand: `python bench/kernel_report.py "
+                           "--jobs 2 --write`") and head.rstrip().endswith("No row spills.")
+    assert kr.header([], 1.0, 3).rstrip().endswith("3 rows spill (listed after the model).")
+
+
 def _sass_or_skip():
     """cuflash._sass where cuobjdump runs; a skip elsewhere, an error in CI (which installs it)."""
     from cuflash import _sass
