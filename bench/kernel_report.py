@@ -327,6 +327,11 @@ def header(argv, elapsed, n_spills):
     except OSError:
         rev = "?"
     nvrtc = ".".join(map(str, _nvrtc.version()))
+    try:
+        import importlib.metadata as md
+        nvrtc += f" (wheel nvidia-cuda-nvrtc {md.version('nvidia-cuda-nvrtc')})"
+    except Exception:  # NVRTC from a toolkit, not the wheel: its version alone
+        pass
     cmd = "python bench/kernel_report.py" + "".join(" " + a for a in argv)
     spills = "No row spills." if not n_spills else f"{n_spills} rows spill (listed after the model)."
     return (f"# Kernel report (generated)\n\nCommand: `{cmd}` (NVRTC {nvrtc}, its own ptxas; "
@@ -351,7 +356,7 @@ def fa2_section(path):
         if not l.startswith("|"):
             break
         table.append(l)
-    return (title + f"From `bench/results/fa2_sass_compare.md` ({command[len('Command: '):]}), "
+    return (title + f"From `bench/results/fa2_sass_compare.md` ({command[len('Command: '):].rstrip('.')}), "
             "where the method, the tiles and the counts per instruction class are: one steady trip "
             "per warp of each main loop, FlashAttention-2's compiled kernels (the `flash-attn-jax` "
             "wheel; the `torch` rows PyTorch's bundled copy) beside cuflash's. In brackets: "

@@ -163,7 +163,7 @@ def test_kernel_report_write_is_whole_and_carries_the_fa2_table(tmp_path, capsys
                    "| bwd d=64 sm_80 | 3538 (0.553) | 3491 (0.545) | 0.987 |\n\nPer class:\n\n"
                    "| class | bwd d=64 sm_80 |\n|---|---|\n| HMMA | 1000 / 1000 (+0) |\n")
     sec = kr.fa2_section(fa2)
-    assert "`python bench/fa2_sass_compare.py --torch` (9 s), at abc." in sec
+    assert "(`python bench/fa2_sass_compare.py --torch` (9 s), at abc), where" in sec
     assert "| bwd d=64 sm_80 | 3538 (0.553) | 3491 (0.545) | 0.987 |" in sec
     assert "| class |" not in sec and sec.endswith("0.987 |\n")
     assert "run `python bench/fa2_sass_compare.py`" in kr.fa2_section(tmp_path / "none.md")
