@@ -44,7 +44,8 @@ them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / b
 (``bench/fa2_torch.py``: the torch wheel, about 550 MB, unpacked, not installed), the one
 public build of FA2's backward with dropout: its plain backward beside cuflash's plain
 kernel, and its backward with dropout beside ``flash_bwd_tc_masked`` for a call with dropout
-alone (the count build's rolled Philox loop weighted by its steps, :func:`draw_loops`).
+alone (the count build's Philox loop, where rolled, weighted by its trips: one Philox block per
+lane per eight logits, one shuffle per block; :func:`draw_loops`).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -513,8 +514,10 @@ def cuflash_count(kind, d, arch, tiles=None):
         if draws and not (len(draws) == 1 and (features or {}).get("drop")):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: rolled loops without HMMA {draws} "
                                "where only the dropout's Philox loop is expected")
-        if draws:  # one Philox block per lane per eight logits
-            trips[draws[0]] = plan.block_q * plan.block_kv // plan.threads // 8
+        if draws:  # one Philox block per lane per eight logits, one shuffle per block
+            lo, hi = draws[0]
+            blocks = sum(1 for a, op, _ in base(instrs) if lo <= a <= hi and op == "SHFL")
+            trips[draws[0]] = plan.block_q * plan.block_kv // plan.threads // 8 // max(1, blocks)
         note = "inner loops x " + ", ".join(str(t) for _, t in sorted(trips.items()))
     ops, added, dropped, never = steady_ops(instrs, span, trips)
     info = _nvrtc.parse_ptxas_info(res.log)[kernel]
@@ -718,8 +721,9 @@ def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
            "dropout (`Is_dropout`, same traits as above). Its plain backward (`torch bwd`) sits "
            "beside cuflash's plain kernel to show the build's own level; `torch bwd-masked-dropout` "
            "is flash_bwd_tc_masked for a call with dropout alone (the count build of "
-           "`feature_counts.bwd_feature_edits(drop=True)`, its rolled Philox loop weighted by its "
-           "steps: one Philox block per lane per eight logits) beside FA2's backward with dropout. "
+           "`feature_counts.bwd_feature_edits(drop=True)`, its Philox loop weighted by its trips: "
+           "one Philox block per lane per eight logits, one shuffle per block) beside FA2's "
+           "backward with dropout. "
            "cuflash draws 16 bits per element (eight elements per Philox block), FA2 8 bits "
            "(sixteen per block).\n")
     )

@@ -130,6 +130,10 @@ _BWD_FLAGS = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bi
               "                const int db_mode = p.mask_dbias;")
 
 
+# the backward's Philox loop's pragma (its blocks per step)
+_DROP_UNROLL = "#pragma unroll kUnrollDraw\n"
+
+
 def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unroll=True):
     """Edits of flash_bwd_tc.cu that make a flash_bwd_tc_masked build count one call's
     interior tile: the call's feature flags as constants (the kernel reads them once per call
@@ -140,7 +144,6 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
     is one trip (else a counter weighs them by their trip counts)."""
     fn = "flash_bwd_tc.cu"
     b = lambda x: "true" if x else "false"  # noqa: E731
-    unrolled = "#pragma unroll\n" if unroll else "#pragma unroll 1\n"
     return ([(fn, "#pragma unroll 1\n", "#pragma unroll\n")] if unroll else []) + [
         (fn, "const bool need_mask = kPlainRange ? (unsigned)(i - i_plain) >= (unsigned)n_plain\n"
              "                                                   : kv_rows < kBc ||",
@@ -152,7 +155,8 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
         (fn, _BWD_FLAGS, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
                          f"                const bool has_alibi = {b(alibi)};\n"
                          f"                const int db_mode = {db};"),
-        (fn, "                if (drop.on) {\n" + unrolled, f"                if ({b(drop)}) {{\n" + unrolled),
+        (fn, "                if (drop.on) {\n" + _DROP_UNROLL,
+         f"                if ({b(drop)}) {{\n" + ("#pragma unroll\n" if unroll else _DROP_UNROLL)),
         (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product"),
         (fn, "if (!kUnrolled || drop.on) pt_step(true);", f"if (!kUnrolled || {b(drop)}) pt_step(true);")]
 
