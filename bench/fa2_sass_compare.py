@@ -672,17 +672,8 @@ def main(argv=None):
 
 
 def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip() or "?"
-    except OSError:
-        rev = "?"
-    nvrtc = ".".join(map(str, _nvrtc.version()))
-    try:
-        import importlib.metadata as md
-        nvrtc += f" (wheel nvidia-cuda-nvrtc {md.version('nvidia-cuda-nvrtc')})"
-    except Exception:  # NVRTC from a toolkit, not the wheel: its version alone
-        pass
+    import kernel_report as kr
+    rev, nvrtc = kr.provenance()
     cmd = "python bench/fa2_sass_compare.py" + "".join(" " + a for a in (argv or sys.argv[1:]))
     ptx = f"ptxas {tool_version(ptxas)} ({ptxas})" if ptxas else "no ptxas: FA2 sm_90 unavailable"
     return (

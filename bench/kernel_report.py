@@ -319,8 +319,9 @@ ABOUT = (
     "warp per wgmma), and their steady-trip counts are in `bench/results/hopper_sass_count.md`.")
 
 
-def header(argv, elapsed, n_spills):
-    """The written report's title and its first paragraph: how it was made, what it holds."""
+def provenance():
+    """(the checkout's short commit or '?', NVRTC's version and, where it is the pip wheel's,
+    the wheel's): what a written result was made at."""
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True).stdout.strip() or "?"
@@ -332,6 +333,12 @@ def header(argv, elapsed, n_spills):
         nvrtc += f" (wheel nvidia-cuda-nvrtc {md.version('nvidia-cuda-nvrtc')})"
     except Exception:  # NVRTC from a toolkit, not the wheel: its version alone
         pass
+    return rev, nvrtc
+
+
+def header(argv, elapsed, n_spills):
+    """The written report's title and its first paragraph: how it was made, what it holds."""
+    rev, nvrtc = provenance()
     cmd = "python bench/kernel_report.py" + "".join(" " + a for a in argv)
     spills = "No row spills." if not n_spills else f"{n_spills} rows spill (listed after the model)."
     return (f"# Kernel report (generated)\n\nCommand: `{cmd}` (NVRTC {nvrtc}, its own ptxas; "
