@@ -142,8 +142,9 @@ TORCH_KERNELS = {
 # tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
 # a call with features that cost nothing per interior logit (a window, a causal band) beside
 # FA2's plain backward, "masked-softcap" beside FA2's softcap backward
-BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True},
-                     "bwd-masked-dropout": {"drop": True}}
+BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True}}
+# and beside PyTorch's FA2 only (no upstream FA2 kernel has dropout): a call with dropout alone
+TORCH_FEATURE_KINDS = {"bwd-masked-dropout": {"drop": True}}
 # cuflash's lean backward builds as launched, their band test included, at their default
 # tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
 # backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
@@ -477,12 +478,12 @@ def fa2_count(instrs):
 def cuflash_count(kind, d, arch, tiles=None):
     """(ops Counter, block_q, block_kv, warps, note) of cuflash's main loop, one trip per warp.
     ``kind``: "fwd", "fwd-rescale" (the forward's rescale taken on every tile), "bwd", a key of
-    BWD_FEATURE_KINDS or of BWD_BAND_KINDS;
+    BWD_FEATURE_KINDS, TORCH_FEATURE_KINDS or BWD_BAND_KINDS;
     ``tiles``: (block_q, block_kv) instead of the default plan."""
     import kernel_report as kr
     import plan_sweep as ps
     from cuflash import kernels, tiling
-    features = BWD_FEATURE_KINDS.get(kind)
+    features = {**BWD_FEATURE_KINDS, **TORCH_FEATURE_KINDS}.get(kind)
     kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
               else BWD_BAND_KINDS[kind] if kind in BWD_BAND_KINDS else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
@@ -503,21 +504,20 @@ def cuflash_count(kind, d, arch, tiles=None):
             folder = fc._variant(tmp, "v", fc.bwd_feature_edits(unroll=False, **features))
             res = ps.compile_result(job, kdir=folder)
     instrs = parse_sass(_sass.disassemble(res.cubin))[kernel]
-    span = _sass.main_loop(base(instrs))
+    code = base(instrs)
+    span = _sass.main_loop(code)
     trips, note = {}, ""
     if kernel != "flash_fwd_tc":
-        trips = kr.tc_loop_trips(base(instrs), span, defines)
+        trips = kr.tc_loop_trips(code, span, defines)
         if trips is None:
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
                                "S^T / dP^T / dQ loops; no per-trip count")
-        draws = draw_loops(base(instrs), span)
+        draws = draw_loops(code, span)
         if draws and not (len(draws) == 1 and (features or {}).get("drop")):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: rolled loops without HMMA {draws} "
                                "where only the dropout's Philox loop is expected")
-        if draws:  # one Philox block per lane per eight logits, one shuffle per block
-            lo, hi = draws[0]
-            blocks = sum(1 for a, op, _ in base(instrs) if lo <= a <= hi and op == "SHFL")
-            trips[draws[0]] = plan.block_q * plan.block_kv // plan.threads // 8 // max(1, blocks)
+        if draws:
+            trips[draws[0]] = draw_trips(code, draws[0], plan.block_q * plan.block_kv // plan.threads)
         note = "inner loops x " + ", ".join(str(t) for _, t in sorted(trips.items()))
     ops, added, dropped, never = steady_ops(instrs, span, trips)
     info = _nvrtc.parse_ptxas_info(res.log)[kernel]
@@ -532,6 +532,13 @@ def draw_loops(code, span):
     [(start, end)] addresses."""
     return sorted((a, b) for a, b in _sass._loops(code) if span[0] < a and b < span[1]
                   and not any(op == "HMMA" for x, op, _ in code if a <= x <= b))
+
+
+def draw_trips(code, loop, logits):
+    """Trips of the Philox loop ``loop`` for ``logits`` per lane: one block per eight logits,
+    as many blocks per trip as the body has shuffles (one each, bwd_masks.cuh)."""
+    blocks = sum(1 for a, op, _ in code if loop[0] <= a <= loop[1] and op == "SHFL")
+    return logits // 8 // max(1, blocks)
 
 
 # ----------------------------------------------------------------- table
@@ -621,9 +628,7 @@ def main(argv=None):
         torch_wheel = fa2_torch.fetch(args.wheel_dir)
         torch = fa2_torch.TorchFA2(torch_wheel, args.cache or args.wheel_dir)
     rows = collections.OrderedDict()
-    # (no upstream FA2 kernel has dropout: the dropout row is PyTorch's alone)
-    kinds = [(k, None) for k in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS)
-             if k != "bwd-masked-dropout"]
+    kinds = [(k, None) for k in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS)]
     if torch is not None:
         kinds += [(k, "torch") for k in dict.fromkeys(k for k, _ in TORCH_KERNELS)]
     for kind, side in kinds:

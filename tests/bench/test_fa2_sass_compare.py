@@ -89,6 +89,12 @@ def test_draw_loops_are_the_rolled_loops_without_hmma(fc):
     span = fc._sass.main_loop(code)
     assert span == (0x20, 0x80)
     assert fc.draw_loops(code, span) == [(0x30, 0x40)]
+    # 32 logits per lane: four Philox blocks; one shuffle per block in the body
+    assert fc.draw_trips(code, (0x30, 0x40), 32) == 4
+    two = fc.base(fc.parse_sass(_sass([(0x00, "SHFL.BFLY PT, R1, R2, 0x4, 0x1f"),
+                                       (0x10, "SHFL.BFLY PT, R3, R4, 0x4, 0x1f"),
+                                       (0x20, "@P0 BRA 0x0")]))["k"])
+    assert fc.draw_trips(two, (0x00, 0x20), 32) == 2   # two blocks per trip
 
 
 def test_classes(fc):
