@@ -45,7 +45,7 @@ them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / b
 public build of FA2's backward with dropout: its plain backward beside cuflash's plain
 kernel, and its backward with dropout beside ``flash_bwd_tc_masked`` for a call with dropout
 alone (the count build's Philox loop, where rolled, weighted by its trips: one Philox block per
-lane per eight logits, one shuffle per block; :func:`draw_loops`).
+lane per eight logits, two gathering PRMT per block; :func:`draw_trips`).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -536,9 +536,13 @@ def draw_loops(code, span):
 
 def draw_trips(code, loop, logits):
     """Trips of the Philox loop ``loop`` for ``logits`` per lane: one block per eight logits,
-    as many blocks per trip as the body has shuffles (one each, bwd_masks.cuh)."""
-    blocks = sum(1 for a, op, _ in code if loop[0] <= a <= loop[1] and op == "SHFL")
-    return logits // 8 // max(1, blocks)
+    as many blocks per trip as the body has pairs of PRMT with selector 0xfdb9 (two per block,
+    gathering its keep bits: bwd_masks.cuh ``bwd_kept_bits``)."""
+    gathers = sum(1 for a, op, args in code
+                  if loop[0] <= a <= loop[1] and op == "PRMT" and "0xfdb9" in args.lower())
+    if gathers == 0 or gathers % 2:
+        raise RuntimeError(f"Philox loop {loop}: {gathers} PRMT 0xfdb9, not two per block")
+    return logits // 8 // (gathers // 2)
 
 
 # ----------------------------------------------------------------- table

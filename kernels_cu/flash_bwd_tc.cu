@@ -259,10 +259,10 @@ constexpr int kUnrollS = kUnrolled ? kD / 16 : 1;
 constexpr int kUnrollDP = kUnrolled ? kDv / 16 : 1;
 constexpr int kUnrollDQ = kUnrolled ? kBc / 16 : 1;
 #ifdef CUFLASH_MASKS
-// the dropout's Philox blocks, two per step in the unrolled builds (their counters and bit
-// positions in part constants); fully unrolled, 64 x 128 spills 4 B at d = 48 and 64 on
-// sm_80 and d = 16 on sm_90
-constexpr int kUnrollDraw = kUnrolled ? 2 : 1;
+// the dropout's Philox blocks per step in the unrolled builds (their counters and bit
+// positions in part constants, the round keys shared by the step's blocks): four above
+// d = 64; two at d <= 64, where four spill 8 B at 64 x 128 on sm_80 and 32 x 128 on sm_90
+constexpr int kUnrollDraw = kUnrolled ? (kD > 64 ? 4 : 2) : 1;
 #endif
 
 static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
@@ -759,12 +759,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // (mt, n), (mt, n + 1) (n even), the lanes g, g ^ 1 swapping halves
                 // (bwd_masks.cuh); kUnrollDraw blocks per step
                 if (drop.on) {
+                    keep = 0;
 #pragma unroll kUnrollDraw
                     for (int mn = 0; mn < kMT * kNQ / 2; ++mn) {
                             const int mt = mn / (kNQ / 2), n = 2 * (mn % (kNQ / 2));
-                            const unsigned long long dropped = bwd_dropped_bits(
-                                drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8, kv0 + kw0 + mt * 16, g, t);
-                            keep &= ~(dropped << bwd_drop_bit(mn, 0, 0, 0));
+                            keep |= bwd_kept_bits<kMT * kNQ / 2>(drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8,
+                                                                 kv0 + kw0 + mt * 16, g, t, mn);
                     }
                 }
 #else

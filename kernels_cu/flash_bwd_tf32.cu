@@ -419,15 +419,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                                kv0 + kBc - 1 - q0 >= band.hi_off;
         const DropoutKey drop = cuflash_dropout_key(p);
         static_assert(kNQ <= 16, "the masked backward keeps 64 dropout bits");
-        // dropped bits: element (nq, e = 2 hh + eq) at bit bwd_drop_bit(nq / 2, nq & 1, hh, eq)
+        // keep bits: element (nq, e = 2 hh + eq) at bit bwd_drop_bit(nq / 2, nq & 1, hh, eq)
         // (bwd_masks.cuh); drawn before S^T (indices only)
-        unsigned long long dropped = 0;
+        unsigned long long keep = ~0ull;  // all kept without dropout
         if (drop.on) {
+            keep = 0;
 #pragma unroll 1
             for (int nq = 0; nq < kNQ; nq += 2)  // (rolled: one Philox block per eight logits)
-                dropped |= (unsigned long long)bwd_dropped_bits(drop, b + p.mask_drop_b0, h,
-                                                                q0 + nq * 8, key0, g, t)
-                           << bwd_drop_bit(nq / 2, 0, 0, 0);
+                keep |= bwd_kept_bits<kNQ / 2>(drop, b + p.mask_drop_b0, h, q0 + nq * 8, key0, g, t, nq / 2);
         }
 #endif
         // -- S^T = K_w Q_i^T, dP^T = V_w dO_i^T
@@ -516,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
                     if (need_mask && (key >= Nk || q >= Nq || key - q < band.lo_off || key - q >= band.hi_off))
                         x = -INFINITY;
                     const float pv = cuflash_exp2(x);
-                    const bool kept = ((dropped >> bwd_drop_bit(nq / 2, nq & 1, e >> 1, e & 1)) & 1) == 0;
+                    const bool kept = (keep >> bwd_drop_bit(nq / 2, nq & 1, e >> 1, e & 1)) & 1;
                     // dP of the dropped product, keep / (1 - p), in one FFMA
                     float ds = pv * (drop.on ? fmaf(drop.scale, kept ? dpt[nq][e] : 0.0f, -dd[e & 1])
                                              : dpt[nq][e] - dd[e & 1]);

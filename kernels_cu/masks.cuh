@@ -84,6 +84,7 @@ __device__ __forceinline__ MaskRow cuflash_mask_row(const Params& p, const acc_t
 // The dropout key and threshold of a call.
 struct DropoutKey {
     uint32_t k0, k1, threshold;  // threshold << 16: compared with a 16-bit draw in a word's top half
+    uint32_t threshold2;         // the threshold in both halves (cuflash_keep_halves)
     acc_t scale;           // 1 / (1 - p)
     bool on;
 };
@@ -94,6 +95,7 @@ __device__ __forceinline__ DropoutKey cuflash_dropout_key(const Params& p) {
     d.k0 = (uint32_t)p.mask_seed_lo;
     d.k1 = (uint32_t)p.mask_seed_hi;
     d.threshold = (uint32_t)p.mask_drop_threshold << 16;
+    d.threshold2 = (uint32_t)p.mask_drop_threshold * 0x10001u;
     d.scale = (acc_t)p.mask_drop_scale;
     return d;
 }

@@ -57,6 +57,18 @@ __device__ __forceinline__ void cuflash_dropout_block(uint32_t (&w)[4], uint32_t
 __device__ __forceinline__ bool cuflash_keep_lo(uint32_t x, uint32_t thr16) { return (x << 16) >= thr16; }
 __device__ __forceinline__ bool cuflash_keep_hi(uint32_t x, uint32_t thr16) { return x >= thr16; }
 
+// Whether each 16-bit half of word x is kept, in that half's msb (the other bits undefined),
+// against thr2 = the threshold in both halves: one subtraction compares both halves' low 15
+// bits with the threshold's without a borrow between them (a half of x | 0x8000 keeps its msb
+// iff its low 15 bits are at least the threshold's), and a half is at least the threshold iff
+// that compare and its own msb are both set (threshold >= 2^15) or either is (threshold <
+// 2^15): the majority of the two and the threshold's msb inverted.  Three instructions per two
+// draws and one per trip, with thr2 the one register they need.
+__device__ __forceinline__ uint32_t cuflash_keep_halves(uint32_t x, uint32_t thr2) {
+    const uint32_t c = (x | 0x80008000u) - (thr2 & 0x7fff7fffu);
+    return (x & c) | (~thr2 & (x | c));
+}
+
 // Whether element (b, h, i, j) is kept (one Philox block per call: for a single element).
 __device__ __forceinline__ bool cuflash_dropout_keep(uint32_t k0, uint32_t k1, uint32_t thr16,
                                                      int b, int h, int i, int j) {

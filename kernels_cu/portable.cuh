@@ -179,17 +179,23 @@ __device__ __forceinline__ uint32_t pack2_from(const T* p) {
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return pack2<__half>(lo, hi); }
 __device__ __forceinline__ uint32_t pack_bfloat162(float lo, float hi) { return pack2<__nv_bfloat16>(lo, hi); }
 
-// A mask of two 16-bit halves from two bits: 0xffff in the low half iff bit 7 of x is set,
-// in the high half iff bit 15 is (PTX prmt.b32 in its generic form, selector 0x9988: each
-// nibble's msb replicates the sign of the byte it selects -- one PRMT; CUDA's __byte_perm
-// documents only the low three bits of a nibble, so the PTX is written out).  The other bits
-// of x do not matter.
-__device__ __forceinline__ uint32_t cuflash_half_mask(uint32_t x) {
+// PTX prmt.b32 in its generic form: byte i of the result is byte (sel >> 4i) & 7 of the
+// eight bytes {b, a} (a's bytes 0-3, b's 4-7), or, where bit 3 of that nibble is set, that
+// byte's msb replicated over all eight bits (CUDA's __byte_perm documents only the low three
+// bits of a nibble, so the PTX is written out).  One PRMT, sel a register or, where it is a
+// constant, an immediate.
+__device__ __forceinline__ uint32_t cuflash_prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #ifdef CUFLASH_EMULATOR
-    return ((x & 0x80u) ? 0x0000ffffu : 0u) | ((x & 0x8000u) ? 0xffff0000u : 0u);
+    const unsigned long long ab = (unsigned long long)b << 32 | a;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t n = (sel >> (4 * i)) & 0xfu, byte = (uint32_t)(ab >> (8 * (n & 7))) & 0xffu;
+        r |= ((n & 8) ? ((byte & 0x80u) ? 0xffu : 0u) : byte) << (8 * i);
+    }
+    return r;
 #else
     uint32_t r;
-    asm("prmt.b32 %0, %1, 0, 0x9988;" : "=r"(r) : "r"(x));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 #endif
 }

@@ -81,7 +81,8 @@ def test_draw_loops_are_the_rolled_loops_without_hmma(fc):
     the HMMA loop beside it and a loop outside the main loop are not."""
     text = _sass([(0x00, "IADD3 R1, R1, 0x1, RZ"), (0x10, "@P0 BRA 0x0"),        # before the loop
                   (0x20, "IADD3 R5, R5, 0x1, RZ"),
-                  (0x30, "IMAD.WIDE.U32 R2, R3, 0x7, RZ"), (0x40, "@P1 BRA 0x30"),  # Philox steps
+                  (0x30, "PRMT R2, R3, 0xfdb9, R4"), (0x38, "PRMT R5, R6, 0xfdb9, R7"),
+                  (0x40, "@P1 BRA 0x30"),                                           # Philox steps
                   (0x50, "HMMA.16816.F32 R4, R8, R10, R4"), (0x60, "@P2 BRA 0x50"),  # S^T k loop
                   (0x70, "HMMA.16816.F32 R4, R8, R12, R4"), (0x80, "@P3 BRA 0x20"),
                   (0x90, "EXIT")])
@@ -89,12 +90,16 @@ def test_draw_loops_are_the_rolled_loops_without_hmma(fc):
     span = fc._sass.main_loop(code)
     assert span == (0x20, 0x80)
     assert fc.draw_loops(code, span) == [(0x30, 0x40)]
-    # 32 logits per lane: four Philox blocks; one shuffle per block in the body
+    # 32 logits per lane: four Philox blocks; two gathering PRMT per block in the body
     assert fc.draw_trips(code, (0x30, 0x40), 32) == 4
-    two = fc.base(fc.parse_sass(_sass([(0x00, "SHFL.BFLY PT, R1, R2, 0x4, 0x1f"),
-                                       (0x10, "SHFL.BFLY PT, R3, R4, 0x4, 0x1f"),
+    two = fc.base(fc.parse_sass(_sass([(0x00, "PRMT R1, R2, 0xfdb9, R3"), (0x08, "PRMT R4, R5, 0xfdb9, R6"),
+                                       (0x10, "PRMT R7, R8, 0xFDB9, R9"), (0x18, "PRMT R1, R2, 0xfdb9, R3"),
                                        (0x20, "@P0 BRA 0x0")]))["k"])
     assert fc.draw_trips(two, (0x00, 0x20), 32) == 2   # two blocks per trip
+    odd = fc.base(fc.parse_sass(_sass([(0x00, "PRMT R1, R2, 0xfdb9, R3"), (0x08, "PRMT R4, R5, 0x5410, R6"),
+                                       (0x20, "@P0 BRA 0x0")]))["k"])
+    with pytest.raises(RuntimeError, match="not two per block"):
+        fc.draw_trips(odd, (0x00, 0x20), 32)
 
 
 def test_classes(fc):

@@ -44,9 +44,9 @@ def prmt(a, b, c):
 
 
 def test_half_mask_is_prmt_sign_replicate(basics):
-    """portable.cuh's cuflash_half_mask (the backward's dropout pair masks) is prmt.b32 x, 0,
-    0x9988 on the GPU; the emulator's model of it agrees with the PTX ISA's prmt on every
-    combination of the two bits that matter and on random words."""
+    """portable.cuh's cuflash_prmt(x, 0, 0x9988) (the backward's dropout pair masks) is
+    prmt.b32 x, 0, 0x9988 on the GPU; the emulator's model of it agrees with the PTX ISA's prmt
+    on every combination of the two bits that matter and on random words."""
     rng = np.random.default_rng(5)
     x = np.concatenate([np.array([0, 0x80, 0x8000, 0x8080, 0xFFFFFFFF, 0x7F7F7F7F, 0xFFFF7F7F],
                                  np.uint32), rng.integers(0, 2 ** 32, 4096, dtype=np.uint32)])
@@ -54,6 +54,36 @@ def test_half_mask_is_prmt_sign_replicate(basics):
     basics.get_function("half_mask")((-(-x.size // 128),), (128,), (x, y, np.int32(x.size)))
     np.testing.assert_array_equal(y, prmt(x, 0, 0x9988))
     assert list(y[:4]) == [0, 0xFFFF, 0xFFFF0000, 0xFFFFFFFF]
+
+
+def test_prmt_with_a_register_selector(basics):
+    """portable.cuh's cuflash_prmt (the backward's dropout bit gather and lane exchange) agrees
+    with the PTX ISA's generic prmt on random words and selectors, sign-replicating nibbles
+    among them, and on the selectors the kernels use."""
+    rng = np.random.default_rng(6)
+    n = 4096
+    a, b = (rng.integers(0, 2 ** 32, n, dtype=np.uint32) for _ in range(2))
+    sel = rng.integers(0, 2 ** 16, n, dtype=np.uint32)
+    sel[:4] = [0xFDB9, 0x6240, 0x3715, 0x9988]
+    y = np.full(n, 0xDEADBEEF, np.uint32)
+    basics.get_function("prmt_any")((n // 128,), (128,), (a, b, sel, y, np.int32(n)))
+    np.testing.assert_array_equal(y, [prmt(a[i:i + 1], b[i:i + 1], int(sel[i]))[0] for i in range(n)])
+
+
+@pytest.mark.parametrize("t", [0, 1, 0x1999, 0x7FFF, 0x8000, 0x8001, 0xE666, 0xFFFF])
+def test_keep_halves_is_the_16_bit_compare(basics, t):
+    """philox.cuh's cuflash_keep_halves puts x's low half >= t at bit 15 and its high half >= t
+    at bit 31, for thresholds on both sides of 2^15 (its majority's two cases), on every low
+    half with a random high half and on halves at and next to t, 0 and 2^15."""
+    rng = np.random.default_rng(t)
+    edge = np.array(sorted({v & 0xFFFF for v in (t - 1, t, t + 1, 0, 0x7FFF, 0x8000, 0xFFFF)}), np.uint32)
+    lo = np.concatenate([np.arange(2 ** 16, dtype=np.uint32), np.repeat(edge, edge.size)])
+    hi = np.concatenate([rng.integers(0, 2 ** 16, 2 ** 16, dtype=np.uint32), np.tile(edge, edge.size)])
+    x = (hi << np.uint32(16)) | lo
+    y = np.full(x.size, 0xDEADBEEF, np.uint32)
+    basics.get_function("keep_halves")((-(-x.size // 256),), (256,), (x, np.uint32(t), y, np.int32(x.size)))
+    np.testing.assert_array_equal((y >> np.uint32(15)) & np.uint32(1), (lo >= t).astype(np.uint32))
+    np.testing.assert_array_equal(y >> np.uint32(31), (hi >= t).astype(np.uint32))
 
 
 @pytest.mark.parametrize("n,per_block,threads", [(1000, 250, 96), (257, 257, 128), (31, 31, 32), (64, 16, 64)])

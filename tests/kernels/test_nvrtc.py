@@ -208,9 +208,10 @@ def test_sass_instruction_mix():
 
 
 def test_half_mask_is_one_prmt():
-    """portable.cuh's cuflash_half_mask compiles to one PRMT with selector 0x9988 (the generic
-    form whose nibbles' msb replicates a byte's sign: tests/emulator/test_emulator.py holds the
-    emulator's model to the PTX ISA's definition) -- ptxas neither reinterprets nor expands it."""
+    """portable.cuh's cuflash_prmt(x, 0, 0x9988) compiles to one PRMT with the immediate
+    selector 0x9988 (the generic form whose nibbles' msb replicates a byte's sign:
+    tests/emulator/test_emulator.py holds the emulator's model to the PTX ISA's definition) --
+    ptxas neither reinterprets nor expands it."""
     _sass = _sass_or_skip()
     path = TEST_KERNELS / "basics.cu"
     res = _nvrtc.compile(path.read_text(), path.name, _options(path, 80, ()))

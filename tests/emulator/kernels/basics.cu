@@ -1,5 +1,6 @@
 // Small kernels that exercise the emulator's execution model one feature at a time.
 #include "portable.cuh"
+#include "philox.cuh"
 
 // Every thread of every block writes its global linear id and its coordinates:
 // ids[lin] = lin, coords[lin] = (blockIdx, threadIdx, blockDim, gridDim) packed.
@@ -102,9 +103,24 @@ extern "C" __global__ void sync_reductions(int* out, int rounds) {
     }
 }
 
-// cuflash_half_mask of each x (portable.cuh: one PTX prmt on the GPU, a C model on the
-// emulator): y = 0xffff in a half whose sign bit (bit 7 / bit 15 of x) is set.
+// cuflash_prmt(x, 0, 0x9988) of each x (portable.cuh: one PTX prmt on the GPU, a C model on
+// the emulator), the backward's dropout pair mask: y = 0xffff in a half whose sign bit (bit 7
+// / bit 15 of x) is set.
 extern "C" __global__ void half_mask(const unsigned* x, unsigned* y, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) gstore(y + i, cuflash_half_mask(gload(x + i)));
+    if (i < n) gstore(y + i, cuflash_prmt(gload(x + i), 0u, 0x9988u));
+}
+
+// cuflash_prmt of each (a, b, sel) (portable.cuh: PTX prmt.b32 with a register selector on
+// the GPU, a C model on the emulator).
+extern "C" __global__ void prmt_any(const unsigned* a, const unsigned* b, const unsigned* sel, unsigned* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gstore(y + i, cuflash_prmt(gload(a + i), gload(b + i), gload(sel + i)));
+}
+
+// cuflash_keep_halves of each x against the threshold t (philox.cuh): y's bits 15 and 31 say
+// whether x's low / high 16 bits are at least t.
+extern "C" __global__ void keep_halves(const unsigned* x, unsigned t, unsigned* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gstore(y + i, cuflash_keep_halves(gload(x + i), t * 0x10001u));
 }
