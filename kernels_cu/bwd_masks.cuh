@@ -34,17 +34,18 @@ __device__ __forceinline__ float dv_scale(const BwdParams& p) {
 // bit bwd_drop_bit(q, rh, hh, eq) is set.  Byte 2 hh + eq of the word's half q >> 2 holds the
 // two fragments' bits of pair q at bits 7 - 2 (q & 3) - rh: the bytes are what one PRMT picks
 // from the two lanes' draws (bwd_kept_bits), and the two queries of a key
-// (eq = 0, 1) lie 8 bits apart, so that one shift puts them at bits 7 and 15 (or 23 and 31)
-// and one PRMT replicating those bytes' signs makes the mask of a packed 16-bit pair.
+// (eq = 0, 1) lie 8 bits apart, so that one shift puts them at bits 7 and 15 and one PRMT
+// replicating those bytes' signs makes the mask of a packed 16-bit pair.
 __device__ __forceinline__ constexpr int bwd_drop_bit(int q, int rh, int hh, int eq) {
     return 32 * (q >> 2) + 8 * (2 * hh + eq) + 7 - rh - 2 * (q & 3);
 }
 // The 16-bit pair mask (0xffff per element whose bit is set) of elements (q, rh, hh, 0 / 1).
-// One shift per (q, rh), shared by hh = 0 and 1 (bytes 0-1 and 2-3 of the shifted word).
+// (A shift per (q, rh) shared by hh = 0 and 1 saves 3-9 instructions per trip but keeps the
+// shifted words live: 4 B spilled at d = 16 and 128.)
 __device__ __forceinline__ uint32_t bwd_pair_mask(unsigned long long bits, int q, int rh, int hh) {
-    const int s = bwd_drop_bit(q, rh, 0, 0);  // a constant in the unrolled loops
+    const int s = bwd_drop_bit(q, rh, hh, 0);  // a constant in the unrolled loops
     const uint32_t x = s >= 7 ? (uint32_t)(bits >> (s - 7)) : (uint32_t)bits << (7 - s);
-    return cuflash_prmt(x, 0u, hh ? 0xBBAAu : 0x9988u);
+    return cuflash_prmt(x, 0u, 0x9988u);
 }
 
 // The keep bits of fragment pair q (of kPairs), to be ORed over the trip's pairs: keys k16 + g
@@ -63,7 +64,7 @@ template <int kPairs>
 __device__ __forceinline__ unsigned long long bwd_kept_bits(const DropoutKey& drop, int b, int h, int q16,
                                                             int k16, int g, int t, int q) {
     uint32_t w[4];
-    cuflash_dropout_block(w, drop.k0, drop.k1, b, h, q16 / 2 + 2 * t + (g & 1), k16 / 4 + (g >> 1));
+    cuflash_dropout_block(w, drop.k0, drop.k1, b, h, (q16 >> 1) + 2 * t + (g & 1), (k16 >> 2) + (g >> 1));
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = cuflash_keep_halves(w[k], drop.threshold2);
     // bytes: word 0 | 2 even key, 0 | 2 odd key, 1 | 3 even key, 1 | 3 odd key

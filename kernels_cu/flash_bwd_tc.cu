@@ -260,9 +260,9 @@ constexpr int kUnrollDP = kUnrolled ? kDv / 16 : 1;
 constexpr int kUnrollDQ = kUnrolled ? kBc / 16 : 1;
 #ifdef CUFLASH_MASKS
 // the dropout's Philox blocks per step in the unrolled builds (their counters and bit
-// positions in part constants, the round keys shared by the step's blocks): four above
-// d = 64; two at d <= 64, where four spill 8 B at 64 x 128 on sm_80 and 32 x 128 on sm_90
-constexpr int kUnrollDraw = kUnrolled ? (kD > 64 ? 4 : 2) : 1;
+// positions in part constants, the round keys shared by the step's blocks): four; two at
+// d = 16, where four spill 4 B at 32 x 128 on sm_90
+constexpr int kUnrollDraw = kUnrolled ? (kD > 16 ? 4 : 2) : 1;
 #endif
 
 static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
