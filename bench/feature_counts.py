@@ -197,7 +197,7 @@ def backward_tf32(tmp, d):
     unroll = (fn, "#pragma unroll 1\n", "#pragma unroll\n")
     interior = [unroll, (fn, "const bool need_mask = kv_rows < kBc ||",
                          "const bool need_mask = false, band_crossed = kv_rows < kBc ||"),
-                _opaque(fn, "unsigned long long dropped = 0;")]
+                _opaque(fn, "unsigned long long keep = ~0ull;")]
     flags = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bias != 0;\n"
              "            const bool has_alibi = p.mask_has_alibi != 0;\n")
 
