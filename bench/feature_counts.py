@@ -132,7 +132,8 @@ _BWD_FLAGS = ("const bool has_cap = p.mask_softcap > 0, has_bias = p.mask_has_bi
 
 # the backward's Philox loop's pragma (its blocks per step)
 _DROP_UNROLL = "#pragma unroll kUnrollDraw\n"
-_DROP_OWN = "                    keep = 0;\n"
+# the keep word's reset before the blocks are ORed in
+_DROP_KEEP0 = "                    keep = 0;\n"
 
 
 def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unroll=True):
@@ -156,8 +157,8 @@ def bwd_feature_edits(cap=False, bias=False, alibi=False, db=0, drop=False, unro
         (fn, _BWD_FLAGS, f"const bool has_cap = {b(cap)}, has_bias = {b(bias)};\n"
                          f"                const bool has_alibi = {b(alibi)};\n"
                          f"                const int db_mode = {db};"),
-        (fn, "                if (drop.on) {\n" + _DROP_OWN + _DROP_UNROLL,
-         f"                if ({b(drop)}) {{\n" + _DROP_OWN + ("#pragma unroll\n" if unroll else _DROP_UNROLL)),
+        (fn, "                if (drop.on) {\n" + _DROP_KEEP0 + _DROP_UNROLL,
+         f"                if ({b(drop)}) {{\n" + _DROP_KEEP0 + ("#pragma unroll\n" if unroll else _DROP_UNROLL)),
         (fn, "if (drop.on) {  // dP of the dropped product", f"if ({b(drop)}) {{  // dP of the dropped product"),
         (fn, "if (!kUnrolled || drop.on) pt_step(true);", f"if (!kUnrolled || {b(drop)}) pt_step(true);")]
 
