@@ -43,9 +43,11 @@ them too.  ``--fwd-tiles BQxBKV`` / ``--bwd-tiles BQxBKV`` count the forward / b
 (the planner's threads for them).  ``--torch`` adds rows beside PyTorch's bundled FA2
 (``bench/fa2_torch.py``: the torch wheel, about 550 MB, unpacked, not installed), the one
 public build of FA2's backward with dropout: its plain backward beside cuflash's plain
-kernel, and its backward with dropout beside ``flash_bwd_tc_masked`` for a call with dropout
-alone (the count build's Philox loop, where rolled, weighted by its trips: one Philox block per
-lane per eight logits, two gathering PRMT per block; :func:`draw_trips`).
+kernel, and its backward with dropout beside ``flash_bwd_tc_dropout`` (the lean build a call
+with dropout and at most a window runs, as launched) and beside ``flash_bwd_tc_masked``'s count
+build for a call with dropout alone (what dropout costs where the call also has a bias,
+ALiBi or a softcap).  A Philox loop, where rolled, is weighted by its trips: one Philox block
+per lane per eight logits, two gathering PRMT per block (:func:`draw_trips`).
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -137,6 +139,8 @@ TORCH_KERNELS = {
     ("bwd", 128): FA2_KERNELS[("bwd", 128)],
     ("bwd-masked-dropout", 64): (_BWD_DROPOUT.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
     ("bwd-masked-dropout", 128): (_BWD_DROPOUT.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
+    ("bwd-dropout", 64): (_BWD_DROPOUT.format("64, 128, 128, 8, 4, 4, 4"), 128, 128, 8),
+    ("bwd-dropout", 128): (_BWD_DROPOUT.format("128, 64, 128, 8, 2, 4, 2"), 64, 128, 8),
 }
 # cuflash's backward with the logit features (flash_bwd_tc_masked) for one call's interior
 # tile (feature_counts.bwd_feature_edits: its flags as constants, the band test off): "masked"
@@ -145,6 +149,9 @@ TORCH_KERNELS = {
 BWD_FEATURE_KINDS = {"bwd-masked": {}, "bwd-masked-softcap": {"cap": True}}
 # and beside PyTorch's FA2 only (no upstream FA2 kernel has dropout): a call with dropout alone
 TORCH_FEATURE_KINDS = {"bwd-masked-dropout": {"drop": True}}
+# and the lean build a call with dropout and at most a window runs (flash_bwd_tc_dropout), as
+# launched, beside the same FA2 kernel
+TORCH_LEAN_KINDS = {"bwd-dropout": "flash_bwd_tc_dropout"}
 # cuflash's lean backward builds as launched, their band test included, at their default
 # tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
 # backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
@@ -484,8 +491,9 @@ def cuflash_count(kind, d, arch, tiles=None):
     import plan_sweep as ps
     from cuflash import kernels, tiling
     features = {**BWD_FEATURE_KINDS, **TORCH_FEATURE_KINDS}.get(kind)
+    lean = {**BWD_BAND_KINDS, **TORCH_LEAN_KINDS}
     kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
-              else BWD_BAND_KINDS[kind] if kind in BWD_BAND_KINDS else "flash_fwd_tc")
+              else lean[kind] if kind in lean else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
     plan = tiling.plan(kernel, d, d, "float16", block_q=bq, block_kv=bkv,
                        limit=tiling.EMULATOR_ARCHES[f"sm_{arch}"])
@@ -513,7 +521,8 @@ def cuflash_count(kind, d, arch, tiles=None):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
                                "S^T / dP^T / dQ loops; no per-trip count")
         draws = draw_loops(code, span)
-        if draws and not (len(draws) == 1 and (features or {}).get("drop")):
+        dropout = (features or {}).get("drop") or kind in TORCH_LEAN_KINDS
+        if draws and not (len(draws) == 1 and dropout):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: rolled loops without HMMA {draws} "
                                "where only the dropout's Philox loop is expected")
         if draws:
@@ -659,7 +668,7 @@ def main(argv=None):
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
                 try:
                     ops, cbq, cbkv, cwarps, note = cuflash_count(
-                        kind, d, arch, bwd_tiles if kind in ("bwd", *BWD_BAND_KINDS)
+                        kind, d, arch, bwd_tiles if kind in ("bwd", *BWD_BAND_KINDS, *TORCH_LEAN_KINDS)
                         else fwd_tiles if kind.startswith("fwd") else None)
                 except ValueError as e:  # tiles that this architecture's shared memory refuses
                     m = re.search(r"needs \d+ B of shared memory", str(e))
@@ -719,11 +728,14 @@ def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
            "download; `torch/lib/libtorch_cuda.so` unpacked, not installed; its own sm_80 and "
            "sm_90 cubins, `bench/fa2_torch.py`), the one public build of FA2's backward with "
            "dropout (`Is_dropout`, same traits as above). Its plain backward (`torch bwd`) sits "
-           "beside cuflash's plain kernel to show the build's own level; `torch bwd-masked-dropout` "
-           "is flash_bwd_tc_masked for a call with dropout alone (the count build of "
-           "`feature_counts.bwd_feature_edits(drop=True)`, its Philox loop weighted by its trips: "
-           "one Philox block per lane per eight logits, one shuffle per block) beside FA2's "
-           "backward with dropout. "
+           "beside cuflash's plain kernel to show the build's own level; `torch bwd-dropout` is "
+           "flash_bwd_tc_dropout (the lean build a call with dropout and at most a window runs) as "
+           "launched, its band test included, and `torch bwd-masked-dropout` flash_bwd_tc_masked "
+           "for a call with dropout alone (the count build of "
+           "`feature_counts.bwd_feature_edits(drop=True)`: what dropout costs beside a bias, ALiBi "
+           "or a softcap), each beside FA2's backward with dropout; a rolled Philox loop is "
+           "weighted by its trips (one Philox block per lane per eight logits, two gathering PRMT "
+           "per block). "
            "cuflash draws 16 bits per element (eight elements per Philox block), FA2 8 bits "
            "(sixteen per block).\n")
     )

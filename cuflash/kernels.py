@@ -119,6 +119,7 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_band": "flash_bwd_tc.cu",
     "flash_bwd_tc_softcap": "flash_bwd_tc.cu",
     "flash_bwd_tc_alibi": "flash_bwd_tc.cu",
+    "flash_bwd_tc_dropout": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -140,6 +141,7 @@ BUILD_DEFINES = {
     "flash_bwd_tc_band": {"CUFLASH_BWD_BAND": None},
     "flash_bwd_tc_softcap": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_SOFTCAP": None},
     "flash_bwd_tc_alibi": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_ALIBI": None},
+    "flash_bwd_tc_dropout": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_DROPOUT": None},
 }
 
 # Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
@@ -613,6 +615,11 @@ def compile_variants():
     add(tiling.BWD_SOFTCAP_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **softcap)
     add(tiling.BWD_ALIBI_KERNEL, "float16", 64, limit=tiling.EMULATOR_ARCHES["sm_90"], **alibi)
     add(tiling.BWD_ALIBI_KERNEL, "bfloat16", 128, **alibi)
+    # ... and its dropout build (flash_bwd_tc_dropout: dropout and at most a window) at the
+    # same defaults as the band build (the K/V bases per K/V tile at d = 128)
+    drop = lean[tiling.BWD_DROPOUT_KERNEL]
+    add(tiling.BWD_DROPOUT_KERNEL, "float16", 64, **drop)
+    add(tiling.BWD_DROPOUT_KERNEL, "bfloat16", 128, limit=tiling.EMULATOR_ARCHES["sm_90"], **drop)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

@@ -24,6 +24,14 @@ struct BwdBand {
     }
 };
 
+// The dropout key of a build that has dropout on at compile time (flash_bwd_tc_dropout, which
+// its launcher picks only for calls with dropout): on is a constant, so that its branches fold.
+__device__ __forceinline__ DropoutKey cuflash_dropout_key_on(const BwdParams& p) {
+    DropoutKey d = cuflash_dropout_key(p);
+    d.on = true;
+    return d;
+}
+
 // dropout's 1 / (1 - p) on dV (1 without dropout)
 __device__ __forceinline__ float dv_scale(const BwdParams& p) {
     return p.mask_dropout != 0 ? (float)p.mask_drop_scale : 1.0f;

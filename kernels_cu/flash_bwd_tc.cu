@@ -114,7 +114,10 @@
 // (exactly: 2 added to the exponent), which makes P (1 - tanh^2) = 4 P (r - r^2) one FFMA and
 // one FMUL per element; dV takes 4 P^T and is stored times 1/4.  With -DCUFLASH_BWD_ALIBI
 // instead (kernel flash_bwd_tc_alibi) it has ALiBi on at compile time: a call whose features
-// are ALiBi and at most a window.
+// are ALiBi and at most a window; with -DCUFLASH_BWD_DROPOUT (kernel flash_bwd_tc_dropout) the
+// dropout: a call whose features are dropout and at most a window, its keep bits drawn as in
+// the masked kernel but in the plain kernel's tiles (no registers held for 1 - tanh^2 or the
+// bias), and dV stored times 1 / (1 - p).
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -145,6 +148,8 @@
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_softcap
 #elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_ALIBI)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi
+#elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_DROPOUT)
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_dropout
 #elif defined(CUFLASH_BWD_BAND)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_band
 #else
@@ -153,8 +158,8 @@
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
 #else
-#if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI)
-#error "CUFLASH_BWD_BAND, _SOFTCAP and _ALIBI are builds of the logit features: define CUFLASH_MASKS with them"
+#if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI) || defined(CUFLASH_BWD_DROPOUT)
+#error "CUFLASH_BWD_BAND, _SOFTCAP, _ALIBI and _DROPOUT are builds of the logit features: define CUFLASH_MASKS with them"
 #endif
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc
 #define CUFLASH_BWD_TC_MASK_ARGS
@@ -182,6 +187,14 @@ constexpr bool kCapBuild = false;
 constexpr bool kAlibiBuild = true;
 #else
 constexpr bool kAlibiBuild = false;
+#endif
+#ifdef CUFLASH_BWD_DROPOUT
+#if !defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI)
+#error "CUFLASH_BWD_DROPOUT is a variant of the band build (not the softcap or ALiBi one): define CUFLASH_BWD_BAND with it"
+#endif
+constexpr bool kDropBuild = true;
+#else
+constexpr bool kDropBuild = false;
 #endif
 #endif
 
@@ -290,8 +303,15 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 // build's 128 x 128 tiles on sm_90 count 3412 per 1,000 HMMA unclamped against 3419 clamped,
 // its 64 x 128 at d = 128 2725 against 2700 (bench/results/tc_kernels_counts.md); the softcap
 // build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B), the ALiBi
-// build on sm_90 (clamped, 8 B there; on sm_80 clamped counts 2947 against 2972)
-constexpr bool kClampRange = !(kBandOnly && (kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
+// build on sm_90 (clamped, 8 B there; on sm_80 clamped counts 2947 against 2972); the dropout
+// build clamped in every layout (unclamped, its 128 x 128 at d = 64 spilled 4 B on sm_80, 12 B
+// on sm_90)
+constexpr bool kClampRange = !(kBandOnly && !kDropBuild && (kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
+// The K / V tiles' base pointers (batch and kv head) computed per K/V tile rather than once
+// before the loop, in the dropout build above d = 64: held across the loop, ptxas spilled
+// them (24 B in the prologue at d = 128 in 64 x 128 on sm_80, 16 B on sm_90); at d = 64 the
+// other way round (128 x 128: 4 B on sm_80, 8 B on sm_90 computed per tile)
+constexpr bool kLateKV = kDropBuild && kD > 64;
 #endif
 
 // ------------------------------------------------------------------------------------------
@@ -520,8 +540,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
     float* dq_acc = ws + p.dq_accum_offset + (p.n_splits > 1 ? fi.tile * p.dq_slice_stride : 0);
     const float* lse2 = ws;
     const float* Dws = ws + p.d_offset;
-    const elem_t* Kb = K + b * p.k_sb + hk * p.k_sh;
-    const elem_t* Vb = V + b * p.v_sb + hk * p.v_sh;
+    const elem_t* Kb0 = K + b * p.k_sb + hk * p.k_sh;
+    const elem_t* Vb0 = V + b * p.v_sb + hk * p.v_sh;
     const int n_q_tiles = (Nq + kBr - 1) / kBr;
     const int qh = warp % kQS;                // query half (S^T, dP^T) and column slice (dK, dV)
     const int kw0 = (warp / kQS) * kMT * 16;  // this warp's first key in the tile
@@ -659,6 +679,13 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 load_floats_async(D_s + buf * kBr, Dws + row0, tid);
             };
             if (pass == 0) {
+#ifdef CUFLASH_MASKS
+                const elem_t* Kb = kLateKV ? K + b * p.k_sb + hk * p.k_sh : Kb0;
+                const elem_t* Vb = kLateKV ? V + b * p.v_sb + hk * p.v_sh : Vb0;
+#else
+                const elem_t* Kb = Kb0;
+                const elem_t* Vb = Vb0;
+#endif
                 TileCopy<kBc, kD, kKS>(tid, p.k_sr, d_cols).template issue<false>(Ks, Kb + kv0 * p.k_sr, kv_rows);
                 TileCopy<kBc, kDv, kVS>(tid, p.v_sr, dv_cols).template issue<false>(Vs, Vb + kv0 * p.v_sr, kv_rows);
             }
@@ -734,7 +761,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // softcap: tanh(scale S / c) = 1 - 2 / (1 + 2^(S cap_k)), cap_k = 2 log2(e) scale / c
                 const float cap_k = 2.0f * scale_log2 * inv_u;
 #ifdef CUFLASH_BWD_BAND
-                const DropoutKey drop{};              // off
+                // off, or on at compile time in the dropout build
+                const DropoutKey drop = kDropBuild ? cuflash_dropout_key_on(p) : DropoutKey{};
 #else
                 const DropoutKey drop = cuflash_dropout_key(p);
 #endif
@@ -1003,7 +1031,7 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // the PRMT being inline assembly: dV's step below is taken in two copies, one per
                 // tile branch on drop.on)
                 auto kept = [&](int mt, int n, int hf, bool dropped) -> uint32_t {
-                    if (kBandOnly || !dropped) return pp[mt][n][hf];
+                    if ((kBandOnly && !kDropBuild) || !dropped) return pp[mt][n][hf];
                     return pp[mt][n][hf] & bwd_pair_mask(keep, mt * (kNQ / 2) + n / 2, n & 1, hf);
                 };
 #else
@@ -1319,8 +1347,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                                 if ((kSlices == 1 && !kPadded) || col < dv_cols)
 #ifdef CUFLASH_MASKS
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
-                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * (kBandOnly ? kDvBand : dv_scale(p)),
-                                                             dv[mt][n][2 * hh + 1] * (kBandOnly ? kDvBand : dv_scale(p))));
+                                           cvt_pack2<elem_t>(dv[mt][n][2 * hh] * (kBandOnly && !kDropBuild ? kDvBand : dv_scale(p)),
+                                                             dv[mt][n][2 * hh + 1] * (kBandOnly && !kDropBuild ? kDvBand : dv_scale(p))));
 #else
                                     gstore(reinterpret_cast<uint32_t*>(dVt + key * dv_cols + col),
                                            cvt_pack2<elem_t>(dv[mt][n][2 * hh], dv[mt][n][2 * hh + 1]));

@@ -188,10 +188,12 @@ BWD_BAND_MAX_HEAD_DIM = 128
 # flash_bwd_tc_softcap (with -DCUFLASH_BWD_SOFTCAP too: a call whose features are a softcap and
 # at most the band) and flash_bwd_tc_alibi (-DCUFLASH_BWD_ALIBI: ALiBi and at most the band):
 # the band build with that feature on at compile time; the same head dims and layouts, each
-# its own curated pairs.  The three are the backward's lean builds.
+# its own curated pairs; flash_bwd_tc_dropout (-DCUFLASH_BWD_DROPOUT: dropout and at most a
+# window) likewise.  The four are the backward's lean builds.
 BWD_SOFTCAP_KERNEL = "flash_bwd_tc_softcap"
 BWD_ALIBI_KERNEL = "flash_bwd_tc_alibi"
-BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL, BWD_ALIBI_KERNEL)
+BWD_DROPOUT_KERNEL = "flash_bwd_tc_dropout"
+BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL, BWD_ALIBI_KERNEL, BWD_DROPOUT_KERNEL)
 
 
 def bwd_band_takes(d, dv):

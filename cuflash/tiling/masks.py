@@ -170,7 +170,7 @@ def flash_bwd_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, dtype, block
 def band_offsets(Nq, Nk, causal, window):
     """(lo_off, hi_off): query i sees key j iff lo_off <= j - i < hi_off (and 0 <= j < Nk), the
     band of flash_bwd_tc_masked (kernels_cu/flash_bwd_tc.cu, BwdBand); the lean builds
-    (flash_bwd_tc_band, flash_bwd_tc_softcap) read them from their parameter block
+    (flash_bwd_tc_band, _softcap, _alibi, _dropout) read them from their parameter block
     (cuflash.launch.bwd_tc.band_fields)."""
     lo, hi = -Nq, Nk
     left, right = (-1, -1) if window is None else (-1 if s is None else s for s in window)
@@ -187,7 +187,7 @@ def flash_bwd_tc_masked_traffic(batch, heads, kv_heads, Nq, Nk, d, dv, block_q, 
                                 threads, passes=1, causal=None, window=None, bias=False,
                                 alibi=False, dbias=None, n_splits=1):
     """Exact global bytes (read, written) of a backward call on flash_bwd_tc_masked (or
-    the lean builds flash_bwd_tc_band and flash_bwd_tc_softcap: the same traffic).
+    the lean builds flash_bwd_tc_band, _softcap, _alibi and _dropout: the same traffic).
 
     flash_bwd_tc_preprocess, flash_bwd_tc_masked and flash_bwd_tc_dq_convert, 16-bit
     inputs: as :func:`cuflash.tiling.flash_bwd_tc_traffic`, with the Q tiles of a KV tile

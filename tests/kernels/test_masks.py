@@ -396,6 +396,21 @@ TC_ALIBI_CASES = [
     ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, dict(window=(30, 20), alibi_slopes=(1, 2)),
      64, 64, True),
 ]
+# The dropout build (flash_bwd_tc_dropout: dropout and at most a window) in the same layouts
+# and at d = 16 (two Philox blocks per step): its keep bits in FlashAttention-2's tiles (64
+# queries per warp at d = 64: a 64-bit keep word), P^T from its 16-bit pairs at d = 96 (not
+# kFloatP), the K/V bases per K/V tile at d = 128 (kLateKV); windows, causal both ways, GQA,
+# Nq and Nk ragged, both dQ paths, p from 0.1 to 0.6.
+TC_DROPOUT_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
+     dict(window=(200, None), dropout_p=0.1), 128, 128, False),
+    ("bfloat16", (2, 2, 190, 128), (2, 1, 250, 128), False, dict(dropout_p=0.3), 64, 128, True),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left", dict(window=(10, None), dropout_p=0.6),
+     32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False, dict(window=(30, 20), dropout_p=0.25),
+     64, 64, True),
+    ("bfloat16", (1, 2, 70, 16), (1, 2, 150, 16), "bottom_right", dict(dropout_p=0.45), 64, 128, False),
+]
 
 
 def _lean_id(c):
@@ -430,6 +445,42 @@ def test_tensor_core_backward_softcap(kernel_backend, case, rng):
 def test_tensor_core_backward_alibi(kernel_backend, case, rng):
     """flash_bwd_tc_alibi (ALiBi and at most a window) against the oracle."""
     _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_alibi")
+
+
+@pytest.mark.parametrize("feat,want", [
+    (dict(window=(8, None)), "flash_bwd_tc_band"),
+    (dict(softcap=2.0, window=(8, 3)), "flash_bwd_tc_softcap"),
+    (dict(alibi_slopes=True), "flash_bwd_tc_alibi"),
+    (dict(dropout_p=0.2, seed=1), "flash_bwd_tc_dropout"),
+    (dict(dropout_p=0.2, seed=1, window=(8, 3)), "flash_bwd_tc_dropout"),
+    (dict(dropout_p=0.2, seed=1, softcap=2.0), None),
+    (dict(dropout_p=0.2, seed=1, alibi_slopes=True), None),
+    (dict(dropout_p=0.2, seed=1, bias=True), None),
+    (dict(dropout_p=0.2, seed=1, bias=True, return_dbias=True), None),
+    (dict(softcap=2.0, alibi_slopes=True), None),
+    (dict(dropout_p=0.0, seed=1), None),
+])
+def test_lean_build_choice(feat, want):
+    """launch.features.lean_build: each lean build for its features and at most a window,
+    flash_bwd_tc_masked (None) for any other combination, a bias or dbias; a call whose
+    dropout_p is 0 is no dropout call."""
+    from cuflash import _validate, _validate_masks
+    from cuflash.launch import features
+    q = np.zeros((1, 2, 8, 16), np.float16)
+    spec = _validate.check_attention_inputs(q, q, q)
+    feat = dict(feat)
+    if feat.get("alibi_slopes"):
+        feat["alibi_slopes"] = np.full(2, 0.1, np.float32)
+    if feat.get("bias"):
+        feat["bias"] = np.zeros((1, 2, 8, 8), np.float32)
+    ms = _validate_masks.check_masks(spec, q, **feat)
+    assert features.lean_build(ms) == want
+
+
+@pytest.mark.parametrize("case", TC_DROPOUT_CASES, ids=_lean_id)
+def test_tensor_core_backward_dropout(kernel_backend, case, rng):
+    """flash_bwd_tc_dropout (dropout and at most a window) against the oracle."""
+    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_dropout")
 
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
@@ -862,6 +913,16 @@ def test_race_check_tc_backward_softcap(rng):
                             kernel="flash_bwd_tc_softcap")
 
 
+def test_race_check_tc_backward_dropout(rng):
+    """flash_bwd_tc_dropout under TSan in FlashAttention-2's d = 64 layout (the 64-bit keep
+    word, four Philox blocks per step), a window with interior tile pairs and both edges, Nq
+    and Nk ragged, atomic and deterministic dQ."""
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "bottom_right",
+                            dict(window=(160, None), dropout_p=0.3, seed=int(rng.integers(0, 2 ** 63))), 128, 128,
+                            (8, 2, 1, 2),
+                            kernel="flash_bwd_tc_dropout")
+
+
 def test_tc_backward_sm90_default_d128(rng):
     """flash_bwd_tc_masked's H100 default at d = 128 (128 x 64, 8 warps, 16 keys per warp pair in
     one pass; 206 KB of shared memory: an emulated sm_90) against the oracle, every feature
@@ -1052,20 +1113,26 @@ def _assert_tc_bwd_traffic(kernel_backend, rt, bp, dims, arrays, feat, causal, w
             bias, alibi, db, splits)
 
 
-@pytest.mark.parametrize("causal,window,alibi", [("bottom_right", (10, None), False), (None, None, False),
-                                                ("top_left", (3, 20), True)])
-def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, alibi):
-    """float16 with a softcap or ALiBi and at most a window: flash_bwd_tc_softcap and
-    flash_bwd_tc_alibi read and write what flash_bwd_tc_masked's model says for the same band
-    and features (a softcap costs no bytes), on both dQ paths."""
+@pytest.mark.parametrize("causal,window,kind", [("bottom_right", (10, None), "softcap"),
+                                               (None, None, "softcap"), ("top_left", (3, 20), "alibi"),
+                                               ("bottom_right", (12, 4), "dropout"), (None, None, "dropout")])
+def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, kind):
+    """float16 with a softcap, ALiBi or dropout and at most a window: flash_bwd_tc_softcap,
+    flash_bwd_tc_alibi and flash_bwd_tc_dropout read and write what flash_bwd_tc_masked's model
+    says for the same band and features (a softcap and dropout cost no bytes), on both dQ
+    paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
     from cuflash.launch import bwd as launch_bwd
+    alibi = kind == "alibi"
     B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, alibi, "float16")
-    if not alibi:
+    if kind == "softcap":
         feat["softcap"] = 2.5
-    lean = tiling.BWD_ALIBI_KERNEL if alibi else tiling.BWD_SOFTCAP_KERNEL
+    if kind == "dropout":
+        feat.update(dropout_p=0.3, seed=11)
+    lean = {"softcap": tiling.BWD_SOFTCAP_KERNEL, "alibi": tiling.BWD_ALIBI_KERNEL,
+            "dropout": tiling.BWD_DROPOUT_KERNEL}[kind]
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
     do = oracle.randn(rng, o.shape, "float16")
     rt = emulator_backend.runtime()

@@ -62,7 +62,7 @@ def test_compile_command(tmp_path):
 def test_precompile_features_then_feature_calls_compile_nothing(rng, dtype, d):
     """features=True builds the kernels of calls with logit features, both dQ paths (float16:
     the tensor-core backward's lean builds too, which a call with a window alone, one with a
-    softcap and a window and one with ALiBi and a window run)."""
+    softcap and a window, one with ALiBi and a window and one with dropout and a window run)."""
     require_backend("emulator")
     saved = dict(kernels._CACHE)   # modules other tests loaded must not hide a missing one
     kernels._CACHE.clear()
@@ -76,7 +76,7 @@ def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
     masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap",
-               "flash_bwd_tc_alibi"}
+               "flash_bwd_tc_alibi", "flash_bwd_tc_dropout"}
               if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
@@ -104,6 +104,10 @@ def _precompile_features_then_call(rng, dtype, d):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **sloped)
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **sloped)
     oracle.check_backward(grads, do, q, k, v, **sloped)
+    dropped = dict(window=(20, 3), dropout_p=0.2, seed=7)   # (flash_bwd_tc_dropout)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **dropped)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **dropped)
+    oracle.check_backward(grads, do, q, k, v, **dropped)
     assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 

@@ -174,8 +174,8 @@ def test_table_shapes():
     (flash_bwd_tf32: 32 .. 128); every class has a default at every planned architecture
     (but float64 d = 256 backward on sm_75, which nothing fits); tensor-core families are not
     planned on sm_75; the Hopper kernels (the forward's head dims 64..256 by 64, the backward's
-    64 and 128) only on sm_90; the backward's lean builds (flash_bwd_tc_band, flash_bwd_tc_softcap)
-    up to 128."""
+    64 and 128) only on sm_90; the backward's lean builds (flash_bwd_tc_band, _softcap, _alibi,
+    _dropout) up to 128."""
     for kernel in curated.CURATED_KERNELS:
         grids = curated.table(kernel)
         hopper = {tiling.WGMMA_KERNEL: tiling.WGMMA_HEAD_DIMS,
