@@ -616,11 +616,11 @@ def compile_variants():
     add(tiling.BWD_ALIBI_KERNEL, "float16", 64, limit=tiling.EMULATOR_ARCHES["sm_90"], **alibi)
     add(tiling.BWD_ALIBI_KERNEL, "bfloat16", 128, **alibi)
     # ... and its dropout build (flash_bwd_tc_dropout: dropout and at most a window): at d = 64
-    # the sm_86 cell's 64 x 64 (the A100's 128 x 128 with one dO buffer spills 4 B compiled
-    # for sm_90, where it never runs, and the H100's with two spills 12 B for sm_80), at d = 128
-    # the A100's 64 x 128 with one dO buffer (the K/V bases per K/V tile)
+    # the sm_86 cell's 64 x 64 (each architecture's default spills compiled for the other, where
+    # it never runs: the A100's 128 x 128 with one dO buffer, the H100's with two, and the
+    # sm_86 cell's 32 x 128 for sm_90), at d = 128 the A100's 64 x 128 with one dO buffer
     drop = lean[tiling.BWD_DROPOUT_KERNEL]
-    add(tiling.BWD_DROPOUT_KERNEL, "float16", 64, limit=tiling.EMULATOR_ARCHES["sm_86"], **drop)
+    add(tiling.BWD_DROPOUT_KERNEL, "float16", 64, bq=64, bkv=64, limit=tiling.EMULATOR_ARCHES["sm_86"], **drop)
     add(tiling.BWD_DROPOUT_KERNEL, "bfloat16", 128, **drop)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):

@@ -67,12 +67,22 @@ __device__ __forceinline__ uint32_t bwd_pair_mask(unsigned long long bits, int q
 // words' halves gathered by two PRMT (each byte the sign of a half) and one LOP3 (rh = 0 at
 // bit 7, rh = 1 at bits 0-6), the pair's place by a shift and a mask.  Then each lane keeps
 // the bytes of its own keys' parity e and takes the same from its partner (queries 2t + 1 -
-// e): one shuffle and one PRMT.  Every lane of the warp must call it.
+// e): one shuffle and one PRMT.  Every lane of the warp must call it.  ``rk``: the round keys
+// as kernel arguments (cuflash_philox4x32_10_keyed), else (null) the rounds add them to drop's.
 template <int kPairs>
-__device__ __forceinline__ unsigned long long bwd_kept_bits(const DropoutKey& drop, int b, int h, int q16,
-                                                            int k16, int g, int t, int q) {
+__device__ __forceinline__ unsigned long long bwd_kept_bits(const DropoutKey& drop, const unsigned long long (*rk)[10],
+                                                            int b, int h, int q16, int k16, int g, int t, int q) {
     uint32_t w[4];
-    cuflash_dropout_block(w, drop.k0, drop.k1, b, h, (q16 >> 1) + 2 * t + (g & 1), (k16 >> 2) + (g >> 1));
+    const int row = (q16 >> 1) + 2 * t + (g & 1), col = (k16 >> 2) + (g >> 1);
+    if (rk != nullptr) {
+        w[0] = (uint32_t)col;
+        w[1] = (uint32_t)row;
+        w[2] = (uint32_t)h;
+        w[3] = (uint32_t)b;
+        cuflash_philox4x32_10_keyed(w, *rk);
+    } else {
+        cuflash_dropout_block(w, drop.k0, drop.k1, b, h, row, col);
+    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = cuflash_keep_halves(w[k], drop.threshold2);
     // bytes: word 0 | 2 even key, 0 | 2 odd key, 1 | 3 even key, 1 | 3 odd key

@@ -117,7 +117,8 @@
 // are ALiBi and at most a window; with -DCUFLASH_BWD_DROPOUT (kernel flash_bwd_tc_dropout) the
 // dropout: a call whose features are dropout and at most a window, its keep bits drawn as in
 // the masked kernel but in the plain kernel's tiles (no registers held for 1 - tanh^2 or the
-// bias), and dV stored times 1 / (1 - p).
+// bias), all of a trip's Philox blocks in one step, their round keys ten more arguments (by
+// value, from the launcher), and dV stored times 1 / (1 - p).
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -155,8 +156,19 @@
 #else
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_masked
 #endif
+#ifdef CUFLASH_BWD_DROPOUT
+// the dropout build's ten round keys of Philox (round r: k0 + r 0x9E3779B9 low, k1 + r
+// 0xBB67AE85 high), by value: the constant bank, no instruction per round and step
+#define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
+    const float* __restrict__ Slopes, float* __restrict__ dBias, \
+    const unsigned long long rk0, const unsigned long long rk1, const unsigned long long rk2, \
+    const unsigned long long rk3, const unsigned long long rk4, const unsigned long long rk5, \
+    const unsigned long long rk6, const unsigned long long rk7, const unsigned long long rk8, \
+    const unsigned long long rk9
+#else
 #define CUFLASH_BWD_TC_MASK_ARGS , const float* __restrict__ Bias, \
     const float* __restrict__ Slopes, float* __restrict__ dBias
+#endif
 #else
 #if defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI) || defined(CUFLASH_BWD_DROPOUT)
 #error "CUFLASH_BWD_BAND, _SOFTCAP, _ALIBI and _DROPOUT are builds of the logit features: define CUFLASH_MASKS with them"
@@ -274,8 +286,9 @@ constexpr int kUnrollDQ = kUnrolled ? kBc / 16 : 1;
 #ifdef CUFLASH_MASKS
 // the dropout's Philox blocks per step in the unrolled builds (their counters and bit
 // positions in part constants, the round keys shared by the step's blocks): four; two at
-// d = 16, where four spill 4 B at 32 x 128 on sm_90
-constexpr int kUnrollDraw = kUnrolled ? (kD > 16 ? 4 : 2) : 1;
+// d = 16, where four spill 4 B at 32 x 128 on sm_90; the dropout build all of a trip's in one
+// step (eight in FA2's 128 x 128 tiles at d = 64: the round keys once per trip, not twice)
+constexpr int kUnrollDraw = kUnrolled ? (kDropBuild ? kMT * kNQ / 2 : kD > 16 ? 4 : 2) : 1;
 #endif
 
 static_assert(kThreads % 32 == 0 && kMT * 16 * kWarps == kBc * kQS && (kMT == 1 || kMT == 2),
@@ -304,14 +317,16 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 // its 64 x 128 at d = 128 2725 against 2700 (bench/results/tc_kernels_counts.md); the softcap
 // build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B), the ALiBi
 // build on sm_90 (clamped, 8 B there; on sm_80 clamped counts 2947 against 2972); the dropout
-// build clamped in every layout (unclamped, its 128 x 128 at d = 64 spilled 4 B on sm_80, 12 B
-// on sm_90)
-constexpr bool kClampRange = !(kBandOnly && !kDropBuild && (kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
+// build clamped but in its 128 x 128 tiles on sm_80 (there clamped spilled 4 B; on sm_90
+// unclamped 4 B)
+constexpr bool kClampRange = !(kBandOnly && (kDropBuild ? kBigSplit && CUFLASH_ARCH < 900
+                                                        : kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
 // The K / V tiles' base pointers (batch and kv head) computed per K/V tile rather than once
-// before the loop, in the dropout build above d = 64: held across the loop, ptxas spilled
-// them (24 B in the prologue at d = 128 in 64 x 128 on sm_80, 16 B on sm_90); at d = 64 the
-// other way round (128 x 128: 4 B on sm_80, 8 B on sm_90 computed per tile)
-constexpr bool kLateKV = kDropBuild && kD > 64;
+// before the loop, in the dropout build above d = 64 and on sm_90: held across the loop,
+// ptxas spilled them in the prologue (d = 128 in 64 x 128: 4 B on sm_80, 16 B on sm_90; d = 64
+// in 128 x 128 on sm_90: 8 B); at d = 64 on sm_80 per tile counts 5681 per 1,000 HMMA against
+// 5659 (bench/results/tc_kernels_counts.md)
+constexpr bool kLateKV = kDropBuild && (kD > 64 || CUFLASH_ARCH >= 900);
 #endif
 
 // ------------------------------------------------------------------------------------------
@@ -788,10 +803,16 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // (bwd_masks.cuh); kUnrollDraw blocks per step
                 if (drop.on) {
                     keep = 0;
+#ifdef CUFLASH_BWD_DROPOUT
+                    const unsigned long long rkeys[10] = {rk0, rk1, rk2, rk3, rk4, rk5, rk6, rk7, rk8, rk9};
+                    const unsigned long long (*rk)[10] = &rkeys;
+#else
+                    const unsigned long long (*rk)[10] = nullptr;
+#endif
 #pragma unroll kUnrollDraw
                     for (int mn = 0; mn < kMT * kNQ / 2; ++mn) {
                             const int mt = mn / (kNQ / 2), n = 2 * (mn % (kNQ / 2));
-                            keep |= bwd_kept_bits<kMT * kNQ / 2>(drop, b + p.mask_drop_b0, h, q0 + qw0 + n * 8,
+                            keep |= bwd_kept_bits<kMT * kNQ / 2>(drop, rk, b + p.mask_drop_b0, h, q0 + qw0 + n * 8,
                                                                  kv0 + kw0 + mt * 16, g, t, mn);
                     }
                 }

@@ -426,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) CUFLASH_BWD_TF32_KERNE
             keep = 0;
 #pragma unroll 1
             for (int nq = 0; nq < kNQ; nq += 2)  // (rolled: one Philox block per eight logits)
-                keep |= bwd_kept_bits<kNQ / 2>(drop, b + p.mask_drop_b0, h, q0 + nq * 8, key0, g, t, nq / 2);
+                keep |= bwd_kept_bits<kNQ / 2>(drop, nullptr, b + p.mask_drop_b0, h, q0 + nq * 8, key0, g, t, nq / 2);
         }
 #endif
         // -- S^T = K_w Q_i^T, dP^T = V_w dO_i^T

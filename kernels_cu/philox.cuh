@@ -37,6 +37,22 @@ __device__ __forceinline__ void cuflash_philox4x32_10(uint32_t (&c)[4], uint32_t
     }
 }
 
+// The same ten rounds with round r's key halves (k0 + r 0x9E3779B9, k1 + r 0xBB67AE85, mod
+// 2^32) given as the low and high words of rk[r]: kernel arguments that the launcher computes
+// from the seed (cuflash.launch.bwd_tc.round_keys), which ptxas reads from the constant bank
+// instead of adding the Weyl constants per round and block step.
+__device__ __forceinline__ void cuflash_philox4x32_10_keyed(uint32_t (&c)[4], const unsigned long long (&rk)[10]) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        c[0] = hi1 ^ c[1] ^ (uint32_t)rk[r];
+        c[1] = lo1;
+        c[2] = hi0 ^ c[3] ^ (uint32_t)(rk[r] >> 32);
+        c[3] = lo0;
+    }
+}
+
 // Counter halves of element (i, j): the block's row index (rows i and i + 8 of a 16-row group
 // share it) and key index (keys 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-key group share it).
 __device__ __forceinline__ int cuflash_drop_row(int i) { return ((i >> 4) << 3) | (i & 7); }

@@ -25,7 +25,7 @@ from .common import (aligned16, aligned_copies, alloc_output, array_key, cached_
 from .features import DEFINES, Prepared, prepared_key
 from .hopper import HopperMaps, materialised, tma_layout_ok
 
-__all__ = ["build", "requests", "dq_splits", "band_fields"]
+__all__ = ["build", "requests", "dq_splits", "band_fields", "round_keys"]
 
 _FILE = "flash_bwd_tc.cu"
 # flash_bwd_tc_dq_convert is grid-stride: a GPU gets enough blocks to fill it, the
@@ -57,6 +57,20 @@ def band_fields(spec, ms):
     feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
     lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)
     return dict(mask_band_lo=lo, mask_band_hi=hi)
+
+
+# Philox4x32-10's Weyl constants: the key's halves grow by them between rounds
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+def round_keys(seed):
+    """flash_bwd_tc_dropout's last ten arguments: Philox's round keys for ``seed`` (key halves
+    seed's low and high 32 bits), round r's as one uint64, k0 + r W0 in the low word and k1 +
+    r W1 in the high (mod 2^32; kernels_cu/philox.cuh, cuflash_philox4x32_10_keyed)."""
+    seed = int(seed)
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return tuple(np.uint64(((k0 + r * _PHILOX_W0) & 0xFFFFFFFF) | (((k1 + r * _PHILOX_W1) & 0xFFFFFFFF) << 32))
+                 for r in range(10))
 
 
 def _concurrent_blocks(runtime, plan):
@@ -156,6 +170,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
             if hopper else None)
     rt_name = runtime.name
     emulator = rt_name == "emulator"
+    drop_build = plan.kernel == tiling.BWD_DROPOUT_KERNEL
     back = sum_back(xp, acc, dtype, want, summed)
 
     def run(do, q, k, v, o, lse, f=None):
@@ -185,6 +200,8 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
         launch(rt_name, pre, "flash_bwd_tc_preprocess", pre_grid, (tiling.BWD_TC_PRE_THREADS,),
                (o_, do_, lse, ws, p), 0)
         args = (q_, k_, v_, do_, ws, dk, dv_, p) + extra + db
+        if drop_build:
+            args += round_keys(f.seed)
         if maps is not None:
             args = maps(q_, k_, v_, do_) + args
         launch(rt_name, main, plan.kernel, main_grid, (plan.threads,), args, plan.shared_bytes)

@@ -378,16 +378,14 @@ CURATED["flash_bwd_tc_alibi"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TE
 # --------------------------------------------------------------------------
 # Its dropout build (-DCUFLASH_BWD_DROPOUT: flash_bwd_tc_dropout, dropout and at most a window):
 # the band build's pairs less those where ptxas spills it (NVRTC 13.0, -ftz=true, both
-# dtypes): 64 x 128 at d = 32 (20 B on sm_80 and sm_90), 32 x 64 at d = 48 on sm_90 (16 B),
-# 32 x 128 at d = 64 (24 B sm_80, 8 B sm_90) and 16 x 64 on sm_80 (4 B; the sm_86 cell runs
-# 64 x 64 and 16 x 128 instead), 64 x 64 at d = 112 on sm_90 (20 B; 32 x 128 and 32 x 64
-# there).
+# dtypes): 64 x 128 at d = 32 on sm_80 (12 B), 16 x 64 at d = 64 on sm_80 (4 B; the sm_86
+# cell runs 64 x 64 instead) and 32 x 128 on sm_90 (20 B), 64 x 64 at d = 112 on sm_90 (20
+# B; 32 x 128 and 32 x 64 there).
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tc_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
-    32: "32x128 32x64 | = | =",
-    48: "32x128 64x128 32x64 | = | 32x128 64x128",
-    64: "64x64 16x128 | 128x128 64x128 | =",
+    32: "32x128 32x64 | = | 32x128 64x128 32x64",
+    64: "32x128 64x64 | 128x128 32x128 64x128 | 128x128 64x128",
     112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64"}))
 
 
