@@ -801,14 +801,14 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 // are live here): one Philox block per lane for the eight logits of fragments
                 // (mt, n), (mt, n + 1) (n even), the lanes g, g ^ 1 swapping halves
                 // (bwd_masks.cuh); kUnrollDraw blocks per step
+#ifdef CUFLASH_BWD_DROPOUT
+                const unsigned long long rkeys[10] = {rk0, rk1, rk2, rk3, rk4, rk5, rk6, rk7, rk8, rk9};
+                const unsigned long long (*rk)[10] = &rkeys;
+#else
+                const unsigned long long (*rk)[10] = nullptr;  // (drop's key, added per round)
+#endif
                 if (drop.on) {
                     keep = 0;
-#ifdef CUFLASH_BWD_DROPOUT
-                    const unsigned long long rkeys[10] = {rk0, rk1, rk2, rk3, rk4, rk5, rk6, rk7, rk8, rk9};
-                    const unsigned long long (*rk)[10] = &rkeys;
-#else
-                    const unsigned long long (*rk)[10] = nullptr;
-#endif
 #pragma unroll kUnrollDraw
                     for (int mn = 0; mn < kMT * kNQ / 2; ++mn) {
                             const int mt = mn / (kNQ / 2), n = 2 * (mn % (kNQ / 2));
