@@ -156,7 +156,8 @@ TORCH_LEAN_KINDS = {"bwd-dropout": "flash_bwd_tc_dropout"}
 # tiles: flash_bwd_tc_band (a window alone) beside FA2's plain backward ("band") and FA2's
 # backward with a local window ("local", Is_local); flash_bwd_tc_softcap (a softcap and at
 # most a window) beside FA2's softcap backward; flash_bwd_tc_alibi (ALiBi and at most a window)
-# beside FA2's plain backward (the wheel has no ALiBi backward)
+# beside FA2's plain backward (the wheel has no ALiBi backward).  (flash_bwd_tc_dropout, whose
+# one FA2 counterpart is PyTorch's, is in TORCH_LEAN_KINDS above.)
 BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_band",
                   "bwd-softcap": "flash_bwd_tc_softcap", "bwd-alibi": "flash_bwd_tc_alibi"}
 

@@ -510,7 +510,7 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         there, ALiBi with at most a window ``flash_bwd_tc_alibi``, dropout
         with at most a window ``flash_bwd_tc_dropout``, whose tiles are the
         band build's but at d = 128 on sm_86 (softcap: 16 x 128), on sm_80
-        (ALiBi: 64 x 128 only) and at d = 32, 48, 64 and 112 (dropout), which
+        (ALiBi: 64 x 128 only) and at d = 32, 64 and 112 (dropout), which
         this model does not report).
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on

@@ -308,7 +308,8 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     logit features -- the same choice between flash_bwd_tc_masked and flash_bwd_dkdv_masked;
     with ``lean`` too (one of BWD_LEAN_KERNELS: flash_bwd_tc_band for a call whose only feature
     is a window, with or without causal; flash_bwd_tc_softcap for a softcap and at most a
-    window; flash_bwd_tc_alibi for ALiBi and at most a window) that build in
+    window; flash_bwd_tc_alibi for ALiBi and at most a window; flash_bwd_tc_dropout for
+    dropout and at most a window) that build in
     flash_bwd_tc_masked's place, where it has one (d == dv <= 128).
     ``wgmma``: the device is an sm_90 that runs the Hopper backward (``flash_bwd_wgmma``) and the
     call is not deterministic: taken for the plain calls and tiles it supports
