@@ -73,16 +73,11 @@ template <int kPairs>
 __device__ __forceinline__ unsigned long long bwd_kept_bits(const DropoutKey& drop, const unsigned long long (*rk)[10],
                                                             int b, int h, int q16, int k16, int g, int t, int q) {
     uint32_t w[4];
-    const int row = (q16 >> 1) + 2 * t + (g & 1), col = (k16 >> 2) + (g >> 1);
-    if (rk != nullptr) {
-        w[0] = (uint32_t)col;
-        w[1] = (uint32_t)row;
-        w[2] = (uint32_t)h;
-        w[3] = (uint32_t)b;
+    cuflash_dropout_counter(w, b, h, (q16 >> 1) + 2 * t + (g & 1), (k16 >> 2) + (g >> 1));
+    if (rk != nullptr)
         cuflash_philox4x32_10_keyed(w, *rk);
-    } else {
-        cuflash_dropout_block(w, drop.k0, drop.k1, b, h, row, col);
-    }
+    else
+        cuflash_philox4x32_10(w, drop.k0, drop.k1);
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = cuflash_keep_halves(w[k], drop.threshold2);
     // bytes: word 0 | 2 even key, 0 | 2 odd key, 1 | 3 even key, 1 | 3 odd key

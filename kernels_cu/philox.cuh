@@ -21,17 +21,22 @@
 #pragma once
 #include "portable.cuh"
 
-// Ten rounds: (c0, c1, c2, c3) <- (hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1,
-// lo(M0 c0)); the key grows by the Weyl constants between rounds.
+// One round: (c0, c1, c2, c3) <- (hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1,
+// lo(M0 c0)) with the round's key halves k0, k1.
+__device__ __forceinline__ void cuflash_philox_round(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+    c[0] = hi1 ^ c[1] ^ k0;
+    c[1] = lo1;
+    c[2] = hi0 ^ c[3] ^ k1;
+    c[3] = lo0;
+}
+
+// Ten rounds; the key grows by the Weyl constants between rounds.
 __device__ __forceinline__ void cuflash_philox4x32_10(uint32_t (&c)[4], uint32_t k0, uint32_t k1) {
 #pragma unroll
     for (int r = 0; r < 10; ++r) {
-        const uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
-        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
-        c[0] = hi1 ^ c[1] ^ k0;
-        c[1] = lo1;
-        c[2] = hi0 ^ c[3] ^ k1;
-        c[3] = lo0;
+        cuflash_philox_round(c, k0, k1);
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
@@ -43,14 +48,7 @@ __device__ __forceinline__ void cuflash_philox4x32_10(uint32_t (&c)[4], uint32_t
 // instead of adding the Weyl constants per round and block step.
 __device__ __forceinline__ void cuflash_philox4x32_10_keyed(uint32_t (&c)[4], const unsigned long long (&rk)[10]) {
 #pragma unroll
-    for (int r = 0; r < 10; ++r) {
-        const uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
-        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
-        c[0] = hi1 ^ c[1] ^ (uint32_t)rk[r];
-        c[1] = lo1;
-        c[2] = hi0 ^ c[3] ^ (uint32_t)(rk[r] >> 32);
-        c[3] = lo0;
-    }
+    for (int r = 0; r < 10; ++r) cuflash_philox_round(c, (uint32_t)rk[r], (uint32_t)(rk[r] >> 32));
 }
 
 // Counter halves of element (i, j): the block's row index (rows i and i + 8 of a 16-row group
@@ -58,13 +56,18 @@ __device__ __forceinline__ void cuflash_philox4x32_10_keyed(uint32_t (&c)[4], co
 __device__ __forceinline__ int cuflash_drop_row(int i) { return ((i >> 4) << 3) | (i & 7); }
 __device__ __forceinline__ int cuflash_drop_col(int j) { return ((j >> 4) << 2) | ((j >> 1) & 3); }
 
-// The four words of block (row counter r, key counter m) of problem (b, h).
-__device__ __forceinline__ void cuflash_dropout_block(uint32_t (&w)[4], uint32_t k0, uint32_t k1,
-                                                      int b, int h, int r, int m) {
+// The counter of block (row counter r, key counter m) of problem (b, h).
+__device__ __forceinline__ void cuflash_dropout_counter(uint32_t (&w)[4], int b, int h, int r, int m) {
     w[0] = (uint32_t)m;
     w[1] = (uint32_t)r;
     w[2] = (uint32_t)h;
     w[3] = (uint32_t)b;
+}
+
+// The four words of block (row counter r, key counter m) of problem (b, h).
+__device__ __forceinline__ void cuflash_dropout_block(uint32_t (&w)[4], uint32_t k0, uint32_t k1,
+                                                      int b, int h, int r, int m) {
+    cuflash_dropout_counter(w, b, h, r, m);
     cuflash_philox4x32_10(w, k0, k1);
 }
 
