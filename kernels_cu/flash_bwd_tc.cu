@@ -325,7 +325,7 @@ constexpr bool kClampRange = !(kBandOnly && (kDropBuild ? kBigSplit && CUFLASH_A
 // before the loop, in the dropout build above d = 64 and on sm_90: held across the loop,
 // ptxas spilled them in the prologue (d = 128 in 64 x 128: 4 B on sm_80, 16 B on sm_90; d = 64
 // in 128 x 128 on sm_90: 8 B); at d = 64 on sm_80 per tile counts 5681 per 1,000 HMMA against
-// 5659 (bench/results/tc_kernels_counts.md)
+// 5662 (bench/results/tc_kernels_counts.md)
 constexpr bool kLateKV = kDropBuild && (kD > 64 || CUFLASH_ARCH >= 900);
 #endif
 
