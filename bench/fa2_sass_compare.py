@@ -47,7 +47,11 @@ kernel, and its backward with dropout beside ``flash_bwd_tc_dropout`` (the lean 
 with dropout and at most a window runs, as launched) and beside ``flash_bwd_tc_masked``'s count
 build for a call with dropout alone (what dropout costs where the call also has a bias,
 ALiBi or a softcap).  A Philox loop, where rolled, is weighted by its trips: one Philox block
-per lane per eight logits, two gathering PRMT per block (:func:`draw_trips`).
+per lane per eight logits, two gathering PRMT per block (:func:`draw_trips`).  ``--source``
+adds rows beside FA2 2.8.3 built here from its sdist (``bench/fa2_source.py``), the backward
+kernels no public wheel holds (:data:`SOURCE_ROWS`): upstream's dropout backward (PyTorch's
+copy counts 14-22% more than upstream's build), ALiBi as FA2 launches it, and ALiBi with
+dropout or a softcap beside ``flash_bwd_tc_masked``.
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -71,6 +75,7 @@ Usage::
     python bench/fa2_sass_compare.py                       # print the table, write the result
     python bench/fa2_sass_compare.py --no-write --arch 80
     python bench/fa2_sass_compare.py --torch               # and PyTorch's FA2 (dropout)
+    python bench/fa2_sass_compare.py --torch --source      # and FA2 built from its source
     python bench/fa2_sass_compare.py --wheel-dir /path/with/the/wheel --cache /tmp/fa2
 """
 import argparse
@@ -160,6 +165,21 @@ TORCH_LEAN_KINDS = {"bwd-dropout": "flash_bwd_tc_dropout"}
 # one FA2 counterpart is PyTorch's, is in TORCH_LEAN_KINDS above.)
 BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_band",
                   "bwd-softcap": "flash_bwd_tc_softcap", "bwd-alibi": "flash_bwd_tc_alibi"}
+# FA2 2.8.3 built here from its source (bench/fa2_source.py, --source): the backward kernels no
+# public wheel holds.  Row kind -> the fa2_source.KERNELS kernel beside it.  cuflash's side:
+# "bwd" the plain kernel (the build read against the wheel's), "bwd-alibi" / "bwd-alibi-even"
+# flash_bwd_tc_alibi beside FA2's ALiBi backward as launched (Is_even_MN and Is_even_K off) and
+# beside its never-launched even build, "bwd-dropout" flash_bwd_tc_dropout and
+# "bwd-masked-dropout" flash_bwd_tc_masked's dropout beside upstream's dropout backward, and
+# flash_bwd_tc_masked's count builds for ALiBi with dropout or with a softcap (two logit
+# features: what a call with both runs) beside FA2's kernels with both.
+SOURCE_ROWS = {"bwd": "bwd", "bwd-alibi": "bwd-alibi", "bwd-alibi-even": "bwd-alibi-even",
+               "bwd-dropout": "bwd-dropout", "bwd-masked-dropout": "bwd-dropout",
+               "bwd-masked-alibi-dropout": "bwd-alibi-dropout",
+               "bwd-masked-alibi-softcap": "bwd-alibi-softcap"}
+SOURCE_LEAN_KINDS = {"bwd-alibi-even": "flash_bwd_tc_alibi"}
+SOURCE_FEATURE_KINDS = {"bwd-masked-alibi-dropout": {"alibi": True, "drop": True},
+                        "bwd-masked-alibi-softcap": {"alibi": True, "cap": True}}
 
 # Instruction classes of the breakdown, first match wins: (name, test of the full opcode).
 # "moves" are register copies and zeroing (IMAD.MOV is ptxas' move on the integer pipe);
@@ -491,8 +511,8 @@ def cuflash_count(kind, d, arch, tiles=None):
     import kernel_report as kr
     import plan_sweep as ps
     from cuflash import kernels, tiling
-    features = {**BWD_FEATURE_KINDS, **TORCH_FEATURE_KINDS}.get(kind)
-    lean = {**BWD_BAND_KINDS, **TORCH_LEAN_KINDS}
+    features = {**BWD_FEATURE_KINDS, **TORCH_FEATURE_KINDS, **SOURCE_FEATURE_KINDS}.get(kind)
+    lean = {**BWD_BAND_KINDS, **TORCH_LEAN_KINDS, **SOURCE_LEAN_KINDS}
     kernel = ("flash_bwd_tc" if kind == "bwd" else "flash_bwd_tc_masked" if features is not None
               else lean[kind] if kind in lean else "flash_fwd_tc")
     bq, bkv = tiles or (None, None)
@@ -619,6 +639,10 @@ def main(argv=None):
     ap.add_argument("--torch", action="store_true",
                     help="add rows beside PyTorch's bundled FA2 (bench/fa2_torch.py: downloads the "
                          "torch wheel, about 550 MB): its plain backward and its backward with dropout")
+    ap.add_argument("--source", action="store_true",
+                    help="add rows beside FA2 2.8.3 built here from its sdist (bench/fa2_source.py: "
+                         "downloads it and CUDA 13.0's nvcc wheels, about 100 MB; builds for about four "
+                         "minutes the first time): its ALiBi and dropout backward kernels")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
     args = ap.parse_args(argv)
     def _tiles(text):
@@ -641,14 +665,23 @@ def main(argv=None):
         import fa2_torch
         torch_wheel = fa2_torch.fetch(args.wheel_dir)
         torch = fa2_torch.TorchFA2(torch_wheel, args.cache or args.wheel_dir)
+    src = None
+    if args.source:
+        import fa2_source
+        src = fa2_source.SourceFA2(args.cache or args.wheel_dir)
     rows = collections.OrderedDict()
     kinds = [(k, None) for k in ("fwd", "fwd-rescale", "bwd", *BWD_FEATURE_KINDS, *BWD_BAND_KINDS)]
     if torch is not None:
         kinds += [(k, "torch") for k in dict.fromkeys(k for k, _ in TORCH_KERNELS)]
+    if src is not None:
+        kinds += [(k, "src") for k in SOURCE_ROWS]
     for kind, side in kinds:
         for d in args.d:
             if side == "torch":
                 want, bq, bkv, warps = TORCH_KERNELS[(kind, d)]
+            elif side == "src":
+                want = fa2_source.kernel_name(d, SOURCE_ROWS[kind])
+                bq, bkv, warps = FA2_KERNELS[("bwd", d)][1:]
             else:
                 want, bq, bkv, warps = FA2_KERNELS.get((kind, d)) or FA2_KERNELS[(kind.split("-")[0], d)]
             for arch in args.arch:
@@ -657,6 +690,8 @@ def main(argv=None):
                 r = rows[key] = {}
                 if side == "torch":
                     code = torch.sass(want, arch)
+                elif side == "src":
+                    code = src.sass(want, arch)
                 elif arch == 80:
                     code = lib.sass_sm80(want)
                 elif ptxas is None:
@@ -669,7 +704,8 @@ def main(argv=None):
                     r["FA2"] = dict(row(key, ops, bq, bkv, warps), note=note)
                 try:
                     ops, cbq, cbkv, cwarps, note = cuflash_count(
-                        kind, d, arch, bwd_tiles if kind in ("bwd", *BWD_BAND_KINDS, *TORCH_LEAN_KINDS)
+                        kind, d, arch, bwd_tiles if kind in ("bwd", *BWD_BAND_KINDS, *TORCH_LEAN_KINDS,
+                                                             *SOURCE_LEAN_KINDS)
                         else fwd_tiles if kind.startswith("fwd") else None)
                 except ValueError as e:  # tiles that this architecture's shared memory refuses
                     m = re.search(r"needs \d+ B of shared memory", str(e))
@@ -679,7 +715,8 @@ def main(argv=None):
     table = markdown(rows)
     elapsed = time.time() - t0
     tiles = ", ".join(f"{k}: {v}" for k, v in (("forward", args.fwd_tiles), ("backward", args.bwd_tiles)) if v)
-    head = header(wheel, ptxas, elapsed, argv, tiles, torch_wheel if torch is not None else None)
+    head = header(wheel, ptxas, elapsed, argv, tiles, torch_wheel if torch is not None else None,
+                  src)
     print(table)
     print(f"\n({elapsed:.0f} s)", file=sys.stderr)
     if not args.no_write:
@@ -690,7 +727,7 @@ def main(argv=None):
     return 0
 
 
-def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
+def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None, src=None):
     import kernel_report as kr
     rev, nvrtc = kr.provenance()
     cmd = "python bench/fa2_sass_compare.py" + "".join(" " + a for a in (argv or sys.argv[1:]))
@@ -739,6 +776,21 @@ def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None):
            "per block). "
            "cuflash draws 16 bits per element (eight elements per Philox block), FA2 8 bits "
            "(sixteen per block).\n")
+        + ("" if src is None else
+           f"\nThe `src` rows: FA2 is `flash-attn=={src.version}` built here from its sdist "
+           f"(`bench/fa2_source.py`: nvcc {src.nvcc_version()} from NVIDIA's pip wheels, FA2's "
+           "nvcc options, PTX for compute_80 and compute_90 as its setup.py's gencodes, each "
+           "kernel assembled by that ptxas), the backward kernels no public wheel holds, at the "
+           "traits above. `src bwd` is its plain backward beside cuflash's plain kernel (the "
+           "build read against the wheel's); `src bwd-alibi` FA2's ALiBi backward as its "
+           "launcher runs it (`Has_alibi`, with `Is_even_MN` and `Is_even_K` false) and "
+           "`src bwd-alibi-even` the even build it never launches, both beside "
+           "flash_bwd_tc_alibi as launched; `src bwd-dropout` upstream's dropout backward beside "
+           "flash_bwd_tc_dropout, and `src bwd-masked-dropout` beside flash_bwd_tc_masked's "
+           "dropout count build; `src bwd-masked-alibi-dropout` and `src bwd-masked-alibi-softcap` "
+           "flash_bwd_tc_masked's count builds for ALiBi with dropout and with a softcap (what a "
+           "call with both features runs) beside FA2's ALiBi backward with dropout and with a "
+           "softcap, as launched.\n")
     )
 
 

@@ -366,7 +366,8 @@ def fa2_section(path):
     return (title + f"From `bench/results/fa2_sass_compare.md` ({command[len('Command: '):].rstrip('.')}), "
             "where the method, the tiles and the counts per instruction class are: one steady trip "
             "per warp of each main loop, FlashAttention-2's compiled kernels (the `flash-attn-jax` "
-            "wheel; the `torch` rows PyTorch's bundled copy) beside cuflash's. In brackets: "
+            "wheel; the `torch` rows PyTorch's bundled copy; the `src` rows FA2 2.8.3 built from its "
+            "source) beside cuflash's. In brackets: "
             "instructions per logit.\n\n" + "\n".join(table) + "\n")
 
 
