@@ -170,14 +170,18 @@ BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_ba
 # "bwd" the plain kernel (the build read against the wheel's), "bwd-alibi" / "bwd-alibi-even"
 # flash_bwd_tc_alibi beside FA2's ALiBi backward as launched (Is_even_MN and Is_even_K off) and
 # beside its never-launched even build, "bwd-dropout" flash_bwd_tc_dropout and
-# "bwd-masked-dropout" flash_bwd_tc_masked's dropout beside upstream's dropout backward, and
-# flash_bwd_tc_masked's count builds for ALiBi with dropout or with a softcap (two logit
-# features: what a call with both runs) beside FA2's kernels with both.
+# "bwd-masked-dropout" flash_bwd_tc_masked's dropout beside upstream's dropout backward,
+# "bwd-alibi-dropout" flash_bwd_tc_alibi_dropout (ALiBi, dropout and at most a window) beside
+# FA2's ALiBi backward with dropout, and flash_bwd_tc_masked's count builds for ALiBi with
+# dropout (what such a call costs once it adds a bias) and with a softcap (what a call with
+# both runs) beside FA2's kernels with both.
 SOURCE_ROWS = {"bwd": "bwd", "bwd-alibi": "bwd-alibi", "bwd-alibi-even": "bwd-alibi-even",
                "bwd-dropout": "bwd-dropout", "bwd-masked-dropout": "bwd-dropout",
+               "bwd-alibi-dropout": "bwd-alibi-dropout",
                "bwd-masked-alibi-dropout": "bwd-alibi-dropout",
                "bwd-masked-alibi-softcap": "bwd-alibi-softcap"}
-SOURCE_LEAN_KINDS = {"bwd-alibi-even": "flash_bwd_tc_alibi"}
+SOURCE_LEAN_KINDS = {"bwd-alibi-even": "flash_bwd_tc_alibi",
+                     "bwd-alibi-dropout": "flash_bwd_tc_alibi_dropout"}
 SOURCE_FEATURE_KINDS = {"bwd-masked-alibi-dropout": {"alibi": True, "drop": True},
                         "bwd-masked-alibi-softcap": {"alibi": True, "cap": True}}
 
@@ -542,7 +546,7 @@ def cuflash_count(kind, d, arch, tiles=None):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: the inner loops are not the expected "
                                "S^T / dP^T / dQ loops; no per-trip count")
         draws = draw_loops(code, span)
-        dropout = (features or {}).get("drop") or kind in TORCH_LEAN_KINDS
+        dropout = (features or {}).get("drop") or kernel.endswith("_dropout")
         if draws and not (len(draws) == 1 and dropout):
             raise RuntimeError(f"{kernel} d={d} sm_{arch}: rolled loops without HMMA {draws} "
                                "where only the dropout's Philox loop is expected")
@@ -787,10 +791,12 @@ def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None, src=None):
            "`src bwd-alibi-even` the even build it never launches, both beside "
            "flash_bwd_tc_alibi as launched; `src bwd-dropout` upstream's dropout backward beside "
            "flash_bwd_tc_dropout, and `src bwd-masked-dropout` beside flash_bwd_tc_masked's "
-           "dropout count build; `src bwd-masked-alibi-dropout` and `src bwd-masked-alibi-softcap` "
-           "flash_bwd_tc_masked's count builds for ALiBi with dropout and with a softcap (what a "
-           "call with both features runs) beside FA2's ALiBi backward with dropout and with a "
-           "softcap, as launched.\n")
+           "dropout count build; `src bwd-alibi-dropout` flash_bwd_tc_alibi_dropout (ALiBi, "
+           "dropout and at most a window) as launched beside FA2's ALiBi backward with dropout; "
+           "`src bwd-masked-alibi-dropout` and `src bwd-masked-alibi-softcap` "
+           "flash_bwd_tc_masked's count builds for ALiBi with dropout (what such a call costs "
+           "once it adds a bias) and with a softcap (what a call with both runs) beside FA2's "
+           "ALiBi backward with dropout and with a softcap, as launched.\n")
     )
 
 

@@ -120,6 +120,7 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_softcap": "flash_bwd_tc.cu",
     "flash_bwd_tc_alibi": "flash_bwd_tc.cu",
     "flash_bwd_tc_dropout": "flash_bwd_tc.cu",
+    "flash_bwd_tc_alibi_dropout": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -142,6 +143,8 @@ BUILD_DEFINES = {
     "flash_bwd_tc_softcap": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_SOFTCAP": None},
     "flash_bwd_tc_alibi": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_ALIBI": None},
     "flash_bwd_tc_dropout": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_DROPOUT": None},
+    "flash_bwd_tc_alibi_dropout": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_ALIBI": None,
+                                   "CUFLASH_BWD_DROPOUT": None},
 }
 
 # Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
@@ -622,6 +625,11 @@ def compile_variants():
     drop = lean[tiling.BWD_DROPOUT_KERNEL]
     add(tiling.BWD_DROPOUT_KERNEL, "float16", 64, bq=64, bkv=64, limit=tiling.EMULATOR_ARCHES["sm_86"], **drop)
     add(tiling.BWD_DROPOUT_KERNEL, "bfloat16", 128, **drop)
+    # ... and its ALiBi + dropout build (flash_bwd_tc_alibi_dropout), the same variants
+    alibi_drop = lean[tiling.BWD_ALIBI_DROPOUT_KERNEL]
+    add(tiling.BWD_ALIBI_DROPOUT_KERNEL, "float16", 64, bq=64, bkv=64, limit=tiling.EMULATOR_ARCHES["sm_86"],
+        **alibi_drop)
+    add(tiling.BWD_ALIBI_DROPOUT_KERNEL, "bfloat16", 128, **alibi_drop)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

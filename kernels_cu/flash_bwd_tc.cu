@@ -118,7 +118,9 @@
 // dropout: a call whose features are dropout and at most a window, its keep bits drawn as in
 // the masked kernel but in the plain kernel's tiles (no registers held for 1 - tanh^2 or the
 // bias), all of a trip's Philox blocks in one step, their round keys ten more arguments (by
-// value, from the launcher), and dV stored times 1 / (1 - p).
+// value, from the launcher), and dV stored times 1 / (1 - p); with both -DCUFLASH_BWD_ALIBI and
+// -DCUFLASH_BWD_DROPOUT (kernel flash_bwd_tc_alibi_dropout) both: a call whose features are
+// ALiBi, dropout and at most a window.
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -147,6 +149,8 @@
 #include "fast_math.cuh"
 #if defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_softcap
+#elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_ALIBI) && defined(CUFLASH_BWD_DROPOUT)
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi_dropout
 #elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_ALIBI)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi
 #elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_DROPOUT)
@@ -201,8 +205,8 @@ constexpr bool kAlibiBuild = true;
 constexpr bool kAlibiBuild = false;
 #endif
 #ifdef CUFLASH_BWD_DROPOUT
-#if !defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP) || defined(CUFLASH_BWD_ALIBI)
-#error "CUFLASH_BWD_DROPOUT is a variant of the band build (not the softcap or ALiBi one): define CUFLASH_BWD_BAND with it"
+#if !defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP)
+#error "CUFLASH_BWD_DROPOUT is a variant of the band build (not the softcap one): define CUFLASH_BWD_BAND with it"
 #endif
 constexpr bool kDropBuild = true;
 #else
@@ -327,7 +331,25 @@ constexpr bool kClampRange = !(kBandOnly && (kDropBuild ? kBigSplit && CUFLASH_A
 // in 128 x 128 on sm_90: 8 B); at d = 64 on sm_80 per tile counts 5681 per 1,000 HMMA against
 // 5662 (bench/results/tc_kernels_counts.md)
 constexpr bool kLateKV = kDropBuild && (kD > 64 || CUFLASH_ARCH >= 900);
+// The lane's first key of the dK / dV stores read again from %tid.x after the loop, in the
+// ALiBi + dropout build: held across the loop, ptxas spilled it there (4 B at d = 64 in
+// 128 x 128 on sm_80; the loop's count is the same either way)
+constexpr bool kFreshKey = kAlibiBuild && kDropBuild;
+#else
+constexpr bool kFreshKey = false;
 #endif
+
+// threadIdx.x read again: a volatile read of %tid.x, which the compiler neither merges with
+// the kernel's first read nor keeps live across the loop (kFreshKey)
+__device__ __forceinline__ unsigned tid_x_again() {
+#ifdef CUFLASH_EMULATOR
+    return threadIdx.x;
+#else
+    unsigned x;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+    return x;
+#endif
+}
 
 // ------------------------------------------------------------------------------------------
 // The tiles' copies (tile_copy.cuh: per-thread offsets computed once, compile-time steps;
@@ -1352,7 +1374,12 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        const int key = kw0 + mt * 16 + g + 8 * hh;
+                        int key0 = kw0 + g;
+                        if constexpr (kFreshKey) {
+                            const unsigned tid = tid_x_again();
+                            key0 = (int)((tid >> 5) / kQS) * kMT * 16 + (int)((tid & 31) >> 2);
+                        }
+                        const int key = key0 + mt * 16 + 8 * hh;
                         if (key < kv_rows) {
 #pragma unroll
                             for (int n = 0; n < 2 * kKC; ++n) {

@@ -52,7 +52,7 @@ def requests(plan):
 
 def band_fields(spec, ms):
     """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for the lean builds (flash_bwd_tc_band,
-    _softcap, _alibi, _dropout): query i sees key j
+    _softcap, _alibi, _dropout, _alibi_dropout): query i sees key j
     iff lo <= j - i < hi (:func:`cuflash.tiling.band_offsets`, the offsets that the other
     feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
     lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)
@@ -64,9 +64,10 @@ _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 
 def round_keys(seed):
-    """flash_bwd_tc_dropout's last ten arguments: Philox's round keys for ``seed`` (key halves
-    seed's low and high 32 bits), round r's as one uint64, k0 + r W0 in the low word and k1 +
-    r W1 in the high (mod 2^32; kernels_cu/philox.cuh, cuflash_philox4x32_10_keyed)."""
+    """The dropout builds' last ten arguments (flash_bwd_tc_dropout, flash_bwd_tc_alibi_dropout):
+    Philox's round keys for ``seed`` (key halves seed's low and high 32 bits), round r's as one
+    uint64, k0 + r W0 in the low word and k1 + r W1 in the high (mod 2^32;
+    kernels_cu/philox.cuh, cuflash_philox4x32_10_keyed)."""
     seed = int(seed)
     k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
     return tuple(np.uint64(((k0 + r * _PHILOX_W0) & 0xFFFFFFFF) | (((k1 + r * _PHILOX_W1) & 0xFFFFFFFF) << 32))
@@ -170,7 +171,7 @@ def build(runtime, spec, ms, plan, do, q, k, v, o, deterministic):
             if hopper else None)
     rt_name = runtime.name
     emulator = rt_name == "emulator"
-    drop_build = plan.kernel == tiling.BWD_DROPOUT_KERNEL
+    drop_build = plan.kernel in (tiling.BWD_DROPOUT_KERNEL, tiling.BWD_ALIBI_DROPOUT_KERNEL)
     back = sum_back(xp, acc, dtype, want, summed)
 
     def run(do, q, k, v, o, lse, f=None):

@@ -388,6 +388,18 @@ CURATED["flash_bwd_tc_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_
     64: "32x128 64x64 | 128x128 32x128 64x128 | 128x128 64x128",
     112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64"}))
 
+# --------------------------------------------------------------------------
+# Its ALiBi + dropout build (-DCUFLASH_BWD_ALIBI -DCUFLASH_BWD_DROPOUT: flash_bwd_tc_alibi_dropout,
+# ALiBi, dropout and at most a window): the dropout build's pairs less 16 x 64 at d = 128 in
+# the sm_86 cell (8 B; it runs 16 x 128 instead)
+#   sm_86 | sm_80 | sm_90
+# --------------------------------------------------------------------------
+CURATED["flash_bwd_tc_alibi_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
+    32: "32x128 32x64 | = | 32x128 64x128 32x64",
+    64: "32x128 64x64 | 128x128 32x128 64x128 | 128x128 64x128",
+    112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64",
+    128: "16x128 16x32 | 64x128 64x64 | 64x128"}))
+
 
 
 # --------------------------------------------------------------------------
@@ -427,7 +439,7 @@ CURATED_KERNELS = {**{k: (k, False) for k in CURATED},
                    **{f"{k}_masked": (k, True) for k in CURATED
                       if not k.endswith("_wgmma")
                       and k not in ("flash_bwd_tc_band", "flash_bwd_tc_softcap", "flash_bwd_tc_alibi",
-                                   "flash_bwd_tc_dropout")}}
+                                   "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout")}}
 
 
 def table(kernel):

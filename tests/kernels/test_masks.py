@@ -411,6 +411,22 @@ TC_DROPOUT_CASES = [
      64, 64, True),
     ("bfloat16", (1, 2, 70, 16), (1, 2, 150, 16), "bottom_right", dict(dropout_p=0.45), 64, 128, False),
 ]
+# The ALiBi + dropout build (flash_bwd_tc_alibi_dropout) in the dropout build's layouts: the
+# keep bits and the distance term together, its dK / dV stores from the lane's key read again
+# (kFreshKey); slopes per head and per (batch, head), windows, causal both ways, GQA, ragged
+# Nq and Nk, both dQ paths.
+TC_ALIBI_DROPOUT_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
+     dict(window=(200, None), alibi_slopes=(2,), dropout_p=0.15), 128, 128, False),
+    ("bfloat16", (2, 2, 190, 128), (2, 1, 250, 128), False, dict(alibi_slopes=(2, 2), dropout_p=0.3),
+     64, 128, True),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left",
+     dict(window=(10, None), alibi_slopes=(2,), dropout_p=0.5), 32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False,
+     dict(window=(30, 20), alibi_slopes=(1, 2), dropout_p=0.25), 64, 64, True),
+    ("bfloat16", (1, 2, 70, 16), (1, 2, 150, 16), "bottom_right",
+     dict(alibi_slopes=(2,), dropout_p=0.4), 64, 128, False),
+]
 
 
 def _lean_id(c):
@@ -454,7 +470,9 @@ def test_tensor_core_backward_alibi(kernel_backend, case, rng):
     (dict(dropout_p=0.2, seed=1), "flash_bwd_tc_dropout"),
     (dict(dropout_p=0.2, seed=1, window=(8, 3)), "flash_bwd_tc_dropout"),
     (dict(dropout_p=0.2, seed=1, softcap=2.0), None),
-    (dict(dropout_p=0.2, seed=1, alibi_slopes=True), None),
+    (dict(dropout_p=0.2, seed=1, alibi_slopes=True), "flash_bwd_tc_alibi_dropout"),
+    (dict(dropout_p=0.2, seed=1, alibi_slopes=True, window=(4, 4)), "flash_bwd_tc_alibi_dropout"),
+    (dict(dropout_p=0.2, seed=1, alibi_slopes=True, softcap=2.0), None),
     (dict(dropout_p=0.2, seed=1, bias=True), None),
     (dict(dropout_p=0.2, seed=1, bias=True, return_dbias=True), None),
     (dict(softcap=2.0, alibi_slopes=True), None),
@@ -481,6 +499,12 @@ def test_lean_build_choice(feat, want):
 def test_tensor_core_backward_dropout(kernel_backend, case, rng):
     """flash_bwd_tc_dropout (dropout and at most a window) against the oracle."""
     _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_dropout")
+
+
+@pytest.mark.parametrize("case", TC_ALIBI_DROPOUT_CASES, ids=_lean_id)
+def test_tensor_core_backward_alibi_dropout(kernel_backend, case, rng):
+    """flash_bwd_tc_alibi_dropout (ALiBi, dropout and at most a window) against the oracle."""
+    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_alibi_dropout")
 
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
@@ -923,6 +947,17 @@ def test_race_check_tc_backward_dropout(rng):
                             kernel="flash_bwd_tc_dropout")
 
 
+def test_race_check_tc_backward_alibi_dropout(rng):
+    """flash_bwd_tc_alibi_dropout under TSan in the same layout (the query split, the dK / dV
+    stores' lane key read again), slopes per (batch, head), a window, Nq and Nk ragged."""
+    slopes = (rng.random((1, 2)) * 0.5).astype(np.float32)
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "bottom_right",
+                            dict(window=(160, None), alibi_slopes=slopes, dropout_p=0.3,
+                                 seed=int(rng.integers(0, 2 ** 63))), 128, 128,
+                            (8, 2, 1, 2),
+                            kernel="flash_bwd_tc_alibi_dropout")
+
+
 def test_tc_backward_sm90_default_d128(rng):
     """flash_bwd_tc_masked's H100 default at d = 128 (128 x 64, 8 warps, 16 keys per warp pair in
     one pass; 206 KB of shared memory: an emulated sm_90) against the oracle, every feature
@@ -1115,24 +1150,25 @@ def _assert_tc_bwd_traffic(kernel_backend, rt, bp, dims, arrays, feat, causal, w
 
 @pytest.mark.parametrize("causal,window,kind", [("bottom_right", (10, None), "softcap"),
                                                (None, None, "softcap"), ("top_left", (3, 20), "alibi"),
-                                               ("bottom_right", (12, 4), "dropout"), (None, None, "dropout")])
+                                               ("bottom_right", (12, 4), "dropout"), (None, None, "dropout"),
+                                               ("top_left", (6, 9), "alibi_dropout")])
 def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, kind):
-    """float16 with a softcap, ALiBi or dropout and at most a window: flash_bwd_tc_softcap,
-    flash_bwd_tc_alibi and flash_bwd_tc_dropout read and write what flash_bwd_tc_masked's model
-    says for the same band and features (a softcap and dropout cost no bytes), on both dQ
-    paths."""
+    """float16 with a softcap, ALiBi, dropout or ALiBi and dropout and at most a window:
+    flash_bwd_tc_softcap, flash_bwd_tc_alibi, flash_bwd_tc_dropout and
+    flash_bwd_tc_alibi_dropout read and write what flash_bwd_tc_masked's model says for the
+    same band and features (a softcap and dropout cost no bytes), on both dQ paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
     from cuflash.launch import bwd as launch_bwd
-    alibi = kind == "alibi"
+    alibi = kind.startswith("alibi")
     B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, alibi, "float16")
     if kind == "softcap":
         feat["softcap"] = 2.5
-    if kind == "dropout":
+    if kind.endswith("dropout"):
         feat.update(dropout_p=0.3, seed=11)
     lean = {"softcap": tiling.BWD_SOFTCAP_KERNEL, "alibi": tiling.BWD_ALIBI_KERNEL,
-            "dropout": tiling.BWD_DROPOUT_KERNEL}[kind]
+            "dropout": tiling.BWD_DROPOUT_KERNEL, "alibi_dropout": tiling.BWD_ALIBI_DROPOUT_KERNEL}[kind]
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
     do = oracle.randn(rng, o.shape, "float16")
     rt = emulator_backend.runtime()

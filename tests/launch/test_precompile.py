@@ -76,7 +76,7 @@ def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
     masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap",
-               "flash_bwd_tc_alibi", "flash_bwd_tc_dropout"}
+               "flash_bwd_tc_alibi", "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout"}
               if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
@@ -108,6 +108,10 @@ def _precompile_features_then_call(rng, dtype, d):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **dropped)
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **dropped)
     oracle.check_backward(grads, do, q, k, v, **dropped)
+    both = dict(sloped, dropout_p=0.2, seed=7)   # (flash_bwd_tc_alibi_dropout)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **both)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **both)
+    oracle.check_backward(grads, do, q, k, v, **both)
     assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 
