@@ -322,14 +322,14 @@ constexpr bool kBigSplit = kQS == 2 && kBr * kBc >= 128 * 128;
 // build unclamped in every layout (clamped, its 64 x 128 at d = 128 spilled 4 B), the ALiBi
 // build on sm_90 (clamped, 8 B there; on sm_80 clamped counts 2947 against 2972); the dropout
 // build clamped but in its 128 x 128 tiles on sm_80 (there clamped spilled 4 B; on sm_90
-// unclamped 4 B)
+// unclamped 4 B), and so the ALiBi + dropout build
 constexpr bool kClampRange = !(kBandOnly && (kDropBuild ? kBigSplit && CUFLASH_ARCH < 900
                                                         : kBigSplit || kCapBuild || (kAlibiBuild && CUFLASH_ARCH >= 900)));
 // The K / V tiles' base pointers (batch and kv head) computed per K/V tile rather than once
 // before the loop, in the dropout build above d = 64 and on sm_90: held across the loop,
 // ptxas spilled them in the prologue (d = 128 in 64 x 128: 4 B on sm_80, 16 B on sm_90; d = 64
 // in 128 x 128 on sm_90: 8 B); at d = 64 on sm_80 per tile counts 5681 per 1,000 HMMA against
-// 5662 (bench/results/tc_kernels_counts.md)
+// 5662 (bench/results/tc_kernels_counts.md); the ALiBi + dropout build likewise
 constexpr bool kLateKV = kDropBuild && (kD > 64 || CUFLASH_ARCH >= 900);
 // The lane's first key of the dK / dV stores read again from %tid.x after the loop, in the
 // ALiBi + dropout build: held across the loop, ptxas spilled it there (4 B at d = 64 in

@@ -383,10 +383,11 @@ CURATED["flash_bwd_tc_alibi"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TE
 # B; 32 x 128 and 32 x 64 there).
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
-CURATED["flash_bwd_tc_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
+_DROPOUT_ROWS = {
     32: "32x128 32x64 | = | 32x128 64x128 32x64",
     64: "32x128 64x64 | 128x128 32x128 64x128 | 128x128 64x128",
-    112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64"}))
+    112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64"}
+CURATED["flash_bwd_tc_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, _DROPOUT_ROWS))
 
 # --------------------------------------------------------------------------
 # Its ALiBi + dropout build (-DCUFLASH_BWD_ALIBI -DCUFLASH_BWD_DROPOUT: flash_bwd_tc_alibi_dropout,
@@ -395,10 +396,7 @@ CURATED["flash_bwd_tc_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_
 #   sm_86 | sm_80 | sm_90
 # --------------------------------------------------------------------------
 CURATED["flash_bwd_tc_alibi_dropout"] = _table(_TC, float16_bfloat16=_with_rows(_BAND_TEXT, {
-    32: "32x128 32x64 | = | 32x128 64x128 32x64",
-    64: "32x128 64x64 | 128x128 32x128 64x128 | 128x128 64x128",
-    112: "32x64 16x64 16x32 | 64x128 64x64 32x128 | 32x128 32x64",
-    128: "16x128 16x32 | 64x128 64x64 | 64x128"}))
+    **_DROPOUT_ROWS, 128: "16x128 16x32 | 64x128 64x64 | 64x128"}))
 
 
 

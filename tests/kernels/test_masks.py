@@ -281,8 +281,10 @@ TC_BWD_CASES = [
      dict(bias=(2, 1, 70), window=(None, 10)), 32, 32, True),
     ("float16", (1, 2, 70, 96), (1, 2, 40, 96), "top_left",
      dict(softcap=2.5, bias=(70, 40)), 64, 32, False),
+    # (a key-padding bias beside dropout and ALiBi: without it the call runs
+    # flash_bwd_tc_alibi_dropout)
     ("float16", (2, 2, 45, 32), (2, 1, 130, 32), False,
-     dict(dropout_p=0.35, alibi_slopes=(2, 2), window=(40, 40)), 32, 64, True),
+     dict(dropout_p=0.35, alibi_slopes=(2, 2), window=(40, 40), bias=(130,)), 32, 64, True),
     # the default at d = 64: 64 x 128, 8 warps, the query split with 32 keys per warp pair;
     # GQA, dbias added (broadcast over heads)
     ("float16", (1, 2, 100, 64), (1, 1, 130, 64), False,
