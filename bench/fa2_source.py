@@ -161,6 +161,7 @@ class SourceFA2:
                     t.extractall(Path(cache))
         self.cuda = fetch_toolkit(Path(cache))
         self.ptxas = self.cuda / "bin" / "ptxas"
+        self._index = {}
         for rel, text in STUBS.items():
             p = self.dir / "stub" / rel
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -185,11 +186,14 @@ class SourceFA2:
         return out
 
     def mangled(self, d, arch, want):
+        """(PTX path, mangled name) of the kernel ``want``; each PTX indexed once."""
         ptx = self.ptx(d, arch)
-        names = re.findall(r"\.entry\s+(_Z\w+)\(", ptx.read_text())
-        demangled = subprocess.run(["c++filt"], input="\n".join(names), text=True,
-                                   capture_output=True, check=True).stdout.splitlines()
-        index = {fc.normalise(dm): n for dm, n in zip(demangled, names)}
+        if ptx not in self._index:
+            names = re.findall(r"\.entry\s+(_Z\w+)\(", ptx.read_text())
+            demangled = subprocess.run(["c++filt"], input="\n".join(names), text=True,
+                                       capture_output=True, check=True).stdout.splitlines()
+            self._index[ptx] = {fc.normalise(dm): n for dm, n in zip(demangled, names)}
+        index = self._index[ptx]
         if want not in index:
             raise RuntimeError(f"{want} not in {ptx.name}")
         return ptx, index[want]

@@ -453,16 +453,20 @@ def _check_lean_backward(kernel_backend, rng, case, kernel):
     oracle.check_backward(grads, do, q, k, v, None, causal, **feat)
 
 
-@pytest.mark.parametrize("case", TC_SOFTCAP_CASES, ids=_lean_id)
-def test_tensor_core_backward_softcap(kernel_backend, case, rng):
-    """flash_bwd_tc_softcap (a softcap and at most a window) against the oracle."""
-    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_softcap")
+# each lean build with the cases of its features (a window alone: test_tensor_core_backward_band_only)
+LEAN_CASES = [(kernel, case) for kernel, cases in (
+    ("flash_bwd_tc_softcap", TC_SOFTCAP_CASES), ("flash_bwd_tc_alibi", TC_ALIBI_CASES),
+    ("flash_bwd_tc_dropout", TC_DROPOUT_CASES), ("flash_bwd_tc_alibi_dropout", TC_ALIBI_DROPOUT_CASES))
+    for case in cases]
 
 
-@pytest.mark.parametrize("case", TC_ALIBI_CASES, ids=_lean_id)
-def test_tensor_core_backward_alibi(kernel_backend, case, rng):
-    """flash_bwd_tc_alibi (ALiBi and at most a window) against the oracle."""
-    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_alibi")
+@pytest.mark.parametrize("kernel,case", LEAN_CASES,
+                         ids=[k[len("flash_bwd_tc_"):] + "-" + _lean_id(c) for k, c in LEAN_CASES])
+def test_tensor_core_backward_lean(kernel_backend, kernel, case, rng):
+    """The lean builds flash_bwd_tc_softcap (a softcap and at most a window), _alibi (ALiBi
+    and at most a window), _dropout (dropout and at most a window) and _alibi_dropout (ALiBi,
+    dropout and at most a window) against the oracle."""
+    _check_lean_backward(kernel_backend, rng, case, kernel)
 
 
 @pytest.mark.parametrize("feat,want", [
@@ -495,18 +499,6 @@ def test_lean_build_choice(feat, want):
         feat["bias"] = np.zeros((1, 2, 8, 8), np.float32)
     ms = _validate_masks.check_masks(spec, q, **feat)
     assert features.lean_build(ms) == want
-
-
-@pytest.mark.parametrize("case", TC_DROPOUT_CASES, ids=_lean_id)
-def test_tensor_core_backward_dropout(kernel_backend, case, rng):
-    """flash_bwd_tc_dropout (dropout and at most a window) against the oracle."""
-    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_dropout")
-
-
-@pytest.mark.parametrize("case", TC_ALIBI_DROPOUT_CASES, ids=_lean_id)
-def test_tensor_core_backward_alibi_dropout(kernel_backend, case, rng):
-    """flash_bwd_tc_alibi_dropout (ALiBi, dropout and at most a window) against the oracle."""
-    _check_lean_backward(kernel_backend, rng, case, "flash_bwd_tc_alibi_dropout")
 
 
 # float32's tensor-core backward (flash_bwd_tf32_masked, 16 keys per warp) over several K/V
