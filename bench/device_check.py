@@ -72,7 +72,7 @@ SUBSET = [
     "test_tensor_core_forward_with_features",    # flash_fwd_tc_masked, flash_fwd_tf32_masked
     "test_tensor_core_backward_with_features",   # flash_bwd_tc_masked
     "test_tensor_core_backward_band_only",       # flash_bwd_tc_band (a window alone)
-    "test_tensor_core_backward_lean",            # flash_bwd_tc_softcap, _alibi, _dropout, _alibi_dropout
+    "test_tensor_core_backward_lean",            # flash_bwd_tc_softcap, _alibi, _dropout, _alibi_dropout, _alibi_softcap
     "test_tf32_backward_with_features",          # flash_bwd_tf32_masked
     "test_split_kv_matches_oracle",              # split-KV serving kernels and the combine
     "test_kvcache_matches_oracle",               # KV cache (contiguous, paged, append)

@@ -51,7 +51,7 @@ per lane per eight logits, two gathering PRMT per block (:func:`draw_trips`).  `
 adds rows beside FA2 2.8.3 built here from its sdist (``bench/fa2_source.py``), the backward
 kernels no public wheel holds (:data:`SOURCE_ROWS`): upstream's dropout backward (PyTorch's
 copy counts 14-22% more than upstream's build), ALiBi as FA2 launches it, and ALiBi with
-dropout or a softcap beside ``flash_bwd_tc_masked``.
+dropout or a softcap beside their lean builds and beside ``flash_bwd_tc_masked``.
 
 Method (one steady-state trip of each kernel's main loop, per warp): the loop with the most
 HMMA (cuflash._sass.main_loop; FA2's backward: its loop over Q tiles), and in it (:func:`steady_ops`):
@@ -172,16 +172,19 @@ BWD_BAND_KINDS = {"bwd-band": "flash_bwd_tc_band", "bwd-local": "flash_bwd_tc_ba
 # beside its never-launched even build, "bwd-dropout" flash_bwd_tc_dropout and
 # "bwd-masked-dropout" flash_bwd_tc_masked's dropout beside upstream's dropout backward,
 # "bwd-alibi-dropout" flash_bwd_tc_alibi_dropout (ALiBi, dropout and at most a window) beside
-# FA2's ALiBi backward with dropout, and flash_bwd_tc_masked's count builds for ALiBi with
-# dropout (what such a call costs once it adds a bias) and with a softcap (what a call with
-# both runs) beside FA2's kernels with both.
+# FA2's ALiBi backward with dropout, "bwd-alibi-softcap" flash_bwd_tc_alibi_softcap (ALiBi, a
+# softcap and at most a window) beside FA2's ALiBi backward with a softcap, and
+# flash_bwd_tc_masked's count builds for ALiBi with dropout and with a softcap (what such
+# calls cost once they add a bias) beside FA2's kernels with both.
 SOURCE_ROWS = {"bwd": "bwd", "bwd-alibi": "bwd-alibi", "bwd-alibi-even": "bwd-alibi-even",
                "bwd-dropout": "bwd-dropout", "bwd-masked-dropout": "bwd-dropout",
                "bwd-alibi-dropout": "bwd-alibi-dropout",
                "bwd-masked-alibi-dropout": "bwd-alibi-dropout",
+               "bwd-alibi-softcap": "bwd-alibi-softcap",
                "bwd-masked-alibi-softcap": "bwd-alibi-softcap"}
 SOURCE_LEAN_KINDS = {"bwd-alibi-even": "flash_bwd_tc_alibi",
-                     "bwd-alibi-dropout": "flash_bwd_tc_alibi_dropout"}
+                     "bwd-alibi-dropout": "flash_bwd_tc_alibi_dropout",
+                     "bwd-alibi-softcap": "flash_bwd_tc_alibi_softcap"}
 SOURCE_FEATURE_KINDS = {"bwd-masked-alibi-dropout": {"alibi": True, "drop": True},
                         "bwd-masked-alibi-softcap": {"alibi": True, "cap": True}}
 
@@ -793,10 +796,12 @@ def header(wheel, ptxas, elapsed, argv, tiles=None, torch_wheel=None, src=None):
            "flash_bwd_tc_dropout, and `src bwd-masked-dropout` beside flash_bwd_tc_masked's "
            "dropout count build; `src bwd-alibi-dropout` flash_bwd_tc_alibi_dropout (ALiBi, "
            "dropout and at most a window) as launched beside FA2's ALiBi backward with dropout; "
+           "`src bwd-alibi-softcap` flash_bwd_tc_alibi_softcap (ALiBi, a softcap and at most a "
+           "window) as launched beside FA2's ALiBi backward with a softcap; "
            "`src bwd-masked-alibi-dropout` and `src bwd-masked-alibi-softcap` "
-           "flash_bwd_tc_masked's count builds for ALiBi with dropout (what such a call costs "
-           "once it adds a bias) and with a softcap (what a call with both runs) beside FA2's "
-           "ALiBi backward with dropout and with a softcap, as launched.\n")
+           "flash_bwd_tc_masked's count builds for ALiBi with dropout and with a softcap (what "
+           "such calls cost once they add a bias) beside FA2's ALiBi backward with dropout and "
+           "with a softcap, as launched.\n")
     )
 
 

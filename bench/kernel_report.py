@@ -309,7 +309,7 @@ ABOUT = (
     "sized from the plan they launch with (flash_fwd / flash_fwd_masked / flash_bwd_*_masked; the "
     "tensor-core kernels with the logit features, flash_fwd_tc_masked / flash_fwd_tf32_masked / "
     "flash_bwd_tc_masked / flash_bwd_tf32_masked / flash_bwd_tc_band / flash_bwd_tc_softcap / "
-    "flash_bwd_tc_alibi / flash_bwd_tc_dropout / flash_bwd_tc_alibi_dropout, from their own plans). The instruction mix counts the main loop's "
+    "flash_bwd_tc_alibi / flash_bwd_tc_dropout / flash_bwd_tc_alibi_dropout / flash_bwd_tc_alibi_softcap, from their own plans). The instruction mix counts the main loop's "
     "instructions once each (static); the steady trip of a loop -- inner loops times their trips, "
     "the edge paths left out -- is in the last section and in `bench/results/tc_kernels_counts.md` "
     "(with the predictions each change was checked against). Every curated plan, not only these "

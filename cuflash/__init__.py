@@ -95,7 +95,8 @@ _BWD_KERNELS_NOTE = """Kernels on "cuda" and "emulator", three launches: on sm_8
     ``flash_bwd_tc_band`` with a window alone, ``flash_bwd_tc_softcap`` with a softcap and
     at most a window, ``flash_bwd_tc_alibi`` with ALiBi and at most a window,
     ``flash_bwd_tc_dropout`` with dropout and at most a window,
-    ``flash_bwd_tc_alibi_dropout`` with ALiBi, dropout and at most a window at d == dv <= 128) and
+    ``flash_bwd_tc_alibi_dropout`` with ALiBi, dropout and at most a window,
+    ``flash_bwd_tc_alibi_softcap`` with ALiBi, a softcap and at most a window at d == dv <= 128) and
     ``flash_bwd_tc_dq_convert``.  Everything else runs ``flash_bwd_preprocess``, then dK
     and dV by ``flash_bwd_tf32`` (float32 on sm_80+ with d, dv multiples of 32 up to 128,
     both dQ paths; ``flash_bwd_tf32_masked`` with features) or ``flash_bwd_dkdv``
@@ -140,11 +141,12 @@ def precompile(dtypes=("float16", "bfloat16"), head_dims=(64, 128), *, features=
         Also compile the kernels that calls with logit features run (bias,
         window, alibi_slopes, softcap, dropout_p: one build of each kernel
         serves every feature and combination; the float16/bfloat16 backward
-        has five more, ``flash_bwd_tc_band`` for a window alone,
+        has six more, ``flash_bwd_tc_band`` for a window alone,
         ``flash_bwd_tc_softcap`` for a softcap and at most a window,
         ``flash_bwd_tc_alibi`` for ALiBi and at most a window,
-        ``flash_bwd_tc_dropout`` for dropout and at most a window and
-        ``flash_bwd_tc_alibi_dropout`` for ALiBi, dropout and at most a window):
+        ``flash_bwd_tc_dropout`` for dropout and at most a window,
+        ``flash_bwd_tc_alibi_dropout`` for ALiBi, dropout and at most a window and
+        ``flash_bwd_tc_alibi_softcap`` for ALiBi, a softcap and at most a window):
         ``flash_fwd_tc_masked``, ``flash_bwd_tc_masked`` and the others
         named in :func:`tiled_attention`'s Notes.
     backend : {None, "cuda", "emulator", "numpy"}
@@ -511,10 +513,13 @@ def memory_analysis(N, d, dtype="float32", *, Nk=None, block_q=None, block_kv=No
         <= 128; a softcap with at most a window ``flash_bwd_tc_softcap``
         there, ALiBi with at most a window ``flash_bwd_tc_alibi``, dropout
         with at most a window ``flash_bwd_tc_dropout``, both with at most a
-        window ``flash_bwd_tc_alibi_dropout``, whose tiles are the band
+        window ``flash_bwd_tc_alibi_dropout``, ALiBi and a softcap with at
+        most a window ``flash_bwd_tc_alibi_softcap``, whose tiles are the band
         build's but at d = 128 on sm_86 (softcap and ALiBi + dropout:
-        16 x 128), on sm_80 (ALiBi: 64 x 128 only) and at d = 32, 64 and 112
-        (dropout, ALiBi + dropout), which this model does not report).
+        16 x 128; ALiBi + softcap: 32 x 64), on sm_80 (ALiBi and ALiBi +
+        softcap: 64 x 128 only), at d = 32, 64 and 112 (dropout, ALiBi +
+        dropout) and at d = 32 and 64 (ALiBi + softcap), which this model
+        does not report).
     backend : {None, "numpy", "cuda", "emulator"}
         None is "numpy".  "cuda" uses the tiles the GPU kernel launches with on
         the current device; "emulator" those of a nominal sm_80.

@@ -121,6 +121,7 @@ KERNEL_SOURCES = {
     "flash_bwd_tc_alibi": "flash_bwd_tc.cu",
     "flash_bwd_tc_dropout": "flash_bwd_tc.cu",
     "flash_bwd_tc_alibi_dropout": "flash_bwd_tc.cu",
+    "flash_bwd_tc_alibi_softcap": "flash_bwd_tc.cu",
     "flash_bwd_tf32_masked": "flash_bwd_tf32.cu",
     # the serving module: flash_fwd.cu compiled with -DCUFLASH_FWD_SERVING; its helpers'
     # module (split-KV's combine, the KV cache's append) with -DCUFLASH_FWD_HELPERS
@@ -145,6 +146,8 @@ BUILD_DEFINES = {
     "flash_bwd_tc_dropout": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_DROPOUT": None},
     "flash_bwd_tc_alibi_dropout": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_ALIBI": None,
                                    "CUFLASH_BWD_DROPOUT": None},
+    "flash_bwd_tc_alibi_softcap": {"CUFLASH_BWD_BAND": None, "CUFLASH_BWD_SOFTCAP": None,
+                                   "CUFLASH_BWD_ALIBI": None},
 }
 
 # Kernels whose instructions exist only in one architecture's arch-specific code: compiled for
@@ -630,6 +633,12 @@ def compile_variants():
     add(tiling.BWD_ALIBI_DROPOUT_KERNEL, "float16", 64, bq=64, bkv=64, limit=tiling.EMULATOR_ARCHES["sm_86"],
         **alibi_drop)
     add(tiling.BWD_ALIBI_DROPOUT_KERNEL, "bfloat16", 128, **alibi_drop)
+    # ... and its ALiBi + softcap build (flash_bwd_tc_alibi_softcap): the sm_80 defaults (the
+    # r form), and at d = 96 the tanh form
+    alibi_cap = lean[tiling.BWD_ALIBI_SOFTCAP_KERNEL]
+    add(tiling.BWD_ALIBI_SOFTCAP_KERNEL, "float16", 64, **alibi_cap)
+    add(tiling.BWD_ALIBI_SOFTCAP_KERNEL, "bfloat16", 128, **alibi_cap)
+    add(tiling.BWD_ALIBI_SOFTCAP_KERNEL, "float16", 96, **alibi_cap)
     # ... and float32's (flash_bwd_tf32_masked): defaults at d = 64 and 128
     for d in (64, 128):
         add("flash_bwd_tf32_masked", "float32", d, CUFLASH_MASKS=None)

@@ -120,7 +120,10 @@
 // bias), all of a trip's Philox blocks in one step, their round keys ten more arguments (by
 // value, from the launcher), and dV stored times 1 / (1 - p); with both -DCUFLASH_BWD_ALIBI and
 // -DCUFLASH_BWD_DROPOUT (kernel flash_bwd_tc_alibi_dropout) both: a call whose features are
-// ALiBi, dropout and at most a window.
+// ALiBi, dropout and at most a window; with -DCUFLASH_BWD_SOFTCAP and -DCUFLASH_BWD_ALIBI
+// (kernel flash_bwd_tc_alibi_softcap) a softcap and ALiBi: a call whose features are those
+// two and at most a window, ALiBi's term added to the exponent where the logit is held as r
+// (so that r stays what P (1 - tanh^2) = 4 P (r - r^2) needs).
 //
 // Compile-time parameters: CUFLASH_DTYPE_F16 | CUFLASH_DTYPE_BF16, CUFLASH_HEAD_DIM (d),
 // CUFLASH_HEAD_DIM_V (dv), CUFLASH_BLOCK_Q (Br), CUFLASH_BLOCK_KV (Bc), CUFLASH_THREADS,
@@ -147,7 +150,9 @@
 #ifdef CUFLASH_MASKS
 #include "bwd_masks.cuh"
 #include "fast_math.cuh"
-#if defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP)
+#if defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP) && defined(CUFLASH_BWD_ALIBI)
+#define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi_softcap
+#elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_SOFTCAP)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_softcap
 #elif defined(CUFLASH_BWD_BAND) && defined(CUFLASH_BWD_ALIBI) && defined(CUFLASH_BWD_DROPOUT)
 #define CUFLASH_BWD_TC_KERNEL flash_bwd_tc_alibi_dropout
@@ -197,8 +202,8 @@ constexpr bool kCapBuild = false;
 #endif
 #ifdef CUFLASH_MASKS
 #ifdef CUFLASH_BWD_ALIBI
-#if !defined(CUFLASH_BWD_BAND) || defined(CUFLASH_BWD_SOFTCAP)
-#error "CUFLASH_BWD_ALIBI is a variant of the band build (not the softcap one): define CUFLASH_BWD_BAND with it"
+#ifndef CUFLASH_BWD_BAND
+#error "CUFLASH_BWD_ALIBI is a variant of the band build (or of its softcap build): define CUFLASH_BWD_BAND with it"
 #endif
 constexpr bool kAlibiBuild = true;
 #else
@@ -374,6 +379,12 @@ constexpr bool kFloatP = kHoistAddrs && (kD >= 64 || CUFLASH_ARCH < 900);
 // kernel's tanh form, 1 - tanh^2 kept as float16 pairs.  dV's factor in the band builds: 1/4
 // where P^T is 4 P^T.
 constexpr bool kCapR = kCapBuild && kFloatP;
+#ifdef CUFLASH_MASKS
+// ALiBi's term -slope |i + off - j| log2(e) added to the exponent rather than to the logit, in
+// the ALiBi + softcap build's r form: s stays r for the fold, at the same two instructions per
+// element (the distance's FADD, the term's FFMA)
+constexpr bool kAlibiExp = kCapR && kAlibiBuild;
+#endif
 #ifdef CUFLASH_MASKS
 constexpr float kDvBand = kCapR ? 0.25f : 1.0f;
 #endif
@@ -804,11 +815,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const DropoutKey drop = cuflash_dropout_key(p);
 #endif
                 // softcap's derivative 1 - tanh^2: where s is tanh itself (no bias or ALiBi
-                // added) and P^T stays in float32 for dS (kFloatP), folded into that float P^T as
+                // added; ALiBi in the exponent: kAlibiExp) and P^T stays in float32 for dS (kFloatP), folded into that float P^T as
                 // the exponential is taken (one FFMA and one FMUL per element; dS^T = P^T (1 -
                 // tanh^2) (dP^T - D) then needs nothing more); else kept in dsc as float16 pairs
                 // (a pack, an unpack and a multiply per element)
-                const bool cap_fold = kFloatP && has_cap && !has_bias && !has_alibi;
+                const bool cap_fold = kFloatP && has_cap && !has_bias && (!has_alibi || kAlibiExp);
 #ifdef CUFLASH_BWD_SOFTCAP
                 // (kCapR: x = c log2(e) (1 - 2 r) - lse2 + 2 = r cap_m2 + (cap_l2 - lse2))
                 const float cap_m2 = -2.0f * c_exp, cap_l2 = c_exp + 2.0f;
@@ -944,11 +955,16 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                             }
                     }
                 }
+                // ALiBi's -slope |i + off - j| / u (log2(e) instead of 1 / u in the exponent:
+                // kAlibiExp): the distance in float, a per-lane base plus each element's
+                // constant (exact while |i + off - j| < 2^24)
+                float alibi_ns = 0.0f, alibi_base = 0.0f;
                 if (has_alibi) {
-                    // -slope |i + off - j| / u: the distance in float, a per-lane base plus each
-                    // element's constant (exact while |i + off - j| < 2^24)
-                    const float ns = -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) * inv_u;
-                    const float base = (float)(qa + p.mask_offset - ka);
+                    alibi_ns = -gload(Slopes + b * p.mask_alibi_sb + h * p.mask_alibi_sh) * (kAlibiExp ? CUFLASH_LOG2E : inv_u);
+                    alibi_base = (float)(qa + p.mask_offset - ka);
+                }
+                if (has_alibi && !kAlibiExp) {
+                    const float ns = alibi_ns, base = alibi_base;
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -990,6 +1006,8 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
 #ifdef CUFLASH_BWD_SOFTCAP
                                     float x = kCapR ? fmaf(s[mt][n][e], cap_m2, (e & 1) ? lc1 : lc0)  // 4 P
                                                     : s[mt][n][e] * c_exp - l;
+                                    if (kAlibiExp)
+                                        x = fmaf(alibi_ns, fabsf(alibi_base + (float)(n * 8 + (e & 1) - mt * 16 - 8 * (e >> 1))), x);
 #else
                                     float x = s[mt][n][e] * c_exp - l;
 #endif

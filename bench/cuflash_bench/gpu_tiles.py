@@ -42,7 +42,7 @@ MAIN_KERNELS = {"fwd": ("flash_fwd_tc", "flash_fwd_tf32", "flash_fwd", "flash_fw
                         "flash_fwd_tf32_masked", "flash_fwd_masked", "flash_fwd_wgmma"),
                 "bwd": ("flash_bwd_tc", "flash_bwd_tf32", "flash_bwd_dkdv", "flash_bwd_tc_masked",
                         "flash_bwd_tc_band", "flash_bwd_tc_softcap", "flash_bwd_tc_alibi",
-                        "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout",
+                        "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout", "flash_bwd_tc_alibi_softcap",
                         "flash_bwd_tf32_masked", "flash_bwd_dkdv_masked", "flash_bwd_wgmma")}
 # --tiles-feature: the features section's names (a window changes the work a pair does)
 TILE_FEATURES = tuple(name for name, _, _ in FEATURES if name != "window")

@@ -52,7 +52,7 @@ def requests(plan):
 
 def band_fields(spec, ms):
     """BwdParams' ``mask_band_lo`` / ``mask_band_hi`` for the lean builds (flash_bwd_tc_band,
-    _softcap, _alibi, _dropout, _alibi_dropout): query i sees key j
+    _softcap, _alibi, _dropout, _alibi_dropout, _alibi_softcap): query i sees key j
     iff lo <= j - i < hi (:func:`cuflash.tiling.band_offsets`, the offsets that the other
     feature builds compute in the kernel: bwd_masks.cuh, BwdBand), clamped to [-Nq, Nk]."""
     lo, hi = tiling.band_offsets(spec.Nq, spec.Nk, spec.causal, ms.window)

@@ -55,16 +55,18 @@ def lean_build(ms):
     with or without causal), ``flash_bwd_tc_softcap`` where they are a softcap and at most the
     band, ``flash_bwd_tc_alibi`` where they are ALiBi and at most the band,
     ``flash_bwd_tc_dropout`` where they are dropout and at most the band,
-    ``flash_bwd_tc_alibi_dropout`` where they are ALiBi, dropout and at most the band."""
+    ``flash_bwd_tc_alibi_dropout`` where they are ALiBi, dropout and at most the band,
+    ``flash_bwd_tc_alibi_softcap`` where they are ALiBi, a softcap and at most the band."""
     if ms is None or ms.bias is not None or ms.return_dbias:
         return None
     alibi = ms.alibi_slopes is not None
     if ms.dropout:
         return None if ms.softcap else (tiling.BWD_ALIBI_DROPOUT_KERNEL if alibi
                                         else tiling.BWD_DROPOUT_KERNEL)
+    if ms.softcap and alibi:
+        return tiling.BWD_ALIBI_SOFTCAP_KERNEL
     if ms.softcap or alibi:
-        return None if ms.softcap and alibi else (tiling.BWD_ALIBI_KERNEL if alibi
-                                                  else tiling.BWD_SOFTCAP_KERNEL)
+        return tiling.BWD_ALIBI_KERNEL if alibi else tiling.BWD_SOFTCAP_KERNEL
     return tiling.BWD_BAND_KERNEL if ms.window is not None else None
 
 

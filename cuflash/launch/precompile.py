@@ -51,8 +51,9 @@ def backward_kernels(runtime, d, dv, dtype, *, masked=False, deterministic=False
 
     float16/bfloat16 on tensor cores: preprocess, ``flash_bwd_tc`` (or
     ``flash_bwd_tc_masked``; the lean build ``lean`` names, ``flash_bwd_tc_band``,
-    ``flash_bwd_tc_softcap``, ``flash_bwd_tc_alibi``, ``flash_bwd_tc_dropout`` or
-    ``flash_bwd_tc_alibi_dropout``, where it has one), dQ conversion.
+    ``flash_bwd_tc_softcap``, ``flash_bwd_tc_alibi``, ``flash_bwd_tc_dropout``,
+    ``flash_bwd_tc_alibi_dropout`` or ``flash_bwd_tc_alibi_softcap``, where it has one), dQ
+    conversion.
     Otherwise the SIMT preprocess,
     then ``flash_bwd_tf32`` (float32 on tensor cores, both dQ paths) or
     ``flash_bwd_dkdv``, then the dQ conversion (dQ by accumulators) or the
@@ -92,9 +93,10 @@ def jobs(runtime, dtypes, head_dims, features=False):
     The backward's both dQ paths (atomic and ``deterministic=True``); with
     ``features`` also the kernels of calls with logit features (one module per
     kernel serves every feature and combination of them; the tensor-core
-    backward has five more, its lean builds: a window alone, a softcap and at
+    backward has six more, its lean builds: a window alone, a softcap and at
     most a window, ALiBi and at most a window, dropout and at most a window,
-    ALiBi and dropout and at most a window).
+    ALiBi and dropout and at most a window, ALiBi and a softcap and at most a
+    window).
     """
     out = []
     for masked in (False, True) if features else (False,):

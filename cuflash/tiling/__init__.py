@@ -58,7 +58,7 @@ __all__ = [
     "plan_flash_bwd", "bwd_tc_layout", "flash_bwd_tc_traffic", "bwd_dq_splits",
     "simt_head_dim_class", "SIMT_HEAD_DIM_CLASSES", "simt_head_dims", "arch_class",
     "curated_plans", "curated_text", "ARCH_CLASSES", "CURATED", "CURATED_KERNELS", "WGMMA_KERNEL", "WGMMA_HEAD_DIMS", "wgmma_takes", "BWD_WGMMA_KERNEL", "BWD_BAND_KERNEL", "bwd_band_takes", "BWD_SOFTCAP_KERNEL", "BWD_ALIBI_KERNEL", "BWD_DROPOUT_KERNEL",
-    "BWD_ALIBI_DROPOUT_KERNEL",
+    "BWD_ALIBI_DROPOUT_KERNEL", "BWD_ALIBI_SOFTCAP_KERNEL",
     "BWD_LEAN_KERNELS",
     "BWD_WGMMA_HEAD_DIMS", "bwd_wgmma_takes",
 ]

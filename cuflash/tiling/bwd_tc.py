@@ -189,14 +189,16 @@ BWD_BAND_MAX_HEAD_DIM = 128
 # at most the band) and flash_bwd_tc_alibi (-DCUFLASH_BWD_ALIBI: ALiBi and at most the band):
 # the band build with that feature on at compile time; the same head dims and layouts, each
 # its own curated pairs; flash_bwd_tc_dropout (-DCUFLASH_BWD_DROPOUT: dropout and at most a
-# window) and flash_bwd_tc_alibi_dropout (both defines: ALiBi, dropout and at most a window)
-# likewise.  The five are the backward's lean builds.
+# window), flash_bwd_tc_alibi_dropout (both defines: ALiBi, dropout and at most a window) and
+# flash_bwd_tc_alibi_softcap (-DCUFLASH_BWD_SOFTCAP -DCUFLASH_BWD_ALIBI: a softcap, ALiBi and at
+# most a window) likewise.  The six are the backward's lean builds.
 BWD_SOFTCAP_KERNEL = "flash_bwd_tc_softcap"
 BWD_ALIBI_KERNEL = "flash_bwd_tc_alibi"
 BWD_DROPOUT_KERNEL = "flash_bwd_tc_dropout"
 BWD_ALIBI_DROPOUT_KERNEL = "flash_bwd_tc_alibi_dropout"
+BWD_ALIBI_SOFTCAP_KERNEL = "flash_bwd_tc_alibi_softcap"
 BWD_LEAN_KERNELS = (BWD_BAND_KERNEL, BWD_SOFTCAP_KERNEL, BWD_ALIBI_KERNEL, BWD_DROPOUT_KERNEL,
-                    BWD_ALIBI_DROPOUT_KERNEL)
+                    BWD_ALIBI_DROPOUT_KERNEL, BWD_ALIBI_SOFTCAP_KERNEL)
 
 
 def bwd_band_takes(d, dv):
@@ -313,7 +315,7 @@ def plan_flash_bwd(d, dv, dtype, block_q=None, block_kv=None, *, limit=None,
     is a window, with or without causal; flash_bwd_tc_softcap for a softcap and at most a
     window; flash_bwd_tc_alibi for ALiBi and at most a window; flash_bwd_tc_dropout for
     dropout and at most a window; flash_bwd_tc_alibi_dropout for ALiBi, dropout and at most a
-    window) that build in
+    window; flash_bwd_tc_alibi_softcap for ALiBi, a softcap and at most a window) that build in
     flash_bwd_tc_masked's place, where it has one (d == dv <= 128).
     ``wgmma``: the device is an sm_90 that runs the Hopper backward (``flash_bwd_wgmma``) and the
     call is not deterministic: taken for the plain calls and tiles it supports

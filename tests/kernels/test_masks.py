@@ -430,6 +430,24 @@ TC_ALIBI_DROPOUT_CASES = [
      dict(alibi_slopes=(2,), dropout_p=0.4), 64, 128, False),
 ]
 
+# The ALiBi + softcap build (flash_bwd_tc_alibi_softcap) in the softcap build's layouts: its r
+# form with ALiBi's term in the exponent (kAlibiExp) at d = 32, 64 and 128 (the sm_86 cell's
+# 32 x 64 there too), its tanh form with ALiBi added to the logit at d = 96; small caps
+# (tanh saturated), slopes per head and per (batch, head), windows, causal both ways, GQA,
+# ragged Nq and Nk, both dQ paths.
+TC_ALIBI_SOFTCAP_CASES = [
+    ("float16", (1, 2, 260, 64), (1, 2, 300, 64), "bottom_right",
+     dict(window=(200, None), alibi_slopes=(2,), softcap=1.5), 128, 128, False),
+    ("bfloat16", (2, 2, 190, 128), (2, 1, 250, 128), False, dict(alibi_slopes=(2, 2), softcap=4.0),
+     64, 128, True),
+    ("float16", (1, 2, 110, 128), (1, 2, 90, 128), "top_left",
+     dict(window=(40, 30), alibi_slopes=(2,), softcap=2.0), 32, 64, False),
+    ("float16", (2, 2, 90, 32), (2, 2, 70, 32), "top_left",
+     dict(window=(10, None), alibi_slopes=(2,), softcap=2.0), 32, 64, False),
+    ("float16", (1, 2, 100, 96), (1, 2, 60, 96), False,
+     dict(window=(30, 20), alibi_slopes=(1, 2), softcap=3.0), 64, 64, True),
+]
+
 
 def _lean_id(c):
     return _fwd_id(c[:5]) + f"-{c[5]}x{c[6]}" + ("-det" if c[7] else "-atomic")
@@ -456,7 +474,8 @@ def _check_lean_backward(kernel_backend, rng, case, kernel):
 # each lean build with the cases of its features (a window alone: test_tensor_core_backward_band_only)
 LEAN_CASES = [(kernel, case) for kernel, cases in (
     ("flash_bwd_tc_softcap", TC_SOFTCAP_CASES), ("flash_bwd_tc_alibi", TC_ALIBI_CASES),
-    ("flash_bwd_tc_dropout", TC_DROPOUT_CASES), ("flash_bwd_tc_alibi_dropout", TC_ALIBI_DROPOUT_CASES))
+    ("flash_bwd_tc_dropout", TC_DROPOUT_CASES), ("flash_bwd_tc_alibi_dropout", TC_ALIBI_DROPOUT_CASES),
+    ("flash_bwd_tc_alibi_softcap", TC_ALIBI_SOFTCAP_CASES))
     for case in cases]
 
 
@@ -464,8 +483,9 @@ LEAN_CASES = [(kernel, case) for kernel, cases in (
                          ids=[k[len("flash_bwd_tc_"):] + "-" + _lean_id(c) for k, c in LEAN_CASES])
 def test_tensor_core_backward_lean(kernel_backend, kernel, case, rng):
     """The lean builds flash_bwd_tc_softcap (a softcap and at most a window), _alibi (ALiBi
-    and at most a window), _dropout (dropout and at most a window) and _alibi_dropout (ALiBi,
-    dropout and at most a window) against the oracle."""
+    and at most a window), _dropout (dropout and at most a window), _alibi_dropout (ALiBi,
+    dropout and at most a window) and _alibi_softcap (ALiBi, a softcap and at most a window)
+    against the oracle."""
     _check_lean_backward(kernel_backend, rng, case, kernel)
 
 
@@ -481,7 +501,9 @@ def test_tensor_core_backward_lean(kernel_backend, kernel, case, rng):
     (dict(dropout_p=0.2, seed=1, alibi_slopes=True, softcap=2.0), None),
     (dict(dropout_p=0.2, seed=1, bias=True), None),
     (dict(dropout_p=0.2, seed=1, bias=True, return_dbias=True), None),
-    (dict(softcap=2.0, alibi_slopes=True), None),
+    (dict(softcap=2.0, alibi_slopes=True), "flash_bwd_tc_alibi_softcap"),
+    (dict(softcap=2.0, alibi_slopes=True, window=(8, 3)), "flash_bwd_tc_alibi_softcap"),
+    (dict(softcap=2.0, alibi_slopes=True, bias=True), None),
     (dict(dropout_p=0.0, seed=1), None),
 ])
 def test_lean_build_choice(feat, want):
@@ -952,6 +974,15 @@ def test_race_check_tc_backward_alibi_dropout(rng):
                             kernel="flash_bwd_tc_alibi_dropout")
 
 
+def test_race_check_tc_backward_alibi_softcap(rng):
+    """flash_bwd_tc_alibi_softcap under TSan in FlashAttention-2's d = 64 layout (its r form,
+    ALiBi in the exponent), slopes per (batch, head), a window, Nq and Nk ragged."""
+    slopes = (rng.random((1, 2)) * 0.5).astype(np.float32)
+    _race_check_tc_backward(rng, (1, 2, 150, 64), (1, 1, 270, 64), "float16", "top_left",
+                            dict(window=(160, 40), alibi_slopes=slopes, softcap=2.0), 128, 128,
+                            (8, 2, 1, 2), kernel="flash_bwd_tc_alibi_softcap")
+
+
 def test_tc_backward_sm90_default_d128(rng):
     """flash_bwd_tc_masked's H100 default at d = 128 (128 x 64, 8 warps, 16 keys per warp pair in
     one pass; 206 KB of shared memory: an emulated sm_90) against the oracle, every feature
@@ -1145,24 +1176,27 @@ def _assert_tc_bwd_traffic(kernel_backend, rt, bp, dims, arrays, feat, causal, w
 @pytest.mark.parametrize("causal,window,kind", [("bottom_right", (10, None), "softcap"),
                                                (None, None, "softcap"), ("top_left", (3, 20), "alibi"),
                                                ("bottom_right", (12, 4), "dropout"), (None, None, "dropout"),
-                                               ("top_left", (6, 9), "alibi_dropout")])
+                                               ("top_left", (6, 9), "alibi_dropout"),
+                                               ("bottom_right", (12, 4), "alibi_softcap")])
 def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, kind):
-    """float16 with a softcap, ALiBi, dropout or ALiBi and dropout and at most a window:
-    flash_bwd_tc_softcap, flash_bwd_tc_alibi, flash_bwd_tc_dropout and
-    flash_bwd_tc_alibi_dropout read and write what flash_bwd_tc_masked's model says for the
-    same band and features (a softcap and dropout cost no bytes), on both dQ paths."""
+    """float16 with a softcap, ALiBi, dropout, ALiBi and dropout or ALiBi and a softcap and at
+    most a window: flash_bwd_tc_softcap, flash_bwd_tc_alibi, flash_bwd_tc_dropout,
+    flash_bwd_tc_alibi_dropout and flash_bwd_tc_alibi_softcap read and write what
+    flash_bwd_tc_masked's model says for the same band and features (a softcap and dropout
+    cost no bytes), on both dQ paths."""
     if kernel_backend.name != "emulator":
         pytest.skip("byte counters are the emulator's")
     from cuflash import emulator_backend, tiling
     from cuflash.launch import bwd as launch_bwd
     alibi = kind.startswith("alibi")
     B, H, Hk, d, Nq, Nk, q, k, v, feat = _traffic_case(rng, window, None, alibi, "float16")
-    if kind == "softcap":
+    if kind.endswith("softcap"):
         feat["softcap"] = 2.5
     if kind.endswith("dropout"):
         feat.update(dropout_p=0.3, seed=11)
     lean = {"softcap": tiling.BWD_SOFTCAP_KERNEL, "alibi": tiling.BWD_ALIBI_KERNEL,
-            "dropout": tiling.BWD_DROPOUT_KERNEL, "alibi_dropout": tiling.BWD_ALIBI_DROPOUT_KERNEL}[kind]
+            "dropout": tiling.BWD_DROPOUT_KERNEL, "alibi_dropout": tiling.BWD_ALIBI_DROPOUT_KERNEL,
+            "alibi_softcap": tiling.BWD_ALIBI_SOFTCAP_KERNEL}[kind]
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
     do = oracle.randn(rng, o.shape, "float16")
     rt = emulator_backend.runtime()

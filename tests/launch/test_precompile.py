@@ -76,7 +76,8 @@ def _precompile_features_then_call(rng, dtype, d):
     res = cuflash.precompile((dtype,), (d,), features=True, backend="emulator")
     listed = {k for m in res["modules"] for k in m["kernels"]}
     masked = ({"flash_fwd_tc_masked", "flash_bwd_tc_masked", "flash_bwd_tc_band", "flash_bwd_tc_softcap",
-               "flash_bwd_tc_alibi", "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout"}
+               "flash_bwd_tc_alibi", "flash_bwd_tc_dropout", "flash_bwd_tc_alibi_dropout",
+               "flash_bwd_tc_alibi_softcap"}
               if dtype == "float16" else
               {"flash_fwd_tf32_masked", "flash_bwd_tf32_masked", "flash_bwd_dq_convert"})
     assert masked <= listed, res
@@ -112,6 +113,10 @@ def _precompile_features_then_call(rng, dtype, d):
     o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **both)
     grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **both)
     oracle.check_backward(grads, do, q, k, v, **both)
+    capped = dict(sloped, softcap=3.0)   # (flash_bwd_tc_alibi_softcap)
+    o, lse = cuflash.tiled_attention(q, k, v, return_lse=True, backend="emulator", **capped)
+    grads = cuflash.tiled_attention_backward(do, q, k, v, o, lse, backend="emulator", **capped)
+    oracle.check_backward(grads, do, q, k, v, **capped)
     assert len(kernels._CACHE) == before, "a feature call after precompile compiled a module"
 
 
