@@ -384,6 +384,7 @@ constexpr bool kCapR = kCapBuild && kFloatP;
 // the ALiBi + softcap build's r form: s stays r for the fold, at the same two instructions per
 // element (the distance's FADD, the term's FFMA)
 constexpr bool kAlibiExp = kCapR && kAlibiBuild;
+static_assert(!kAlibiExp || kUnrolled, "ALiBi's exponent term is taken in the unrolled element loop only");
 #endif
 #ifdef CUFLASH_MASKS
 constexpr float kDvBand = kCapR ? 0.25f : 1.0f;
@@ -815,10 +816,11 @@ CUFLASH_BWD_TC_KERNEL(const elem_t* __restrict__ Q, const elem_t* __restrict__ K
                 const DropoutKey drop = cuflash_dropout_key(p);
 #endif
                 // softcap's derivative 1 - tanh^2: where s is tanh itself (no bias or ALiBi
-                // added; ALiBi in the exponent: kAlibiExp) and P^T stays in float32 for dS (kFloatP), folded into that float P^T as
-                // the exponential is taken (one FFMA and one FMUL per element; dS^T = P^T (1 -
-                // tanh^2) (dP^T - D) then needs nothing more); else kept in dsc as float16 pairs
-                // (a pack, an unpack and a multiply per element)
+                // added to it; ALiBi may be in the exponent, kAlibiExp) and P^T stays in float32
+                // for dS (kFloatP), folded into that float P^T as the exponential is taken (one
+                // FFMA and one FMUL per element; dS^T = P^T (1 - tanh^2) (dP^T - D) then needs
+                // nothing more); else kept in dsc as float16 pairs (a pack, an unpack and a
+                // multiply per element)
                 const bool cap_fold = kFloatP && has_cap && !has_bias && (!has_alibi || kAlibiExp);
 #ifdef CUFLASH_BWD_SOFTCAP
                 // (kCapR: x = c log2(e) (1 - 2 r) - lse2 + 2 = r cap_m2 + (cap_l2 - lse2))
