@@ -1194,9 +1194,8 @@ def test_tc_lean_traffic_is_counted(kernel_backend, rng, causal, window, kind):
         feat["softcap"] = 2.5
     if kind.endswith("dropout"):
         feat.update(dropout_p=0.3, seed=11)
-    lean = {"softcap": tiling.BWD_SOFTCAP_KERNEL, "alibi": tiling.BWD_ALIBI_KERNEL,
-            "dropout": tiling.BWD_DROPOUT_KERNEL, "alibi_dropout": tiling.BWD_ALIBI_DROPOUT_KERNEL,
-            "alibi_softcap": tiling.BWD_ALIBI_SOFTCAP_KERNEL}[kind]
+    lean = f"flash_bwd_tc_{kind}"
+    assert lean in tiling.BWD_LEAN_KERNELS
     o, lse = _forward(kernel_backend, q, k, v, feat, causal=causal or False)
     do = oracle.randn(rng, o.shape, "float16")
     rt = emulator_backend.runtime()
